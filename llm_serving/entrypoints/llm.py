@@ -1,0 +1,71 @@
+"""The offline API, with vLLM's names: ``LLM(model=...).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from llm_serving.config import EngineArgs
+from llm_serving.engine.llm_engine import LLMEngine, PromptType
+from llm_serving.outputs import RequestOutput
+from llm_serving.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
+                             "sampling params")
+        order = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                order[self.engine.add_request(prompt, params, request_id=f"llm-{id(self)}-{i}")] = i
+        except Exception:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = chat_template or self.engine.args.chat_template
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=template)
+            # The template already holds any BOS token; don't add a second one.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text,
+                                                                      add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, order: dict, use_tqdm: bool) -> list[RequestOutput]:
+        results: list[Optional[RequestOutput]] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while any(r is None for r in results):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in order:
+                self.engine.abort_request(rid)
+        return results

@@ -1,0 +1,18 @@
+"""Errors a user can act on. Each names what was wrong and what was expected."""
+
+
+class LLMServingError(Exception):
+    """Base class for errors raised by llm_serving."""
+
+
+class ConfigError(LLMServingError, ValueError):
+    """A configuration value is missing or invalid. The message starts with the key's path."""
+
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}")
+
+
+class ModelLoadError(LLMServingError):
+    """A model directory or checkpoint cannot be used (missing files, unsupported architecture)."""

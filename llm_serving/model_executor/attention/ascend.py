@@ -1,0 +1,83 @@
+"""Ascend attention backend: MindSpore's fused ops.
+
+UNTESTED ON HARDWARE: these machines have no Ascend NPU, so this file has never run. It is
+kept thin on purpose:
+- ReshapeAndCache writes the step's keys and values into the paged cache
+  ([num_blocks, block_size, KVH * D], the layout the fused ops take);
+- FlashAttentionScore (TND layout, per-sequence lengths) serves new prefills, whose whole
+  context is in the step's own k/v;
+- PagedAttention serves every row that attends to cached context: decodes, and prefill chunks
+  continuing from cached tokens, the latter expanded to one row per token with that token's
+  causal context length and its sequence's block table.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, ops
+
+from llm_serving.model_executor.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class AscendAttentionBackend(AttentionBackend):
+    name = "ascend"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from mindspore.ops.operations.nn_ops import (FlashAttentionScore, PagedAttention,
+                                                     ReshapeAndCache)
+        self.reshape_and_cache = ReshapeAndCache()
+        self.flash_attention = FlashAttentionScore(
+            head_num=num_heads, scale_value=self.scale, next_tokens=0, input_layout="TND",
+            sparse_mode=3)
+        self.paged_attention = PagedAttention(num_heads, self.scale, num_kv_heads)
+        self.causal_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), 1))
+
+    def allocate_kv_cache(self, num_blocks, block_size):
+        shape = (num_blocks, block_size, self.num_kv_heads * self.head_dim)
+        return (ms.Parameter(ops.zeros(shape, ms.float16), requires_grad=False),
+                ms.Parameter(ops.zeros(shape, ms.float16), requires_grad=False))
+
+    def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
+        q_lens = md.query_lens
+        ctx_before = md.seq_lens - q_lens
+        fresh = ctx_before == 0
+        rows = np.repeat(np.arange(md.num_seqs), q_lens)
+        fresh_rows = np.flatnonzero(fresh[rows])
+        cached_rows = np.flatnonzero(~fresh[rows])
+        # Per-token causal context for rows that read the cache.
+        starts = md.query_start_loc[:-1][rows]
+        token_ctx = (ctx_before[rows] + np.arange(len(rows)) - starts + 1).astype(np.int32)
+        md.prepared = {
+            "slots": Tensor(md.slot_mapping),
+            "fresh_rows": Tensor(fresh_rows.astype(np.int32)),
+            "fresh_cu": Tensor(np.cumsum(q_lens[fresh]).astype(np.int64)),
+            "cached_rows": Tensor(cached_rows.astype(np.int32)),
+            "cached_tables": Tensor(md.block_tables[rows[cached_rows]]),
+            "cached_ctx": Tensor(token_ctx[cached_rows]),
+            "has_fresh": len(fresh_rows) > 0,
+            "has_cached": len(cached_rows) > 0,
+        }
+        return md
+
+    def forward(self, q, k, v, kv_cache, md):
+        p = md.prepared
+        key_cache, value_cache = kv_cache
+        self.reshape_and_cache(k, v, key_cache, value_cache, p["slots"])
+        out = ops.zeros_like(q)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if p["has_fresh"]:
+            idx = p["fresh_rows"]
+            qf = ops.gather(q, idx, 0).reshape(-1, h, d)
+            kf = ops.gather(k, idx, 0).reshape(-1, kvh, d)
+            vf = ops.gather(v, idx, 0).reshape(-1, kvh, d)
+            res = self.flash_attention(qf, kf, vf, None, None, None, self.causal_mask, None,
+                                       p["fresh_cu"], p["fresh_cu"])[3]
+            out = ops.scatter_update(out, idx, res.reshape(-1, h * d))
+        if p["has_cached"]:
+            idx = p["cached_rows"]
+            qc = ops.gather(q, idx, 0).reshape(-1, 1, h * d)
+            res = self.paged_attention(qc, key_cache, value_cache, p["cached_tables"],
+                                       p["cached_ctx"])
+            out = ops.scatter_update(out, idx, res.reshape(-1, h * d))
+        return out

@@ -1,0 +1,71 @@
+"""The attention backend interface.
+
+A backend owns the KV cache layout and the attention kernels. The model runner builds one
+``AttentionMetadata`` per step from host arrays; the backend turns it into whatever its
+kernels want (``prepare``), and each ``Attention`` layer calls ``forward`` with its own
+layer's cache, found in the forward context by layer index.
+
+A batch is ragged: sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``
+and, after this step, holds ``seq_lens[s]`` tokens of context. New prefills, prefill chunks
+that continue from cached tokens, and decodes (one row) mix freely, with no padding.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: np.ndarray      # int32 [T]: cache slot (block * block_size + offset) per token
+    block_tables: np.ndarray      # int32 [S, max_blocks]: physical blocks of each sequence
+    query_start_loc: np.ndarray   # int32 [S + 1]: first query row of each sequence
+    seq_lens: np.ndarray          # int32 [S]: context length after this step
+    block_size: int
+    prepared: Any = None          # the backend's own per-step form (device tensors etc.)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> Any:
+        """One layer's (key cache, value cache)."""
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Convert host metadata to the kernels' form once per step (not once per layer)."""
+        return metadata
+
+    @abstractmethod
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata):
+        """q: [T, H*D], k/v: [T, KVH*D]. Write k/v into the cache, return [T, H*D]."""
+
+
+def get_attention_backend(device: str, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> AttentionBackend:
+    if device == "Ascend":
+        from llm_serving.model_executor.attention.ascend import AscendAttentionBackend
+        return AscendAttentionBackend(num_heads, num_kv_heads, head_dim)
+    from llm_serving.model_executor.attention.cpu import CPUAttentionBackend
+    return CPUAttentionBackend(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,32 @@
+"""CPU attention backend: the reference. Hand-written paged-attention kernels (kernels/) take
+one ragged batch of new prefills, continuing prefill chunks and decodes, with no padding: the
+work follows the real token and context counts. The KV cache lives in host memory owned by
+this backend, one ``[num_blocks, block_size, KVH, D]`` array per layer for keys and values.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llm_serving.model_executor.attention import kernels
+from llm_serving.model_executor.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class CPUAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int):
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
+        for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens"):
+            arr = getattr(md, name)
+            if arr.dtype != np.int32 or not arr.flags.c_contiguous:
+                setattr(md, name, np.ascontiguousarray(arr, dtype=np.int32))
+        return md
+
+    def forward(self, q, k, v, kv_cache, md: AttentionMetadata):
+        k_cache, v_cache = kv_cache
+        return kernels.attention_forward(q, k, v, k_cache, v_cache, md.slot_mapping,
+                                         md.block_tables, md.query_start_loc, md.seq_lens,
+                                         self.scale)

@@ -1,0 +1,694 @@
+// CPU kernels for attention over a paged KV cache with ragged (unpadded) batches.
+//
+// Cache layout, per layer: k_cache, v_cache float32 [num_blocks, block_size, num_kv_heads, head_dim],
+// contiguous. A token's slot is block_id * block_size + offset; its K row for kv head g starts at
+// (slot * num_kv_heads + g) * head_dim.
+//
+// Entry points (all extern "C", loaded with ctypes or through MindSpore's ops.Custom "aot"):
+//   lls_reshape_and_cache      write this step's K/V rows into their slots (slot < 0: skip)
+//   lls_paged_attention        causal attention of a ragged batch of query rows over the cache
+//   lls_attention_fused        both of the above in one call
+//   lls_aot_attention          the fused call with MindSpore's CPU aot signature
+//   lls_aot_paged_attention    attention only, aot signature
+// Every function returns 0 on success and a negative code on bad input; lls_last_error() then
+// describes the problem. Nothing is written to the caches or the output when input validation
+// fails.
+//
+// Work split: one work item = (sequence, block of query rows, kv head). All query heads of a kv
+// head group are processed together so each K/V row is read once per item. Items are spread over
+// OpenMP threads with dynamic scheduling, most expensive first. Inside an item the context is
+// walked in tiles of 16 positions with an online (running max) softmax. The AVX-512 path computes
+// 16 q.k dot products per tile and reduces them with a transpose tree; a portable scalar path is
+// compiled when AVX-512 is unavailable.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <cstdlib>
+#include <limits>
+#include <new>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__) && !defined(LLS_FORCE_SCALAR)
+#include <immintrin.h>
+#define LLS_AVX512 1
+#else
+#define LLS_AVX512 0
+#endif
+
+#define LLS_RESTRICT __restrict__
+
+#ifndef LLS_PREFETCH_TILES
+#define LLS_PREFETCH_TILES 1
+#endif
+
+namespace {
+
+constexpr int kTile = 16;            // context positions per tile (one AVX-512 vector of scores)
+constexpr int kPrefetchTiles = LLS_PREFETCH_TILES;  // how many tiles ahead to prefetch (0: off)
+constexpr int kTargetRowsHeads = 32; // query rows * heads per work item (prefill)
+constexpr int64_t kParallelMinWork = 1 << 15;  // below this many (rows*heads*ctx*D/16) run serially
+
+thread_local char g_err[512];
+int g_num_threads = 0;  // 0: OpenMP default
+
+int set_error(int code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_err, sizeof(g_err), fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+int num_threads() {
+#ifdef _OPENMP
+  return g_num_threads > 0 ? g_num_threads : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+struct AttnArgs {
+  const float* q;
+  int64_t q_stride;  // floats between consecutive tokens of q
+  const float* k_cache;
+  const float* v_cache;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  const int32_t* qsl;
+  const int32_t* seq_lens;
+  int64_t S, T, H, KVH, D, block_size, num_blocks;
+  float scale;
+  float* out;
+  int64_t out_stride;
+};
+
+struct Item {
+  int32_t seq;
+  int32_t row0;   // first query row of the block, relative to the sequence
+  int32_t nrows;
+  int32_t kv0;    // first kv head
+  int32_t nkv;    // number of kv heads (all query heads of each are processed)
+  int64_t cost;
+};
+
+// 64-byte aligned float buffer (AVX-512 aligned loads/stores), grown on demand.
+struct AlignedBuf {
+  float* p = nullptr;
+  size_t n = 0;
+  ~AlignedBuf() { std::free(p); }
+  float* get(size_t need) {
+    if (need > n) {
+      std::free(p);
+      const size_t bytes = ((need * sizeof(float) + 63) / 64) * 64;
+      p = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (!p) throw std::bad_alloc();
+      n = bytes / sizeof(float);
+    }
+    return p;
+  }
+};
+
+struct Scratch {
+  AlignedBuf qbuf, obuf, mbuf, lbuf;
+  float *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
+  const float* kp[kTile];
+  const float* vp[kTile];
+  void ensure(size_t mrows, size_t dp) {
+    q = qbuf.get(mrows * dp);
+    o = obuf.get(mrows * dp);
+    m = mbuf.get(mrows);
+    l = lbuf.get(mrows);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Validation (cheap: O(S + used blocks)); run before anything is written.
+
+int validate_attention(const AttnArgs& a) {
+  if (a.S < 0 || a.T < 0) return set_error(-1, "negative batch size");
+  if (a.H <= 0 || a.KVH <= 0 || a.D <= 0 || a.block_size <= 0)
+    return set_error(-1, "num_heads, num_kv_heads, head_dim and block_size must be positive");
+  if (a.H % a.KVH != 0)
+    return set_error(-1, "num_heads (%lld) must be a multiple of num_kv_heads (%lld)",
+                     (long long)a.H, (long long)a.KVH);
+  if (a.S == 0) return 0;
+  if (a.qsl[0] < 0) return set_error(-2, "query_start_loc[0] = %d < 0", a.qsl[0]);
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t q0 = a.qsl[s], q1 = a.qsl[s + 1];
+    if (q1 < q0)
+      return set_error(-2, "query_start_loc must be non-decreasing (index %lld)", (long long)s);
+    const int64_t qlen = q1 - q0, sl = a.seq_lens[s];
+    if (qlen > sl)
+      return set_error(-2, "sequence %lld: query length %lld exceeds seq_len %lld", (long long)s,
+                       (long long)qlen, (long long)sl);
+    if (qlen == 0) continue;
+    const int64_t nblk = (sl + a.block_size - 1) / a.block_size;
+    if (nblk > a.max_blocks)
+      return set_error(-2, "sequence %lld: seq_len %lld needs %lld blocks but block_tables has %lld",
+                       (long long)s, (long long)sl, (long long)nblk, (long long)a.max_blocks);
+    const int32_t* bt = a.block_tables + s * a.max_blocks;
+    for (int64_t b = 0; b < nblk; ++b)
+      if (bt[b] < 0 || bt[b] >= a.num_blocks)
+        return set_error(-2, "sequence %lld: block_tables[%lld] = %d out of range [0, %lld)",
+                         (long long)s, (long long)b, bt[b], (long long)a.num_blocks);
+  }
+  if (a.qsl[a.S] > a.T)
+    return set_error(-2, "query_start_loc[-1] = %d exceeds the number of query rows %lld",
+                     a.qsl[a.S], (long long)a.T);
+  return 0;
+}
+
+int validate_slots(const int32_t* slots, int64_t T, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= num_slots)
+      return set_error(-3, "slot_mapping[%lld] = %d out of range (cache has %lld slots)",
+                       (long long)t, slots[t], (long long)num_slots);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// reshape_and_cache
+
+void do_reshape_and_cache(const float* LLS_RESTRICT key, int64_t key_stride,
+                          const float* LLS_RESTRICT value, int64_t value_stride,
+                          float* LLS_RESTRICT k_cache, float* LLS_RESTRICT v_cache,
+                          const int32_t* slots, int64_t T, int64_t row) {
+  const size_t bytes = (size_t)row * sizeof(float);
+  const bool par = T * row >= (1 << 16) && num_threads() > 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (par)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    std::memcpy(k_cache + s * row, key + t * key_stride, bytes);
+    std::memcpy(v_cache + s * row, value + t * value_stride, bytes);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tile setup shared by both paths: pointers to the K/V rows (at kv head kv0) of context positions
+// t0 .. t0+n-1. Slots past n repeat the first pointer (their scores are masked out).
+
+inline void tile_pointers(const AttnArgs& a, const int32_t* bt, int64_t t0, int n, int64_t kv0,
+                          const float** kp, const float** vp) {
+  const int64_t bs = a.block_size;
+  int64_t bi = t0 / bs, off = t0 - bi * bs;
+  const int64_t row = a.KVH * a.D;
+  for (int j = 0; j < n; ++j) {
+    const int64_t idx = ((int64_t)bt[bi] * bs + off) * row + kv0 * a.D;
+    kp[j] = a.k_cache + idx;
+    vp[j] = a.v_cache + idx;
+    if (++off == bs) { off = 0; ++bi; }
+  }
+  for (int j = n; j < kTile; ++j) { kp[j] = kp[0]; vp[j] = vp[0]; }
+}
+
+// Software prefetch of the K/V rows (kv heads kv0 .. kv0+nkv-1) of a later tile. Rows are
+// scattered over blocks, which the hardware prefetchers do not follow across block boundaries.
+inline void prefetch_tile(const AttnArgs& a, const int32_t* bt, int64_t t0, int n, int64_t kv0,
+                          int64_t nkv) {
+  const int64_t bs = a.block_size;
+  int64_t bi = t0 / bs, off = t0 - bi * bs;
+  const int64_t row = a.KVH * a.D;
+  const int64_t bytes = nkv * a.D * (int64_t)sizeof(float);
+  for (int j = 0; j < n; ++j) {
+    const int64_t idx = ((int64_t)bt[bi] * bs + off) * row + kv0 * a.D;
+    const char* kr = reinterpret_cast<const char*>(a.k_cache + idx);
+    const char* vr = reinterpret_cast<const char*>(a.v_cache + idx);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(kr + b, 0, 3);
+      __builtin_prefetch(vr + b, 0, 3);
+    }
+    if (++off == bs) { off = 0; ++bi; }
+  }
+}
+
+inline void prefetch_ahead(const AttnArgs& a, const int32_t* bt, int64_t t0, int64_t nctx,
+                           int64_t kv0, int64_t nkv) {
+  if (kPrefetchTiles <= 0) return;
+  const int64_t tp = t0 + kPrefetchTiles * kTile;
+  if (t0 == 0)  // warm up: also the tiles between the first one and tp
+    for (int64_t t = kTile; t < tp && t < nctx; t += kTile)
+      prefetch_tile(a, bt, t, (int)std::min<int64_t>(kTile, nctx - t), kv0, nkv);
+  if (tp < nctx) prefetch_tile(a, bt, tp, (int)std::min<int64_t>(kTile, nctx - tp), kv0, nkv);
+}
+
+// ---------------------------------------------------------------------------------------------
+#if LLS_AVX512
+
+inline __m512 exp512(__m512 x) {
+  // exp for x <= 0 (arguments are score - running max). Cody-Waite reduction, degree-7
+  // polynomial on |r| <= ln2/2 (relative error ~1e-8 before rounding), scalef to rebuild.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Reduce 16 vectors to one: lane 4*L + c of the result is the horizontal sum of acc[4*c + L].
+// Callers store the partial sums of context position j in acc[kSigma[j]] (kSigma is its own
+// inverse) so that lane j of the result belongs to position j.
+inline __m512 reduce16(__m512* acc) {
+  __m512 z[8];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = acc[2 * i], y = acc[2 * i + 1];
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  __m512 w[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = z[2 * i], y = z[2 * i + 1];
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  const __m512 r0 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+  const __m512 r1 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+  const __m512d a = _mm512_castps_pd(r0), b = _mm512_castps_pd(r1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+constexpr int kSigma[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// Scores of one (pre-scaled, zero-padded) query row against 16 context rows (kp[j] + off).
+template <int NC>
+inline __m512 qk16(const float* LLS_RESTRICT q, const float* const* kp, int64_t off, int nc_rt,
+                   __mmask16 tail) {
+  const int nc = NC > 0 ? NC : nc_rt;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) {
+    const float* LLS_RESTRICT k = kp[kSigma[i]] + off;
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < nc - 1; ++c)
+      s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), s);
+    s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * (nc - 1)),
+                        _mm512_maskz_loadu_ps(tail, k + 16 * (nc - 1)), s);
+    acc[i] = s;
+  }
+  return reduce16(acc);
+}
+
+// o = o * corr + sum_{j < n} p[j] * (vp[j] + off)
+template <int NC>
+inline void pv16(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
+                 const float* const* vp, int64_t off, int n, int nc_rt, __mmask16 tail) {
+  const __m512 vc = _mm512_set1_ps(corr);
+  if (NC > 0) {
+    __m512 acc[NC > 0 ? NC : 1];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
+    for (int j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const float* LLS_RESTRICT v = vp[j] + off;
+      for (int c = 0; c < NC - 1; ++c)
+        acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * c), acc[c]);
+      acc[NC - 1] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(tail, v + 16 * (NC - 1)), acc[NC - 1]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(o + 16 * c, acc[c]);
+  } else {
+    for (int c = 0; c < nc_rt; ++c) {
+      const __mmask16 m = c == nc_rt - 1 ? tail : (__mmask16)0xFFFF;
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
+      for (int j = 0; j < n; ++j)
+        x = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, vp[j] + off + 16 * c), x);
+      _mm512_store_ps(o + 16 * c, x);
+    }
+  }
+}
+
+// Scratch row m = (hh * nrows + r) * G + gh holds query row r, query head gh of kv head kv0+hh.
+template <int NC>
+void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
+  const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
+  const int nc = (int)((D + 15) / 16);
+  const int64_t DP = (int64_t)nc * 16;
+  const __mmask16 tail = (D % 16) ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+  const int64_t M = nrows * G * nkv;
+  sc.ensure(M, DP);
+  float* LLS_RESTRICT qb = sc.q;
+  float* LLS_RESTRICT ob = sc.o;
+  float* LLS_RESTRICT mrow = sc.m;
+  float* LLS_RESTRICT lrow = sc.l;
+  const float** kp = sc.kp;
+  const float** vp = sc.vp;
+
+  const int64_t qrow0 = a.qsl[it.seq] + it.row0;  // absolute query row of the block's first row
+  const int64_t qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
+  const int64_t pos0 = a.seq_lens[it.seq] - qlen + it.row0;  // context position of that row
+  const __m512 vscale = _mm512_set1_ps(a.scale);
+  for (int64_t hh = 0; hh < nkv; ++hh)
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t gh = 0; gh < G; ++gh) {
+        const int64_t m = (hh * nrows + r) * G + gh;
+        const float* src = a.q + (qrow0 + r) * a.q_stride + ((it.kv0 + hh) * G + gh) * D;
+        for (int c = 0; c < nc; ++c) {
+          const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
+          _mm512_store_ps(qb + m * DP + 16 * c,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, src + 16 * c), vscale));
+          _mm512_store_ps(ob + m * DP + 16 * c, _mm512_setzero_ps());
+        }
+      }
+  for (int64_t m = 0; m < M; ++m) { mrow[m] = -std::numeric_limits<float>::infinity(); lrow[m] = 0.f; }
+
+  const int32_t* bt = a.block_tables + (int64_t)it.seq * a.max_blocks;
+  const int64_t nctx = pos0 + nrows;  // positions 0 .. last row's position
+  alignas(64) float p[16];
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
+    const int n = (int)std::min<int64_t>(kTile, nctx - t0);
+    tile_pointers(a, bt, t0, n, it.kv0, kp, vp);
+    prefetch_ahead(a, bt, t0, nctx, it.kv0, nkv);
+    // rows whose position is below t0 see nothing of this tile
+    const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
+    for (int64_t hh = 0; hh < nkv; ++hh) {
+      const int64_t off = hh * D;
+      for (int64_t r = rfirst; r < nrows; ++r) {
+        const int nvalid = (int)std::min<int64_t>(n, pos0 + r - t0 + 1);
+        const __mmask16 valid = (__mmask16)((nvalid >= 16) ? 0xFFFFu : ((1u << nvalid) - 1));
+        for (int64_t gh = 0; gh < G; ++gh) {
+          const int64_t m = (hh * nrows + r) * G + gh;
+          __m512 s = qk16<NC>(qb + m * DP, kp, off, nc, tail);
+          s = _mm512_mask_mov_ps(ninf, valid, s);
+          const float tmax = _mm512_reduce_max_ps(s);
+          const float mold = mrow[m];
+          const float mnew = std::max(mold, tmax);
+          const float corr =
+              mold == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(mold - mnew);
+          const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+          _mm512_store_ps(p, e);
+          lrow[m] = lrow[m] * corr + _mm512_reduce_add_ps(e);
+          mrow[m] = mnew;
+          pv16<NC>(ob + m * DP, corr, p, vp, off, nvalid, nc, tail);
+        }
+      }
+    }
+  }
+  for (int64_t hh = 0; hh < nkv; ++hh)
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t gh = 0; gh < G; ++gh) {
+        const int64_t m = (hh * nrows + r) * G + gh;
+        const __m512 inv = _mm512_set1_ps(1.0f / lrow[m]);
+        float* dst = a.out + (qrow0 + r) * a.out_stride + ((it.kv0 + hh) * G + gh) * D;
+        for (int c = 0; c < nc; ++c) {
+          const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
+          _mm512_mask_storeu_ps(dst + 16 * c, mk,
+                                _mm512_mul_ps(_mm512_load_ps(ob + m * DP + 16 * c), inv));
+        }
+      }
+}
+
+#else  // portable path
+
+template <int NC>
+void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
+  const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
+  const int64_t M = nrows * G * nkv;
+  sc.ensure(M, D);
+  float* LLS_RESTRICT qb = sc.q;
+  float* LLS_RESTRICT ob = sc.o;
+  float* LLS_RESTRICT mrow = sc.m;
+  float* LLS_RESTRICT lrow = sc.l;
+  const float** kp = sc.kp;
+  const float** vp = sc.vp;
+  const int64_t qrow0 = a.qsl[it.seq] + it.row0;
+  const int64_t qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
+  const int64_t pos0 = a.seq_lens[it.seq] - qlen + it.row0;
+  for (int64_t hh = 0; hh < nkv; ++hh)
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t gh = 0; gh < G; ++gh) {
+        const float* src = a.q + (qrow0 + r) * a.q_stride + ((it.kv0 + hh) * G + gh) * D;
+        float* dst = qb + ((hh * nrows + r) * G + gh) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+      }
+  std::fill(ob, ob + M * D, 0.f);
+  for (int64_t m = 0; m < M; ++m) { mrow[m] = -std::numeric_limits<float>::infinity(); lrow[m] = 0.f; }
+  const int32_t* bt = a.block_tables + (int64_t)it.seq * a.max_blocks;
+  const int64_t nctx = pos0 + nrows;
+  float s[kTile];
+  for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
+    const int n = (int)std::min<int64_t>(kTile, nctx - t0);
+    tile_pointers(a, bt, t0, n, it.kv0, kp, vp);
+    prefetch_ahead(a, bt, t0, nctx, it.kv0, nkv);
+    const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
+    for (int64_t hh = 0; hh < nkv; ++hh) {
+      const int64_t off = hh * D;
+      for (int64_t r = rfirst; r < nrows; ++r) {
+        const int nvalid = (int)std::min<int64_t>(n, pos0 + r - t0 + 1);
+        for (int64_t gh = 0; gh < G; ++gh) {
+          const int64_t m = (hh * nrows + r) * G + gh;
+          const float* LLS_RESTRICT q = qb + m * D;
+          float tmax = -std::numeric_limits<float>::infinity();
+          for (int j = 0; j < nvalid; ++j) {
+            const float* LLS_RESTRICT k = kp[j] + off;
+            float acc = 0.f;
+            for (int64_t d = 0; d < D; ++d) acc += q[d] * k[d];
+            s[j] = acc;
+            tmax = std::max(tmax, acc);
+          }
+          const float mold = mrow[m], mnew = std::max(mold, tmax);
+          const float corr =
+              mold == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(mold - mnew);
+          float lsum = 0.f;
+          for (int j = 0; j < nvalid; ++j) { s[j] = std::exp(s[j] - mnew); lsum += s[j]; }
+          lrow[m] = lrow[m] * corr + lsum;
+          mrow[m] = mnew;
+          float* LLS_RESTRICT o = ob + m * D;
+          for (int64_t d = 0; d < D; ++d) o[d] *= corr;
+          for (int j = 0; j < nvalid; ++j) {
+            const float pj = s[j];
+            const float* LLS_RESTRICT v = vp[j] + off;
+            for (int64_t d = 0; d < D; ++d) o[d] += pj * v[d];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t hh = 0; hh < nkv; ++hh)
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t gh = 0; gh < G; ++gh) {
+        const int64_t m = (hh * nrows + r) * G + gh;
+        const float inv = 1.0f / lrow[m];
+        float* dst = a.out + (qrow0 + r) * a.out_stride + ((it.kv0 + hh) * G + gh) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = ob[m * D + d] * inv;
+      }
+}
+
+#endif
+
+typedef void (*ItemFn)(const AttnArgs&, const Item&, Scratch&);
+
+ItemFn pick_item_fn(int64_t D) {
+  switch ((D + 15) / 16) {
+    case 1: return process_item<1>;
+    case 2: return process_item<2>;
+    case 3: return process_item<3>;
+    case 4: return process_item<4>;
+    case 5: return process_item<5>;
+    case 6: return process_item<6>;
+    case 7: return process_item<7>;
+    case 8: return process_item<8>;
+    default: return process_item<0>;
+  }
+}
+
+void run_attention(const AttnArgs& a) {
+  const int64_t G = a.H / a.KVH;
+  const int64_t rows_per_item = std::max<int64_t>(1, kTargetRowsHeads / G);
+  // zero query rows that belong to no sequence (padding), so the output is fully defined
+  const int64_t qa = a.S > 0 ? a.qsl[0] : a.T, qz = a.S > 0 ? a.qsl[a.S] : a.T;
+  for (int64_t t = 0; t < a.T; ++t)
+    if (t < qa || t >= qz) std::memset(a.out + t * a.out_stride, 0, sizeof(float) * a.H * a.D);
+
+  // Work items. All kv heads of a (sequence, row block) go in one item when there are enough
+  // row blocks to keep the threads busy: the item then reads whole contiguous cache rows (all
+  // heads of a slot), which streams from memory far better than one head's strided slice.
+  // Otherwise the kv heads are split into groups until there are about 4 items per thread.
+  const int nt = num_threads();
+  int64_t nrb = 0;
+  std::vector<int64_t> seq_cost((size_t)a.S);
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t qlen = a.qsl[s + 1] - a.qsl[s];
+    nrb += (qlen + rows_per_item - 1) / rows_per_item;
+    seq_cost[s] = qlen * (int64_t)a.seq_lens[s];
+  }
+  const int64_t target = 4 * (int64_t)nt;
+  const int64_t splits = nt > 1 ? std::min<int64_t>(a.KVH, std::max<int64_t>(1, (target + nrb - 1) / std::max<int64_t>(nrb, 1))) : 1;
+  const int64_t hpi = (a.KVH + splits - 1) / splits;  // kv heads per item
+
+  // most expensive sequences first (dynamic scheduling then balances the tail)
+  std::vector<int32_t> order((size_t)a.S);
+  for (int64_t s = 0; s < a.S; ++s) order[s] = (int32_t)s;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t x, int32_t y) { return seq_cost[x] > seq_cost[y]; });
+  std::vector<Item> items;
+  items.reserve((size_t)(nrb * ((a.KVH + hpi - 1) / hpi) + 1));
+  int64_t total = 0;
+  for (int32_t s : order) {
+    const int64_t qlen = a.qsl[s + 1] - a.qsl[s];
+    if (qlen <= 0) continue;
+    const int64_t ctx0 = a.seq_lens[s] - qlen;
+    const int64_t nblocks = (qlen + rows_per_item - 1) / rows_per_item;
+    for (int64_t b = nblocks - 1; b >= 0; --b) {  // later rows see more context: first
+      const int64_t r0 = b * rows_per_item;
+      const int64_t nr = std::min(rows_per_item, qlen - r0);
+      for (int64_t g = 0; g < a.KVH; g += hpi) {
+        const int64_t nkv = std::min(hpi, a.KVH - g);
+        const int64_t cost = nr * G * nkv * (ctx0 + r0 + nr);
+        items.push_back(Item{s, (int32_t)r0, (int32_t)nr, (int32_t)g, (int32_t)nkv, cost});
+        total += cost;
+      }
+    }
+  }
+  const ItemFn fn = pick_item_fn(a.D);
+  const int64_t nitems = (int64_t)items.size();
+  const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= kParallelMinWork;
+#pragma omp parallel num_threads(nt) if (par)
+  {
+    static thread_local Scratch sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < nitems; ++i) fn(a, items[i], sc);
+  }
+}
+
+}  // namespace
+
+// =============================================================================================
+extern "C" {
+
+int lls_abi_version() { return 1; }
+
+int lls_has_avx512() { return LLS_AVX512; }
+
+const char* lls_last_error() { return g_err; }
+
+void lls_set_num_threads(int n) { g_num_threads = n; }
+
+int lls_get_num_threads() { return num_threads(); }
+
+int lls_reshape_and_cache(const float* key, int64_t key_stride, const float* value,
+                          int64_t value_stride, float* k_cache, float* v_cache,
+                          const int32_t* slot_mapping, int64_t T, int64_t KVH, int64_t D,
+                          int64_t num_slots) {
+  if (T < 0 || KVH <= 0 || D <= 0) return set_error(-1, "bad shapes for reshape_and_cache");
+  if (int rc = validate_slots(slot_mapping, T, num_slots)) return rc;
+  do_reshape_and_cache(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping, T,
+                       KVH * D);
+  return 0;
+}
+
+int lls_paged_attention(const float* q, int64_t q_stride, const float* k_cache,
+                        const float* v_cache, const int32_t* block_tables, int64_t max_blocks,
+                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t S,
+                        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                        int64_t num_blocks, float scale, float* out, int64_t out_stride) {
+  AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
+             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride};
+  if (int rc = validate_attention(a)) return rc;
+  run_attention(a);
+  return 0;
+}
+
+int lls_attention_fused(const float* q, int64_t q_stride, const float* key, int64_t key_stride,
+                        const float* value, int64_t value_stride, float* k_cache, float* v_cache,
+                        const int32_t* slot_mapping, int64_t T_kv, const int32_t* block_tables,
+                        int64_t max_blocks, const int32_t* query_start_loc, const int32_t* seq_lens,
+                        int64_t S, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                        int64_t num_blocks, float scale, float* out, int64_t out_stride) {
+  AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
+             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride};
+  if (int rc = validate_attention(a)) return rc;
+  if (int rc = validate_slots(slot_mapping, T_kv, num_blocks * block_size)) return rc;
+  do_reshape_and_cache(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping, T_kv,
+                       KVH * D);
+  run_attention(a);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// MindSpore CPU aot entry points:
+//   int f(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+//         void* stream, void* extra)
+// params = inputs followed by the output.
+
+static int check_dtype(const char** dtypes, int i, const char* want, const char* name) {
+  if (std::strcmp(dtypes[i], want) != 0)
+    return set_error(-4, "%s must be %s, got %s", name, want, dtypes[i]);
+  return 0;
+}
+
+static int64_t numel(int nd, const int64_t* sh, int from) {
+  int64_t n = 1;
+  for (int i = from; i < nd; ++i) n *= sh[i];
+  return n;
+}
+
+// inputs: q [T, H*D] (or [T, H, D]), key [T, KVH*D], value [T, KVH*D],
+//         k_cache [NB, BS, KVH, D], v_cache (same), slot_mapping int32 [T],
+//         block_tables int32 [S, MB], query_start_loc int32 [S+1], seq_lens int32 [S],
+//         scale float32 [1]
+// output: out [T, H*D] (same shape as q)
+int lls_aot_attention(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                      void* stream, void* extra) {
+  (void)stream; (void)extra;
+  if (nparam != 11) return set_error(-4, "lls_aot_attention expects 10 inputs and 1 output");
+  static const char* names[] = {"q", "key", "value", "k_cache", "v_cache", "slot_mapping",
+                                "block_tables", "query_start_loc", "seq_lens", "scale", "out"};
+  static const char* kinds[] = {"float32", "float32", "float32", "float32", "float32", "int32",
+                                "int32", "int32", "int32", "float32", "float32"};
+  for (int i = 0; i < 11; ++i)
+    if (int rc = check_dtype(dtypes, i, kinds[i], names[i])) return rc;
+  if (ndims[3] != 4 || ndims[4] != 4 || ndims[6] != 2)
+    return set_error(-4, "caches must be 4-D and block_tables 2-D");
+  const int64_t NB = shapes[3][0], BS = shapes[3][1], KVH = shapes[3][2], D = shapes[3][3];
+  const int64_t T = shapes[0][0];
+  const int64_t H = numel(ndims[0], shapes[0], 1) / D;
+  const int64_t S = shapes[8][0];
+  const int64_t Tkv = shapes[5][0];
+  if (H * D != numel(ndims[0], shapes[0], 1) || shapes[7][0] != S + 1 || shapes[6][0] != S ||
+      numel(ndims[1], shapes[1], 1) != KVH * D || numel(ndims[2], shapes[2], 1) != KVH * D ||
+      shapes[1][0] != Tkv || shapes[2][0] != Tkv)
+    return set_error(-4, "inconsistent shapes for lls_aot_attention");
+  const float scale = *static_cast<const float*>(params[9]);
+  return lls_attention_fused(
+      static_cast<const float*>(params[0]), H * D, static_cast<const float*>(params[1]), KVH * D,
+      static_cast<const float*>(params[2]), KVH * D, static_cast<float*>(params[3]),
+      static_cast<float*>(params[4]), static_cast<const int32_t*>(params[5]), Tkv,
+      static_cast<const int32_t*>(params[6]), shapes[6][1], static_cast<const int32_t*>(params[7]),
+      static_cast<const int32_t*>(params[8]), S, T, H, KVH, D, BS, NB, scale,
+      static_cast<float*>(params[10]), H * D);
+}
+
+// inputs: q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale; output: out
+int lls_aot_paged_attention(int nparam, void** params, int* ndims, int64_t** shapes,
+                            const char** dtypes, void* stream, void* extra) {
+  (void)stream; (void)extra;
+  if (nparam != 8) return set_error(-4, "lls_aot_paged_attention expects 7 inputs and 1 output");
+  static const char* kinds[] = {"float32", "float32", "float32", "int32",
+                                "int32",   "int32",   "float32", "float32"};
+  for (int i = 0; i < 8; ++i)
+    if (int rc = check_dtype(dtypes, i, kinds[i], "input")) return rc;
+  if (ndims[1] != 4 || ndims[3] != 2) return set_error(-4, "caches must be 4-D");
+  const int64_t NB = shapes[1][0], BS = shapes[1][1], KVH = shapes[1][2], D = shapes[1][3];
+  const int64_t T = shapes[0][0], H = numel(ndims[0], shapes[0], 1) / D, S = shapes[5][0];
+  return lls_paged_attention(
+      static_cast<const float*>(params[0]), H * D, static_cast<const float*>(params[1]),
+      static_cast<const float*>(params[2]), static_cast<const int32_t*>(params[3]), shapes[3][1],
+      static_cast<const int32_t*>(params[4]), static_cast<const int32_t*>(params[5]), S, T, H, KVH,
+      D, BS, NB, *static_cast<const float*>(params[6]), static_cast<float*>(params[7]), H * D);
+}
+
+}  // extern "C"

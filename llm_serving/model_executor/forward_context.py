@@ -1,0 +1,40 @@
+"""The per-step forward context (seed 004).
+
+The model runner sets it around each forward pass; attention layers read their KV cache and
+the batch's attention metadata from it by layer index. Model code never sees block tables,
+slot mappings or caches: its layers take tensors and return tensors.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+
+@dataclass
+class ForwardContext:
+    # Backend-specific metadata for the whole ragged batch (see attention/backend.py).
+    attn_metadata: Any
+    # One entry per attention layer, indexed by Attention.layer_idx.
+    kv_caches: list = field(default_factory=list)
+    num_tokens: int = 0
+
+
+_forward_context: Optional[ForwardContext] = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context is set: run the model through the model runner")
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    global _forward_context
+    previous = _forward_context
+    _forward_context = context
+    try:
+        yield context
+    finally:
+        _forward_context = previous

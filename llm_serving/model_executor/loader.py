@@ -1,0 +1,533 @@
+"""Model configuration and weights: Hugging Face ``config.json`` + safetensors, or MindSpore
+``.ckpt`` files with mindformers' Llama parameter names (mapped to HF names).
+
+Nothing here imports mindspore except the ``.ckpt`` paths, which import it when called.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from llm_serving.errors import ModelLoadError
+
+__all__ = [
+    "ModelConfig",
+    "SUPPORTED_ARCHITECTURES",
+    "iter_weights",
+    "find_weight_files",
+    "read_safetensors",
+    "mindformers_to_hf_name",
+    "hf_to_mindformers_name",
+    "save_mindformers_ckpt",
+]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768, "Qwen2ForCausalLM": 32768}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model hyper-parameters the executor needs, from an HF ``config.json``."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    #: None, or an HF rope-scaling dict that always has "rope_type" (e.g. "llama3", "linear").
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    #: q/k/v projections have biases (Qwen2, or Llama/Mistral with attention_bias).
+    qkv_bias: bool = False
+    #: o_proj has a bias (Llama/Mistral with attention_bias; never Qwen2).
+    o_bias: bool = False
+    bos_token_id: Optional[int] = None
+    #: an int, or a list of ints
+    eos_token_id: Optional[Union[int, List[int]]] = None
+    torch_dtype: Optional[str] = None
+    model_type: str = ""
+    model_dir: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def eos_token_ids(self) -> List[int]:
+        e = self.eos_token_id
+        if e is None:
+            return []
+        return [int(x) for x in e] if isinstance(e, (list, tuple)) else [int(e)]
+
+    # --- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        """Parse ``model_dir/config.json``; raise ModelLoadError naming what is wrong."""
+        d = Path(model_dir).expanduser()
+        if not d.exists():
+            raise ModelLoadError(f"model directory {str(d)!r} does not exist (expected a directory with "
+                                 "config.json and *.safetensors weights)")
+        if not d.is_dir():
+            raise ModelLoadError(f"model path {str(d)!r} is not a directory (expected a directory with "
+                                 "config.json and *.safetensors weights)")
+        path = d / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no config.json in model directory {str(d)!r} (expected a Hugging Face "
+                                 "config.json next to the weights)")
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path}: cannot read JSON ({e})") from e
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{path}: expected a JSON object")
+        return cls.from_dict(cfg, source=str(path), model_dir=str(d))
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], *, source: str = "config.json",
+                  model_dir: Optional[str] = None) -> "ModelConfig":
+        def err(msg: str) -> ModelLoadError:
+            return ModelLoadError(f"{source}: {msg}")
+
+        archs = cfg.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
+        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(str(cfg.get("model_type", "")))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise err(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def req(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise err(f"missing required key {key!r}")
+            return cfg[key]
+
+        def as_int(key: str, value: Any) -> int:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
+                raise err(f"{key} must be a positive integer, got {value!r}")
+            return int(value)
+
+        hidden = as_int("hidden_size", req("hidden_size"))
+        layers = as_int("num_hidden_layers", req("num_hidden_layers"))
+        heads = as_int("num_attention_heads", req("num_attention_heads"))
+        kv_heads = cfg.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else as_int("num_key_value_heads", kv_heads)
+        inter = as_int("intermediate_size", req("intermediate_size"))
+        vocab = as_int("vocab_size", req("vocab_size"))
+        if heads % kv_heads:
+            raise err(f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv_heads})")
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise err(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads}) "
+                          "when head_dim is not given")
+            head_dim = hidden // heads
+        head_dim = as_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise err(f"head_dim ({head_dim}) must be even for rotary embeddings")
+
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise err(f"unsupported hidden_act {act!r}; supported: silu")
+        if cfg.get("mlp_bias"):
+            raise err("mlp_bias=true is not supported (MLP projections without biases only)")
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        else:
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window")
+
+        max_pos = cfg.get("max_position_embeddings")
+        max_pos = _DEFAULT_MAX_POSITIONS[arch] if max_pos is None else as_int("max_position_embeddings", max_pos)
+        if sliding is not None and int(sliding) < max_pos:
+            raise err(f"sliding-window attention (sliding_window={sliding} < max_position_embeddings={max_pos}) "
+                      "is not supported")
+
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # the transformers v5 spelling
+        if isinstance(params, Mapping):
+            if rope_theta is None:
+                rope_theta = params.get("rope_theta")
+            if rope_scaling is None:
+                rope_scaling = params
+        rope_theta = 10000.0 if rope_theta is None else float(rope_theta)
+        if rope_scaling is not None:
+            if not isinstance(rope_scaling, Mapping):
+                raise err(f"rope_scaling must be an object or null, got {rope_scaling!r}")
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            rtype = rope_scaling.pop("type", None)
+            rope_scaling["rope_type"] = rope_scaling.get("rope_type", rtype) or "default"
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
+            elif rope_scaling["rope_type"] == "llama3":
+                for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                    if key not in rope_scaling:
+                        raise err(f"rope_scaling of type llama3 needs {key!r}")
+        partial = cfg.get("partial_rotary_factor")
+        if partial is None and isinstance(params, Mapping):
+            partial = params.get("partial_rotary_factor")
+        if partial not in (None, 1, 1.0):
+            raise err(f"partial_rotary_factor={partial} is not supported")
+
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, (list, tuple)):
+            eos = [int(x) for x in eos]
+        elif eos is not None:
+            eos = int(eos)
+        bos = cfg.get("bos_token_id")
+        if isinstance(bos, (list, tuple)):
+            bos = bos[0] if bos else None
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=eos,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            model_type=str(cfg.get("model_type", "")),
+            model_dir=model_dir,
+        )
+
+    @classmethod
+    def from_mindformers_yaml(cls, path: str) -> "ModelConfig":
+        """Read a mindformers Llama/Qwen2 yaml (``model.model_config``), as llm-serving's
+        ``model_cfg_path`` points to."""
+        import yaml
+
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ModelLoadError(f"mindformers config {str(p)!r} does not exist (expected a yaml file with "
+                                 "model.model_config)")
+        try:
+            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as e:
+            raise ModelLoadError(f"{p}: cannot read YAML ({e})") from e
+        model = (doc or {}).get("model") if isinstance(doc, Mapping) else None
+        mc = model.get("model_config") if isinstance(model, Mapping) else None
+        if not isinstance(mc, Mapping):
+            raise ModelLoadError(f"{p}: expected a mapping at model.model_config")
+        src = f"{p}: model.model_config"
+
+        def req(key: str) -> Any:
+            if mc.get(key) is None:
+                raise ModelLoadError(f"{src}: missing required key {key!r}")
+            return mc[key]
+
+        hidden = int(req("hidden_size"))
+        inter = mc.get("intermediate_size")
+        if inter is None:
+            multiple_of = int(mc.get("multiple_of") or 256)
+            inter = int(2 * 4 * hidden / 3)
+            if mc.get("ffn_dim_multiplier") is not None:
+                inter = int(float(mc["ffn_dim_multiplier"]) * inter)
+            inter = multiple_of * ((inter + multiple_of - 1) // multiple_of)
+        arch = None
+        arch_cfg = model.get("arch")
+        if isinstance(arch_cfg, Mapping):
+            arch = arch_cfg.get("type")
+        qkv_bias = bool(mc.get("qkv_has_bias", False))
+        if qkv_bias or arch in (None, "LlamaForCausalLM"):
+            arch = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+        rope_scaling = None
+        method = str(mc.get("extend_method") or "None").upper()
+        factor = mc.get("scaling_factor")
+        if method == "LLAMA3" and isinstance(factor, Mapping):
+            rope_scaling = {"rope_type": "llama3", **{k: factor[k] for k in factor}}
+        elif method == "PI" and factor not in (None, 1, 1.0):
+            rope_scaling = {"rope_type": "linear", "factor": float(factor)}
+        cfg = {
+            "architectures": [arch],
+            "hidden_size": hidden,
+            "num_hidden_layers": req("num_layers"),
+            "num_attention_heads": req("num_heads"),
+            "num_key_value_heads": mc.get("n_kv_heads"),
+            "intermediate_size": inter,
+            "vocab_size": req("vocab_size"),
+            "rms_norm_eps": mc.get("rms_norm_eps", 1e-5),
+            "rope_theta": mc.get("theta", 10000.0),
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": mc.get("max_position_embedding") or mc.get("seq_length"),
+            "tie_word_embeddings": mc.get("tie_word_embeddings", False),
+            "bos_token_id": mc.get("bos_token_id", 1),
+            "eos_token_id": mc.get("eos_token_id", 2),
+            "torch_dtype": _mindformers_dtype(mc.get("param_init_type") or mc.get("compute_dtype")),
+            "model_type": "qwen2" if arch == "Qwen2ForCausalLM" else "llama",
+        }
+        if "Qwen2" not in arch:
+            cfg["attention_bias"] = False
+        return cls.from_dict(cfg, source=src)
+
+
+def _mindformers_dtype(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    return {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}.get(str(value), str(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Safetensors (read directly: numpy cannot hold bf16, and we want zero-copy memory maps)
+# ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # converted to float32 below
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def read_safetensors_header(path: Union[str, Path]) -> Tuple[Dict[str, Any], int]:
+    """(header dict without __metadata__, byte offset where the data starts)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelLoadError(f"{path}: not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 1024 * 1024:
+                raise ModelLoadError(f"{path}: not a safetensors file (header length {n})")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: not a safetensors file (bad header)")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_safetensors(path: Union[str, Path]) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yield (name, array) from one safetensors file, in file order. Arrays are read-only
+    memory-mapped views (bf16 is converted to a new float32 array)."""
+    path = Path(path)
+    header, start = read_safetensors_header(path)
+    size = path.stat().st_size
+    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size - start,)) if size > start else None
+    for name, info in items:
+        st = info.get("dtype")
+        dt = _ST_DTYPES.get(st)
+        if dt is None:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unsupported dtype {st!r}; "
+                                 f"supported: {', '.join(_ST_DTYPES)}")
+        shape = tuple(int(s) for s in info["shape"])
+        b, e = (int(x) for x in info["data_offsets"])
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if e - b != count * dt.itemsize or start + e > size:
+            raise ModelLoadError(f"{path}: tensor {name!r} has inconsistent offsets (file truncated?)")
+        if count == 0:
+            arr = np.zeros(shape, dtype=dt)
+        else:
+            arr = np.frombuffer(data, dtype=dt, count=count, offset=b).reshape(shape)
+        if st == "BF16":
+            arr = bfloat16_bits_to_float32(arr)
+        yield name, arr
+
+
+# ---------------------------------------------------------------------------------------------
+# mindformers names
+# ---------------------------------------------------------------------------------------------
+
+_MF_TO_HF_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_HF_TO_MF_LAYER = {v: k for k, v in _MF_TO_HF_LAYER.items()}
+_MF_TO_HF_GLOBAL = {
+    "model.tok_embeddings.embedding_weight": "model.embed_tokens.weight",
+    "model.norm_out.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_HF_TO_MF_GLOBAL = {v: k for k, v in _MF_TO_HF_GLOBAL.items()}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_PARTS = set(_HF_TO_MF_LAYER)
+
+
+def mindformers_to_hf_name(name: str) -> Optional[str]:
+    """Map a mindformers Llama parameter name (or an HF name) to the HF name; None for names that
+    are not model weights (optimizer state, step counters, cached rotary tables, ...)."""
+    for prefix in ("network.", "_backbone."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    if name in _MF_TO_HF_GLOBAL:
+        return _MF_TO_HF_GLOBAL[name]
+    if name in _HF_TO_MF_GLOBAL:  # already an HF name
+        return name
+    m = _LAYER_RE.match(name)
+    if m:
+        layer, rest = m.groups()
+        if rest in _MF_TO_HF_LAYER:
+            return f"model.layers.{layer}.{_MF_TO_HF_LAYER[rest]}"
+        if rest in _HF_LAYER_PARTS:
+            return name
+    return None
+
+
+def hf_to_mindformers_name(name: str) -> str:
+    if name in _HF_TO_MF_GLOBAL:
+        return _HF_TO_MF_GLOBAL[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _HF_TO_MF_LAYER:
+        return f"model.layers.{m.group(1)}.{_HF_TO_MF_LAYER[m.group(2)]}"
+    raise ValueError(f"no mindformers name for weight {name!r}")
+
+
+def _iter_ckpt(path: Path) -> Iterator[Tuple[str, np.ndarray]]:
+    import mindspore  # slow to import: only when a .ckpt is actually read
+
+    try:
+        params = mindspore.load_checkpoint(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read MindSpore checkpoint ({e})") from e
+    found = False
+    for name, param in params.items():
+        hf = mindformers_to_hf_name(name)
+        if hf is None:
+            continue
+        found = True
+        arr = param.asnumpy()
+        if arr.dtype.name == "bfloat16":
+            arr = arr.astype(np.float32)
+        yield hf, arr
+    if not found:
+        raise ModelLoadError(f"{path}: no model weights with mindformers Llama or Hugging Face names "
+                             f"(found e.g. {sorted(params)[:5]})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and iterating weights
+# ---------------------------------------------------------------------------------------------
+
+
+def find_weight_files(model_dir: str, checkpoint: Optional[str] = None) -> List[Path]:
+    """The weight files to read, in order: an explicit ``checkpoint``; else the shards named by
+    ``model.safetensors.index.json``; else ``model.safetensors``; else all ``*.safetensors``;
+    else the only ``*.ckpt`` in the directory."""
+    d = Path(model_dir).expanduser()
+    if checkpoint is not None:
+        c = Path(checkpoint).expanduser()
+        if not c.is_absolute() and not c.exists() and (d / c).exists():
+            c = d / c
+        if c.is_dir():
+            return find_weight_files(str(c))
+        if not c.is_file():
+            raise ModelLoadError(f"checkpoint {str(c)!r} does not exist (expected a .ckpt or .safetensors file)")
+        if c.suffix not in (".ckpt", ".safetensors"):
+            raise ModelLoadError(f"checkpoint {str(c)!r}: unsupported file type (expected .ckpt or .safetensors)")
+        return [c]
+    if not d.is_dir():
+        raise ModelLoadError(f"model directory {str(d)!r} does not exist (expected a directory with "
+                             "*.safetensors or a .ckpt)")
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: cannot read the shard index ({e})") from e
+        files = []
+        for fname in sorted(set(weight_map.values())):
+            p = d / fname
+            if not p.is_file():
+                raise ModelLoadError(f"{index} names shard {fname!r}, which is missing from {str(d)!r}")
+            files.append(p)
+        return files
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    shards = sorted(d.glob("*.safetensors"))
+    if shards:
+        return shards
+    ckpts = sorted(d.glob("*.ckpt"))
+    if len(ckpts) == 1:
+        return ckpts
+    if len(ckpts) > 1:
+        raise ModelLoadError(f"{len(ckpts)} .ckpt files in {str(d)!r} ({', '.join(p.name for p in ckpts)}): "
+                             "name the one to load with checkpoint=")
+    raise ModelLoadError(f"no weights in {str(d)!r}: expected model.safetensors, sharded "
+                         "model-*.safetensors with model.safetensors.index.json, or a MindSpore .ckpt")
+
+
+def iter_weights(model_dir: str, checkpoint: Optional[str] = None) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yield (HF parameter name, numpy array) for every weight of the model.
+
+    Safetensors arrays keep their dtype (read-only memory maps), except bf16 which becomes float32;
+    ``.ckpt`` parameters with mindformers names are renamed to HF names, and bf16 becomes float32.
+    """
+    for path in find_weight_files(model_dir, checkpoint):
+        if path.suffix == ".ckpt":
+            yield from _iter_ckpt(path)
+        else:
+            yield from read_safetensors(path)
+
+
+def save_mindformers_ckpt(model_dir: str, out_path: str, checkpoint: Optional[str] = None) -> str:
+    """Write the model's weights as a MindSpore ``.ckpt`` with mindformers Llama names."""
+    import mindspore
+
+    params = []
+    for name, arr in iter_weights(model_dir, checkpoint):
+        params.append({"name": hf_to_mindformers_name(name), "data": mindspore.Tensor(np.array(arr))})
+    out = Path(out_path).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mindspore.save_checkpoint(params, str(out))
+    return str(out)

@@ -1,0 +1,82 @@
+"""Runs one step of the model: builds the forward context, runs the forward pass, samples.
+
+Its input is a plain description of the step (``StepInput``: arrays and small ints), so the
+same runner serves an in-process engine and a WorkAgent fed through shared memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+from mindspore import Tensor, ops
+
+from llm_serving.errors import ModelLoadError
+from llm_serving.model_executor.attention.backend import AttentionMetadata, get_attention_backend
+from llm_serving.model_executor.device import init_device
+from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
+from llm_serving.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from llm_serving.model_executor.loader import ModelConfig, iter_weights
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class StepInput:
+    input_ids: np.ndarray        # int32 [T]
+    positions: np.ndarray        # int32 [T]
+    slot_mapping: np.ndarray     # int32 [T]
+    block_tables: np.ndarray     # int32 [S, max_blocks]
+    query_start_loc: np.ndarray  # int32 [S + 1]
+    seq_lens: np.ndarray         # int32 [S]
+    sample_seqs: np.ndarray      # int32 [S']: sequences whose last row is sampled this step
+    sampling: Optional[SamplingBatch] = None
+
+
+def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1):
+    if config.architecture not in SUPPORTED:
+        raise ModelLoadError(f"unsupported architecture {config.architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED)}")
+    from llm_serving.model_executor.models.llama import LlamaForCausalLM
+    return LlamaForCausalLM(config, backend, tp_rank, tp_size)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * 4
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, num_blocks: int, block_size: int,
+                 checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0):
+        self.device = init_device(device)
+        self.config = ModelConfig.from_pretrained(model_dir)
+        c = self.config
+        self.backend = get_attention_backend(self.device, c.num_heads, c.num_kv_heads,
+                                             c.head_dim)
+        self.model = build_model(c, self.backend)
+        self.model.load_weights(iter_weights(model_dir, checkpoint=checkpoint))
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size)
+                          for _ in range(c.num_layers)]
+        self.sampler = Sampler(seed=seed)
+
+    def forward(self, step: StepInput, rows: np.ndarray) -> np.ndarray:
+        """Run the model on the step and return float32 logits for the given token rows."""
+        md = self.backend.prepare(AttentionMetadata(
+            step.slot_mapping, step.block_tables, step.query_start_loc, step.seq_lens,
+            self.block_size))
+        with set_forward_context(ForwardContext(md, self.kv_caches, len(step.input_ids))):
+            hidden = self.model(Tensor(step.input_ids), Tensor(step.positions))
+        if len(rows) == 0:
+            return np.empty((0, self.config.vocab_size), np.float32)
+        if len(rows) != hidden.shape[0] or np.any(rows != np.arange(len(rows))):
+            hidden = ops.gather(hidden, Tensor(rows.astype(np.int32)), 0)
+        return self.model.compute_logits(hidden).asnumpy()
+
+    def execute(self, step: StepInput) -> Optional[SamplerOutput]:
+        rows = step.query_start_loc[1:][step.sample_seqs] - 1
+        logits = self.forward(step, rows)
+        if len(rows) == 0:
+            return None
+        return self.sampler(logits, step.sampling)

@@ -1,0 +1,168 @@
+"""The Llama family in MindSpore: Llama 2/3 (llama3 rope scaling), GQA/MQA, Qwen2's q/k/v
+bias, tied embeddings. Layers take tensors and return tensors; attention finds its cache and
+metadata in the forward context (seed 004). Decoder layers split into ``forward_attn`` and
+``forward_ffn`` (seed 000) so multi-stream can interleave micro-batches without a rewrite.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import numpy as np
+from mindspore import nn, ops
+
+from llm_serving.model_executor.attention.backend import AttentionBackend
+from llm_serving.model_executor.attention.layer import Attention
+from llm_serving.model_executor.layers.activation import SiluAndMul
+from llm_serving.model_executor.layers.layernorm import RMSNorm
+from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
+from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+
+class LlamaMLP(nn.Cell):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank=0, tp_size=1):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, False, tp_rank,
+                                   tp_size, "column")
+        self.down_proj = Linear(intermediate_size, [hidden_size], False, tp_rank, tp_size,
+                                "row")
+        self.act_fn = SiluAndMul()
+
+    def construct(self, x):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Cell):
+    def __init__(self, config, backend: AttentionBackend, layer_idx: int, tp_rank=0,
+                 tp_size=1):
+        super().__init__()
+        d = config.head_dim
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
+            config.qkv_bias, tp_rank, tp_size, "column")
+        self.o_proj = Linear(config.num_heads * d, [config.hidden_size], False, tp_rank,
+                             tp_size, "row")
+        self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.attn = Attention(backend, layer_idx)
+
+    def construct(self, positions, hidden_states):
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = ops.split(qkv, [self.q_size, self.kv_size, self.kv_size], -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Cell):
+    def __init__(self, config, backend: AttentionBackend, layer_idx: int, tp_rank=0,
+                 tp_size=1):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend, layer_idx, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_attn(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        return self.self_attn(positions, hidden_states), residual
+
+    def forward_ffn(self, hidden_states, residual):
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def construct(self, positions, hidden_states, residual):
+        return self.forward_ffn(*self.forward_attn(positions, hidden_states, residual))
+
+
+class LlamaModel(nn.Cell):
+    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.CellList([LlamaDecoderLayer(config, backend, i, tp_rank, tp_size)
+                                   for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def construct(self, input_ids, positions):
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Cell):
+    # checkpoint name fragment -> (our parameter fragment, fused part index)
+    stacked_params = [
+        (".q_proj.", ".qkv_proj.", 0),
+        (".k_proj.", ".qkv_proj.", 1),
+        (".v_proj.", ".qkv_proj.", 2),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    ]
+
+    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.logits_matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, input_ids, positions):
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states):
+        return self.logits_matmul(hidden_states, self.lm_head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Fill parameters from (HF name, array) pairs; every parameter must be covered."""
+        from mindspore import Tensor
+        params = dict(self.parameters_and_names())
+        cells = dict(self.cells_and_names())
+        host: dict[str, np.ndarray] = {}
+        filled: dict[str, set] = {}
+        for name, loaded in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            loaded = np.asarray(loaded, dtype=np.float32)
+            target, shard = name, None
+            for ckpt_part, our_part, idx in self.stacked_params:
+                if ckpt_part in name:
+                    target, shard = name.replace(ckpt_part, our_part), idx
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} matches no model parameter")
+            param = params[target]
+            buf = host.get(target)
+            if buf is None:
+                buf = host[target] = np.zeros(param.shape, np.float32)
+            filled.setdefault(target, set()).add(shard or 0)
+            cell = cells.get(target.rsplit(".", 1)[0])
+            if isinstance(cell, Linear):
+                cell.weight_loader(buf, loaded, shard or 0, target.endswith(".bias"))
+            else:
+                if buf.shape != loaded.shape:
+                    raise ValueError(f"{name}: checkpoint shape {loaded.shape} does not match "
+                                     f"the model's {buf.shape}")
+                buf[...] = loaded
+        missing = sorted(n for n, p in params.items()
+                         if len(filled.get(n, ())) < len(getattr(cells.get(n.rsplit(".", 1)[0]),
+                                                                  "output_sizes", [0])))
+        if missing:
+            raise KeyError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+                           + (" ..." if len(missing) > 8 else ""))
+        for target, buf in host.items():
+            params[target].set_data(Tensor(buf))

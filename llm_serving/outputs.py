@@ -1,0 +1,71 @@
+"""Results handed back to the user, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Union
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its 1-based rank in the vocabulary, and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per generated token: token id -> Logprob (the chosen token plus the top alternatives).
+SampleLogprobs = List[Dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing precedes it).
+PromptLogprobs = List[Optional[Dict[int, Logprob]]]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    finish_reason: "stop" (EOS, a stop string or a stop token), "length" (max_tokens or the
+        model's length), "abort", or None while still generating.
+    stop_reason: the stop token id or stop string that ended the output; None for EOS, for
+        "length", or while running.
+    """
+
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.time()) of one request's life; fields are None until reached."""
+
+    arrival_time: float
+    last_token_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    time_in_queue: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    """Everything known about one request: its prompt and its `n` completions so far."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: Optional[List[int]]
+    outputs: List[CompletionOutput]
+    finished: bool
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: Optional[int] = None

@@ -1,0 +1,558 @@
+"""Build small random-weight models in Hugging Face format, for tests and benchmarks.
+
+``python -m llm_serving.tiny_model --out DIR [--preset tiny|bench] [flags]`` writes a directory that
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load:
+
+* ``config.json`` (LlamaForCausalLM, or Qwen2ForCausalLM when the q/k/v projections have biases),
+* random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
+* a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
+  corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
+  ``special_tokens_map.json`` and ``generation_config.json``.
+
+Everything is deterministic: the same arguments give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+# ChatML, starting with BOS like Llama templates: render, then encode with add_special_tokens=False
+# (as transformers' apply_chat_template(tokenize=True) does) to get exactly one BOS.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PRESETS: Dict[str, Dict[str, object]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=1024,
+    ),
+    # ~97M parameters: the benchmark model.
+    "bench": dict(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        intermediate_size=2048,
+        vocab_size=8000,
+    ),
+}
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small on purpose, so that the scaling changes the frequencies used at test lengths.
+    "original_max_position_embeddings": 256,
+}
+
+_DTYPES = {
+    # name: (safetensors dtype, bytes per element)
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+}
+
+# Used when the alpaca corpus is not found next to the package (e.g. a partial install).
+_FALLBACK_TEXT = """\
+The quick brown fox jumps over the lazy dog. A serving system keeps many requests in flight at once,
+and each request is a prompt followed by the tokens the model writes, one after another.
+Give three tips for staying healthy. 1. Eat a balanced diet and make sure to include plenty of fruits
+and vegetables. 2. Exercise regularly to keep your body active and strong. 3. Get enough sleep and
+maintain a consistent sleep schedule.
+What are the three primary colors? The three primary colors are red, blue, and yellow.
+Describe the structure of an atom. An atom is made up of a nucleus, which contains protons and
+neutrons, surrounded by electrons that travel in orbits around the nucleus.
+How can we reduce air pollution? There are a number of ways to reduce air pollution, such as shifting
+to renewable energy sources, encouraging the use of public transportation, prohibiting the burning of
+fossil fuels, implementing policies to reduce emissions from industrial sources, and implementing
+vehicle emissions standards.
+Write a short story about a robot who learns to paint. Once upon a time, in a quiet workshop at the
+edge of the city, a small robot named Pixel discovered a box of old brushes and a set of bright paints.
+Translate the sentence into French: Where is the library? Où est la bibliothèque ?
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2024-01-01 12:30.
+Code: def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i)\n
+Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 ✨. Ünïcödé àccents naïve café.
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Locations
+# ---------------------------------------------------------------------------------------------
+
+
+def default_model_dir() -> str:
+    """Where the built-in tiny model lives: ``$LLM_SERVING_HOME/models/tiny-llama`` if the variable
+    is set, else ``~/.cache/llm_serving/models/tiny-llama``."""
+    home = os.environ.get("LLM_SERVING_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".cache" / "llm_serving"
+    return str(base / "models" / "tiny-llama")
+
+
+def ensure_tiny_model(path: Optional[str] = None) -> str:
+    """Return ``path`` (default: :func:`default_model_dir`), creating the tiny model there if absent.
+
+    The model is written to a temporary directory beside ``path`` and renamed into place, so a
+    concurrent or interrupted run never leaves a half-written model at ``path``.
+    """
+    target = Path(path) if path is not None else Path(default_model_dir())
+    target = target.expanduser()
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=str(target.parent)))
+    try:
+        make_tiny_model(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Someone else finished first (target exists and is not empty): use theirs.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def corpus_texts() -> Tuple[List[str], str]:
+    """The tokenizer training corpus and where it came from.
+
+    Uses the bundled alpaca data (``clients/data/alpaca_521.json``, located next to the
+    ``llm_serving`` package, which is also where a non-editable install puts the ``clients``
+    package data); falls back to a small built-in text when that file is absent.
+    """
+    candidates = [Path(__file__).resolve().parents[1] / "clients" / "data" / "alpaca_521.json"]
+    try:  # the ``clients`` package, wherever it is installed
+        import clients  # type: ignore
+
+        for p in getattr(clients, "__path__", []):
+            candidates.append(Path(p) / "data" / "alpaca_521.json")
+    except Exception:  # pragma: no cover - clients not importable
+        pass
+    for path in candidates:
+        if path.is_file():
+            try:
+                records = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            texts = []
+            for rec in records:
+                for key in ("instruction", "input", "output"):
+                    value = rec.get(key) if isinstance(rec, dict) else None
+                    if value:
+                        texts.append(value)
+            if texts:
+                return texts, str(path)
+    return _FALLBACK_TEXT.splitlines(), "builtin"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(vocab_size: int, texts: Optional[Sequence[str]] = None):
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` with exactly ``vocab_size`` tokens
+    (special tokens included). Deterministic and fast (well under a second for 8k tokens)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    min_vocab = len(SPECIAL_TOKENS) + 256
+    if vocab_size < min_vocab:
+        raise ValueError(f"vocab_size must be at least {min_vocab} for a byte-level BPE, got {vocab_size}")
+    if texts is None:
+        texts, _ = corpus_texts()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=0,
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    short = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if short > 0:
+        # The corpus ran out of merges: fill up with reserved tokens so that the size is exact.
+        tok.add_special_tokens(
+            [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(short)]
+        )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0",
+        pair="<s>:0 $A:0 <s>:1 $B:1",
+        special_tokens=[("<s>", BOS_ID)],
+    )
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    return tok
+
+
+def _tokenizer_files(tok, max_position_embeddings: int) -> Dict[str, object]:
+    added = {}
+    for tid in range(tok.get_vocab_size(with_added_tokens=True)):
+        content = tok.id_to_token(tid)
+        if tid < len(SPECIAL_TOKENS) or content.startswith("<|reserved_"):
+            added[str(tid)] = {
+                "content": content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+    tokenizer_config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": "<s>",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "</s>",
+        "model_max_length": max_position_embeddings,
+        "pad_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+    }
+    special_tokens_map = {
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+    return {"tokenizer_config.json": tokenizer_config, "special_tokens_map.json": special_tokens_map}
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def _param_specs(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tie_word_embeddings: bool,
+    qkv_bias: bool,
+) -> List[Tuple[str, Tuple[int, ...], float, float]]:
+    """(name, shape, mean, std) for every parameter, in HF order: values are normal(mean, std)."""
+    h, q, kv, i = hidden_size, num_heads * head_dim, num_kv_heads * head_dim, intermediate_size
+    # Logits come out ~N(0, 2.5^2) per entry, so the top two logits are typically ~0.5 apart: greedy
+    # decoding does not hinge on numerical near-ties. Tied embeddings double as the output
+    # projection: there a small embedding scale keeps the current token's own embedding from
+    # dominating the logits (which makes greedy decoding repeat one token), and the final norm's
+    # larger weight brings the logits back to the same scale.
+    emb_std = 0.1 if tie_word_embeddings else 1.0
+    final_norm = 3.0 if tie_word_embeddings else 1.0
+    specs: List[Tuple[str, Tuple[int, ...], float, float]] = [
+        ("model.embed_tokens.weight", (vocab_size, h), 0.0, emb_std)
+    ]
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}."
+        specs += [
+            (p + "input_layernorm.weight", (h,), 1.0, 0.05),
+            (p + "self_attn.q_proj.weight", (q, h), 0.0, h**-0.5),
+            (p + "self_attn.k_proj.weight", (kv, h), 0.0, h**-0.5),
+            (p + "self_attn.v_proj.weight", (kv, h), 0.0, h**-0.5),
+        ]
+        if qkv_bias:
+            specs += [
+                (p + "self_attn.q_proj.bias", (q,), 0.0, 0.2),
+                (p + "self_attn.k_proj.bias", (kv,), 0.0, 0.2),
+                (p + "self_attn.v_proj.bias", (kv,), 0.0, 0.2),
+            ]
+        specs += [
+            (p + "self_attn.o_proj.weight", (h, q), 0.0, q**-0.5),
+            (p + "post_attention_layernorm.weight", (h,), 1.0, 0.05),
+            (p + "mlp.gate_proj.weight", (i, h), 0.0, h**-0.5),
+            (p + "mlp.up_proj.weight", (i, h), 0.0, h**-0.5),
+            (p + "mlp.down_proj.weight", (h, i), 0.0, i**-0.5),
+        ]
+    specs.append(("model.norm.weight", (h,), final_norm, 0.05 * final_norm))
+    if not tie_word_embeddings:
+        specs.append(("lm_head.weight", (vocab_size, h), 0.0, 2.5 * h**-0.5))
+    return specs
+
+
+def _make_tensor(name: str, shape: Tuple[int, ...], mean: float, std: float, seed: int) -> np.ndarray:
+    # One generator per tensor, seeded from (seed, name): independent of order and sharding.
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
+    arr = rng.standard_normal(shape, dtype=np.float32)
+    arr *= np.float32(std)
+    if mean:
+        arr += np.float32(mean)
+    return arr
+
+
+def _to_dtype_bytes(arr: np.ndarray, dtype: str) -> bytes:
+    if dtype == "float32":
+        return np.ascontiguousarray(arr, dtype="<f4").tobytes()
+    if dtype == "float16":
+        return np.ascontiguousarray(arr, dtype="<f2").tobytes()
+    if dtype == "bfloat16":
+        return float32_to_bfloat16_bits(arr).astype("<u2").tobytes()
+    raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+
+
+def float32_to_bfloat16_bits(arr: np.ndarray) -> np.ndarray:
+    """float32 array -> uint16 bfloat16 bit patterns (round to nearest even; NaN kept NaN)."""
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(arr)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _safetensors_header(entries: List[Tuple[str, Tuple[int, ...], str, int]]) -> bytes:
+    """entries: (name, shape, st_dtype, nbytes) in file order. Returns the 8-byte length + JSON."""
+    header: Dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, st_dtype, nbytes in entries:
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _split_shards(sizes: List[int], num_shards: int) -> List[List[int]]:
+    """Split tensor indices (in order) into ``num_shards`` contiguous non-empty groups of ~equal bytes."""
+    n = len(sizes)
+    num_shards = max(1, min(num_shards, n))
+    total = sum(sizes)
+    groups: List[List[int]] = []
+    start = 0
+    acc = 0
+    for s in range(num_shards):
+        remaining_shards = num_shards - s
+        if remaining_shards == 1:
+            groups.append(list(range(start, n)))
+            break
+        target = total * (s + 1) / num_shards
+        end = start + 1  # at least one tensor per shard
+        acc += sizes[start]
+        # leave at least one tensor for each remaining shard
+        while end < n - (remaining_shards - 1) and acc + sizes[end] / 2 <= target:
+            acc += sizes[end]
+            end += 1
+        groups.append(list(range(start, end)))
+        start = end
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tiny_model(
+    out_dir: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 1024,
+    tie_word_embeddings: bool = False,
+    qkv_bias: bool = False,
+    rope_scaling: Optional[str] = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 2048,
+    num_shards: int = 1,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> str:
+    """Write a random-weight model with a trained tokenizer to ``out_dir``; return ``out_dir``.
+
+    ``rope_scaling``: None or ``"llama3"``. ``qkv_bias=True`` makes a Qwen2ForCausalLM.
+    ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
+    """
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
+    if (hidden_size // num_heads) % 2:
+        raise ValueError(f"head_dim {hidden_size // num_heads} must be even for rotary embeddings")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    if rope_scaling not in (None, "none", "llama3"):
+        raise ValueError(f"unsupported rope_scaling {rope_scaling!r}; expected None or 'llama3'")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    head_dim = hidden_size // num_heads
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # --- config.json -------------------------------------------------------------------------
+    arch = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    config: Dict[str, object] = {
+        "architectures": [arch],
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "model_type": "qwen2" if qkv_bias else "llama",
+        "num_attention_heads": num_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": num_kv_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": dict(LLAMA3_ROPE_SCALING) if rope_scaling == "llama3" else None,
+        "rope_theta": float(rope_theta),
+        "tie_word_embeddings": bool(tie_word_embeddings),
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    if qkv_bias:
+        config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
+    else:
+        config.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "do_sample": False},
+    )
+
+    # --- tokenizer ---------------------------------------------------------------------------
+    tok = train_tokenizer(vocab_size)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    for fname, content in _tokenizer_files(tok, max_position_embeddings).items():
+        _write_json(out / fname, content)
+
+    # --- weights -----------------------------------------------------------------------------
+    specs = _param_specs(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        qkv_bias=qkv_bias,
+    )
+    st_dtype, itemsize = _DTYPES[dtype]
+    sizes = [int(np.prod(shape)) * itemsize for _, shape, _, _ in specs]
+    groups = _split_shards(sizes, num_shards)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    if len(groups) == 1:
+        filenames = ["model.safetensors"]
+    else:
+        filenames = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    weight_map: Dict[str, str] = {}
+    for fname, group in zip(filenames, groups):
+        entries = [(specs[k][0], specs[k][1], st_dtype, sizes[k]) for k in group]
+        with open(out / fname, "wb") as f:
+            f.write(_safetensors_header(entries))
+            for k in group:
+                name, shape, mean, std = specs[k]
+                f.write(_to_dtype_bytes(_make_tensor(name, shape, mean, std, seed), dtype))
+                weight_map[name] = fname
+    if len(groups) > 1:
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map},
+        )
+    return str(out)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def _bool_flag(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "y", "on"):
+        return True
+    if v in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m llm_serving.tiny_model",
+        description="Write a random-weight Llama/Qwen2 model with a trained BPE tokenizer (HF format).",
+    )
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); bench: the ~97M model")
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--num-heads", type=int)
+    parser.add_argument("--num-kv-heads", type=int)
+    parser.add_argument("--intermediate-size", type=int)
+    parser.add_argument("--vocab-size", type=int)
+    parser.add_argument("--tie-word-embeddings", type=_bool_flag, nargs="?", const=True, default=None)
+    parser.add_argument("--qkv-bias", type=_bool_flag, nargs="?", const=True, default=None,
+                        help="add q/k/v biases (makes a Qwen2ForCausalLM)")
+    parser.add_argument("--rope-scaling", choices=["none", "llama3"], default=None)
+    parser.add_argument("--rope-theta", type=float)
+    parser.add_argument("--max-position-embeddings", type=int)
+    parser.add_argument("--num-shards", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES))
+    args = parser.parse_args(argv)
+
+    kwargs: Dict[str, object] = dict(PRESETS[args.preset])
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+                "tie_word_embeddings", "qkv_bias", "rope_theta", "max_position_embeddings", "num_shards",
+                "seed", "dtype"):
+        value = getattr(args, key)
+        if value is not None:
+            kwargs[key] = value
+    if args.rope_scaling is not None:
+        kwargs["rope_scaling"] = None if args.rope_scaling == "none" else args.rope_scaling
+    t0 = time.perf_counter()
+    out = make_tiny_model(args.out, **kwargs)  # type: ignore[arg-type]
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

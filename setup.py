@@ -1,0 +1,35 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="llm_serving",
+    version="0.1.0",
+    description="LLM inference serving on MindSpore: paged KV cache, continuous batching, "
+    "llm-serving and OpenAI compatible HTTP APIs.",
+    python_requires=">=3.9",
+    packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "clients"]),
+    package_data={
+        "llm_serving": ["model_executor/attention/kernels/*.cpp", "data/*"],
+        "clients": ["data/*.json"],
+    },
+    install_requires=[
+        "mindspore==2.10.0",
+        "numpy<2",
+        "safetensors",
+        "tokenizers",
+        "sentencepiece",
+        "jinja2",
+        "pyyaml",
+        "pydantic>=2",
+        "tqdm",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "hypothesis",
+            "torch==2.13.0",
+            "transformers",
+            "protobuf",
+        ],
+    },
+    entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
+)

@@ -1,0 +1,350 @@
+"""CPU paged-attention kernels against an independent dense NumPy reference."""
+
+import numpy as np
+import pytest
+
+from llm_serving.model_executor.attention import kernels as K
+
+RTOL = 1e-5
+ATOL = 2e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and a small paged-cache harness (history kept in plain arrays)
+
+
+def dense_reference(q, k_hist, v_hist, scale):
+    """q [n, H, D] for the last n positions of a sequence whose full K/V are k_hist/v_hist
+    [L, KVH, D]. Dense causal softmax attention in float64."""
+    n, h, d = q.shape
+    L, kvh, _ = k_hist.shape
+    g = h // kvh
+    out = np.empty((n, h, d), np.float64)
+    for i in range(n):
+        pos = L - n + i
+        for head in range(h):
+            kk = k_hist[: pos + 1, head // g].astype(np.float64)
+            vv = v_hist[: pos + 1, head // g].astype(np.float64)
+            s = kk @ q[i, head].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[i, head] = (p / p.sum()) @ vv
+    return out
+
+
+class PagedHarness:
+    def __init__(self, num_blocks, block_size, h, kvh, d, max_blocks_per_seq, seed=0):
+        self.rng = np.random.default_rng(seed)
+        self.bs, self.h, self.kvh, self.d = block_size, h, kvh, d
+        self.max_blocks = max_blocks_per_seq
+        # NaN-filled so that reading an unwritten slot shows up in the result
+        self.k_cache = np.full((num_blocks, block_size, kvh, d), np.nan, np.float32)
+        self.v_cache = np.full((num_blocks, block_size, kvh, d), np.nan, np.float32)
+        self.free = list(self.rng.permutation(num_blocks))  # shuffled, non-contiguous ids
+        self.blocks = {}
+        self.k_hist = {}
+        self.v_hist = {}
+        self.scale = 1.0 / np.sqrt(d)
+
+    def slot(self, sid, pos):
+        blocks = self.blocks.setdefault(sid, [])
+        while len(blocks) <= pos // self.bs:
+            blocks.append(int(self.free.pop()))
+        return blocks[pos // self.bs] * self.bs + pos % self.bs
+
+    def make_step(self, work, pad_rows=0):
+        """work: list of (seq_id, n_new). Returns the kernel inputs (numpy)."""
+        qs, ks, vs, slots, qsl, seq_lens = [], [], [], [], [0], []
+        for sid, n in work:
+            L0 = len(self.k_hist.get(sid, ()))
+            q = self.rng.standard_normal((n, self.h, self.d)).astype(np.float32)
+            k = self.rng.standard_normal((n, self.kvh, self.d)).astype(np.float32)
+            v = self.rng.standard_normal((n, self.kvh, self.d)).astype(np.float32)
+            qs.append(q), ks.append(k), vs.append(v)
+            slots += [self.slot(sid, L0 + i) for i in range(n)]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(L0 + n)
+        for _ in range(pad_rows):
+            qs.append(self.rng.standard_normal((1, self.h, self.d)).astype(np.float32))
+            ks.append(self.rng.standard_normal((1, self.kvh, self.d)).astype(np.float32))
+            vs.append(self.rng.standard_normal((1, self.kvh, self.d)).astype(np.float32))
+            slots.append(-1)
+        bt = np.zeros((len(work), self.max_blocks), np.int32)
+        for i, (sid, _) in enumerate(work):
+            b = self.blocks[sid]
+            bt[i, : len(b)] = b
+        return dict(
+            query=np.concatenate(qs), key=np.concatenate(ks), value=np.concatenate(vs),
+            slot_mapping=np.array(slots, np.int32), block_tables=bt,
+            query_start_loc=np.array(qsl, np.int32), seq_lens=np.array(seq_lens, np.int32))
+
+    def commit(self, work, inp):
+        """Append this step's K/V to the history and return the per-row reference output."""
+        ref = np.zeros(inp["query"].shape, np.float64)
+        qsl = inp["query_start_loc"]
+        for i, (sid, n) in enumerate(work):
+            a, b = qsl[i], qsl[i + 1]
+            self.k_hist[sid] = np.concatenate([self.k_hist.get(sid, np.zeros((0, self.kvh, self.d), np.float32)), inp["key"][a:b]])
+            self.v_hist[sid] = np.concatenate([self.v_hist.get(sid, np.zeros((0, self.kvh, self.d), np.float32)), inp["value"][a:b]])
+            ref[a:b] = dense_reference(inp["query"][a:b], self.k_hist[sid], self.v_hist[sid], self.scale)
+        return ref
+
+    def run(self, work, fused=True, pad_rows=0):
+        inp = self.make_step(work, pad_rows)
+        ref = self.commit(work, inp)
+        if fused:
+            out = K.attention_fused(inp["query"], inp["key"], inp["value"], self.k_cache,
+                                    self.v_cache, inp["slot_mapping"], inp["block_tables"],
+                                    inp["query_start_loc"], inp["seq_lens"], self.scale)
+        else:
+            K.reshape_and_cache(inp["key"], inp["value"], self.k_cache, self.v_cache,
+                                inp["slot_mapping"])
+            out = K.paged_attention(inp["query"], self.k_cache, self.v_cache, inp["block_tables"],
+                                    inp["query_start_loc"], inp["seq_lens"], self.scale)
+        return inp, out, ref
+
+    def check_cache(self):
+        for sid, hist in self.k_hist.items():
+            for pos in range(len(hist)):
+                s = self.slot(sid, pos)
+                b, o = divmod(s, self.bs)
+                np.testing.assert_array_equal(self.k_cache[b, o], hist[pos])
+                np.testing.assert_array_equal(self.v_cache[b, o], self.v_hist[sid][pos])
+
+
+def assert_close(out, ref):
+    np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
+
+
+MIXED_STEPS = [
+    # fresh prefills of several lengths; seq 3 is the first chunk of a chunked prefill
+    [(0, 37), (1, 20), (2, 5), (3, 70)],
+    # decodes, the second chunk of seq 3, and a fresh prefill in the same batch
+    [(0, 1), (1, 1), (2, 1), (3, 50), (4, 33)],
+    # decodes of different lengths plus a third chunk
+    [(4, 1), (0, 1), (3, 17), (2, 1), (1, 1)],
+    [(3, 1), (4, 1), (0, 1), (1, 1), (2, 1), (5, 1)],
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("h,kvh", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa4", "mqa"])
+def test_mixed_ragged_batches(block_size, h, kvh):
+    d = 64
+    hs = PagedHarness(num_blocks=(400 // block_size + 8) * 2, block_size=block_size, h=h,
+                      kvh=kvh, d=d, max_blocks_per_seq=200 // block_size + 2,
+                      seed=block_size * 7 + h)
+    for i, work in enumerate(MIXED_STEPS):
+        inp, out, ref = hs.run(work, fused=(i % 2 == 0))
+        assert out.shape == inp["query"].shape
+        assert_close(out, ref)
+    hs.check_cache()
+
+
+@pytest.mark.parametrize("d", [8, 40, 128, 160, 256])
+def test_head_dims(d):
+    hs = PagedHarness(num_blocks=64, block_size=16, h=4, kvh=2, d=d, max_blocks_per_seq=16, seed=d)
+    for work in MIXED_STEPS[:3]:
+        _, out, ref = hs.run(work)
+        assert_close(out, ref)
+
+
+def test_chunked_prefill_matches_one_shot():
+    d, h, kvh, bs = 64, 8, 2, 16
+    a = PagedHarness(num_blocks=64, block_size=bs, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=3)
+    b = PagedHarness(num_blocks=64, block_size=bs, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=4)
+    one = a.make_step([(0, 150)])
+    a.commit([(0, 150)], one)
+    out_one = K.attention_fused(one["query"], one["key"], one["value"], a.k_cache, a.v_cache,
+                                one["slot_mapping"], one["block_tables"], one["query_start_loc"],
+                                one["seq_lens"], a.scale)
+    # same tokens, two chunks (61 + 89), in another cache with other block ids
+    outs = []
+    for lo, hi in ((0, 61), (61, 150)):
+        slots = np.array([b.slot(0, p) for p in range(lo, hi)], np.int32)
+        bt = np.zeros((1, 16), np.int32)
+        bt[0, : len(b.blocks[0])] = b.blocks[0]
+        outs.append(K.attention_fused(
+            one["query"][lo:hi], one["key"][lo:hi], one["value"][lo:hi], b.k_cache, b.v_cache,
+            slots, bt, np.array([0, hi - lo], np.int32), np.array([hi], np.int32), a.scale))
+    out_chunked = np.concatenate(outs)
+    ref = dense_reference(one["query"], one["key"], one["value"], a.scale)
+    assert_close(out_one, ref)
+    assert_close(out_chunked, ref)
+    np.testing.assert_allclose(out_chunked, out_one, rtol=RTOL, atol=ATOL)
+
+
+def test_padding_slots_are_skipped():
+    hs = PagedHarness(num_blocks=32, block_size=16, h=4, kvh=4, d=64, max_blocks_per_seq=8, seed=9)
+    hs.run([(0, 10), (1, 3)])
+    before_k, before_v = hs.k_cache.copy(), hs.v_cache.copy()
+    inp, out, ref = hs.run([(0, 1), (1, 1)], pad_rows=3)
+    assert_close(out[:2], ref[:2])
+    np.testing.assert_array_equal(out[2:], 0.0)  # padding rows are zeroed
+    changed = ~np.isclose(hs.k_cache, before_k, equal_nan=True).all(axis=(2, 3))
+    assert changed.sum() == 2  # only the two real tokens were written
+    hs.check_cache()
+    assert np.isnan(hs.v_cache).sum() == np.isnan(before_v).sum() - 2 * 4 * 64
+
+
+def test_strided_rows_from_fused_qkv():
+    h, kvh, d = 8, 2, 32
+    hs = PagedHarness(num_blocks=32, block_size=4, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=5)
+    inp = hs.make_step([(0, 9), (1, 4)])
+    ref = hs.commit([(0, 9), (1, 4)], inp)
+    T = inp["query"].shape[0]
+    qkv = np.concatenate([inp["query"].reshape(T, -1), inp["key"].reshape(T, -1),
+                          inp["value"].reshape(T, -1)], axis=1)
+    q, k, v = qkv[:, : h * d], qkv[:, h * d: (h + kvh) * d], qkv[:, (h + kvh) * d:]
+    assert not q.flags.c_contiguous
+    out = K.attention_fused(q, k, v, hs.k_cache, hs.v_cache, inp["slot_mapping"],
+                            inp["block_tables"], inp["query_start_loc"], inp["seq_lens"], hs.scale)
+    assert_close(out.reshape(T, h, d), ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_counts_agree(threads):
+    try:
+        K.set_num_threads(threads)
+        hs = PagedHarness(num_blocks=128, block_size=16, h=12, kvh=12, d=64, max_blocks_per_seq=40, seed=11)
+        for work in MIXED_STEPS:
+            _, out, ref = hs.run(work)
+            assert_close(out, ref)
+    finally:
+        K.set_num_threads(0)
+
+
+def test_scalar_fallback(monkeypatch):
+    lib = K.load_library(["-DLLS_FORCE_SCALAR"])
+    assert lib.lls_has_avx512() == 0
+    monkeypatch.setitem(K._libs, (), lib)
+    for h, kvh, bs, d in [(8, 2, 16, 64), (4, 4, 1, 40), (6, 1, 128, 64)]:
+        hs = PagedHarness(num_blocks=300, block_size=bs, h=h, kvh=kvh, d=d, max_blocks_per_seq=200, seed=bs)
+        for work in MIXED_STEPS:
+            _, out, ref = hs.run(work)
+            assert_close(out, ref)
+
+
+def test_argument_errors_leave_cache_untouched():
+    hs = PagedHarness(num_blocks=8, block_size=16, h=4, kvh=2, d=64, max_blocks_per_seq=4, seed=1)
+    inp = hs.make_step([(0, 5)])
+    args = [inp["query"], inp["key"], inp["value"], hs.k_cache, hs.v_cache, inp["slot_mapping"],
+            inp["block_tables"], inp["query_start_loc"], inp["seq_lens"], hs.scale]
+    with pytest.raises(K.KernelArgumentError, match="float32"):
+        K.attention_fused(inp["query"].astype(np.float64), *args[1:])
+    with pytest.raises(K.KernelArgumentError, match="int32"):
+        K.attention_fused(*args[:5], inp["slot_mapping"].astype(np.int64), *args[6:])
+    bad_bt = inp["block_tables"].copy()
+    bad_bt[0, 0] = 99
+    with pytest.raises(K.KernelArgumentError, match="out of range"):
+        K.attention_fused(*args[:6], bad_bt, *args[7:])
+    bad_slots = inp["slot_mapping"].copy()
+    bad_slots[1] = 8 * 16
+    with pytest.raises(K.KernelArgumentError, match="slot_mapping"):
+        K.attention_fused(*args[:5], bad_slots, *args[6:])
+    with pytest.raises(K.KernelArgumentError, match="seq_len"):
+        K.attention_fused(*args[:8], np.array([3], np.int32), hs.scale)
+    with pytest.raises(K.KernelArgumentError, match="heads"):
+        K.paged_attention(inp["query"][:, :3], hs.k_cache, hs.v_cache, *args[6:])
+    assert np.isnan(hs.k_cache).all() and np.isnan(hs.v_cache).all()
+
+
+def test_build_is_cached_and_keyed_by_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path))
+    p1 = K.build_library(["-DLLS_FORCE_SCALAR"])
+    assert p1.parent == tmp_path / "kernels" and p1.exists()
+    mtime = p1.stat().st_mtime_ns
+    assert K.build_library(["-DLLS_FORCE_SCALAR"]) == p1 and p1.stat().st_mtime_ns == mtime
+    assert not list(p1.parent.glob("*.tmp.so"))
+
+
+def test_missing_compiler_is_reported(monkeypatch):
+    monkeypatch.setenv("LLM_SERVING_CXX", "definitely-not-a-compiler-xyz")
+    with pytest.raises(K.KernelBuildError, match="g\\+\\+"):
+        K.build_library(["-DSOMETHING_NEW"])
+
+
+# ---------------------------------------------------------------------------------------------
+# MindSpore bridge
+
+
+@pytest.fixture(scope="module")
+def ms():
+    mindspore = pytest.importorskip("mindspore")
+    mindspore.runtime.launch_blocking()
+    return mindspore
+
+
+def test_mindspore_bridge_ctypes(ms):
+    h, kvh, d = 8, 2, 64
+    hs = PagedHarness(num_blocks=64, block_size=16, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=21)
+    for step, work in enumerate(MIXED_STEPS):
+        inp = hs.make_step(work)
+        ref = hs.commit(work, inp)
+        T = inp["query"].shape[0]
+        if step % 2 == 0:
+            q = ms.Tensor(inp["query"].reshape(T, h * d))
+            k = ms.Tensor(inp["key"].reshape(T, kvh * d))
+            v = ms.Tensor(inp["value"].reshape(T, kvh * d))
+        else:  # views of a fused QKV tensor (not contiguous)
+            qkv = ms.Tensor(np.concatenate([inp["query"].reshape(T, -1), inp["key"].reshape(T, -1),
+                                            inp["value"].reshape(T, -1)], axis=1)) * 1.0
+            q, k, v = ms.ops.split(qkv, [h * d, kvh * d, kvh * d], axis=1)
+        out = K.attention_forward(q, k, v, hs.k_cache, hs.v_cache, inp["slot_mapping"],
+                                  inp["block_tables"], inp["query_start_loc"], inp["seq_lens"],
+                                  hs.scale)
+        assert isinstance(out, ms.Tensor) and out.shape == (T, h * d)
+        assert_close(out.asnumpy().reshape(T, h, d), ref)
+        # the output tensor is usable by MindSpore ops
+        assert_close((out * 2.0).asnumpy().reshape(T, h, d), 2.0 * ref)
+    hs.check_cache()
+
+
+def _aot_inputs(ms, inp, h, kvh, d, scale):
+    T = inp["query"].shape[0]
+    return [ms.Tensor(inp["query"].reshape(T, h * d)), ms.Tensor(inp["key"].reshape(T, kvh * d)),
+            ms.Tensor(inp["value"].reshape(T, kvh * d))], [
+        ms.Tensor(inp["slot_mapping"]), ms.Tensor(inp["block_tables"]),
+        ms.Tensor(inp["query_start_loc"]), ms.Tensor(inp["seq_lens"]),
+        ms.Tensor(np.array([scale], np.float32))]
+
+
+def test_mindspore_bridge_aot_updates_cache_in_place(ms):
+    h, kvh, d = 8, 2, 64
+    hs = PagedHarness(num_blocks=64, block_size=16, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=22)
+    kc = ms.Parameter(ms.Tensor(np.zeros_like(hs.k_cache)), name="kc")
+    vc = ms.Parameter(ms.Tensor(np.zeros_like(hs.v_cache)), name="vc")
+    op = K.aot_attention_op()
+    for work in MIXED_STEPS[:3]:
+        inp = hs.make_step(work)
+        ref = hs.commit(work, inp)
+        qkv, meta = _aot_inputs(ms, inp, h, kvh, d, hs.scale)
+        out = op(*qkv, kc, vc, *meta)
+        T = inp["query"].shape[0]
+        assert_close(out.asnumpy().reshape(T, h, d), ref)
+    # the cache tensors really changed, in place
+    hs.k_cache[...] = kc.asnumpy()
+    hs.v_cache[...] = vc.asnumpy()
+    hs.check_cache()
+
+
+def test_mindspore_bridge_aot_in_jit(ms):
+    h, kvh, d = 4, 4, 64
+    hs = PagedHarness(num_blocks=32, block_size=16, h=h, kvh=kvh, d=d, max_blocks_per_seq=8, seed=23)
+    kc = ms.Parameter(ms.Tensor(np.zeros_like(hs.k_cache)), name="kc_jit")
+    vc = ms.Parameter(ms.Tensor(np.zeros_like(hs.v_cache)), name="vc_jit")
+    op = K.aot_attention_op()
+
+    @ms.jit
+    def step(q, k, v, sm, bt, qsl, sl, sc):
+        return op(q, k, v, kc, vc, sm, bt, qsl, sl, sc) * 1.0
+
+    for work in ([(0, 12), (1, 7)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]):
+        inp = hs.make_step(work)
+        ref = hs.commit(work, inp)
+        qkv, meta = _aot_inputs(ms, inp, h, kvh, d, hs.scale)
+        out = step(*qkv, *meta)
+        T = inp["query"].shape[0]
+        assert_close(out.asnumpy().reshape(T, h, d), ref)
+    hs.k_cache[...] = kc.asnumpy()
+    hs.v_cache[...] = vc.asnumpy()
+    hs.check_cache()

@@ -1,0 +1,166 @@
+"""The random-weight model builder: deterministic, HF-loadable, with a real tokenizer."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_serving import tiny_model
+from llm_serving.tiny_model import default_model_dir, ensure_tiny_model, make_tiny_model
+
+
+def _files(d):
+    return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir())}
+
+
+def test_deterministic(tmp_path):
+    a = make_tiny_model(str(tmp_path / "a"), num_shards=2, rope_scaling="llama3")
+    b = make_tiny_model(str(tmp_path / "b"), num_shards=2, rope_scaling="llama3")
+    fa, fb = _files(a), _files(b)
+    assert sorted(fa) == sorted(fb)
+    for name in fa:
+        assert fa[name] == fb[name], name
+    c = make_tiny_model(str(tmp_path / "c"), num_shards=2, rope_scaling="llama3", seed=1)
+    assert _files(c)["model-00001-of-00002.safetensors"] != fa["model-00001-of-00002.safetensors"]
+
+
+def test_files_and_config(tmp_path):
+    d = Path(make_tiny_model(str(tmp_path / "m")))
+    names = {p.name for p in d.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "generation_config.json"} <= names
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["vocab_size"] == 1024 and cfg["hidden_size"] == 64 and cfg["num_key_value_heads"] == 2
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [2, 4] and gen["bos_token_id"] == 1
+
+
+def test_sharded_tied_qwen2(tmp_path):
+    from safetensors.numpy import load_file
+
+    d = Path(make_tiny_model(str(tmp_path / "m"), num_shards=3, tie_word_embeddings=True, qkv_bias=True))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    tensors = {}
+    for s in shards:
+        part = load_file(str(d / s))
+        assert all(index["weight_map"][k] == s for k in part)
+        tensors.update(part)
+    assert set(tensors) == set(index["weight_map"])
+    assert "lm_head.weight" not in tensors
+    assert tensors["model.layers.0.self_attn.q_proj.bias"].shape == (64,)
+    assert tensors["model.layers.1.self_attn.k_proj.bias"].shape == (32,)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["tie_word_embeddings"] is True
+
+
+def test_loads_in_transformers_and_generates(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    from llm_serving.tokenizer import Tokenizer
+
+    d = make_tiny_model(str(tmp_path / "m"), rope_scaling="llama3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(d)
+    ours = Tokenizer.from_pretrained(d)
+    assert len(hf_tok) == ours.vocab_size == model.config.vocab_size == 1024
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+
+    # every file tensor is in the HF model, with the same values
+    state = model.state_dict()
+    for name, arr in load_file(str(Path(d) / "model.safetensors")).items():
+        np.testing.assert_array_equal(state[name].numpy(), arr)
+
+    ids = hf_tok("Give three tips for staying healthy.", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == ours.bos_token_id == 1
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=32, do_sample=False)
+        logits = model(out).logits[0].numpy()
+    gen = out[0, ids.shape[1]:].tolist()
+    assert len(set(gen)) >= 8, gen  # not the same token forever
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    assert np.median(top2[:, 1] - top2[:, 0]) > 0.05  # greedy choices are not near-ties
+
+
+@pytest.mark.parametrize("kwargs", [dict(tie_word_embeddings=True), dict(qkv_bias=True, num_kv_heads=4)])
+def test_variants_load_in_transformers(tmp_path, kwargs):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = make_tiny_model(str(tmp_path / "m"), **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ids = torch.tensor([[1, 100, 200, 300]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert len(set(out[0, 4:].tolist())) >= 4
+
+
+def test_tokenizer_vocab_size_matches_config(tmp_path):
+    from llm_serving.tokenizer import Tokenizer
+
+    for vocab in (300, 1024, 2000):
+        d = make_tiny_model(str(tmp_path / f"v{vocab}"), vocab_size=vocab, num_layers=1)
+        tok = Tokenizer.from_pretrained(d)
+        assert tok.vocab_size == vocab
+        assert json.loads((Path(d) / "config.json").read_text())["vocab_size"] == vocab
+        assert tok.convert_ids_to_tokens([0, 1, 2, 3, 4]) == ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_bf16_weights_are_rounded_float32(tmp_path):
+    from llm_serving.model_executor.loader import iter_weights
+
+    a = dict(iter_weights(make_tiny_model(str(tmp_path / "f32"), num_layers=1)))
+    b = dict(iter_weights(make_tiny_model(str(tmp_path / "bf16"), num_layers=1, dtype="bfloat16")))
+    assert set(a) == set(b)
+    for k in a:
+        assert b[k].dtype == np.float32
+        np.testing.assert_allclose(b[k], a[k], rtol=2**-8, atol=0)
+
+
+def test_corpus_is_the_bundled_alpaca():
+    texts, source = tiny_model.corpus_texts()
+    assert source.endswith(os.path.join("clients", "data", "alpaca_521.json"))
+    assert len(texts) > 1000
+
+
+def test_default_dir_and_ensure(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
+    d = default_model_dir()
+    assert d == str(tmp_path / "home" / "models" / "tiny-llama")
+    assert ensure_tiny_model() == d
+    assert (Path(d) / "config.json").is_file() and (Path(d) / "model.safetensors").is_file()
+    mtime = (Path(d) / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model() == d  # present: not rewritten
+    assert (Path(d) / "model.safetensors").stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in Path(d).parent.iterdir()) == ["tiny-llama"]  # no temp dirs left
+    other = ensure_tiny_model(str(tmp_path / "x" / "y"))
+    assert _files(other) == _files(d)
+    monkeypatch.delenv("LLM_SERVING_HOME")
+    assert default_model_dir() == str(Path.home() / ".cache" / "llm_serving" / "models" / "tiny-llama")
+
+
+def test_cli(tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert tiny_model.main(["--out", str(out), "--num-layers", "1", "--vocab-size", "512",
+                            "--qkv-bias", "--rope-scaling", "llama3", "--num-shards", "2"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == 512
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert cfg["rope_scaling"]["rope_type"] == "llama3"
+    assert (out / "model.safetensors.index.json").is_file()
+    assert tiny_model.PRESETS["bench"] == dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                                               intermediate_size=2048, vocab_size=8000)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        make_tiny_model(str(tmp_path / "m"), num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="dtype"):
+        make_tiny_model(str(tmp_path / "m"), dtype="int8")
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_tiny_model(str(tmp_path / "m"), vocab_size=100)
