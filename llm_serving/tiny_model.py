@@ -129,10 +129,11 @@ def ensure_tiny_model(path: Optional[str] = None) -> str:
         make_tiny_model(str(tmp))
         try:
             os.rename(tmp, target)
-        except OSError:
+        except OSError as e:
             # Someone else finished first (target exists and is not empty): use theirs.
             if not (target / "config.json").is_file():
-                raise
+                raise OSError(f"cannot create the tiny model at {str(target)!r}: the directory exists but "
+                              f"holds no config.json (remove it and retry) [{e}]") from e
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

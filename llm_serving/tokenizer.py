@@ -154,11 +154,8 @@ class _HFBackend:
         text = self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._cleanup else text
 
-    def id_to_token(self, tid: int) -> str:
-        tok = self.tok.id_to_token(int(tid))
-        if tok is None:
-            raise IndexError(f"token id {tid} is out of range for a vocabulary of {self.vocab_size}")
-        return tok
+    def id_to_token(self, tid: int) -> Optional[str]:
+        return self.tok.id_to_token(int(tid))
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self.tok.token_to_id(token)
@@ -352,14 +349,14 @@ class _SentencePieceBackend:
                     ids.extend(self.sp_plain.encode(seg))
         return ids
 
-    def id_to_token(self, tid: int) -> str:
+    def id_to_token(self, tid: int) -> Optional[str]:
         tid = int(tid)
         tok = self.id_to_added.get(tid)
         if tok is not None:
             return tok
         if 0 <= tid < self.n_pieces:
             return self.sp_plain.id_to_piece(tid)
-        raise IndexError(f"token id {tid} is out of range for a vocabulary of {self.vocab_size}")
+        return None
 
     def token_to_id(self, token: str) -> Optional[int]:
         t = self.added.get(token)
@@ -376,7 +373,8 @@ class _SentencePieceBackend:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         if skip_special_tokens:
             ids = [i for i in ids if int(i) not in self.special_ids]
-        return self.tokens_to_string([self.id_to_token(i) for i in ids])
+        tokens = [self.id_to_token(i) for i in ids]
+        return self.tokens_to_string([t for t in tokens if t is not None])  # unknown ids: skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,7 +563,8 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> List[str]:
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> List[Optional[str]]:
+        """Token strings; None for ids outside the vocabulary (as transformers), which decode skips."""
         return [self._backend.id_to_token(i) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: Iterable[str]) -> List[Optional[int]]:
@@ -611,15 +610,14 @@ class Tokenizer:
                 f"the model {self.name_or_path or '(unnamed)'} has no chat template (no chat_template in "
                 "tokenizer_config.json or chat_template.jinja); supply one with --chat-template"
             )
-        context: Dict[str, Any] = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "unk_token": self.unk_token or "",
-            "pad_token": self.pad_token or "",
-            "additional_special_tokens": _extra_special_token_strings(self._config),
-            "tools": None,
-            "documents": None,
-        }
+        context: Dict[str, Any] = {"tools": None, "documents": None}
+        # like transformers: the special tokens the tokenizer has (unset ones stay undefined)
+        for key in _SPECIAL_TOKEN_KEYS:
+            if getattr(self, key) is not None:
+                context[key] = getattr(self, key)
+        extra = _extra_special_token_strings(self._config)
+        if extra:
+            context["additional_special_tokens"] = extra
         context.update(_plain(kwargs))
         context["messages"] = _plain(list(messages))
         context["add_generation_prompt"] = add_generation_prompt

@@ -198,3 +198,11 @@ def test_special_tokens_skipped_or_kept(tok):
     ids = tok.encode("<|im_start|>hi<|im_end|></s>", add_special_tokens=False)
     assert "".join(run(tok, ids)[0]) == "hi"
     assert "".join(run(tok, ids, skip_special_tokens=False)[0]) == "<|im_start|>hi<|im_end|></s>"
+
+
+def test_ids_outside_tokenizer_vocab_are_skipped(tok, sp_tok):
+    for t in (tok, sp_tok):
+        ids = t.encode("hi there", add_special_tokens=False)
+        ids = ids[:1] + [t.vocab_size + 5] + ids[1:]
+        assert t.convert_ids_to_tokens([t.vocab_size + 5]) == [None]
+        assert "".join(run(t, ids)[0]) == t.decode(ids) == "hi there"

@@ -164,3 +164,32 @@ def test_bad_arguments(tmp_path):
         make_tiny_model(str(tmp_path / "m"), dtype="int8")
     with pytest.raises(ValueError, match="vocab_size"):
         make_tiny_model(str(tmp_path / "m"), vocab_size=100)
+
+
+def test_ensure_concurrent_and_blocked(tmp_path):
+    import threading
+
+    target = str(tmp_path / "shared" / "tiny-llama")
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(ensure_tiny_model(target))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [target] * 3
+    assert sorted(p.name for p in Path(target).parent.iterdir()) == ["tiny-llama"]
+    assert _files(target) == _files(make_tiny_model(str(tmp_path / "ref")))
+
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "junk").write_text("x")
+    with pytest.raises(OSError, match="no config.json"):
+        ensure_tiny_model(str(blocked))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "ref", "shared"]

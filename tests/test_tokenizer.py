@@ -182,6 +182,12 @@ def test_chat_template_helpers(tiny_dir):
     assert len(tok.apply_chat_template([], chat_template="{{ strftime_now('%Y') }}")) == 4
     with pytest.raises(jinja2.TemplateError, match="no system"):
         tok.apply_chat_template([], chat_template="{{ raise_exception('no system') }}")
+    gen = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    assert tok.apply_chat_template([{"role": "assistant", "content": "x"}], chat_template=gen) == "x"
+    loop = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                                   chat_template=loop) == "a"
+    assert tok.apply_chat_template([], chat_template="{{ pad_token is defined }}") == "False"
     with pytest.raises(jinja2.exceptions.SecurityError):  # sandboxed: inputs are immutable
         tok.apply_chat_template([], chat_template="{{ messages.append(1) }}")
 

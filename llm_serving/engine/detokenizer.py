@@ -106,7 +106,10 @@ class IncrementalDetokenizer:
     def _ids_to_tokens(self, ids: Sequence[int]) -> List[str]:
         if self.skip_special_tokens and self._special:
             ids = [i for i in ids if i not in self._special]
-        return self.tokenizer.convert_ids_to_tokens(ids) if ids else []
+        if not ids:
+            return []
+        # ids outside the tokenizer's vocabulary (a model vocab padded past it) have no text
+        return [t for t in self.tokenizer.convert_ids_to_tokens(ids) if t is not None]
 
     def _context_start(self, context: List[str]) -> int:
         """Where the prompt context starts: 5 tokens back, or further back if that would start in

@@ -44,8 +44,8 @@ class LlamaAttention(nn.Cell):
             config.hidden_size,
             [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
             config.qkv_bias, tp_rank, tp_size, "column")
-        self.o_proj = Linear(config.num_heads * d, [config.hidden_size], False, tp_rank,
-                             tp_size, "row")
+        self.o_proj = Linear(config.num_heads * d, [config.hidden_size], config.o_bias,
+                             tp_rank, tp_size, "row")
         self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
         self.attn = Attention(backend, layer_idx)

@@ -72,7 +72,7 @@ BASE_FLAGS: Tuple[str, ...] = (
     "-std=c++17",
     "-march=native",
     "-mprefer-vector-width=512",
-    "-fopenmp",
+    "-pthread",
     "-fPIC",
     "-shared",
     "-fno-math-errno",
@@ -311,7 +311,53 @@ def _check_i32(x: np.ndarray, name: str, ndim: int) -> None:
 
 
 def _ptr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+    return a.ctypes.data
+
+
+# Validated layout of long-lived arrays, memoised by identity. The memo holds strong references,
+# so an id cannot be reused while its entry exists; contents may change between calls (the
+# kernel validates block ids and slots on every call), shapes and addresses cannot.
+_MEMO_MAX = 128
+_cache_memo: dict = {}
+_meta_memo: list = [None]
+
+
+def _memo_put(memo: dict, key, value) -> None:
+    if len(memo) >= _MEMO_MAX:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
+
+
+def _cache_info(k_cache: np.ndarray, v_cache: np.ndarray):
+    """(k_ptr, v_ptr, num_blocks, block_size, num_kv_heads, head_dim)"""
+    e = _cache_memo.get(id(k_cache))
+    if e is not None and e[0] is k_cache and e[1] is v_cache and k_cache.shape == e[3]:
+        return e[2]
+    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    info = (k_cache.ctypes.data, v_cache.ctypes.data, nb, bs, kvh, d)
+    _memo_put(_cache_memo, id(k_cache), (k_cache, v_cache, info, k_cache.shape))
+    return info
+
+
+def _meta_info(slot_mapping, block_tables, query_start_loc, seq_lens):
+    """(slot_ptr or 0, num_slots_tokens, bt_ptr, max_blocks, qsl_ptr, sl_ptr, num_seqs) for the
+    per-step metadata; the last set is memoised (all layers of a step pass the same arrays)."""
+    e = _meta_memo[0]
+    if (e is not None and e[0] is slot_mapping and e[1] is block_tables
+            and e[2] is query_start_loc and e[3] is seq_lens and e[5] == block_tables.shape
+            and e[6] == seq_lens.shape):
+        return e[4]
+    s = _check_meta(block_tables, query_start_loc, seq_lens)
+    if slot_mapping is not None:
+        _check_i32(slot_mapping, "slot_mapping", 1)
+        sm_ptr, n_sm = slot_mapping.ctypes.data, slot_mapping.shape[0]
+    else:
+        sm_ptr, n_sm = 0, 0
+    info = (sm_ptr, n_sm, block_tables.ctypes.data, block_tables.shape[1],
+            query_start_loc.ctypes.data, seq_lens.ctypes.data, s)
+    _meta_memo[0] = (slot_mapping, block_tables, query_start_loc, seq_lens, info,
+                     block_tables.shape, seq_lens.shape)
+    return info
 
 
 def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
@@ -319,7 +365,7 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
     """Write key/value rows [T, KVH, D] (or [T, KVH*D]) into their cache slots in place.
 
     A negative slot skips the row (padding)."""
-    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    kc, vc, nb, bs, kvh, d = _cache_info(k_cache, v_cache)
     t, _, ks = _rows(key, "key", kvh, d)
     tv, _, vs = _rows(value, "value", kvh, d)
     _check_i32(slot_mapping, "slot_mapping", 1)
@@ -327,8 +373,8 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
         raise KernelArgumentError(
             f"key, value and slot_mapping disagree on the number of tokens: {t}, {tv}, "
             f"{slot_mapping.shape[0]}")
-    rc = _lib().lls_reshape_and_cache(_ptr(key), ks, _ptr(value), vs, _ptr(k_cache),
-                                      _ptr(v_cache), _ptr(slot_mapping), t, kvh, d, nb * bs)
+    rc = _lib().lls_reshape_and_cache(_ptr(key), ks, _ptr(value), vs, kc, vc,
+                                      _ptr(slot_mapping), t, kvh, d, nb * bs)
     if rc:
         _raise(rc, "reshape_and_cache")
 
@@ -365,16 +411,14 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     query: [T, H, D] or [T, H*D] float32 (rows may be strided). Sequence s owns rows
     query_start_loc[s]:query_start_loc[s+1]; its context after this step is seq_lens[s] tokens,
     already in the cache. Returns out (same shape as query)."""
-    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    kc, vc, nb, bs, kvh, d = _cache_info(k_cache, v_cache)
     t, h, qs = _rows(query, "query", None, d)
     if h % kvh:
         raise KernelArgumentError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    s = _check_meta(block_tables, query_start_loc, seq_lens)
+    _, _, btp, mb, qslp, slp, s = _meta_info(None, block_tables, query_start_loc, seq_lens)
     out, os_ = _out_for(query, t, h, d, out)
-    rc = _lib().lls_paged_attention(
-        _ptr(query), qs, _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.shape[1],
-        _ptr(query_start_loc), _ptr(seq_lens), s, t, h, kvh, d, bs, nb, float(scale), _ptr(out),
-        os_)
+    rc = _lib().lls_paged_attention(_ptr(query), qs, kc, vc, btp, mb, qslp, slp, s, t, h, kvh, d,
+                                    bs, nb, float(scale), _ptr(out), os_)
     if rc:
         _raise(rc, "paged_attention")
     return out
@@ -385,23 +429,21 @@ def attention_fused(query: np.ndarray, key: np.ndarray, value: np.ndarray, k_cac
                     query_start_loc: np.ndarray, seq_lens: np.ndarray, scale: float,
                     out: Optional[np.ndarray] = None) -> np.ndarray:
     """reshape_and_cache(key, value, ...) followed by paged_attention(query, ...), one call."""
-    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    kc, vc, nb, bs, kvh, d = _cache_info(k_cache, v_cache)
     t, h, qs = _rows(query, "query", None, d)
     if h % kvh:
         raise KernelArgumentError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
     tk, _, ks = _rows(key, "key", kvh, d)
     tv, _, vs = _rows(value, "value", kvh, d)
-    _check_i32(slot_mapping, "slot_mapping", 1)
-    if tv != tk or slot_mapping.shape[0] != tk:
+    smp, nsm, btp, mb, qslp, slp, s = _meta_info(slot_mapping, block_tables, query_start_loc,
+                                                  seq_lens)
+    if tv != tk or nsm != tk:
         raise KernelArgumentError(
-            f"key, value and slot_mapping disagree on the number of tokens: {tk}, {tv}, "
-            f"{slot_mapping.shape[0]}")
-    s = _check_meta(block_tables, query_start_loc, seq_lens)
+            f"key, value and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
     out, os_ = _out_for(query, t, h, d, out)
-    rc = _lib().lls_attention_fused(
-        _ptr(query), qs, _ptr(key), ks, _ptr(value), vs, _ptr(k_cache), _ptr(v_cache),
-        _ptr(slot_mapping), tk, _ptr(block_tables), block_tables.shape[1], _ptr(query_start_loc),
-        _ptr(seq_lens), s, t, h, kvh, d, bs, nb, float(scale), _ptr(out), os_)
+    rc = _lib().lls_attention_fused(_ptr(query), qs, _ptr(key), ks, _ptr(value), vs, kc, vc, smp,
+                                    tk, btp, mb, qslp, slp, s, t, h, kvh, d, bs, nb, float(scale),
+                                    _ptr(out), os_)
     if rc:
         _raise(rc, "attention_fused")
     return out
@@ -430,6 +472,16 @@ def _tensor_rows(x, name: str, width_unit: int) -> Tuple[int, int, int]:
 
 
 _ms_f32 = None
+_ms_tensor_cls = None
+
+
+def _ms_tensor():
+    global _ms_tensor_cls
+    if _ms_tensor_cls is None:
+        from mindspore import Tensor
+
+        _ms_tensor_cls = Tensor
+    return _ms_tensor_cls
 
 
 def _ms_float32():
@@ -454,9 +506,7 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
 
     PyNative must run with ``mindspore.runtime.launch_blocking()`` (or the inputs must otherwise
     be computed already): the kernel reads the tensors' memory directly."""
-    from mindspore import Tensor
-
-    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    kc, vc, nb, bs, kvh, d = _cache_info(k_cache, v_cache)
     qp, t, qs = _tensor_rows(q, "q", d)
     kp, tk, ks = _tensor_rows(k, "k", d)
     vp, tv, vs = _tensor_rows(v, "v", d)
@@ -465,20 +515,17 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
         raise KernelArgumentError(f"k and v must be [T, {kvh * d}], got {k.shape} and {v.shape}")
     if h % kvh:
         raise KernelArgumentError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    _check_i32(slot_mapping, "slot_mapping", 1)
-    if tk != tv or slot_mapping.shape[0] != tk:
+    smp, nsm, btp, mb, qslp, slp, s = _meta_info(slot_mapping, block_tables, query_start_loc,
+                                                  seq_lens)
+    if tk != tv or nsm != tk:
         raise KernelArgumentError(
-            f"k, v and slot_mapping disagree on the number of tokens: {tk}, {tv}, "
-            f"{slot_mapping.shape[0]}")
-    s = _check_meta(block_tables, query_start_loc, seq_lens)
+            f"k, v and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
     out = np.empty((t, h * d), dtype=np.float32)
-    rc = _lib().lls_attention_fused(
-        qp, qs, kp, ks, vp, vs, _ptr(k_cache), _ptr(v_cache), _ptr(slot_mapping), tk,
-        _ptr(block_tables), block_tables.shape[1], _ptr(query_start_loc), _ptr(seq_lens), s, t, h,
-        kvh, d, bs, nb, float(scale), _ptr(out), h * d)
+    rc = _lib().lls_attention_fused(qp, qs, kp, ks, vp, vs, kc, vc, smp, tk, btp, mb, qslp, slp, s,
+                                    t, h, kvh, d, bs, nb, float(scale), out.ctypes.data, h * d)
     if rc:
         _raise(rc, "attention_forward")
-    return Tensor.from_numpy(out)
+    return _ms_tensor().from_numpy(out)
 
 
 # ---------------------------------------------------------------------------------------------

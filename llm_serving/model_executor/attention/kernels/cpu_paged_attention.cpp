@@ -14,12 +14,15 @@
 // describes the problem. Nothing is written to the caches or the output when input validation
 // fails.
 //
-// Work split: one work item = (sequence, block of query rows, kv head). All query heads of a kv
-// head group are processed together so each K/V row is read once per item. Items are spread over
-// OpenMP threads with dynamic scheduling, most expensive first. Inside an item the context is
-// walked in tiles of 16 positions with an online (running max) softmax. The AVX-512 path computes
-// 16 q.k dot products per tile and reduces them with a transpose tree; a portable scalar path is
-// compiled when AVX-512 is unavailable.
+// Work split: one work item = (sequence, block of query rows, range of kv heads). All query heads
+// of a kv head group are processed together so each K/V row is read once per item; decode batches
+// take all kv heads of a sequence per item so that whole cache rows stream from memory. Items are
+// handed out dynamically (an atomic counter), most expensive first, to the calling thread and the
+// helper threads of a small pool (see ThreadPool below for why not OpenMP's runtime; build with
+// -DLLS_USE_OPENMP -fopenmp for an OpenMP "parallel for schedule(dynamic)" version). Inside an
+// item the context is walked in tiles of 16 positions with an online (running max) softmax. The
+// AVX-512 path computes 16 q.k dot products per tile and reduces them with a transpose tree; a
+// portable scalar path is compiled when AVX-512 is unavailable (or with -DLLS_FORCE_SCALAR).
 
 #include <algorithm>
 #include <cmath>
@@ -32,7 +35,18 @@
 #include <new>
 #include <vector>
 
-#ifdef _OPENMP
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(LLS_USE_OPENMP) && defined(_OPENMP)
 #include <omp.h>
 #endif
 
@@ -67,11 +81,160 @@ int set_error(int code, const char* fmt, ...) {
   return code;
 }
 
+int default_threads() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 int num_threads() {
-#ifdef _OPENMP
-  return g_num_threads > 0 ? g_num_threads : omp_get_max_threads();
+  static const int def = default_threads();
+  return g_num_threads > 0 ? g_num_threads : def;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread pool.
+//
+// Why not OpenMP's runtime: the process already has libgomp loaded by MindSpore, configured
+// before we load. By default its threads spin about 300,000 pause instructions (~10 ms here)
+// at every barrier and after every parallel region. On two cores that steals a core from
+// MindSpore's own compute threads after each attention call, and when anything else is
+// runnable the spinning thread and a descheduled teammate wait on each other for whole
+// scheduler ticks (measured: a B=16 decode going from 1.0 ms to 8 ms under load). The wait
+// policy can only be changed through environment variables read when libgomp loads.
+//
+// This pool: the caller and up to nthreads-1 helpers take items from an atomic counter. Helpers
+// spin briefly (~30 us) for the next job and then sleep on a futex. The caller waits only for
+// helpers that actually joined the job (they are running items), never for a helper that has
+// not woken up yet, so a descheduled helper cannot stall a call. Concurrent callers do not
+// block: if the pool is busy the call runs on the calling thread.
+
+typedef void (*TaskFn)(void* ctx, int64_t i);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
 #else
-  return 1;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
+class ThreadPool {
+ public:
+  void run(TaskFn fn, void* ctx, int64_t n, int nthreads) {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock() || nthreads <= 1 || n <= 1) {
+      for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+      return;
+    }
+    ensure_helpers(nthreads - 1);
+    fn_ = fn;
+    ctx_ = ctx;
+    n_ = n;
+    allowed_ = nthreads - 1;
+    next_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;  // odd: job open
+    state_.store(gen << 32, std::memory_order_release);
+    wake_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&wake_);
+    for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < n;) fn(ctx, i);
+    // close the job once no helper is inside it (active count 0)
+    for (int spins = 0;; ++spins) {
+      uint64_t open = gen << 32;
+      if (state_.compare_exchange_weak(open, (gen + 1) << 32, std::memory_order_acq_rel,
+                                       std::memory_order_relaxed))
+        break;
+      if (spins < kCallerSpins) cpu_relax();
+      else std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int kIdleSpins = 1000;   // x ~32 ns pause
+  static constexpr int kCallerSpins = 4000;
+
+  static void futex_wait(std::atomic<uint32_t>* w, uint32_t val) {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), FUTEX_WAIT_PRIVATE, val, nullptr, nullptr, 0);
+#else
+    std::this_thread::yield();
+#endif
+  }
+  static void futex_wake_all(std::atomic<uint32_t>* w) {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), FUTEX_WAKE_PRIVATE, 0x7fffffff, nullptr, nullptr, 0);
+#endif
+  }
+
+  void ensure_helpers(int k) {
+    while ((int)nthreads_ < k) {
+      const int idx = nthreads_++;
+      std::thread(&ThreadPool::helper, this, idx).detach();
+    }
+  }
+
+  void helper(int idx) {
+    uint64_t last_gen = 0;
+    uint32_t seen = wake_.load(std::memory_order_acquire);
+    for (;;) {
+      uint64_t s = state_.load(std::memory_order_acquire);
+      const uint64_t gen = s >> 32;
+      if ((gen & 1) && gen != last_gen) {
+        if (idx >= allowed_.load(std::memory_order_relaxed)) {
+          last_gen = gen;
+          continue;
+        }
+        if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel,
+                                         std::memory_order_relaxed)) {
+          last_gen = gen;
+          const int64_t n = n_;
+          const TaskFn fn = fn_;
+          void* ctx = ctx_;
+          for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < n;) fn(ctx, i);
+          state_.fetch_sub(1, std::memory_order_release);
+        }
+        continue;
+      }
+      // no open job we have not served: wait for the next one
+      const uint32_t w = wake_.load(std::memory_order_acquire);
+      if (w != seen) { seen = w; continue; }
+      int spins = 0;
+      while (wake_.load(std::memory_order_acquire) == w && spins < kIdleSpins) { cpu_relax(); ++spins; }
+      if (wake_.load(std::memory_order_acquire) == w) {
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if (wake_.load(std::memory_order_seq_cst) == w) futex_wait(&wake_, w);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+      }
+    }
+  }
+
+  std::mutex mu_;                      // one job at a time
+  std::atomic<uint64_t> state_{0};     // (generation << 32) | helpers inside the job
+  std::atomic<uint32_t> wake_{0};      // futex word, bumped for every job
+  std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int> allowed_{0};
+  int nthreads_ = 0;
+  int64_t n_ = 0;
+  TaskFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+};
+
+ThreadPool& pool() {
+  static ThreadPool* p = new ThreadPool();  // never destroyed: helpers are detached
+  return *p;
+}
+
+// Run fn(ctx, i) for i in [0, n), in parallel when `parallel`.
+void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel) {
+  const int nt = parallel ? num_threads() : 1;
+#if defined(LLS_USE_OPENMP) && defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+  for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+#else
+  pool().run(fn, ctx, n, nt);
 #endif
 }
 
@@ -177,19 +340,32 @@ int validate_slots(const int32_t* slots, int64_t T, int64_t num_slots) {
 // ---------------------------------------------------------------------------------------------
 // reshape_and_cache
 
-void do_reshape_and_cache(const float* LLS_RESTRICT key, int64_t key_stride,
-                          const float* LLS_RESTRICT value, int64_t value_stride,
-                          float* LLS_RESTRICT k_cache, float* LLS_RESTRICT v_cache,
-                          const int32_t* slots, int64_t T, int64_t row) {
-  const size_t bytes = (size_t)row * sizeof(float);
-  const bool par = T * row >= (1 << 16) && num_threads() > 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads()) if (par)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t s = slots[t];
+struct CacheWriteCtx {
+  const float* key; int64_t key_stride;
+  const float* value; int64_t value_stride;
+  float* k_cache; float* v_cache;
+  const int32_t* slots; int64_t T, row, chunk;
+};
+
+void cache_write_task(void* p, int64_t c) {
+  const CacheWriteCtx& w = *static_cast<const CacheWriteCtx*>(p);
+  const size_t bytes = (size_t)w.row * sizeof(float);
+  const int64_t t1 = std::min(w.T, (c + 1) * w.chunk);
+  for (int64_t t = c * w.chunk; t < t1; ++t) {
+    const int64_t s = w.slots[t];
     if (s < 0) continue;
-    std::memcpy(k_cache + s * row, key + t * key_stride, bytes);
-    std::memcpy(v_cache + s * row, value + t * value_stride, bytes);
+    std::memcpy(w.k_cache + s * w.row, w.key + t * w.key_stride, bytes);
+    std::memcpy(w.v_cache + s * w.row, w.value + t * w.value_stride, bytes);
   }
+}
+
+void do_reshape_and_cache(const float* key, int64_t key_stride, const float* value,
+                          int64_t value_stride, float* k_cache, float* v_cache,
+                          const int32_t* slots, int64_t T, int64_t row) {
+  const int64_t chunk = std::max<int64_t>(1, (1 << 14) / row);  // ~64 KB of K per task
+  CacheWriteCtx w{key, key_stride, value, value_stride, k_cache, v_cache, slots, T, row, chunk};
+  const int64_t ntasks = (T + chunk - 1) / chunk;
+  parallel_for(cache_write_task, &w, ntasks, T * row >= (1 << 16));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -505,6 +681,18 @@ ItemFn pick_item_fn(int64_t D) {
   }
 }
 
+struct AttnTaskCtx {
+  const AttnArgs* a;
+  const Item* items;
+  ItemFn fn;
+};
+
+void attn_task(void* p, int64_t i) {
+  static thread_local Scratch sc;
+  const AttnTaskCtx& c = *static_cast<const AttnTaskCtx*>(p);
+  c.fn(*c.a, c.items[i], sc);
+}
+
 void run_attention(const AttnArgs& a) {
   const int64_t G = a.H / a.KVH;
   const int64_t rows_per_item = std::max<int64_t>(1, kTargetRowsHeads / G);
@@ -553,15 +741,10 @@ void run_attention(const AttnArgs& a) {
       }
     }
   }
-  const ItemFn fn = pick_item_fn(a.D);
+  AttnTaskCtx ctx{&a, items.data(), pick_item_fn(a.D)};
   const int64_t nitems = (int64_t)items.size();
   const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= kParallelMinWork;
-#pragma omp parallel num_threads(nt) if (par)
-  {
-    static thread_local Scratch sc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < nitems; ++i) fn(a, items[i], sc);
-  }
+  parallel_for(attn_task, &ctx, nitems, par);
 }
 
 }  // namespace

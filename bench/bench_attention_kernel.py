@@ -1,0 +1,202 @@
+"""Benchmark the CPU paged-attention kernels and the MindSpore bridge.
+
+    python bench/bench_attention_kernel.py [--ctx 256] [--block-size 16] [--no-mindspore]
+
+Prints
+  1. the kernel alone: decode at B=1,16,64,128 (context --ctx) and a prefill of --prefill
+     tokens; us per call, GB/s of K/V read and GFLOP/s. "cold" rotates over --layers layers of
+     cache like a real step (K/V larger than the L3 cache for B >= 64), "hot" reuses one layer;
+  2. the bridge: us per call of one layer's attention (reshape_and_cache + attention) at B=1 and
+     B=64 through each path, for a 12-layer step: raw ctypes with precomputed arguments, the
+     NumPy API, attention_forward (MindSpore Tensors in/out over ctypes, the default), and
+     ops.Custom "aot" in PyNative and inside mindspore.jit.
+
+The numbers are medians. The machine has two cores; anything else running on it shows up as
+noise (the load average is printed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llm_serving.model_executor.attention import kernels as K  # noqa: E402
+
+H, KVH, D = 12, 12, 64
+SCALE = 1.0 / np.sqrt(D)
+
+
+def median_us(fn, min_reps=20, warm_s=0.3, budget_s=1.5):
+    t_end = time.perf_counter() + warm_s
+    n = 0
+    while time.perf_counter() < t_end or n < 3:
+        fn()
+        n += 1
+    ts = []
+    t_stop = time.perf_counter() + budget_s
+    while len(ts) < min_reps or (time.perf_counter() < t_stop and len(ts) < 2000):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+class Batch:
+    """A decode (q_len 1) or prefill batch over `layers` layers of paged cache."""
+
+    def __init__(self, batch, ctx, qlen, layers, block_size, seed=0):
+        rng = np.random.default_rng(seed)
+        self.B, self.ctx, self.qlen, self.L = batch, ctx, qlen, layers
+        nbps = (ctx + block_size - 1) // block_size
+        nb = batch * nbps
+        self.k = [np.full((nb, block_size, KVH, D), 0.01, np.float32) for _ in range(layers)]
+        self.v = [np.full((nb, block_size, KVH, D), 1.0, np.float32) for _ in range(layers)]
+        self.bt = rng.permutation(nb).astype(np.int32).reshape(batch, nbps)
+        self.T = batch * qlen
+        self.qsl = (np.arange(batch + 1) * qlen).astype(np.int32)
+        self.sl = np.full(batch, ctx, np.int32)
+        pos = np.arange(ctx - qlen, ctx)
+        self.sm = (self.bt[:, pos // block_size] * block_size + pos % block_size).reshape(-1).astype(np.int32)
+        self.q = rng.standard_normal((self.T, H * D)).astype(np.float32)
+        self.kn = rng.standard_normal((self.T, KVH * D)).astype(np.float32)
+        self.vn = rng.standard_normal((self.T, KVH * D)).astype(np.float32)
+        self.out = np.empty_like(self.q)
+        self.i = 0
+
+    def kv_bytes(self):
+        return self.B * self.ctx * KVH * D * 4 * 2
+
+    def flops(self):
+        # QK^T and PV over the causal context of every query row
+        pairs = self.B * (self.qlen * self.ctx - self.qlen * (self.qlen - 1) / 2)
+        return 4.0 * H * D * pairs
+
+    def attention(self):
+        l = self.i % self.L
+        self.i += 1
+        K.paged_attention(self.q, self.k[l], self.v[l], self.bt, self.qsl, self.sl, SCALE, self.out)
+
+    def fused(self):
+        l = self.i % self.L
+        self.i += 1
+        K.attention_fused(self.q, self.kn, self.vn, self.k[l], self.v[l], self.sm, self.bt,
+                          self.qsl, self.sl, SCALE, self.out)
+
+
+def kernel_table(args):
+    print(f"\n## Kernel (H={H}, KVH={KVH}, D={D}, block_size={args.block_size}, "
+          f"threads={K._lib().lls_get_num_threads()}, avx512={K.has_avx512()})")
+    print(f"{'case':28s} {'layers':>6s} {'us/call':>9s} {'GB/s':>7s} {'GFLOP/s':>8s} "
+          f"{'hot us':>8s} {'hot GB/s':>8s} {'fused us':>9s}")
+    cases = [(b, args.ctx, 1) for b in (1, 16, 64, 128)] + [(1, args.prefill, args.prefill)]
+    for b, ctx, qlen in cases:
+        per_layer = b * ctx * KVH * D * 8
+        layers = 1 if qlen > 1 else int(min(args.layers, max(2, -(-args.cold_bytes // per_layer))))
+        bt = Batch(b, ctx, qlen, layers, args.block_size)
+        cold = median_us(bt.attention)
+        fused = median_us(bt.fused)
+        bt.L = 1
+        hot = median_us(bt.attention)
+        name = f"decode B={b} ctx={ctx}" if qlen == 1 else f"prefill {qlen} tokens"
+        print(f"{name:28s} {layers:6d} {cold:9.1f} {bt.kv_bytes() / cold / 1e3:7.1f} "
+              f"{bt.flops() / cold / 1e3:8.1f} {hot:8.1f} {bt.kv_bytes() / hot / 1e3:8.1f} "
+              f"{fused:9.1f}")
+        del bt
+
+
+def bridge_table(args):
+    import mindspore as ms
+
+    ms.runtime.launch_blocking()
+    lib = K.load_library()
+    L = 12
+    print(f"\n## MindSpore bridge: one layer = reshape_and_cache + attention, {L} layers per step, "
+          f"ctx={args.ctx}")
+    print(f"{'path':44s} {'B':>3s} {'us/call':>9s} {'overhead':>9s}")
+    for b in (1, 64):
+        bt = Batch(b, args.ctx, 1, L, args.block_size, seed=1)
+        q, k, v = ms.Tensor(bt.q), ms.Tensor(bt.kn), ms.Tensor(bt.vn)
+        raw_args = [
+            (bt.q.ctypes.data, H * D, bt.kn.ctypes.data, KVH * D, bt.vn.ctypes.data, KVH * D,
+             bt.k[l].ctypes.data, bt.v[l].ctypes.data, bt.sm.ctypes.data, bt.T, bt.bt.ctypes.data,
+             bt.bt.shape[1], bt.qsl.ctypes.data, bt.sl.ctypes.data, b, bt.T, H, KVH, D,
+             args.block_size, bt.k[0].shape[0], float(SCALE), bt.out.ctypes.data, H * D)
+            for l in range(L)]
+
+        def raw():
+            for l in range(L):
+                lib.lls_attention_fused(*raw_args[l])
+
+        def numpy_api():
+            for l in range(L):
+                K.attention_fused(bt.q, bt.kn, bt.vn, bt.k[l], bt.v[l], bt.sm, bt.bt, bt.qsl,
+                                  bt.sl, SCALE, bt.out)
+
+        def ctypes_bridge():
+            for l in range(L):
+                o = K.attention_forward(q, k, v, bt.k[l], bt.v[l], bt.sm, bt.bt, bt.qsl, bt.sl,
+                                        SCALE)
+            return o
+
+        kp = [ms.Parameter(ms.Tensor(bt.k[l]), name=f"bk{b}_{l}") for l in range(L)]
+        vp = [ms.Parameter(ms.Tensor(bt.v[l]), name=f"bv{b}_{l}") for l in range(L)]
+        op = K.aot_attention_op()
+        sc = ms.Tensor(np.array([SCALE], np.float32))
+
+        def aot_pynative():
+            meta = [ms.Tensor(bt.sm), ms.Tensor(bt.bt), ms.Tensor(bt.qsl), ms.Tensor(bt.sl)]
+            for l in range(L):
+                o = op(q, k, v, kp[l], vp[l], *meta, sc)
+            return o
+
+        @ms.jit
+        def jit_step(q, k, v, sm, btab, qsl, sl, sc):
+            o = q
+            for l in range(L):
+                o = op(o, k, v, kp[l], vp[l], sm, btab, qsl, sl, sc)
+            return o
+
+        def aot_jit():
+            meta = [ms.Tensor(bt.sm), ms.Tensor(bt.bt), ms.Tensor(bt.qsl), ms.Tensor(bt.sl)]
+            jit_step(q, k, v, *meta, sc).asnumpy()
+
+        base = None
+        for name, fn in (("raw ctypes, precomputed args (kernel)", raw),
+                         ("NumPy API attention_fused", numpy_api),
+                         ("attention_forward: Tensor in/out, ctypes", ctypes_bridge),
+                         ("ops.Custom aot, PyNative", aot_pynative),
+                         ("ops.Custom aot, 12 layers in one jit", aot_jit)):
+            t = median_us(fn, min_reps=10) / L
+            base = t if base is None else base
+            print(f"{name:44s} {b:3d} {t:9.1f} {t - base:9.1f}")
+        del bt, kp, vp
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ctx", type=int, default=256, help="decode context length")
+    ap.add_argument("--prefill", type=int, default=512, help="prefill length")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=12, help="max layers rotated for 'cold'")
+    ap.add_argument("--cold-bytes", type=int, default=1 << 30,
+                    help="rotate enough layers to touch this many K/V bytes (capped by --layers)")
+    ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
+    ap.add_argument("--no-mindspore", action="store_true", help="skip the bridge table")
+    args = ap.parse_args()
+    K.load_library()
+    K.set_num_threads(args.threads)
+    print(f"load average: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")
+    kernel_table(args)
+    if not args.no_mindspore:
+        bridge_table(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
+vocab 8000, fp32): decode step time at several batch sizes and prefill throughput, against
+the memory-bandwidth floor measured in the same run (weight bytes / read bandwidth with every
+core reading).
+
+    python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes/s of a streaming read of a 1 GiB buffer with all cores (OpenMP, C++)."""
+    import ctypes
+    from pathlib import Path
+    from llm_serving.model_executor.cpp_build import load_cpp_library
+    lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")))
+    lib.sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.sum_f32.restype = ctypes.c_double
+    a = np.ones(n_bytes // 4, np.float32)
+    lib.sum_f32(a.ctypes.data, a.size)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        lib.sum_f32(a.ctypes.data, a.size)
+        best = max(best, n_bytes / (time.perf_counter() - t))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model dir (default: generate the 97M model)")
+    ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    args = ap.parse_args()
+
+    from llm_serving.tiny_model import PRESETS, make_tiny_model
+    model = args.model
+    if model is None:
+        home = os.environ.get("LLM_SERVING_HOME", os.path.expanduser("~/.cache/llm_serving"))
+        model = os.path.join(home, "models", "bench-97m")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            make_tiny_model(model, **PRESETS["bench"])
+
+    bw = read_bandwidth()
+    from llm_serving import LLM, SamplingParams
+    batches = [int(b) for b in args.batches.split(",")]
+    ctx = args.context
+    max_b = max(batches)
+    llm = LLM(model, max_num_seqs=max_b, block_size=16,
+              num_blocks=max_b * ((ctx + args.steps + 20) // 16 + 2),
+              max_num_batched_tokens=max(args.prefill_tokens, max_b))
+    eng = llm.engine
+    mc = eng.model_config
+    weight_bytes = 4 * sum(int(np.prod(p.shape)) for _, p in eng.runner.model.parameters_and_names())
+    if not mc.tie_word_embeddings:     # decode gathers embedding rows; it does not read them all
+        weight_bytes -= 4 * mc.vocab_size * mc.hidden_size
+    floor_ms = weight_bytes / bw * 1e3
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10**6)
+
+    rows = []
+    # Prefill throughput: several prompts of the context length in one ragged step.
+    n_prompts = max(1, args.prefill_tokens // ctx)
+    for rep in range(3):
+        rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
+                                greedy) for _ in range(n_prompts)]
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+        for r in rids:
+            eng.abort_request(r)
+    rows.append(("prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
+                 f"{n_prompts * ctx / dt:.0f} tok/s", ""))
+
+    for b in batches:
+        rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
+                                greedy) for _ in range(b)]
+        while any(s.num_computed_tokens < len(s.prompt_token_ids)
+                  for r in rids for s in eng.requests[r]):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        step_ms = (time.perf_counter() - t) / args.steps * 1e3
+        for r in rids:
+            eng.abort_request(r)
+        rows.append((f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
+                     f"{b / step_ms * 1e3:.0f} tok/s",
+                     f"{step_ms / floor_ms:.2f}x floor" if b == 1 else ""))
+
+    print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
+          f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}")
+    print(f"model: {model} ({weight_bytes / 1e6:.0f} MB of weights read per decode step)")
+    print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s -> batch-1 floor {floor_ms:.1f} ms/step")
+    print()
+    print(f"| {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} | {'vs floor':<11} |")
+    print(f"|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|")
+    for r in rows:
+        print(f"| {r[0]:<14} | {r[1]:<16} | {r[2]:<14} | {r[3]:<12} | {r[4]:<11} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The offline API as a vLLM user calls it, and the errors a user gets for bad input."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_serving import SamplingParams
+from llm_serving.errors import ConfigError, ModelLoadError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generate_accepts_strings_and_token_ids(tiny_llm):
+    tok = tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    text_out, ids_out = tiny_llm.generate(
+        ["Give three tips for staying healthy.",
+         {"prompt_token_ids": tok.encode("Give three tips for staying healthy.")}], params)
+    assert text_out.prompt == "Give three tips for staying healthy."
+    assert text_out.prompt_token_ids == ids_out.prompt_token_ids
+    assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids
+    assert len(text_out.outputs[0].token_ids) == 8
+    assert text_out.outputs[0].finish_reason == "length"
+    assert text_out.outputs[0].text == tok.decode(text_out.outputs[0].token_ids)
+
+
+def test_n_greater_than_one_returns_n_seeded_samples(tiny_llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = tiny_llm.generate("Hello", params)[0]
+    b = tiny_llm.generate("Hello", params)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_seeded_request_is_independent_of_batch_companions(tiny_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = tiny_llm.generate("Tell me a story", params)[0].outputs[0].token_ids
+    crowd = tiny_llm.generate(["Other prompt", "Tell me a story", "x y z"],
+                              [SamplingParams(temperature=1.0, max_tokens=20), params,
+                               SamplingParams(temperature=0.5, max_tokens=5)])
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+def test_logprobs_are_log_probabilities_with_alternatives(tiny_llm):
+    out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=5, logprobs=3,
+                                                    ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry
+        assert entry[token].rank == 1            # greedy picks the most likely token
+        assert entry[token].logprob <= 0.0
+        top = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert len(top) == 3
+        assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+        assert sum(math.exp(lp.logprob) for lp in top) <= 1.0 + 1e-5
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_stop_strings_and_stop_token_ids(tiny_llm):
+    base = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24,
+                                                     ignore_eos=True))[0].outputs[0]
+    # A stop string taken from the middle of the greedy text ends generation there.
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip()
+    out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                    ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    tid = base.token_ids[5]
+    out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24,
+                                                    stop_token_ids=[tid], ignore_eos=True))[0]
+    first = base.token_ids.index(tid)
+    assert out.outputs[0].token_ids == base.token_ids[:first + 1]
+    assert out.outputs[0].stop_reason == tid
+
+
+def test_chat_uses_the_models_chat_template(tiny_llm):
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    out = tiny_llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    tok = tiny_llm.get_tokenizer()
+    expected = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True),
+                          add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    assert expected.count(tok.bos_token_id) == 1
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_bad_model_path_names_the_path(tmp_path):
+    from llm_serving import LLM
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+
+
+def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
+    from llm_serving import LLM
+    bad = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        LLM(str(bad))
+
+
+@pytest.mark.parametrize("kwargs, key", [({"block_size": 0}, "block_size"),
+                                         ({"max_num_seqs": "many"}, "max_num_seqs"),
+                                         ({"no_such_knob": 1}, "no_such_knob")])
+def test_bad_engine_argument_names_the_key(tiny_model_dir, kwargs, key):
+    from llm_serving import LLM
+    with pytest.raises(ConfigError) as e:
+        LLM(tiny_model_dir, **kwargs)
+    assert e.value.key == key
+
+
+def test_bad_sampling_params_name_the_field():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_prompt_longer_than_model_is_refused(tiny_llm):
+    with pytest.raises(ValueError, match="maximum model length"):
+        tiny_llm.generate({"prompt_token_ids": [5] * 5000}, SamplingParams(max_tokens=4))
+    # The engine is still usable afterwards.
+    assert tiny_llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs
+
+
+def test_start_py_runs_the_config_and_broken_config_gives_one_line_error(tiny_model_dir,
+                                                                        tmp_path):
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text(f"pa_config:\n  num_blocks: 64\n  block_size: 16\n"
+                   f"llm_serving:\n  model: {tiny_model_dir}\n")
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
+                          "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "tok/s" in run.stdout
+    cfg.write_text(f"pa_config:\n  block_size: -3\nllm_serving:\n  model: {tiny_model_dir}\n")
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    errors = [l for l in run.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "block_size" in errors[0]
