@@ -11,8 +11,8 @@ Prints
      NumPy API, attention_forward (MindSpore Tensors in/out over ctypes, the default), and
      ops.Custom "aot" in PyNative and inside mindspore.jit.
 
-The numbers are medians. The machine has two cores; anything else running on it shows up as
-noise (the load average is printed first).
+Times are medians and 10th percentiles (p10). The machine has two cores; anything else running
+on it shows up as noise (the load average is printed first); p10 approximates an idle machine.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ H, KVH, D = 12, 12, 64
 SCALE = 1.0 / np.sqrt(D)
 
 
-def median_us(fn, min_reps=20, warm_s=0.3, budget_s=1.5):
+def time_us(fn, min_reps=20, warm_s=0.3, budget_s=1.5):
+    """(median, 10th percentile) of per-call wall time in microseconds."""
     t_end = time.perf_counter() + warm_s
     n = 0
     while time.perf_counter() < t_end or n < 3:
@@ -45,7 +46,27 @@ def median_us(fn, min_reps=20, warm_s=0.3, budget_s=1.5):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e6
+    return float(np.median(ts)) * 1e6, float(np.percentile(ts, 10)) * 1e6
+
+
+def interleaved_us(fns, rounds=8, budget_s=0.15):
+    """Time several functions in alternating rounds (fair under background load).
+    Returns {name: (median, p10)} in microseconds per call."""
+    ts = {name: [] for name in fns}
+    for name, fn in fns.items():  # warm up
+        for _ in range(3):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t_stop = time.perf_counter() + budget_s
+            n = 0
+            while n < 3 or time.perf_counter() < t_stop:
+                t0 = time.perf_counter()
+                fn()
+                ts[name].append(time.perf_counter() - t0)
+                n += 1
+    return {name: (float(np.median(v)) * 1e6, float(np.percentile(v, 10)) * 1e6)
+            for name, v in ts.items()}
 
 
 class Batch:
@@ -93,21 +114,23 @@ class Batch:
 def kernel_table(args):
     print(f"\n## Kernel (H={H}, KVH={KVH}, D={D}, block_size={args.block_size}, "
           f"threads={K._lib().lls_get_num_threads()}, avx512={K.has_avx512()})")
-    print(f"{'case':28s} {'layers':>6s} {'us/call':>9s} {'GB/s':>7s} {'GFLOP/s':>8s} "
-          f"{'hot us':>8s} {'hot GB/s':>8s} {'fused us':>9s}")
+    print("cold: rotating over `layers` layers of cache; hot: one layer (L2/L3 resident); "
+          "fused: reshape_and_cache + attention, cold")
+    print(f"{'case':24s} {'layers':>6s} {'us/call':>9s} {'p10 us':>9s} {'GB/s':>6s} "
+          f"{'p10GB/s':>7s} {'GFLOP/s':>7s} {'hot us':>8s} {'hotGB/s':>7s} {'fused us':>9s}")
     cases = [(b, args.ctx, 1) for b in (1, 16, 64, 128)] + [(1, args.prefill, args.prefill)]
     for b, ctx, qlen in cases:
         per_layer = b * ctx * KVH * D * 8
         layers = 1 if qlen > 1 else int(min(args.layers, max(2, -(-args.cold_bytes // per_layer))))
         bt = Batch(b, ctx, qlen, layers, args.block_size)
-        cold = median_us(bt.attention)
-        fused = median_us(bt.fused)
+        cold, cold10 = time_us(bt.attention)
+        fused, _ = time_us(bt.fused)
         bt.L = 1
-        hot = median_us(bt.attention)
+        hot, hot10 = time_us(bt.attention)
         name = f"decode B={b} ctx={ctx}" if qlen == 1 else f"prefill {qlen} tokens"
-        print(f"{name:28s} {layers:6d} {cold:9.1f} {bt.kv_bytes() / cold / 1e3:7.1f} "
-              f"{bt.flops() / cold / 1e3:8.1f} {hot:8.1f} {bt.kv_bytes() / hot / 1e3:8.1f} "
-              f"{fused:9.1f}")
+        gb = bt.kv_bytes() / 1e3
+        print(f"{name:24s} {layers:6d} {cold:9.1f} {cold10:9.1f} {gb / cold:6.1f} {gb / cold10:7.1f} "
+              f"{bt.flops() / cold10 / 1e3:7.1f} {hot:8.1f} {gb / hot:7.1f} {fused:9.1f}")
         del bt
 
 
@@ -119,7 +142,8 @@ def bridge_table(args):
     L = 12
     print(f"\n## MindSpore bridge: one layer = reshape_and_cache + attention, {L} layers per step, "
           f"ctx={args.ctx}")
-    print(f"{'path':44s} {'B':>3s} {'us/call':>9s} {'overhead':>9s}")
+    print("us/call = step time / 12 (median, 10th percentile); overhead = minus the raw kernel call")
+    print(f"{'path':44s} {'B':>3s} {'us/call':>9s} {'p10 us':>9s} {'overhead':>9s}")
     for b in (1, 64):
         bt = Batch(b, args.ctx, 1, L, args.block_size, seed=1)
         q, k, v = ms.Tensor(bt.q), ms.Tensor(bt.kn), ms.Tensor(bt.vn)
@@ -167,16 +191,66 @@ def bridge_table(args):
             meta = [ms.Tensor(bt.sm), ms.Tensor(bt.bt), ms.Tensor(bt.qsl), ms.Tensor(bt.sl)]
             jit_step(q, k, v, *meta, sc).asnumpy()
 
-        base = None
-        for name, fn in (("raw ctypes, precomputed args (kernel)", raw),
-                         ("NumPy API attention_fused", numpy_api),
-                         ("attention_forward: Tensor in/out, ctypes", ctypes_bridge),
-                         ("ops.Custom aot, PyNative", aot_pynative),
-                         ("ops.Custom aot, 12 layers in one jit", aot_jit)):
-            t = median_us(fn, min_reps=10) / L
-            base = t if base is None else base
-            print(f"{name:44s} {b:3d} {t:9.1f} {t - base:9.1f}")
+        paths = {"raw ctypes, precomputed args (kernel)": raw,
+                 "NumPy API attention_fused": numpy_api,
+                 "attention_forward: Tensor in/out, ctypes": ctypes_bridge,
+                 "ops.Custom aot, PyNative": aot_pynative,
+                 "ops.Custom aot, 12 layers in one jit": aot_jit}
+        r = interleaved_us(paths, rounds=6, budget_s=0.3)
+        base = r["raw ctypes, precomputed args (kernel)"][1] / L
+        for name, (t, t10) in r.items():
+            print(f"{name:44s} {b:3d} {t / L:9.1f} {t10 / L:9.1f} {t10 / L - base:9.1f}")
         del bt, kp, vp
+
+
+def interference_table(args):
+    """Attention followed by a MindSpore matmul, as in a model step: the built-in pool against
+    an OpenMP build of the same kernel (libgomp's idle threads spin for ~10 ms here)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    ms.runtime.launch_blocking()
+    variants = (("pool (default)", ()), ("OpenMP build", ("-DLLS_USE_OPENMP", "-fopenmp")))
+    libs = {name: K.load_library(flags) for name, flags in variants}
+    default = K._libs[()]
+    w = ms.Tensor(np.full((3 * H * D, H * D), 0.01, np.float32))
+    mm = ops.MatMul(transpose_b=True)
+    print(f"\n## Attention then a MindSpore matmul [B,{H * D}]x[{H * D},{3 * H * D}] (us, median / p10)")
+    print(f"{'threading':16s} {'B':>3s} {'attention':>17s} {'matmul':>17s} {'attn+matmul':>17s}")
+    try:
+        for b in (1, 16, 64):
+            bt = Batch(b, args.ctx, 1, 1, args.block_size, seed=2)
+            q, k = ms.Tensor(bt.q), ms.Tensor(bt.kn)
+            x = ms.Tensor(bt.q)
+
+            def att():
+                return K.attention_forward(q, k, k, bt.k[0], bt.v[0], bt.sm, bt.bt, bt.qsl, bt.sl,
+                                           SCALE)
+
+            def mat():
+                return mm(x, w)
+
+            def both():
+                att()
+                mat()
+
+            def using(lib, fn):
+                def call():
+                    K._libs[()] = lib
+                    return fn()
+                return call
+
+            fns = {}
+            for name, lib in libs.items():
+                for fname, fn in (("att", att), ("mat", mat), ("both", both)):
+                    fns[(name, fname)] = using(lib, fn)
+            r = interleaved_us(fns)
+            for name in libs:
+                print(f"{name:16s} {b:3d} " + " ".join(
+                    f"{r[(name, f)][0]:8.1f} /{r[(name, f)][1]:7.1f}" for f in ("att", "mat", "both")))
+            del bt
+    finally:
+        K._libs[()] = default
 
 
 def main():
@@ -196,6 +270,7 @@ def main():
     kernel_table(args)
     if not args.no_mindspore:
         bridge_table(args)
+        interference_table(args)
 
 
 if __name__ == "__main__":

@@ -213,6 +213,45 @@ def test_thread_counts_agree(threads):
         K.set_num_threads(0)
 
 
+def test_long_prefill_parallel_cache_write():
+    # large enough for the parallel reshape_and_cache and many work items per sequence
+    hs = PagedHarness(num_blocks=64, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=48, seed=12)
+    _, out, ref = hs.run([(0, 600), (1, 3)])
+    assert_close(out, ref)
+    _, out, ref = hs.run([(0, 1), (1, 1)])
+    assert_close(out, ref)
+    hs.check_cache()
+
+
+def test_concurrent_callers():
+    # ctypes releases the GIL: calls from several threads overlap; a busy thread pool must fall
+    # back to running on the calling thread, with identical results
+    import threading
+
+    hs = PagedHarness(num_blocks=128, block_size=16, h=12, kvh=4, d=64, max_blocks_per_seq=40, seed=13)
+    hs.run([(0, 300), (1, 200), (2, 50)])
+    inp = hs.make_step([(0, 1), (1, 1), (2, 1)])
+    ref = hs.commit([(0, 1), (1, 1), (2, 1)], inp)
+    K.reshape_and_cache(inp["key"], inp["value"], hs.k_cache, hs.v_cache, inp["slot_mapping"])
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(50):
+                out = K.paged_attention(inp["query"], hs.k_cache, hs.v_cache, inp["block_tables"],
+                                        inp["query_start_loc"], inp["seq_lens"], hs.scale)
+                assert_close(out, ref)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
 def test_scalar_fallback(monkeypatch):
     lib = K.load_library(["-DLLS_FORCE_SCALAR"])
     assert lib.lls_has_avx512() == 0
@@ -222,6 +261,16 @@ def test_scalar_fallback(monkeypatch):
         for work in MIXED_STEPS:
             _, out, ref = hs.run(work)
             assert_close(out, ref)
+
+
+def test_openmp_build_variant(monkeypatch):
+    # optional build: OpenMP "parallel for" instead of the built-in thread pool
+    monkeypatch.setitem(K._libs, (), K.load_library(["-DLLS_USE_OPENMP", "-fopenmp"]))
+    hs = PagedHarness(num_blocks=128, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=40, seed=14)
+    for work in MIXED_STEPS:
+        _, out, ref = hs.run(work)
+        assert_close(out, ref)
+    hs.check_cache()
 
 
 def test_argument_errors_leave_cache_untouched():

@@ -407,27 +407,36 @@ def test_logprobs_are_raw_log_softmax_and_sum_to_one():
     assert out.ranks[1] == 1
 
 
-def test_logprobs_zero_gives_the_chosen_token_only_and_none_gives_nan():
+def test_logprobs_zero_gives_the_chosen_token_only_and_every_row_gets_its_logprob():
     rng = np.random.default_rng(41)
-    logits = rng.standard_normal((4, 300)).astype(np.float32)
+    logits = rng.standard_normal((5, 300)).astype(np.float32)
     params = [SamplingParams(logprobs=0), SamplingParams(logprobs=3), SamplingParams(),
-              SamplingParams(temperature=0)]
-    out = Sampler(0)(logits, batch_of(params))
-    assert out.top_token_ids.shape == (4, 3) and out.top_logprobs.shape == (4, 3)
-    for i in (0, 1):
-        ref = log_softmax(logits[i])
-        assert abs(out.logprobs[i] - ref[out.token_ids[i]]) < 1e-5
-        assert out.ranks[i] == 1 + np.count_nonzero(ref > ref[out.token_ids[i]])
-    np.testing.assert_array_equal(out.top_token_ids[1], np.argsort(-logits[1])[:3])
-    assert np.all(np.diff(out.top_logprobs[1]) <= 0)
-    # rows that did not ask: not computed, and marked so
-    assert np.isnan(out.logprobs[2:]).all() and (out.ranks[2:] == 0).all()
-    assert (out.top_token_ids[2:] == -1).all()
+              SamplingParams(temperature=0), SamplingParams(logprobs=1, top_k=4)]
+    for always in (True, False):
+        out = Sampler(0, always_chosen_logprob=always)(logits, batch_of(params))
+        assert out.top_token_ids.shape == (5, 3) and out.top_logprobs.shape == (5, 3)
+        for i in range(5):
+            ref = log_softmax(logits[i])
+            if always or params[i].logprobs is not None:
+                assert abs(out.logprobs[i] - ref[out.token_ids[i]]) < 1e-5
+            else:   # not asked and not computed: marked so
+                assert np.isnan(out.logprobs[i])
+            if params[i].logprobs is not None:
+                assert out.ranks[i] == 1 + np.count_nonzero(ref > ref[out.token_ids[i]])
+        np.testing.assert_array_equal(out.top_token_ids[1], np.argsort(-logits[1])[:3])
+        np.testing.assert_array_equal(out.top_token_ids[4, :1], np.argsort(-logits[4])[:1])
+        assert np.all(np.diff(out.top_logprobs[1]) <= 0)
+        # rows that did not ask for logprobs get no rank and no alternatives
+        assert (out.ranks[2:4] == 0).all() and (out.top_token_ids[2:4] == -1).all()
 
 
-def test_no_logprobs_requested_returns_no_tables():
-    out = Sampler(0)(np.zeros((2, 10), np.float32), batch_of([SamplingParams()] * 2))
+def test_no_logprobs_requested_returns_no_tables_but_the_chosen_logprob():
+    logits = np.zeros((2, 10), np.float32)
+    out = Sampler(0)(logits, batch_of([SamplingParams()] * 2))
     assert out.top_token_ids is None and out.top_logprobs is None and out.ranks is None
+    np.testing.assert_allclose(out.logprobs, np.log(0.1), atol=1e-6)
+    out = Sampler(0, always_chosen_logprob=False)(logits, batch_of([SamplingParams()] * 2))
+    assert np.isnan(out.logprobs).all()
 
 
 def test_top_logprobs_exact_on_a_large_vocab():
@@ -485,7 +494,7 @@ def test_mixed_batch_shapes_and_dtypes():
     assert out.top_token_ids.shape == (5, 2) and out.top_token_ids.dtype == np.int64
     assert out.top_logprobs.dtype == np.float32 and out.ranks.dtype == np.int64
     assert out.token_ids[3] != 2                      # min_tokens bans eos
-    assert np.isfinite(out.logprobs[2:4]).all()
+    assert np.isfinite(out.logprobs).all()
 
 
 def test_from_params_builds_per_row_arrays():
@@ -515,3 +524,14 @@ def test_rows_with_huge_ties_next_to_normal_rows():
     assert set(out[1::2].tolist()) == set(np.argsort(-normal)[:5].tolist())
     # ties at the boundary are all kept (documented): some draws fall beyond the 3 winners
     assert set(out[0::2].tolist()) >= {0, 1, 2} and (out[0::2] >= 3).any()
+
+
+def test_top_k_draws_follow_the_renormalized_distribution():
+    rng = np.random.default_rng(61)
+    logits = rng.standard_normal(8192).astype(np.float32)
+    top = np.argsort(-logits)[:10]
+    tokens = draw(logits, SamplingParams(top_k=10, temperature=0.7), 10_000, seed=7)
+    rank = np.full(8192, -1)
+    rank[top] = np.arange(10)
+    assert (rank[tokens] >= 0).all()
+    assert chi_square(rank[tokens], softmax(logits[top] / 0.7)) < CHI2_999[9]

@@ -159,11 +159,11 @@ class LLMEngine:
         return [self._request_output(rid) for rid in touched]
 
     def _record_logprobs(self, seq: Sequence, row: int, token: int, r: SamplerOutput) -> None:
+        k = seq.params.logprobs
+        if k is None:         # as vLLM: no logprobs asked, none computed or reported
+            return
         lp = float(r.logprobs[row])
         seq.cumulative_logprob += lp
-        k = seq.params.logprobs
-        if k is None:
-            return
         entry = {token: Logprob(lp, int(r.ranks[row]) if r.ranks is not None else None,
                                 self.tokenizer.decode([token], skip_special_tokens=False))}
         if k > 0 and r.top_token_ids is not None:
@@ -199,7 +199,8 @@ class LLMEngine:
         for s in seqs:
             outs.append(CompletionOutput(
                 index=s.index, text=s.detokenizer.output_text,
-                token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         if finished:

@@ -17,9 +17,15 @@ def init_device(device: str = "auto", device_id: int = 0) -> str:
     device = {"cpu": "CPU", "ascend": "Ascend", "npu": "Ascend"}.get(device.lower(), device)
     if device not in ("CPU", "Ascend"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'ascend', got {device!r}")
-    ms.set_device(device, device_id) if device == "Ascend" else ms.set_device(device)
+    try:
+        ms.set_device(device, device_id) if device == "Ascend" else ms.set_device(device)
+    except RuntimeError:
+        # Something in this process already ran MindSpore: fine if it is the same device.
+        if ms.get_context("device_target") != device:
+            raise
     if device == "CPU":
         # Async dispatch threads fight the compute threads on small CPUs: ~10x slower.
+        # Kernels that read tensors' memory directly also rely on it.
         ms.runtime.launch_blocking()
     _device = device
     return device

@@ -59,7 +59,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size)
                           for _ in range(c.num_layers)]
-        self.sampler = Sampler(seed=seed)
+        self.sampler = Sampler(seed=seed, always_chosen_logprob=False)
 
     def forward(self, step: StepInput, rows: np.ndarray) -> np.ndarray:
         """Run the model on the step and return float32 logits for the given token rows."""

@@ -12,18 +12,23 @@ penalties, seed); nothing is taken per batch. The order follows vLLM:
    min_p * max prob, and draw one token by inverse CDF.
 
 Log-probabilities are vLLM V1's default "raw_logprobs": log_softmax of the logits exactly as
-the model returned them, before penalties, bans, temperature and filters. They are computed
-only for rows that asked (num_logprobs >= 0).
+the model returned them, before penalties, bans, temperature and filters. The chosen token's
+logprob is computed for every row by default; ranks and the top-N only for rows that asked
+(num_logprobs >= 0).
 
 Speed. Each step may be 256 rows x 150k vocab, so the code avoids what is slow in NumPy on a
 full row: sorting (np.sort ~6 ns/element, argsort ~19, argpartition ~9), cumsum (~3), one
 random number per vocab entry (~5). Instead:
-- rows are processed in blocks of about 1 MB so the 4-5 elementwise passes stay in cache;
-- the k-th largest value of a row is found exactly from the k largest "chunk maxima"
-  (`_top_values`): only ~sqrt(k*V) candidates get sorted; top-p guesses a nucleus size,
-  checks it, and grows it (a full sort is the fallback for flat distributions);
-- a sample needs one uniform number per row: the CDF is walked in two levels (slab sums,
-  then one slab of `_slab_width(V)` entries).
+- rows are processed in blocks of about 2 MB so the 4-5 elementwise passes stay in cache;
+- top-k / top-p: the sorted maxima of small column chunks give an exact lower bound t on
+  the smallest probability that can be kept; only the "upper set" {p >= t}, about as many
+  tokens as are kept, is sorted, and the row is sampled straight from it. Flat
+  distributions (nucleus of thousands of tokens) fall back to sorting the row;
+- other rows need one uniform number each: the CDF is walked in two levels (slab sums,
+  then one slab of `_slab_width(V)` entries);
+- top-N logprobs use the same chunk-maxima idea (`_top_values`), never a full argsort.
+
+Ties at a top-k / top-p boundary are all kept (vLLM keeps an arbitrary subset of them).
 
 Seeds. A seeded row's uniform number is a hash of (seed, output_len), so it depends on
 nothing else: it reproduces whatever shares the batch and keeps no state between steps.
@@ -42,7 +47,7 @@ import numpy as np
 from llm_serving.sampling_params import SAMPLING_EPS, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1          # seeds are stored as non-negative int64; -1 = unseeded
-_BLOCK_BYTES = 1 << 20              # rows per block: about this much float32 scratch
+_BLOCK_BYTES = 2 << 20              # rows per block: about this much float32 scratch
 _EMPTY_IDS = np.zeros(0, np.int64)
 
 
@@ -174,8 +179,9 @@ class SamplerOutput:
     """What the sampler chose for each of the B rows.
 
     token_ids: int64 [B].
-    logprobs: float32 [B], raw log-probability of the chosen token; NaN for rows that did not
-        ask for logprobs (num_logprobs == -1): it is not computed for them.
+    logprobs: float32 [B], raw log-probability of the chosen token, for every row (unless
+        the Sampler was built with always_chosen_logprob=False: then NaN in rows with
+        num_logprobs == -1).
     top_token_ids, top_logprobs: [B, K], K = the largest num_logprobs in the batch, sorted by
         logprob descending; rows that asked for fewer should read their first num_logprobs
         columns; rows that asked for none hold -1 / -inf. None when no row asked for logprobs.
@@ -195,17 +201,22 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row from [B, V] logits; see the module docstring."""
 
-    def __init__(self, seed: Optional[int] = None):
+    def __init__(self, seed: Optional[int] = None, always_chosen_logprob: bool = True):
+        """seed: seeds the generator shared by unseeded rows (None = from the OS).
+        always_chosen_logprob: compute the chosen token's logprob for every row (about one
+        exp pass over the row; what an engine needs for cumulative_logprob on every request,
+        as vLLM V0 reported it). False computes it only for rows with num_logprobs >= 0 (vLLM
+        V1 reports cumulative_logprob=None otherwise) and leaves NaN in the other rows."""
         self._rng = np.random.default_rng(seed)
         self._scratch: dict = {}
+        self.always_chosen_logprob = always_chosen_logprob
 
     def __call__(self, logits: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
         logits = np.asarray(logits)
         if logits.ndim != 2 or logits.shape[0] != len(batch):
             raise ValueError(f"logits must be [B, V] with B = {len(batch)} rows, "
                              f"got shape {logits.shape}")
-        if logits.dtype != np.float32:
-            logits = logits.astype(np.float32)
+        logits = np.ascontiguousarray(logits, dtype=np.float32)   # no copy if it already is
         b = logits.shape[0]
         modified = batch.penalized_rows | batch.banned_rows
 
@@ -282,54 +293,40 @@ class Sampler:
         top_k = batch.top_k[rows]
         use_k = (top_k > 0) & (top_k < v)
         use_p = batch.top_p[rows] < 1.0
+        token = np.empty(n, np.int64)
+        whole = np.ones(n, bool)          # rows sampled over the whole row
         if use_k.any() or use_p.any():
-            np.maximum(thr, _top_k_top_p_threshold(p, top_k, batch.top_p[rows], use_k, use_p),
-                       out=thr)
-        if (thr > 0).any():
-            keep = self._buffer("keep", n * width, np.bool_).reshape(n, width)
-            np.greater_equal(p, thr[:, None], out=keep)
-            np.multiply(p, keep, out=p)
-
-        # Inverse CDF in two levels: pick a slab by its mass, then a token inside it.
-        n_slabs = width // slab
-        p3 = p.reshape(n, n_slabs, slab)
-        slab_mass = p3.sum(axis=2).astype(np.float64)
-        cdf = np.cumsum(slab_mass, axis=1)
-        total = cdf[:, -1]
-        target = u * total
-        s = np.minimum(np.count_nonzero(cdf <= target[:, None], axis=1), n_slabs - 1)
-        ar = np.arange(n)
-        before = np.where(s > 0, cdf[ar, np.maximum(s - 1, 0)], 0.0)
-        seg = p3[ar, s]                                        # [n, slab] copy
-        seg_cdf = np.cumsum(seg, axis=1, dtype=np.float64)
-        frac = np.divide(target - before, slab_mass[ar, s],
-                         out=np.zeros(n), where=slab_mass[ar, s] > 0)
-        t2 = np.clip(frac, 0.0, 1.0) * seg_cdf[:, -1]
-        j = np.minimum(np.count_nonzero(seg_cdf <= t2[:, None], axis=1), slab - 1)
-        token = s * slab + j
-
-        bad = ~(seg[ar, j] > 0)
-        if bad.any():   # rounding at a slab's end, or nothing left to sample
-            for i in np.flatnonzero(bad):
-                if total[i] > 0:
-                    nz = np.flatnonzero(seg[i] > 0)
-                    token[i] = s[i] * slab + (nz[-1] if nz.size else int(seg[i].argmax()))
-                else:   # every token banned or -inf: fall back to the model's argmax
-                    token[i] = int(logits[rows[i]].argmax())
+            thr_kp, cand = _top_k_top_p_threshold(p, top_k, batch.top_p[rows], use_k, use_p)
+            np.maximum(thr, thr_kp, out=thr)
+            if cand is not None:
+                # These rows' candidates hold every token they keep: sample among them.
+                cand_rows, r, col, vals = cand
+                token[cand_rows] = _sample_candidates(r, col, vals, thr[cand_rows], u[cand_rows])
+                whole[cand_rows] = False
+        if whole.all():
+            token = _sample_whole_rows(p, thr, u, slab, self._buffer("keep", n * width, np.bool_))
+        elif whole.any():
+            idx = np.flatnonzero(whole)
+            token[idx] = _sample_whole_rows(np.take(p, idx, axis=0), thr[idx], u[idx], slab,
+                                            self._buffer("keep", idx.size * width, np.bool_))
+        empty = token < 0
+        if empty.any():   # every token banned or -inf: fall back to the model's argmax
+            token[empty] = _take_rows(logits, rows).argmax(axis=1)[empty]
         return token
 
     # ------------------------------------------------------------------- logprobs
 
     def _logprobs(self, logits, token_ids, batch) -> SamplerOutput:
         b, v = logits.shape
+        want = batch.num_logprobs >= 0
         lp = np.full(b, np.nan, np.float32)
-        rows = np.flatnonzero(batch.num_logprobs >= 0)
-        if rows.size == 0:
-            return SamplerOutput(token_ids=token_ids, logprobs=lp)
-        k = int(min(batch.num_logprobs[rows].max(), v))
-        ranks = np.zeros(b, np.int64)
-        top_ids = np.full((b, k), -1, np.int64)
-        top_lp = np.full((b, k), -np.inf, np.float32)
+        rows = np.arange(b) if self.always_chosen_logprob else np.flatnonzero(want)
+        k = int(min(batch.num_logprobs.max(), v)) if want.any() else -1
+        ranks = top_ids = top_lp = None
+        if k >= 0:
+            ranks = np.zeros(b, np.int64)
+            top_ids = np.full((b, k), -1, np.int64)
+            top_lp = np.full((b, k), -np.inf, np.float32)
         block = max(1, _BLOCK_BYTES // (4 * v))
         for s in range(0, rows.size, block):
             blk = rows[s:s + block]
@@ -340,10 +337,19 @@ class Sampler:
             tmp = self._buffer("p", n * v, np.float32).reshape(n, v)
             np.subtract(raw, m[:, None], out=tmp)
             np.exp(tmp, out=tmp)
-            lse = m + np.log(tmp.sum(axis=1, dtype=np.float64))
+            lse = m + np.log(tmp.sum(axis=1).astype(np.float64))
             chosen = raw[np.arange(n), token_ids[blk]]
             lp[blk] = chosen - lse
-            ranks[blk] = np.count_nonzero(raw >= chosen[:, None], axis=1)
+            asked = want[blk]
+            if not asked.any():
+                continue
+            if not asked.all():
+                sel = np.flatnonzero(asked)
+                blk, raw, chosen, lse = blk[sel], np.take(raw, sel, axis=0), chosen[sel], lse[sel]
+                n = blk.size
+            ge = self._buffer("keep", n * v, np.bool_).reshape(n, v)
+            np.greater_equal(raw, chosen[:, None], out=ge)
+            ranks[blk] = ge.view(np.uint8).sum(axis=1, dtype=np.int64)   # 3x count_nonzero's speed
             if k:
                 vals, ids = _top_values(raw, k, with_ids=True)
                 top_lp[blk] = vals - lse[:, None]
@@ -366,6 +372,64 @@ def _take_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     if rows.size and rows[-1] - rows[0] == rows.size - 1:
         return a[rows[0]:rows[-1] + 1]
     return np.take(a, rows, axis=0)
+
+
+def _sample_whole_rows(p, thr, u, slab, keep_buf) -> np.ndarray:
+    """One token per row of p [n, W] (unnormalized, W a multiple of slab) among entries
+    >= thr, by inverse CDF at u in two levels: a slab by its mass, then an entry in it.
+    -1 for rows with nothing to sample. May zero entries of p."""
+    n, w = p.shape
+    if (thr > 0).any():
+        keep = keep_buf.reshape(n, w)
+        np.greater_equal(p, thr[:, None], out=keep)
+        np.multiply(p, keep, out=p)
+    n_slabs = w // slab
+    p3 = p.reshape(n, n_slabs, slab)
+    slab_mass = p3.sum(axis=2).astype(np.float64)
+    cdf = np.cumsum(slab_mass, axis=1)
+    total = cdf[:, -1]
+    target = u * total
+    s = np.minimum(np.count_nonzero(cdf <= target[:, None], axis=1), n_slabs - 1)
+    ar = np.arange(n)
+    before = np.where(s > 0, cdf[ar, np.maximum(s - 1, 0)], 0.0)
+    seg = p3[ar, s]                                        # [n, slab] copy
+    seg_cdf = np.cumsum(seg, axis=1, dtype=np.float64)
+    frac = np.divide(target - before, slab_mass[ar, s], out=np.zeros(n),
+                     where=slab_mass[ar, s] > 0)
+    t2 = np.clip(frac, 0.0, 1.0) * seg_cdf[:, -1]
+    j = np.minimum(np.count_nonzero(seg_cdf <= t2[:, None], axis=1), slab - 1)
+    token = s * slab + j
+    bad = ~(seg[ar, j] > 0)
+    if bad.any():   # rounding at a slab's end (take its last kept entry), or nothing at all
+        for i in np.flatnonzero(bad):
+            nz = np.flatnonzero(seg[i] > 0)
+            token[i] = s[i] * slab + nz[-1] if total[i] > 0 and nz.size else -1
+    return token
+
+
+def _sample_candidates(r, col, vals, thr, u) -> np.ndarray:
+    """One token per row from candidate entries (row r ascending, column col, value vals;
+    every row has some), keeping those >= thr[row], by inverse CDF at u[row]."""
+    m = thr.size
+    lens = np.bincount(r, minlength=m)
+    w = _pad_rows(np.where(vals >= thr[r], vals, 0.0), r, lens)
+    cdf = np.cumsum(w, axis=1, dtype=np.float64)      # per row: independent of other rows
+    pick = np.count_nonzero(cdf <= (u * cdf[:, -1])[:, None], axis=1)
+    pick = np.minimum(pick, lens - 1)
+    ar = np.arange(m)
+    bad = ~(w[ar, pick] > 0)
+    if bad.any():   # rounding at the row's end: its last kept candidate
+        for i in np.flatnonzero(bad):
+            pick[i] = np.flatnonzero(w[i] > 0)[-1]
+    return _pad_rows(col, r, lens, fill=-1)[ar, pick]
+
+
+def _pad_rows(values, r, lens, fill=0):
+    """Values grouped by row r (ascending; row i has lens[i]) as a [m, max(lens)] matrix."""
+    starts = np.cumsum(lens) - lens
+    out = np.full((lens.size, int(lens.max())), fill, dtype=values.dtype)
+    out[r, np.arange(r.size) - starts[r]] = values
+    return out
 
 
 def _apply_penalties_and_bans(x: np.ndarray, rows: np.ndarray, batch: SamplingBatch,
@@ -435,12 +499,16 @@ def _top_k_top_p_threshold(p, top_k, top_p, use_k, use_p) -> np.ndarray:
     maximum t, because those j maxima are themselves j tokens >= t. So only the "upper set"
     {p >= t}, about j tokens, is sorted. Rows where that set would be large (flat
     distributions, large k) sort the whole row instead.
+
+    Returns (thresholds [n], candidates): candidates is None or (rows, r, col, vals): for
+    those rows of p, their upper sets (entry i is p[rows[r[i]], col[i]] = vals[i], grouped by
+    r ascending), which contain every entry >= the row's threshold.
     """
     n, w = p.shape
     thr = np.zeros(n, np.float32)
     rows = np.flatnonzero(use_k | use_p)
     if rows.size == 0:
-        return thr
+        return thr, None
     q = _take_rows(p, rows)
     m = rows.size
     k = np.where(use_k[rows], top_k[rows], 0).astype(np.int64)         # 0 = no top-k
@@ -455,10 +523,11 @@ def _top_k_top_p_threshold(p, top_k, top_p, use_k, use_p) -> np.ndarray:
     if only_p.any():
         cum = np.cumsum(cmax[only_p], axis=1, dtype=np.float64)
         j[only_p] = np.count_nonzero(cum < (tp[only_p] * mass[only_p])[:, None], axis=1) + 1
-    fast = j <= nc // 2
+    fast = j <= nc
     t = cmax[np.arange(m), np.clip(j - 1, 0, nc - 1)]
     fast &= t > 0
 
+    cand = None
     idx = np.flatnonzero(fast)
     if idx.size:
         sub = _take_rows(q, idx)
@@ -475,12 +544,13 @@ def _top_k_top_p_threshold(p, top_k, top_p, use_k, use_p) -> np.ndarray:
             vals = sub.reshape(-1)[flat]
             thr[rows[idx]] = _cut_sorted(_sort_desc_by_row(vals, r), lens, k[idx], tp[idx],
                                          mass[idx])
+            cand = (rows[idx], r, flat % w, vals)
 
     idx = np.flatnonzero(~fast)
     if idx.size:
         srt = np.sort(_take_rows(q, idx), axis=1)[:, ::-1]
         thr[rows[idx]] = _cut_sorted_rows(srt, k[idx], tp[idx])
-    return thr
+    return thr, cand
 
 
 def _sort_desc_by_row(vals: np.ndarray, row: np.ndarray) -> np.ndarray:
@@ -498,20 +568,19 @@ def _cut_sorted(sv, lens, k, tp, mass) -> np.ndarray:
     the k-th value if k > 0, and the value where the cumulative mass first reaches tp times
     the row's mass (the sum of the first k values when k > 0)."""
     m = lens.size
-    starts = np.cumsum(lens) - lens
-    row = np.repeat(np.arange(m), lens)
-    pos = np.arange(sv.size) - starts[row]
-    kk = k[row]
-    v = np.where((kk == 0) | (pos < kk), sv, 0.0)
-    cs = np.cumsum(v, dtype=np.float64)
-    before = np.where(starts > 0, cs[starts - 1], 0.0)
-    rowcum = cs - before[row]
-    total = np.where(k > 0, rowcum[starts + np.maximum(k, 1) - 1], mass)
-    target = tp * total
-    below = np.bincount(row, weights=rowcum < target[row], minlength=m).astype(np.int64)
-    last = np.where(k > 0, k, lens) - 1
-    thr_p = np.where(tp < 1.0, sv[starts + np.minimum(below, last)], 0.0)
-    thr_k = np.where(k > 0, sv[starts + np.maximum(k, 1) - 1], 0.0)
+    r = np.repeat(np.arange(m), lens)
+    vals = _pad_rows(sv, r, lens)                     # [m, L], zero padded
+    ar = np.arange(m)
+    has_k = k > 0
+    if has_k.any():
+        vals = np.where(np.arange(vals.shape[1]) < np.where(has_k, k, lens)[:, None], vals, 0.0)
+    cum = np.cumsum(vals, axis=1, dtype=np.float64)  # per row: independent of other rows
+    kk = np.maximum(k, 1) - 1
+    total = np.where(has_k, cum[ar, np.minimum(kk, vals.shape[1] - 1)], mass)
+    below = np.count_nonzero(cum < (tp * total)[:, None], axis=1)
+    last = np.where(has_k, k, lens) - 1
+    thr_p = np.where(tp < 1.0, vals[ar, np.minimum(below, last)], 0.0)
+    thr_k = np.where(has_k, vals[ar, np.minimum(kk, vals.shape[1] - 1)], 0.0)
     return np.maximum(thr_p, thr_k)
 
 

@@ -68,7 +68,7 @@ namespace {
 constexpr int kTile = 16;            // context positions per tile (one AVX-512 vector of scores)
 constexpr int kPrefetchTiles = LLS_PREFETCH_TILES;  // how many tiles ahead to prefetch (0: off)
 constexpr int kTargetRowsHeads = 32; // query rows * heads per work item (prefill)
-constexpr int64_t kParallelMinWork = 1 << 15;  // below this many (rows*heads*ctx*D/16) run serially
+int64_t g_parallel_min_work = 4096;  // below this much work (rows*heads*ctx*D/16) run serially
 
 thread_local char g_err[512];
 int g_num_threads = 0;  // 0: OpenMP default
@@ -743,7 +743,7 @@ void run_attention(const AttnArgs& a) {
   }
   AttnTaskCtx ctx{&a, items.data(), pick_item_fn(a.D)};
   const int64_t nitems = (int64_t)items.size();
-  const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= kParallelMinWork;
+  const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= g_parallel_min_work;
   parallel_for(attn_task, &ctx, nitems, par);
 }
 
@@ -761,6 +761,9 @@ const char* lls_last_error() { return g_err; }
 void lls_set_num_threads(int n) { g_num_threads = n; }
 
 int lls_get_num_threads() { return num_threads(); }
+
+// Attention runs serially below this much work (sum over items of rows*heads*context*ceil(D/16)).
+void lls_set_parallel_threshold(int64_t work) { g_parallel_min_work = work; }
 
 int lls_reshape_and_cache(const float* key, int64_t key_stride, const float* value,
                           int64_t value_stride, float* k_cache, float* v_cache,
