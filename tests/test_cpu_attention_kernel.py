@@ -186,6 +186,23 @@ def test_padding_slots_are_skipped():
     assert np.isnan(hs.v_cache).sum() == np.isnan(before_v).sum() - 2 * 4 * 64
 
 
+@pytest.mark.parametrize("lib_flags", [(), ("-DLLS_FORCE_SCALAR",)], ids=["avx512", "scalar"])
+def test_large_scores_are_stable(monkeypatch, lib_flags):
+    # scores of several hundred: exp overflows without the running max; many probabilities
+    # underflow to exactly zero
+    monkeypatch.setitem(K._libs, (), K.load_library(list(lib_flags)))
+    hs = PagedHarness(num_blocks=64, block_size=16, h=4, kvh=2, d=64, max_blocks_per_seq=16, seed=8)
+    inp = hs.make_step([(0, 40), (1, 90)])
+    inp["query"] *= 60.0
+    ref = hs.commit([(0, 40), (1, 90)], inp)
+    out = K.attention_fused(inp["query"], inp["key"], inp["value"], hs.k_cache, hs.v_cache,
+                            inp["slot_mapping"], inp["block_tables"], inp["query_start_loc"],
+                            inp["seq_lens"], hs.scale)
+    assert np.isfinite(out).all()
+    # fp32 scores of magnitude ~500 carry ~1e-4 absolute error, so the softmax does too
+    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)
+
+
 def test_strided_rows_from_fused_qkv():
     h, kvh, d = 8, 2, 32
     hs = PagedHarness(num_blocks=32, block_size=4, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=5)
@@ -250,6 +267,24 @@ def test_concurrent_callers():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_works_in_forked_child():
+    import os
+
+    hs = PagedHarness(num_blocks=64, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=40, seed=15)
+    _, out, ref = hs.run([(0, 300), (1, 20)])  # the parent's pool has started its helpers
+    assert_close(out, ref)
+    pid = os.fork()
+    if pid == 0:  # child: same calls must work (and not wait for the parent's helpers)
+        code = 1
+        try:
+            _, out, ref = hs.run([(0, 200), (1, 1)])
+            code = 0 if np.allclose(out, ref, rtol=RTOL, atol=ATOL) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 def test_scalar_fallback(monkeypatch):
@@ -397,3 +432,26 @@ def test_mindspore_bridge_aot_in_jit(ms):
     hs.k_cache[...] = kc.asnumpy()
     hs.v_cache[...] = vc.asnumpy()
     hs.check_cache()
+
+
+def test_both_bridges_share_one_cache(ms):
+    # MindSpore Parameters as the cache; their asnumpy() views (zero-copy on CPU) feed the
+    # ctypes path, the Parameters themselves the aot path: steps can alternate freely
+    h, kvh, d = 8, 2, 64
+    hs = PagedHarness(num_blocks=64, block_size=16, h=h, kvh=kvh, d=d, max_blocks_per_seq=16, seed=24)
+    kc = ms.Parameter(ms.Tensor(np.zeros_like(hs.k_cache)), name="kc_shared")
+    vc = ms.Parameter(ms.Tensor(np.zeros_like(hs.v_cache)), name="vc_shared")
+    k_np, v_np = kc.asnumpy(), vc.asnumpy()
+    assert k_np.ctypes.data == kc.data_ptr()
+    op = K.aot_attention_op()
+    for step, work in enumerate(MIXED_STEPS):
+        inp = hs.make_step(work)
+        ref = hs.commit(work, inp)
+        qkv, meta = _aot_inputs(ms, inp, h, kvh, d, hs.scale)
+        if step % 2 == 0:
+            out = K.attention_forward(*qkv, k_np, v_np, inp["slot_mapping"], inp["block_tables"],
+                                      inp["query_start_loc"], inp["seq_lens"], hs.scale)
+        else:
+            out = op(*qkv, kc, vc, *meta)
+        T = inp["query"].shape[0]
+        assert_close(out.asnumpy().reshape(T, h, d), ref)

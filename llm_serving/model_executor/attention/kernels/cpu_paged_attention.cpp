@@ -41,6 +41,7 @@
 
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -222,9 +223,23 @@ class ThreadPool {
   void* ctx_ = nullptr;
 };
 
+// Never destroyed (helpers are detached). A forked child gets a fresh pool: the parent's helper
+// threads do not exist there.
+std::atomic<ThreadPool*> g_pool{nullptr};
+
+void pool_after_fork_in_child() { g_pool.store(new ThreadPool(), std::memory_order_release); }
+
 ThreadPool& pool() {
-  static ThreadPool* p = new ThreadPool();  // never destroyed: helpers are detached
-  return *p;
+  ThreadPool* p = g_pool.load(std::memory_order_acquire);
+  if (p) return *p;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_pool.store(new ThreadPool(), std::memory_order_release);
+#if defined(__linux__)
+    pthread_atfork(nullptr, nullptr, pool_after_fork_in_child);
+#endif
+  });
+  return *g_pool.load(std::memory_order_acquire);
 }
 
 // Run fn(ctx, i) for i in [0, n), in parallel when `parallel`.
@@ -422,7 +437,8 @@ inline void prefetch_ahead(const AttnArgs& a, const int32_t* bt, int64_t t0, int
 inline __m512 exp512(__m512 x) {
   // exp for x <= 0 (arguments are score - running max). Cody-Waite reduction, degree-7
   // polynomial on |r| <= ln2/2 (relative error ~1e-8 before rounding), scalef to rebuild.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  // The clamp keeps -inf (masked lanes) from producing NaN; callers zero lanes below -87.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -562,9 +578,14 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
           const float tmax = _mm512_reduce_max_ps(s);
           const float mold = mrow[m];
           const float mnew = std::max(mold, tmax);
-          const float corr =
-              mold == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(mold - mnew);
-          const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+          const float corr = mold == mnew ? 1.f
+                             : mold == -std::numeric_limits<float>::infinity() ? 0.f
+                                                                               : std::exp(mold - mnew);
+          // exp(x) for x >= -87 (a normal float); lanes below, and invalid lanes, are exactly 0,
+          // so no denormals enter the accumulators
+          const __m512 x = _mm512_sub_ps(s, _mm512_set1_ps(mnew));
+          const __mmask16 keep = valid & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(keep, exp512(x));
           _mm512_store_ps(p, e);
           lrow[m] = lrow[m] * corr + _mm512_reduce_add_ps(e);
           mrow[m] = mnew;
@@ -636,8 +657,9 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
             tmax = std::max(tmax, acc);
           }
           const float mold = mrow[m], mnew = std::max(mold, tmax);
-          const float corr =
-              mold == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(mold - mnew);
+          const float corr = mold == mnew ? 1.f
+                             : mold == -std::numeric_limits<float>::infinity() ? 0.f
+                                                                               : std::exp(mold - mnew);
           float lsum = 0.f;
           for (int j = 0; j < nvalid; ++j) { s[j] = std::exp(s[j] - mnew); lsum += s[j]; }
           lrow[m] = lrow[m] * corr + lsum;
