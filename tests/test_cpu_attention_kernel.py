@@ -190,7 +190,7 @@ def test_padding_slots_are_skipped():
 def test_large_scores_are_stable(monkeypatch, lib_flags):
     # scores of several hundred: exp overflows without the running max; many probabilities
     # underflow to exactly zero
-    monkeypatch.setitem(K._libs, (), K.load_library(list(lib_flags)))
+    monkeypatch.setattr(K, "_default_lib", K.load_library(list(lib_flags)))
     hs = PagedHarness(num_blocks=64, block_size=16, h=4, kvh=2, d=64, max_blocks_per_seq=16, seed=8)
     inp = hs.make_step([(0, 40), (1, 90)])
     inp["query"] *= 60.0
@@ -290,7 +290,7 @@ def test_works_in_forked_child():
 def test_scalar_fallback(monkeypatch):
     lib = K.load_library(["-DLLS_FORCE_SCALAR"])
     assert lib.lls_has_avx512() == 0
-    monkeypatch.setitem(K._libs, (), lib)
+    monkeypatch.setattr(K, "_default_lib", lib)
     for h, kvh, bs, d in [(8, 2, 16, 64), (4, 4, 1, 40), (6, 1, 128, 64)]:
         hs = PagedHarness(num_blocks=300, block_size=bs, h=h, kvh=kvh, d=d, max_blocks_per_seq=200, seed=bs)
         for work in MIXED_STEPS:
@@ -300,7 +300,7 @@ def test_scalar_fallback(monkeypatch):
 
 def test_openmp_build_variant(monkeypatch):
     # optional build: OpenMP "parallel for" instead of the built-in thread pool
-    monkeypatch.setitem(K._libs, (), K.load_library(["-DLLS_USE_OPENMP", "-fopenmp"]))
+    monkeypatch.setattr(K, "_default_lib", K.load_library(["-DLLS_USE_OPENMP", "-fopenmp"]))
     hs = PagedHarness(num_blocks=128, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=40, seed=14)
     for work in MIXED_STEPS:
         _, out, ref = hs.run(work)

@@ -45,7 +45,7 @@ class LLMEngine:
                               f"{budget} is smaller than max_model_len ({self.max_model_len}); "
                               "without chunked prefill a whole prompt must fit in one step")
         self.runner = ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
-                                  args.device, args.seed)
+                                  args.device, args.seed, config=mc)
         self.block_manager = BlockManager(num_blocks, args.block_size)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget,
                                    args.enable_chunked_prefill)

@@ -59,7 +59,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:      # preempted while making room for another
+            if seq.status is not SequenceStatus.RUNNING:   # preempted to make room for another
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.allocate(seq, n):

@@ -57,12 +57,14 @@ class LLM:
 
     def _run(self, order: dict, use_tqdm: bool) -> list[RequestOutput]:
         results: list[Optional[RequestOutput]] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        remaining = len(order)
+        bar = tqdm(total=remaining, desc="Processed prompts", disable=not use_tqdm)
         try:
-            while any(r is None for r in results):
+            while remaining:
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        remaining -= 1
                         bar.update(1)
         finally:
             bar.close()

@@ -11,14 +11,11 @@ from typing import Optional
 import numpy as np
 from mindspore import Tensor, ops
 
-from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.attention.backend import AttentionMetadata, get_attention_backend
 from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
 from llm_serving.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
-
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass
@@ -34,9 +31,8 @@ class StepInput:
 
 
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1):
-    if config.architecture not in SUPPORTED:
-        raise ModelLoadError(f"unsupported architecture {config.architecture!r}; "
-                             f"supported: {', '.join(SUPPORTED)}")
+    # ModelConfig has already rejected architectures outside loader.SUPPORTED_ARCHITECTURES;
+    # all of them are Llama-shaped.
     from llm_serving.model_executor.models.llama import LlamaForCausalLM
     return LlamaForCausalLM(config, backend, tp_rank, tp_size)
 
@@ -47,9 +43,10 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, model_dir: str, num_blocks: int, block_size: int,
-                 checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0):
+                 checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0,
+                 config: Optional[ModelConfig] = None):
         self.device = init_device(device)
-        self.config = ModelConfig.from_pretrained(model_dir)
+        self.config = config or ModelConfig.from_pretrained(model_dir)
         c = self.config
         self.backend = get_attention_backend(self.device, c.num_heads, c.num_kv_heads,
                                              c.head_dim)

@@ -25,7 +25,7 @@ _F = ctypes.c_float
 
 @lru_cache(maxsize=None)
 def cpu_layer_ops() -> ctypes.CDLL:
-    lib = load_cpp_library(str(_SRC))
+    lib = load_cpp_library(_SRC, ("-fopenmp",))
     lib.rms_norm_f32.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.add_rms_norm_f32.argtypes = [_P, _P, _P, _P, _I, _I, _F]
     lib.rotary_embedding_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]

@@ -5,7 +5,6 @@ metadata in the forward context (seed 004). Decoder layers split into ``forward_
 """
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 import numpy as np

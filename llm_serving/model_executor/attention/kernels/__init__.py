@@ -43,12 +43,6 @@ not OpenMP's runtime, whose spinning idle threads slow down MindSpore's next ops
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -57,6 +51,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from llm_serving.errors import LLMServingError
+from llm_serving.model_executor import cpp_build as _cpp
+from llm_serving.model_executor.cpp_build import KernelBuildError, kernel_cache_dir
 
 __all__ = [
     "KernelBuildError",
@@ -77,21 +73,10 @@ __all__ = [
 ]
 
 SOURCE_PATH = Path(__file__).with_name("cpu_paged_attention.cpp")
-BASE_FLAGS: Tuple[str, ...] = (
-    "-O3",
-    "-std=c++17",
-    "-march=native",
-    "-mprefer-vector-width=512",
-    "-pthread",
-    "-fPIC",
-    "-shared",
-    "-fno-math-errno",
-)
+# Added to cpp_build.BASE_FLAGS. The kernels run their own small thread pool, not OpenMP:
+# libgomp's idle threads spin on the core MindSpore's next op needs.
+ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread")
 ABI_VERSION = 1
-
-
-class KernelBuildError(LLMServingError, RuntimeError):
-    """The C++ kernel library could not be compiled or loaded."""
 
 
 class KernelArgumentError(LLMServingError, ValueError):
@@ -99,99 +84,17 @@ class KernelArgumentError(LLMServingError, ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Build and load
-
-
-def kernel_cache_dir() -> Path:
-    home = os.environ.get("LLM_SERVING_HOME")
-    if home:
-        return Path(home) / "kernels"
-    return Path.home() / ".cache" / "llm_serving" / "kernels"
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("LLM_SERVING_CXX", "g++")
-    path = shutil.which(cxx)
-    if path is None:
-        raise KernelBuildError(
-            f"The CPU attention kernels need a C++ compiler, but '{cxx}' was not found on PATH. "
-            "Install g++ (Debian/Ubuntu: apt-get install g++) or set LLM_SERVING_CXX to a "
-            "g++-compatible compiler."
-        )
-    return path
-
-
-def _cpu_signature() -> str:
-    model, flags = "", ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not model and line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif not flags and line.startswith("flags"):
-                    flags = line.split(":", 1)[1].strip()
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()}|{model}|{flags}"
-
-
-_version_cache: dict = {}
-
-
-def _compiler_version(cxx: str) -> str:
-    if cxx not in _version_cache:
-        try:
-            out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
-            _version_cache[cxx] = out.stdout.splitlines()[0] if out.stdout else ""
-        except (OSError, subprocess.SubprocessError) as e:
-            raise KernelBuildError(f"Could not run the C++ compiler '{cxx}': {e}") from e
-    return _version_cache[cxx]
+# Build and load (cpp_build does the compiling and caching)
 
 
 def build_library(extra_flags: Sequence[str] = (), force: bool = False) -> Path:
     """Compile the kernel source if needed and return the path of the shared library."""
-    cxx = _compiler()
-    flags = list(BASE_FLAGS) + list(extra_flags)
-    src = SOURCE_PATH.read_bytes()
-    h = hashlib.sha256()
-    for part in (src, cxx.encode(), _compiler_version(cxx).encode(), " ".join(flags).encode(),
-                 _cpu_signature().encode()):
-        h.update(part)
-        h.update(b"\0")
-    out_dir = kernel_cache_dir()
-    target = out_dir / f"cpu_paged_attention_{h.hexdigest()[:20]}.so"
-    if target.exists() and not force:
-        return target
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=out_dir)
-        os.close(fd)
-    except OSError as e:
-        raise KernelBuildError(
-            f"Cannot write to the kernel cache directory {out_dir} (set LLM_SERVING_HOME to a "
-            f"writable directory): {e}") from e
-    cmd = [cxx, *flags, str(SOURCE_PATH), "-o", tmp]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise KernelBuildError(
-                "Compiling the CPU attention kernels failed:\n  " + " ".join(cmd) + "\n"
-                + proc.stderr[-4000:]
-            )
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"Compiling the CPU attention kernels failed: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return _cpp.build_library(SOURCE_PATH, ATTENTION_FLAGS + tuple(extra_flags), force)
 
 
-_libs: dict = {}
+_declared: set = set()
 _lib_lock = threading.Lock()
+
 
 def _declare(lib: ctypes.CDLL) -> None:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -217,30 +120,26 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def load_library(extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
-    """Build (if needed) and load the kernel library; cached per set of extra flags."""
-    key = tuple(extra_flags)
-    lib = _libs.get(key)
-    if lib is not None:
-        return lib
+    """Build (if needed) and load the kernel library; one per set of extra flags."""
+    flags = ATTENTION_FLAGS + tuple(extra_flags)
+    lib = _cpp.load_cpp_library(SOURCE_PATH, flags)
     with _lib_lock:
-        lib = _libs.get(key)
-        if lib is None:
-            path = build_library(extra_flags)
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                raise KernelBuildError(f"Could not load the kernel library {path}: {e}") from e
+        if id(lib) not in _declared:
             _declare(lib)
             if lib.lls_abi_version() != ABI_VERSION:
-                raise KernelBuildError(f"Kernel library {path} has an unexpected ABI version")
-            lib._lls_path = str(path)
-            _libs[key] = lib
+                raise KernelBuildError(f"Kernel library {lib._name} has an unexpected ABI version")
+            _declared.add(id(lib))
     return lib
 
 
+_default_lib: Optional[ctypes.CDLL] = None
+
+
 def _lib() -> ctypes.CDLL:
-    lib = _libs.get(())
-    return lib if lib is not None else load_library()
+    global _default_lib
+    if _default_lib is None:
+        _default_lib = load_library()
+    return _default_lib
 
 
 def has_avx512() -> bool:
@@ -551,7 +450,7 @@ def aot_attention_op():
     are updated in place and the result has q's shape."""
     from mindspore import ops
 
-    path = _lib()._lls_path
+    path = _lib()._name
     return ops.Custom(f"{path}:lls_aot_attention", out_shape=lambda q, *rest: q,
                       out_dtype=lambda q, *rest: q, func_type="aot")
 
@@ -561,7 +460,7 @@ def aot_paged_attention_op():
     seq_lens, scale) -> Tensor shaped like q."""
     from mindspore import ops
 
-    path = _lib()._lls_path
+    path = _lib()._name
     return ops.Custom(f"{path}:lls_aot_paged_attention", out_shape=lambda q, *rest: q,
                       out_dtype=lambda q, *rest: q, func_type="aot")
 
