@@ -6,14 +6,21 @@ import os as _os
 # libgomp reads this once, when it loads, so it is set before MindSpore is imported.
 _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 from llm_serving.outputs import CompletionOutput, RequestOutput  # noqa: F401
-from llm_serving.sampling_params import SamplingParams  # noqa: F401
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
+from llm_serving.config import EngineArgs  # noqa: F401
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # LLM pulls in MindSpore, which takes seconds to import: load it on first use.
+    # These pull in MindSpore, which takes seconds to import: load them on first use.
     if name == "LLM":
         from llm_serving.entrypoints.llm import LLM
         return LLM
+    if name == "LLMEngine":
+        from llm_serving.engine.llm_engine import LLMEngine
+        return LLMEngine
+    if name == "AsyncLLMEngine":
+        from llm_serving.engine.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine
     raise AttributeError(name)

@@ -24,6 +24,12 @@ class EngineArgs:
     kv_cache_space: float = 2.0             # GiB for the KV cache when num_blocks is unset
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"      # or "swap" (to a host block pool of swap_space)
+    swap_space: float = 4.0                 # GiB of host memory for swapped-out KV blocks
+    scheduling_policy: str = "fcfs"         # or "priority": lower request priority runs first
+    max_waiting_requests: int = 1024        # new requests beyond this are refused at once
+    queue_timeout: Optional[float] = None   # seconds a request may wait before it starts
+    watermark: float = 0.01                 # fraction of KV blocks admission keeps free
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -42,13 +48,32 @@ class EngineArgs:
         positive("max_model_len", self.max_model_len, True)
         positive("block_size", self.block_size)
         positive("num_blocks", self.num_blocks, True)
-        if not isinstance(self.kv_cache_space, (int, float)) or self.kv_cache_space <= 0:
+        if (not isinstance(self.kv_cache_space, (int, float)) or isinstance(self.kv_cache_space, bool)
+                or self.kv_cache_space <= 0):
             raise ConfigError("kv_cache_space", f"expected GiB > 0, got {self.kv_cache_space!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError("dtype", "expected one of auto, float32, float16, bfloat16, "
                               f"got {self.dtype!r}")
         if str(self.device).lower() not in ("auto", "cpu", "ascend", "npu"):
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
+        positive("max_waiting_requests", self.max_waiting_requests)
+
+        def number(key, value, low, allow_none=False, low_inclusive=True, high=None):
+            if value is None and allow_none:
+                return
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                value >= low if low_inclusive else value > low) and (high is None or value < high)
+            if not ok:
+                rng = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high else "")
+                raise ConfigError(key, f"expected a number {rng}, got {value!r}")
+        number("swap_space", self.swap_space, 0)
+        number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
+        number("watermark", self.watermark, 0, high=1)
+        for key, allowed in (("preemption_mode", ("recompute", "swap")),
+                             ("scheduling_policy", ("fcfs", "priority"))):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(key, f"expected one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, key)!r}")
         for key in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, f"expected true or false, got {getattr(self, key)!r}")

@@ -16,3 +16,11 @@ class ConfigError(LLMServingError, ValueError):
 
 class ModelLoadError(LLMServingError):
     """A model directory or checkpoint cannot be used (missing files, unsupported architecture)."""
+
+
+class QueueFullError(LLMServingError):
+    """The waiting queue is at its bound; the request was refused without being queued."""
+
+
+class EngineDeadError(LLMServingError):
+    """The engine loop stopped on an error; no request can be served until it is restarted."""

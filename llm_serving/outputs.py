@@ -55,6 +55,29 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     time_in_queue: Optional[float] = None
     finished_time: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token, from arrival, in seconds."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean time per output token after the first, in seconds."""
+        if self.first_token_time is None or self.last_token_time is None \
+                or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
 @dataclass
@@ -69,3 +92,5 @@ class RequestOutput:
     prompt_logprobs: Optional[PromptLogprobs] = None
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: Optional[int] = None
+    # Why the engine ended the request itself (queue timeout, engine error); None otherwise.
+    error: Optional[str] = None

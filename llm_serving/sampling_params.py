@@ -18,6 +18,13 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.Enum):
+    """What each streamed output holds (vLLM's names)."""
+    CUMULATIVE = 0   # everything generated so far
+    DELTA = 1        # only what is new since the previous output
+    FINAL_ONLY = 2   # nothing until the request finishes
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -57,6 +64,7 @@ class SamplingParams:
     skip_special_tokens, spaces_between_special_tokens: detokenizer options.
     include_stop_str_in_output: keep the matched stop string in the text.
     detokenize: produce text at all.
+    output_kind: what each streamed output holds (RequestOutputKind; default cumulative).
     """
 
     n: int = 1
@@ -79,6 +87,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -113,6 +122,8 @@ class SamplingParams:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
 
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == -1:
             self.top_k = 0
 

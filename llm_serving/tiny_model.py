@@ -105,28 +105,32 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 # ---------------------------------------------------------------------------------------------
 
 
-def default_model_dir() -> str:
-    """Where the built-in tiny model lives: ``$LLM_SERVING_HOME/models/tiny-llama`` if the variable
-    is set, else ``~/.cache/llm_serving/models/tiny-llama``."""
+_PRESET_DIRS = {"tiny": "tiny-llama", "bench": "bench-97m"}
+
+
+def default_model_dir(preset: str = "tiny") -> str:
+    """Where a built-in model lives: ``$LLM_SERVING_HOME/models/<name>`` if the variable is set,
+    else ``~/.cache/llm_serving/models/<name>``, with name tiny-llama or bench-97m."""
     home = os.environ.get("LLM_SERVING_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "llm_serving"
-    return str(base / "models" / "tiny-llama")
+    return str(base / "models" / _PRESET_DIRS[preset])
 
 
-def ensure_tiny_model(path: Optional[str] = None) -> str:
-    """Return ``path`` (default: :func:`default_model_dir`), creating the tiny model there if absent.
+def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
+    """Return ``path`` (default: :func:`default_model_dir`), creating the model of the given
+    preset there if absent.
 
     The model is written to a temporary directory beside ``path`` and renamed into place, so a
     concurrent or interrupted run never leaves a half-written model at ``path``.
     """
-    target = Path(path) if path is not None else Path(default_model_dir())
+    target = Path(path) if path is not None else Path(default_model_dir(preset))
     target = target.expanduser()
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=str(target.parent)))
     try:
-        make_tiny_model(str(tmp))
+        make_tiny_model(str(tmp), **PRESETS[preset])
         try:
             os.rename(tmp, target)
         except OSError as e:

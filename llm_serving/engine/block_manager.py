@@ -1,49 +1,289 @@
-"""The KV block pool: allocation, freeing and reference counts.
+"""The KV block pools: allocation, reference counts, prefix caching, copy-on-write and swap.
 
 A sequence's block table maps its token positions to physical blocks:
 slot(position) = block_table[position // block_size] * block_size + position % block_size.
+
+Prefix caching. Once a block is full and its KV computed, it is entered in a cache keyed by
+a hash chain: block i's hash covers its tokens and block i-1's hash. A later sequence whose
+prompt starts with the same tokens takes those blocks instead of computing them. A hit must
+also match the block's tokens exactly and the cache entry its parent came from, so a hash
+collision can never hand out wrong KV. A cached block nobody uses stays in the cache, on an
+LRU list, until a fresh block is needed and it is the least recently freed.
+
+Copy-on-write. The ``n`` sequences of one request share the prompt's blocks after the fork
+(reference counts > 1). Before a sequence writes into a block others still hold, it gets its
+own copy; the copy is returned as a (src, dst) pair for the model runner to perform.
+
+Swap. A host-side pool of ``num_cpu_blocks`` blocks takes a preempted sequence's KV (pairs
+device -> host) and gives it back later (host -> device).
+
+The block manager only does the bookkeeping; the model runner moves the data.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Optional
 
 from llm_serving.engine.sequence import Sequence
 
+_ROOT_HASH = 0x6C6C6D5F73657276   # parent hash of block 0
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_cpu_blocks: int = 0, watermark: float = 0.01):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_uncached: deque[int] = deque(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()   # LRU order, oldest first
+        # Prefix cache entries, one per cached block.
+        self.cache: dict[int, int] = {}                   # hash -> block
+        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        self.block_tokens: list[Optional[tuple]] = [None] * num_blocks
+        self.block_uid: list[Optional[int]] = [None] * num_blocks
+        self.block_parent_uid: list[Optional[int]] = [None] * num_blocks
+        self._next_uid = 1
+        # Host pool for swapped-out sequences.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        # Prefix cache counters, in tokens.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
+    # ---- pool state -----------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_uncached) + len(self.free_cached)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks held by sequences (cached free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def cpu_usage(self) -> float:
+        return 1.0 - len(self.cpu_free) / self.num_cpu_blocks if self.num_cpu_blocks else 0.0
+
+    def _take(self) -> int:
+        if self.free_uncached:
+            block = self.free_uncached.popleft()
+        else:
+            block, _ = self.free_cached.popitem(last=False)
+            self._evict(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if self.cache.get(h) == block:
+            del self.cache[h]
+        self.block_hash[block] = self.block_tokens[block] = None
+        self.block_uid[block] = self.block_parent_uid[block] = None
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] < 0:
+            raise AssertionError(f"negative reference count on block {block}")
+        if self.ref_counts[block] == 0:
+            if self.block_uid[block] is not None:
+                self.free_cached[block] = None
+            else:
+                self.free_uncached.append(block)
+
+    def _touch(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_cached[block]
+        self.ref_counts[block] += 1
+
+    # ---- sizes ----------------------------------------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _cow_needed(self, seq: Sequence) -> bool:
+        """True when the sequence's next write lands in a block that others also hold."""
+        i, within = divmod(seq.num_computed_tokens, self.block_size)
+        return within != 0 and i < len(seq.block_table) and \
+            self.ref_counts[seq.block_table[i]] > 1
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        grow = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return max(0, grow) + self._cow_needed(seq)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
+    # ---- growing a running sequence -------------------------------------------------------
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Extend the sequence's blocks to hold ``num_new_tokens`` more tokens."""
-        need = self.blocks_needed(seq, num_new_tokens)
-        if need > len(self.free_blocks):
-            return False
-        for _ in range(need):
-            block = self.free_blocks.popleft()
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
-        return True
+    def append(self, seq: Sequence, num_new_tokens: int, copies: list) -> None:
+        """Make room for ``num_new_tokens`` more tokens; copy-on-write pairs go to ``copies``."""
+        if self._cow_needed(seq):
+            i = seq.num_computed_tokens // self.block_size
+            src = seq.block_table[i]
+            dst = self._take()
+            self._release(src)
+            seq.block_table[i] = dst
+            copies.append((src, dst))
+        for _ in range(self._blocks_for(seq.num_computed_tokens + num_new_tokens)
+                       - len(seq.block_table)):
+            seq.block_table.append(self._take())
 
+    # ---- admitting a waiting sequence -----------------------------------------------------
+    def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        bs, hashes = self.block_size, seq.block_hashes
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash((parent, tuple(seq.token_ids(i * bs, (i + 1) * bs))))
+            hashes.append(parent)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the start of the sequence's tokens (not yet taken).
+
+        At least one token is always left to compute, since its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        limit = (seq.num_tokens - 1) // bs
+        self._ensure_hashes(seq, limit)
+        matched: list[int] = []
+        parent_uid = None
+        for i in range(limit):
+            block = self.cache.get(seq.block_hashes[i])
+            if (block is None or self.block_parent_uid[block] != parent_uid
+                    or self.block_tokens[block] != tuple(seq.token_ids(i * bs, (i + 1) * bs))):
+                break
+            matched.append(block)
+            parent_uid = self.block_uid[block]
+        return matched
+
+    def can_admit(self, seq: Sequence, matched: list[int], num_new_tokens: int,
+                  keep_watermark: bool = True) -> bool:
+        computed = len(matched) * self.block_size
+        need = self._blocks_for(computed + num_new_tokens) - len(matched)
+        need += sum(1 for b in matched if self.ref_counts[b] == 0)   # leave the free pool
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return need + reserve <= self.num_free_blocks
+
+    def admit(self, seq: Sequence, matched: list[int], num_new_tokens: int,
+              copies: list) -> None:
+        assert not seq.block_table, "admitting a sequence that still holds blocks"
+        for block in matched:
+            self._touch(block)
+        seq.block_table = list(matched)
+        seq.cached_uids = [self.block_uid[b] for b in matched]
+        seq.num_computed_tokens = len(matched) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += seq.num_computed_tokens
+        self.append(seq, num_new_tokens, copies)
+
+    # ---- after a step ---------------------------------------------------------------------
+    def register_computed(self, seq: Sequence) -> None:
+        """Enter the sequence's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        uids = seq.cached_uids
+        if len(uids) >= full:
+            return
+        self._ensure_hashes(seq, full)
+        for i in range(len(uids), full):
+            parent_uid = uids[i - 1] if i else None
+            if i and parent_uid is None:        # the chain above is not cached
+                uids.append(None)
+                continue
+            h = seq.block_hashes[i]
+            tokens = tuple(seq.token_ids(i * bs, (i + 1) * bs))
+            existing = self.cache.get(h)
+            if existing is not None:
+                same = (self.block_parent_uid[existing] == parent_uid
+                        and self.block_tokens[existing] == tokens)
+                uids.append(self.block_uid[existing] if same else None)
+                continue
+            block = seq.block_table[i]
+            if self.block_uid[block] is not None:      # already an entry under another chain
+                uids.append(None)
+                continue
+            uid = self._next_uid
+            self._next_uid += 1
+            self.cache[h] = block
+            self.block_hash[block], self.block_tokens[block] = h, tokens
+            self.block_uid[block], self.block_parent_uid[block] = uid, parent_uid
+            uids.append(uid)
+
+    # ---- n > 1 ----------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares all of the parent's blocks (copy-on-write on its first write)."""
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.cached_uids = list(parent.cached_uids)
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    # ---- freeing --------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
+        """Give back the sequence's device and host blocks; it must recompute from scratch."""
+        # Tail blocks first, so they leave the LRU cache before the shared head blocks.
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, "negative block reference count"
-            if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+            self._release(block)
+        self.cpu_free.extend(seq.cpu_block_table)
         seq.block_table = []
+        seq.cpu_block_table = []
+        seq.cached_uids = []
         seq.num_computed_tokens = 0
+
+    # ---- swap -----------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.cpu_free)
+
+    def swap_out(self, seq: Sequence, pairs: list) -> None:
+        """Move the sequence's KV to the host pool: (device block, host block) to ``pairs``."""
+        for block in seq.block_table:
+            cpu = self.cpu_free.popleft()
+            pairs.append((block, cpu))
+            seq.cpu_block_table.append(cpu)
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int,
+                    keep_watermark: bool = True) -> bool:
+        total = self._blocks_for(seq.num_computed_tokens + num_new_tokens)
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return max(total, len(seq.cpu_block_table)) + reserve <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int, pairs: list, copies: list) -> None:
+        """Bring the sequence's KV back: (host block, device block) to ``pairs``."""
+        for cpu in seq.cpu_block_table:
+            block = self._take()
+            pairs.append((cpu, block))
+            seq.block_table.append(block)
+        self.cpu_free.extend(seq.cpu_block_table)
+        seq.cpu_block_table = []
+        self.append(seq, num_new_tokens, copies)
+
+    # ---- checks (used by tests) -----------------------------------------------------------
+    def check_invariants(self, live: list[Sequence]) -> None:
+        expect = [0] * self.num_blocks
+        cpu_held = []
+        for seq in live:
+            for block in seq.block_table:
+                expect[block] += 1
+            cpu_held.extend(seq.cpu_block_table)
+        assert expect == self.ref_counts, "reference counts do not match the block tables"
+        free = set(self.free_uncached) | set(self.free_cached)
+        assert len(free) == len(self.free_uncached) + len(self.free_cached)
+        assert free == {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        assert all(self.block_uid[b] is not None for b in self.free_cached)
+        for h, block in self.cache.items():
+            assert self.block_hash[block] == h
+        assert sorted(cpu_held + list(self.cpu_free)) == list(range(self.num_cpu_blocks))

@@ -1,11 +1,20 @@
 """The synchronous engine: add requests, then ``step()`` until they finish.
 
-One step is ``schedule() -> execute(batch) -> update(outputs)``.
+One step is ``schedule() -> execute(batch) -> update(outputs)``:
+- the scheduler picks the sequences and token counts, and the KV block moves (swap out,
+  swap in, copy-on-write) that must happen first;
+- the model runner moves those blocks, runs one ragged forward pass over all the tokens and
+  samples one token for every sequence that reached the end of its known tokens;
+- the update appends the tokens, detokenizes incrementally, checks stop conditions and
+  frees finished sequences' blocks.
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
@@ -13,17 +22,50 @@ import numpy as np
 from llm_serving.config import EngineArgs
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
+from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.scheduler import Scheduler, SchedulerOutput
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.errors import ConfigError
 from llm_serving.model_executor.layers.sampler import SamplerOutput, SamplingBatch
-from llm_serving.model_executor.model_runner import ModelRunner, StepInput, kv_bytes_per_block
 from llm_serving.model_executor.loader import ModelConfig
-from llm_serving.outputs import CompletionOutput, Logprob, RequestOutput
-from llm_serving.sampling_params import SamplingParams
+from llm_serving.model_executor.model_runner import ModelRunner, StepInput, kv_bytes_per_block
+from llm_serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
 PromptType = Union[str, dict]
+_EMPTY_PAIRS = np.zeros((0, 2), np.int32)
+_MAX_FINISHED_METRICS = 10000
+
+
+@dataclass
+class NewRequest:
+    """A checked, tokenized request, ready to queue."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int
+    arrival_time: float
+
+
+class _Request:
+    """One request: its n sequences and what has been streamed of each."""
+    __slots__ = ("request_id", "seqs", "kind", "sent_tokens", "sent_text", "error")
+
+    def __init__(self, request_id: str, seqs: list[Sequence], kind: RequestOutputKind):
+        self.request_id = request_id
+        self.seqs = seqs
+        self.kind = kind
+        self.sent_tokens = [0] * len(seqs)
+        self.sent_text = [0] * len(seqs)
+        self.error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -36,8 +78,19 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ConfigError("max_model_len", f"{self.max_model_len} exceeds the model's "
                               f"max_position_embeddings ({mc.max_position_embeddings})")
-        num_blocks = args.num_blocks or max(
-            1, int(args.kv_cache_space * 2**30) // kv_bytes_per_block(mc, args.block_size))
+        block_bytes = kv_bytes_per_block(mc, args.block_size)
+        num_blocks = args.num_blocks or max(1, int(args.kv_cache_space * 2**30) // block_bytes)
+        capacity = num_blocks * args.block_size
+        if capacity < self.max_model_len and args.max_model_len is None:
+            logger.warning("max_model_len lowered from %d to %d, what %d KV blocks hold",
+                           self.max_model_len, capacity, num_blocks)
+            self.max_model_len = capacity
+        if capacity < self.max_model_len:
+            raise ConfigError("num_blocks", f"{num_blocks} blocks of {args.block_size} tokens "
+                              f"cannot hold one sequence of max_model_len ({self.max_model_len})"
+                              " tokens; raise num_blocks or lower max_model_len")
+        num_cpu_blocks = (int(args.swap_space * 2**30) // block_bytes
+                          if args.preemption_mode == "swap" else 0)
         budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill
                                                  else self.max_model_len)
         if not args.enable_chunked_prefill and budget < self.max_model_len:
@@ -45,25 +98,55 @@ class LLMEngine:
                               f"{budget} is smaller than max_model_len ({self.max_model_len}); "
                               "without chunked prefill a whole prompt must fit in one step")
         self.runner = ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
-                                  args.device, args.seed, config=mc)
-        self.block_manager = BlockManager(num_blocks, args.block_size)
+                                  args.device, args.seed, config=mc,
+                                  num_cpu_blocks=num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size,
+                                          args.enable_prefix_caching, num_cpu_blocks,
+                                          args.watermark)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget,
-                                   args.enable_chunked_prefill)
+                                   args.enable_chunked_prefill, args.scheduling_policy,
+                                   args.preemption_mode, args.max_waiting_requests,
+                                   args.queue_timeout)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
-        self.requests: dict[str, list[Sequence]] = {}
+        self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.stats = EngineStats()
+        self._finished_metrics: collections.deque = collections.deque(
+            maxlen=_MAX_FINISHED_METRICS)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
+                    request_id: Optional[str] = None, priority: int = 0,
+                    arrival_time: Optional[float] = None) -> str:
+        """Queue a request. Raises ValueError for bad input, QueueFullError when full."""
+        return self.add_processed(self.process_request(prompt, params, request_id, priority,
+                                                       arrival_time))
+
+    def process_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                        request_id: Optional[str] = None, priority: int = 0,
+                        arrival_time: Optional[float] = None) -> NewRequest:
+        """Check and tokenize a request without touching the engine's state (so any thread
+        may call it). Raises ValueError naming what is wrong."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError("priority is only used with scheduling_policy='priority'")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs "
+                             f"({self.scheduler.max_num_seqs})")
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt_token_ids'")
-            text, ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            try:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+            except (TypeError, ValueError):
+                raise ValueError("prompt_token_ids must be a list of integers") from None
+            text = prompt.get("prompt")
         elif isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -79,42 +162,74 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the maximum model length is "
                              f"{self.max_model_len}, leaving no room to generate")
         max_tokens = min(params.max_tokens or room, room)
+        return NewRequest(request_id, text, ids, params, max_tokens, priority,
+                          time.time() if arrival_time is None else arrival_time)
+
+    def add_processed(self, new: NewRequest) -> str:
+        """Queue a checked request (from ``process_request``)."""
+        if new.request_id in self.requests:
+            raise ValueError(f"request id {new.request_id!r} is already in use")
+        order = next(self._arrivals)
+        params, ids = new.params, new.prompt_token_ids
         seqs = []
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
                 p = params.clone()
                 p.seed = params.seed + i
-            seq = Sequence(request_id, i, text, ids, p, max_tokens)
+            seq = Sequence(new.request_id, i, new.prompt, ids, p, new.max_tokens, new.priority,
+                           order, new.arrival_time)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
                 stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output)
             seqs.append(seq)
-            self.scheduler.add(seq)
-        self.requests[request_id] = seqs
-        return request_id
+        # Only the first sequence computes the prompt; the others fork from it.
+        seqs[0].pending_children = seqs[1:]
+        self.scheduler.add(seqs[0])
+        self.requests[new.request_id] = _Request(new.request_id, seqs, params.output_kind)
+        self.stats.num_requests += 1
+        return new.request_id
 
-    def abort_request(self, request_id: str) -> None:
-        for seq in self.requests.pop(request_id, []):
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """End the request now, whatever its state, and free its KV blocks and its slot.
+
+        Returns its final output (finish_reason "abort"), or None for an unknown request.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                seq.finished_time = time.time()
+        self.stats.num_aborted_requests += 1
+        return self._request_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
     # ---- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        outputs = [self._fail_timed_out(seq) for seq in batch.timed_out]
+        outputs = [o for o in outputs if o is not None]
         if not batch.seqs:
-            return []
+            if batch.swap_out:      # a step that only preempted still moves the KV
+                self.runner.move_blocks(np.asarray(batch.swap_out, np.int32), _EMPTY_PAIRS,
+                                        _EMPTY_PAIRS)
+            return outputs
         step_input, sampled = self._build_step(batch)
         result = self.runner.execute(step_input)
-        return self._update(batch, sampled, result)
+        return outputs + self._update(batch, sampled, result)
 
     def _build_step(self, batch: SchedulerOutput) -> tuple[StepInput, list[Sequence]]:
         bs = self.block_manager.block_size
         n = np.asarray(batch.num_tokens, np.int32)
         starts = np.asarray([s.num_computed_tokens for s in batch.seqs], np.int32)
+        totals = np.asarray([s.num_tokens for s in batch.seqs], np.int32)
         qsl = np.zeros(len(n) + 1, np.int32)
         np.cumsum(n, out=qsl[1:])
         positions = (np.arange(qsl[-1], dtype=np.int32)
@@ -128,35 +243,76 @@ class LLMEngine:
             tables[row, :len(s.block_table)] = s.block_table
         seq_rows = np.repeat(np.arange(len(n)), n)
         slots = tables[seq_rows, positions // bs] * bs + positions % bs
-        # A sequence samples when this step reaches the end of its known tokens.
-        done = starts + n == np.asarray([s.num_tokens for s in batch.seqs])
-        sample_seqs = np.flatnonzero(done).astype(np.int32)
-        sampled = [batch.seqs[i] for i in sample_seqs]
+        # A sequence samples when this step reaches the end of its known tokens; the pending
+        # n > 1 children of a sequence finishing its prompt sample from the same row.
+        done = np.flatnonzero(starts + n == totals)
+        sampled, sample_rows = [], []
+        for i in done:
+            seq = batch.seqs[i]
+            sampled.append(seq)
+            sampled.extend(seq.pending_children)
+            sample_rows.extend([i] * (1 + len(seq.pending_children)))
+        self.stats.num_prefill_tokens += int(qsl[-1]) - int(np.count_nonzero(
+            (n == 1) & (starts == totals - 1) & (totals > self._prompt_lens(batch.seqs))))
         sampling = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_token_ids for s in sampled],
             [s.output_token_ids for s in sampled], self.eos_token_ids) if sampled else None
+
+        def pairs(p):
+            return np.asarray(p, np.int32).reshape(-1, 2) if p else _EMPTY_PAIRS
         step = StepInput(ids, positions, slots.astype(np.int32), tables, qsl,
-                         (starts + n).astype(np.int32), sample_seqs, sampling)
+                         (starts + n).astype(np.int32), np.asarray(sample_rows, np.int32),
+                         sampling, swap_out=pairs(batch.swap_out), swap_in=pairs(batch.swap_in),
+                         copies=pairs(batch.copies))
         return step, sampled
+
+    @staticmethod
+    def _prompt_lens(seqs: list[Sequence]) -> np.ndarray:
+        return np.asarray([len(s.prompt_token_ids) for s in seqs], np.int32)
 
     def _update(self, batch: SchedulerOutput, sampled: list[Sequence],
                 result: Optional[SamplerOutput]) -> list[RequestOutput]:
-        for seq, k in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += k
-        touched = {}
+        self.scheduler.after_step(batch)
+        self.stats.num_steps += 1
+        now = time.time()
+        touched: dict[str, None] = {}
         for row, seq in enumerate(sampled):
+            if seq.pending_children:
+                self.scheduler.fork(seq)
             token = int(result.token_ids[row])
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
+                seq.first_token_time = now
+            seq.last_token_time = now
             self._record_logprobs(seq, row, token, result)
             seq.detokenizer.step([token])
             status = self._check_stop(seq, token)
             if status is not None:
                 seq.detokenizer.flush()
                 self.scheduler.finish(seq, status)
-            touched[seq.request_id] = True
-        return [self._request_output(rid) for rid in touched]
+                seq.finished_time = now
+            touched[seq.request_id] = None
+        self.stats.num_generation_tokens += len(sampled)
+        outputs = []
+        for rid in touched:
+            out = self._request_output(self.requests[rid])
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _fail_timed_out(self, seq: Sequence) -> Optional[RequestOutput]:
+        req = self.requests.get(seq.request_id)
+        if req is None:
+            return None
+        waited = time.time() - seq.arrival_time
+        req.error = (f"request waited {waited:.1f} s in the queue without starting "
+                     f"(queue_timeout={self.scheduler.queue_timeout} s)")
+        for s in req.seqs:
+            if not s.status.finished:
+                self.scheduler.finish(s, SequenceStatus.FINISHED_TIMEOUT)
+            s.finished_time = time.time()
+        self.stats.num_timed_out_requests += 1
+        return self._request_output(req)
 
     def _record_logprobs(self, seq: Sequence, row: int, token: int, r: SamplerOutput) -> None:
         k = seq.params.logprobs
@@ -192,20 +348,70 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _request_output(self, request_id: str) -> RequestOutput:
-        seqs = self.requests[request_id]
-        finished = all(s.status.finished for s in seqs)
+    # ---- outputs --------------------------------------------------------------------------
+    def _request_output(self, req: _Request) -> Optional[RequestOutput]:
+        """The request's output in its output kind; None when there is nothing to send."""
+        finished = req.finished
+        kind = req.kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
         outs = []
-        for s in seqs:
+        for i, s in enumerate(req.seqs):
+            text = s.detokenizer.output_text
+            t0, c0 = (req.sent_tokens[i], req.sent_text[i]) if delta else (0, 0)
+            req.sent_tokens[i], req.sent_text[i] = len(s.output_token_ids), len(text)
+            want_lp = s.params.logprobs is not None
             outs.append(CompletionOutput(
-                index=s.index, text=s.detokenizer.output_text,
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
+                index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:],
+                cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                logprobs=s.output_logprobs[t0:] if want_lp else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        first = req.seqs[0]
+        metrics = None
         if finished:
-            del self.requests[request_id]
-        first = seqs[0]
-        return RequestOutput(request_id=request_id, prompt=first.prompt,
+            del self.requests[req.request_id]
+            metrics = self._metrics(req)
+            self._finished_metrics.append(metrics)
+            self.stats.num_finished_requests += 1
+        return RequestOutput(request_id=req.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outs,
-                             finished=finished)
+                             finished=finished, metrics=metrics,
+                             num_cached_tokens=first.num_cached_tokens, error=req.error)
+
+    @staticmethod
+    def _metrics(req: _Request) -> RequestMetrics:
+        first = req.seqs[0]
+        started = first.first_scheduled_time
+        token_times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        last_times = [s.last_token_time for s in req.seqs if s.last_token_time is not None]
+        return RequestMetrics(
+            arrival_time=first.arrival_time,
+            last_token_time=max(last_times) if last_times else None,
+            first_scheduled_time=started,
+            first_token_time=min(token_times) if token_times else None,
+            time_in_queue=None if started is None else started - first.arrival_time,
+            finished_time=max((s.finished_time or 0.0) for s in req.seqs) or None,
+            num_prompt_tokens=len(first.prompt_token_ids),
+            num_generation_tokens=max(len(s.output_token_ids) for s in req.seqs),
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs))
+
+    # ---- stats ----------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        """A snapshot of the engine's state and counters; per-request timings of requests
+        finished since the previous call are handed over once."""
+        sch, bm, st = self.scheduler, self.block_manager, self.stats
+        snap = EngineStats(**{k: v for k, v in vars(st).items() if k != "finished_requests"})
+        snap.num_running = len(sch.running)
+        snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)
+        snap.num_swapped = len(sch.swapped)
+        snap.kv_cache_usage = bm.usage
+        snap.cpu_cache_usage = bm.cpu_usage
+        snap.num_preemptions = sch.num_preemptions
+        snap.num_swap_preemptions = sch.num_swap_preemptions
+        snap.prefix_cache_queries = bm.prefix_queries
+        snap.prefix_cache_hits = bm.prefix_hits
+        snap.finished_requests = list(self._finished_metrics)
+        self._finished_metrics.clear()
+        return snap

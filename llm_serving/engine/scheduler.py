@@ -1,98 +1,258 @@
 """Plans each step under a token budget and a sequence cap.
 
-Running sequences go first (decodes, and the next chunks of long prefills); waiting
-sequences' prefills fill the rest of the budget, several per step, chunked when they do not
-fit (Dynamic SplitFuse). When the KV pool runs out, the most recently admitted running
-sequence is preempted and will recompute its tokens later.
+One step, in order:
+1. Requests that waited longer than ``queue_timeout`` without starting are failed.
+2. Under the priority policy, a waiting request that cannot get in preempts running ones
+   with a worse (higher) priority value.
+3. Running sequences go first: decodes, and the next chunks of long prefills. When the KV
+   pool cannot hold one, the lowest-ranked running sequence is preempted (the newest under
+   FCFS, the worst priority under the priority policy): its KV is swapped to the host pool
+   or dropped to be recomputed, as ``preemption_mode`` says.
+4. If nothing ran out of memory, swapped-out sequences come back and waiting sequences'
+   prefills fill the rest of the budget, in rank order, several per step, chunked when they
+   do not fit (Dynamic SplitFuse), reusing prefix-cached blocks. Admission keeps a watermark
+   of free blocks so that it does not immediately force a preemption.
+
+Queues are kept sorted by rank: (priority, arrival) under "priority", arrival under "fcfs".
 """
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import deque
+import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.sequence import Sequence, SequenceStatus
+from llm_serving.errors import QueueFullError
 
 logger = logging.getLogger(__name__)
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)   # tokens computed per sequence
+    num_tokens: list[int] = field(default_factory=list)     # tokens computed per sequence
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device, host) blocks
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host, device) blocks
+    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
+    preempted: list[Sequence] = field(default_factory=list)
+    timed_out: list[Sequence] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(num_tokens)
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True):
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 policy: str = "fcfs", preemption_mode: str = "recompute",
+                 max_waiting: int = 1024, queue_timeout: Optional[float] = None,
+                 clock: Callable[[], float] = time.time):
+        assert policy in POLICIES and preemption_mode in PREEMPTION_MODES
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.preemption_mode = preemption_mode
+        self.max_waiting = max_waiting
+        self.queue_timeout = queue_timeout
+        self.clock = clock
+        self._rank = ((lambda s: s.order_key) if policy == "priority"
+                      else (lambda s: s.order_key[1:]))
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_reserved = 0          # pending n > 1 children of running sequences
+        self._next_timeout_check = 0.0
+        # Counters, for metrics.
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_timeouts = 0
 
+    # ---- queues ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a new sequence; refused at once when the waiting queue is full."""
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests, "
+                                 "max_waiting_requests); try again later")
+        bisect.insort(self.waiting, seq, key=self._rank)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _num_slots(self) -> int:
+        return len(self.running) + self.num_reserved
+
+    def _enter_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.num_reserved += len(seq.pending_children)
+        bisect.insort(self.running, seq, key=self._rank)
+
+    def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-        logger.info("preempted request %s (recompute), KV cache full", seq.request_id)
+        self.num_reserved -= len(seq.pending_children)
 
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._leave_running(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+            self.block_manager.swap_out(seq, out.swap_out)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=self._rank)
+            self.num_swap_preemptions += 1
+            mode = "swap"
+        else:   # recompute (also when the host pool is full)
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, seq, key=self._rank)
+            mode = "recompute"
+        out.preempted.append(seq)
+        logger.info("preempted request %s (%s): KV cache full", seq.request_id, mode)
+
+    # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        now = self.clock()
+        if self.queue_timeout is not None and now >= self._next_timeout_check:
+            self._expire(now, out)
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        if self.policy == "priority":
+            self._preempt_for_priority(out, budget)
+        out_of_memory = False
+
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted to make room for another
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.allocate(seq, n):
+            while not bm.can_append(seq, n):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
+                out_of_memory = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            out.seqs.append(seq)
-            out.num_tokens.append(n)
+            bm.append(seq, n, out.copies)
+            out.add(seq, n)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_uncomputed_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill and out.seqs:
+        if out_of_memory:
+            return out
+
+        # Swapped-out and waiting sequences come back in rank order (under FCFS a preempted
+        # sequence is older than the requests that arrived after it, so it goes first).
+        while budget > 0 and (self.swapped or self.waiting):
+            if self.swapped and (not self.waiting
+                                 or self._rank(self.swapped[0]) < self._rank(self.waiting[0])):
+                if not self._swap_in_head(out, budget):
                     break
-                n = budget
-            if not bm.allocate(seq, n):
+            elif not self._admit_head(out, budget, now):
                 break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_tokens.append(n)
-            budget -= n
+            budget = self.max_num_batched_tokens - out.total_tokens
         return out
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        seq.status = status
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+    def _swap_in_head(self, out: SchedulerOutput, budget: int) -> bool:
+        seq = self.swapped[0]
+        if self._num_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
+            return False
+        n = min(seq.num_uncomputed_tokens, budget)
+        if not self.block_manager.can_swap_in(seq, n, keep_watermark=bool(self.running)):
+            return False
+        self.swapped.pop(0)
+        self.block_manager.swap_in(seq, n, out.swap_in, out.copies)
+        self._enter_running(seq)
+        out.add(seq, n)
+        return True
+
+    def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> bool:
+        bm = self.block_manager
+        seq = self.waiting[0]
+        if self._num_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
+            return False
+        matched = bm.match_prefix(seq)
+        n = seq.num_tokens - len(matched) * bm.block_size
+        if n > budget:
+            if not self.enable_chunked_prefill:
+                return False
+            n = budget
+        if not bm.can_admit(seq, matched, n, keep_watermark=bool(self.running)):
+            return False
+        self.waiting.pop(0)
+        bm.admit(seq, matched, n, out.copies)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self._enter_running(seq)
+        out.add(seq, n)
+        return True
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        self._next_timeout_check = now + min(0.1, self.queue_timeout / 4)
+        deadline = now - self.queue_timeout
+        expired = [s for s in self.waiting
+                   if s.first_scheduled_time is None and s.arrival_time < deadline]
+        for seq in expired:
             self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED_TIMEOUT
+            self.num_timeouts += 1
+            out.timed_out.append(seq)
+            logger.info("request %s timed out after %.1f s in the queue",
+                        seq.request_id, now - seq.arrival_time)
+
+    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
+        """Make room for a waiting request that outranks running ones."""
+        bm = self.block_manager
+        while self.waiting and self.running:
+            head, worst = self.waiting[0], self.running[-1]
+            if worst.priority <= head.priority:
+                return
+            matched = bm.match_prefix(head)
+            n = min(head.num_tokens - len(matched) * bm.block_size, budget)
+            fits = (self._num_slots() + 1 + len(head.pending_children) <= self.max_num_seqs
+                    and bm.can_admit(head, matched, n))
+            if fits:
+                return
+            self._preempt(worst, out)
+
+    # ---- after a step ---------------------------------------------------------------------
+    def after_step(self, out: SchedulerOutput) -> None:
+        """The step's tokens are computed: advance the sequences and cache their full blocks."""
+        bm = self.block_manager
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n
+            bm.register_computed(seq)
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Start the parent's pending n > 1 children on its blocks (its prompt is computed)."""
+        children, parent.pending_children = parent.pending_children, []
+        self.num_reserved -= len(children)
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.first_scheduled_time = parent.first_scheduled_time
+            self._enter_running(child)
+        return children
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence in any state, freeing its device and host blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._leave_running(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
         self.block_manager.free(seq)

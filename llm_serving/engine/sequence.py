@@ -1,6 +1,9 @@
 """A sequence being generated: its tokens, status, KV blocks and timings.
 
-A request with ``n > 1`` becomes ``n`` sequences sharing a request id (index 0..n-1).
+A request with ``n > 1`` becomes ``n`` sequences sharing a request id (index 0..n-1). Only
+the first one computes the prompt; the others wait as its ``pending_children`` and are forked
+from it (sharing its KV blocks) when the prompt is done, each sampling its own first token
+from the same logits.
 """
 from __future__ import annotations
 
@@ -14,19 +17,26 @@ from llm_serving.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"                 # preempted, KV blocks held in the host pool
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"        # waited longer than queue_timeout before starting
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                       SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_TIMEOUT})
 
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt: Optional[str],
-                 prompt_token_ids: list[int], params: SamplingParams, max_tokens: int):
+                 prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 priority: int = 0, arrival_order: int = 0,
+                 arrival_time: Optional[float] = None):
         self.request_id = request_id
         self.index = index
         self.prompt = prompt
@@ -34,15 +44,31 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.max_tokens = max_tokens
+        self.priority = priority
+        # Scheduling order: lower first. Under FCFS the priority part is left out.
+        self.order_key = (priority, arrival_order, index)
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        # KV cache state, owned by the block manager.
+        self.block_table: list[int] = []          # device blocks
+        self.cpu_block_table: list[int] = []      # host blocks while swapped out
         self.num_computed_tokens = 0
+        self.block_hashes: list[int] = []         # hash chain of the full blocks' tokens
+        self.cached_uids: list[Optional[int]] = []  # prefix-cache entry per registered block
+        self.num_cached_tokens = 0                # prompt tokens found in the prefix cache
+        # n > 1: sequences forked from this one once its prompt is computed.
+        self.pending_children: list[Sequence] = []
+        # Results.
         self.output_logprobs: list = []
         self.cumulative_logprob = 0.0
         self.stop_reason = None
         self.detokenizer = None
-        self.arrival_time = time.monotonic()
+        # Timings (time.time(), for metrics).
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:
@@ -62,4 +88,9 @@ class Sequence:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return self.status.value if self.status.finished else None
+        """vLLM's finish reasons: "stop", "length" or "abort" (a queue timeout is an abort)."""
+        if not self.status.finished:
+            return None
+        if self.status is SequenceStatus.FINISHED_TIMEOUT:
+            return "abort"
+        return self.status.value

@@ -8,7 +8,7 @@ from tqdm import tqdm
 from llm_serving.config import EngineArgs
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.outputs import RequestOutput
-from llm_serving.sampling_params import SamplingParams
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -21,7 +21,8 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -29,10 +30,23 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        # Only final outputs are wanted here; intermediate ones would be built for nothing.
+        final = {}
+        for p in sampling_params:
+            if id(p) not in final:
+                final[id(p)] = p
+                if p.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    final[id(p)] = p.clone()
+                    final[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
         order = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                order[self.engine.add_request(prompt, params, request_id=f"llm-{id(self)}-{i}")] = i
+                rid = self.engine.add_request(prompt, final[id(params)],
+                                              request_id=f"llm-{id(self)}-{i}",
+                                              priority=priority[i] if priority else 0)
+                order[rid] = i
         except Exception:
             for rid in order:
                 self.engine.abort_request(rid)

@@ -5,7 +5,7 @@ same runner serves an in-process engine and a WorkAgent fed through shared memor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -27,7 +27,14 @@ class StepInput:
     query_start_loc: np.ndarray  # int32 [S + 1]
     seq_lens: np.ndarray         # int32 [S]
     sample_seqs: np.ndarray      # int32 [S']: sequences whose last row is sampled this step
-    sampling: Optional[SamplingBatch] = None
+    sampling: Optional[SamplingBatch] = None   # (a sequence may appear more than once: n > 1)
+    # KV block moves done before the forward pass, in this order.
+    swap_out: np.ndarray = field(default_factory=lambda: _NO_PAIRS)   # [K, 2] device, host
+    swap_in: np.ndarray = field(default_factory=lambda: _NO_PAIRS)    # [K, 2] host, device
+    copies: np.ndarray = field(default_factory=lambda: _NO_PAIRS)     # [K, 2] src, dst
+
+
+_NO_PAIRS = np.zeros((0, 2), np.int32)
 
 
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1):
@@ -44,7 +51,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
 class ModelRunner:
     def __init__(self, model_dir: str, num_blocks: int, block_size: int,
                  checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0,
-                 config: Optional[ModelConfig] = None):
+                 config: Optional[ModelConfig] = None, num_cpu_blocks: int = 0):
         self.device = init_device(device)
         self.config = config or ModelConfig.from_pretrained(model_dir)
         c = self.config
@@ -56,7 +63,25 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size)
                           for _ in range(c.num_layers)]
+        # Host block pool for swapped-out sequences (only with preemption_mode="swap").
+        self.host_caches = [self.backend.allocate_host_cache(num_cpu_blocks, block_size)
+                            for _ in range(c.num_layers)] if num_cpu_blocks else []
         self.sampler = Sampler(seed=seed, always_chosen_logprob=False)
+
+    def move_blocks(self, swap_out: np.ndarray, swap_in: np.ndarray,
+                    copies: np.ndarray) -> None:
+        """Swap out, then swap in, then copy-on-write: a block freed by a swap-out may be
+        reused by a swap-in or a copy of the same step."""
+        b = self.backend
+        if len(swap_out):
+            for dev, host in zip(self.kv_caches, self.host_caches):
+                b.swap_out(dev, host, swap_out)
+        if len(swap_in):
+            for dev, host in zip(self.kv_caches, self.host_caches):
+                b.swap_in(host, dev, swap_in)
+        if len(copies):
+            for dev in self.kv_caches:
+                b.copy_blocks(dev, copies)
 
     def forward(self, step: StepInput, rows: np.ndarray) -> np.ndarray:
         """Run the model on the step and return float32 logits for the given token rows."""
@@ -72,6 +97,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden).asnumpy()
 
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
+        self.move_blocks(step.swap_out, step.swap_in, step.copies)
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
         logits = self.forward(step, rows)
         if len(rows) == 0:

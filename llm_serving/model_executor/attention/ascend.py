@@ -38,6 +38,27 @@ class AscendAttentionBackend(AttentionBackend):
         return (ms.Parameter(ops.zeros(shape, ms.float16), requires_grad=False),
                 ms.Parameter(ops.zeros(shape, ms.float16), requires_grad=False))
 
+    # Block moves go through host numpy arrays (one transfer per layer and direction). The
+    # host pool keeps the device layout [num_blocks, block_size, KVH * D] in float16.
+    def allocate_host_cache(self, num_blocks, block_size):
+        shape = (num_blocks, block_size, self.num_kv_heads * self.head_dim)
+        return np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+
+    def swap_out(self, kv_cache, host_cache, pairs):
+        idx = Tensor(pairs[:, 0])
+        for dev, host in zip(kv_cache, host_cache):
+            host[pairs[:, 1]] = ops.gather(dev, idx, 0).asnumpy()
+
+    def swap_in(self, host_cache, kv_cache, pairs):
+        idx = Tensor(pairs[:, 1])
+        for host, dev in zip(host_cache, kv_cache):
+            ops.scatter_update(dev, idx, Tensor(host[pairs[:, 0]]))
+
+    def copy_blocks(self, kv_cache, pairs):
+        src, dst = Tensor(pairs[:, 0]), Tensor(pairs[:, 1])
+        for cache in kv_cache:
+            ops.scatter_update(cache, dst, ops.gather(cache, src, 0))
+
     def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
         q_lens = md.query_lens
         ctx_before = md.seq_lens - q_lens

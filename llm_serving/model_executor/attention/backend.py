@@ -53,6 +53,23 @@ class AttentionBackend(ABC):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> Any:
         """One layer's (key cache, value cache)."""
 
+    def allocate_host_cache(self, num_blocks: int, block_size: int) -> Any:
+        """One layer's (key, value) blocks in host memory, the pool swapped-out KV goes to."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    @abstractmethod
+    def swap_out(self, kv_cache, host_cache, pairs: np.ndarray) -> None:
+        """Copy device blocks to host blocks: pairs is int32 [K, 2] of (device, host)."""
+
+    @abstractmethod
+    def swap_in(self, host_cache, kv_cache, pairs: np.ndarray) -> None:
+        """Copy host blocks to device blocks: pairs is int32 [K, 2] of (host, device)."""
+
+    @abstractmethod
+    def copy_blocks(self, kv_cache, pairs: np.ndarray) -> None:
+        """Copy device blocks within one layer's cache: pairs is int32 [K, 2] of (src, dst)."""
+
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Convert host metadata to the kernels' form once per step (not once per layer)."""
         return metadata

@@ -18,6 +18,19 @@ class CPUAttentionBackend(AttentionBackend):
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
 
+    # The device cache is host memory here, so all three moves are array copies.
+    def swap_out(self, kv_cache, host_cache, pairs):
+        for dev, host in zip(kv_cache, host_cache):
+            host[pairs[:, 1]] = dev[pairs[:, 0]]
+
+    def swap_in(self, host_cache, kv_cache, pairs):
+        for host, dev in zip(host_cache, kv_cache):
+            dev[pairs[:, 1]] = host[pairs[:, 0]]
+
+    def copy_blocks(self, kv_cache, pairs):
+        for cache in kv_cache:
+            cache[pairs[:, 1]] = cache[pairs[:, 0]]
+
     def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
         for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens"):
             arr = getattr(md, name)

@@ -1,0 +1,258 @@
+"""The engine for asyncio callers (the HTTP server): the step loop runs on its own thread.
+
+``add_request`` checks and tokenizes the request on the caller's thread, so bad input fails
+at once, then hands it to the engine thread and returns an async iterator of outputs. The
+engine thread owns the ``LLMEngine``: it takes new requests and aborts between steps, runs
+steps while there is work, and sleeps otherwise. Outputs go back to the event loop in one
+call per step, so a waiting HTTP handler never holds up a step and a step never holds up
+the event loop. A stream whose consumer falls behind coalesces what piled up: for DELTA
+outputs, the pending deltas are concatenated; otherwise only the latest output is kept.
+
+Leaving an iteration early (a client disconnect cancels the handler) aborts the request,
+which frees its KV blocks at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Optional
+
+from llm_serving.config import EngineArgs
+from llm_serving.engine.llm_engine import LLMEngine, PromptType
+from llm_serving.engine.metrics import EngineStats
+from llm_serving.errors import EngineDeadError, QueueFullError
+from llm_serving.outputs import CompletionOutput, RequestOutput
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.01       # how long to sleep when work is queued but nothing could be scheduled
+
+
+class RequestStream:
+    """Async iterator of one request's outputs; lives on the caller's event loop."""
+
+    def __init__(self, request_id: str, kind: RequestOutputKind):
+        self.request_id = request_id
+        self.kind = kind
+        self.finished = False
+        self._pending: list[RequestOutput] = []
+        self._error: Optional[BaseException] = None
+        self._ready = asyncio.Event()
+
+    # Called on the event loop by the engine's deliveries.
+    def put(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self._pending:
+            if self._error is not None:
+                self.finished = True
+                raise self._error
+            if self.finished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        outs, self._pending = self._pending, []
+        out = _merge_deltas(outs) if self.kind is RequestOutputKind.DELTA else outs[-1]
+        if out.finished:
+            self.finished = True
+        return out
+
+
+def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    merged = []
+    for i, final in enumerate(last.outputs):
+        parts = [o.outputs[i] for o in outs]
+        logprobs = None
+        if final.logprobs is not None:
+            logprobs = [lp for p in parts for lp in (p.logprobs or [])]
+        merged.append(CompletionOutput(
+            index=final.index, text="".join(p.text for p in parts),
+            token_ids=[t for p in parts for t in p.token_ids],
+            cumulative_logprob=final.cumulative_logprob, logprobs=logprobs,
+            finish_reason=final.finish_reason, stop_reason=final.stop_reason))
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged,
+                         last.finished, last.prompt_logprobs, last.metrics,
+                         last.num_cached_tokens, last.error)
+
+
+class AsyncLLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.engine = LLMEngine(args)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Adds handed over but not yet taken, for the queue bound: each count has one writer.
+        self._adds_sent = 0                 # event loop thread
+        self._adds_taken = 0                # engine thread
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._dead: Optional[BaseException] = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(args)
+
+    # ---- caller side (event loop) ---------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: Optional[SamplingParams] = None,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request and return its stream of outputs (in ``params.output_kind``:
+        DELTA gives the new token ids and text of each step).
+
+        Raises ValueError for bad input, QueueFullError when the waiting queue is full, and
+        EngineDeadError when the engine loop has stopped.
+        """
+        self.check_health()
+        self._bind_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        new = self.engine.process_request(prompt, params, request_id, priority)
+        sch = self.engine.scheduler
+        if len(sch.waiting) + self._adds_sent - self._adds_taken >= sch.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({sch.max_waiting} requests, "
+                                 "max_waiting_requests); try again later")
+        stream = RequestStream(request_id, new.params.output_kind)
+        self._streams[request_id] = stream
+        self._adds_sent += 1
+        self._commands.put(("add", new))
+        self._wake.set()
+        return stream
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncLLMEngine serves one event loop")
+
+    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """vLLM's entry point: yields the request's outputs; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step. Safe to repeat."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    async def get_stats(self) -> EngineStats:
+        """The engine's stats, taken on the engine thread between steps."""
+        self.check_health()
+        self._bind_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put(("stats", fut))
+        self._wake.set()
+        return await fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; unfinished requests end with finish_reason "abort"."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(error)
+
+    def _post(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                outs = self._take_commands()
+                if engine.has_unfinished_requests():
+                    steps = engine.stats.num_steps
+                    outs.extend(engine.step())
+                    if engine.stats.num_steps == steps and not outs:
+                        self._wake.wait(_IDLE_POLL_S)   # nothing could run: don't spin
+                        self._wake.clear()
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+                if outs:
+                    self._post(self._deliver, outs)
+            outs = [engine.abort_request(rid) for rid in list(engine.requests)]
+            self._post(self._deliver, [o for o in outs if o is not None])
+        except BaseException as e:    # noqa: BLE001 - every stream must learn of it
+            logger.exception("engine loop failed")
+            self._dead = e
+            self._post(self._fail_all, EngineDeadError(f"the engine loop stopped: {e!r}"))
+
+    def _take_commands(self) -> list[RequestOutput]:
+        engine, outs = self.engine, []
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return outs
+            if cmd == "add":
+                self._adds_taken += 1
+                try:
+                    engine.add_processed(arg)
+                except Exception as e:    # noqa: BLE001 - refused; goes to its caller
+                    self._post(self._fail, arg.request_id, e)
+            elif cmd == "abort":
+                out = engine.abort_request(arg)
+                if out is not None:
+                    outs.append(out)
+            elif cmd == "stats":
+                self._post(_resolve, arg, engine.get_stats())
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            self._fail(rid, error)
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)

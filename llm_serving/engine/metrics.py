@@ -1,0 +1,37 @@
+"""Engine statistics: a snapshot of the queues and the KV cache, counters since start, and the
+per-request timings of requests finished since the last snapshot, ready to export as metrics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llm_serving.outputs import RequestMetrics
+
+
+@dataclass
+class EngineStats:
+    # Gauges, now.
+    num_running: int = 0            # sequences
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0     # fraction of device KV blocks in use
+    cpu_cache_usage: float = 0.0    # fraction of the host swap pool in use
+    # Counters, since the engine started.
+    num_requests: int = 0
+    num_finished_requests: int = 0
+    num_aborted_requests: int = 0
+    num_timed_out_requests: int = 0
+    num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_steps: int = 0
+    num_prefill_tokens: int = 0     # prompt (and recomputed) tokens run through the model
+    num_generation_tokens: int = 0  # tokens sampled
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # tokens found there
+    # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
+    finished_requests: list[RequestMetrics] = field(default_factory=list)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0

@@ -1,0 +1,167 @@
+"""The async engine as the HTTP layer uses it: streams of incremental outputs, aborts on
+disconnect, refusals, and an engine loop that never holds up the event loop."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llm_serving import SamplingParams
+from llm_serving.config import EngineArgs
+from llm_serving.engine.async_engine import AsyncLLMEngine
+from llm_serving.errors import QueueFullError
+from llm_serving.sampling_params import RequestOutputKind
+
+PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
+           "Write a haiku about the sea.", "Explain paged attention in one sentence.",
+           "List five prime numbers:", "Translate 'good morning' to Chinese.",
+           "Describe a sunset, in detail, with colours.", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = AsyncLLMEngine(EngineArgs(tiny_model_dir, num_blocks=128, block_size=16,
+                                    max_waiting_requests=64))
+    yield eng
+    eng.shutdown()
+
+
+def delta(**kw):
+    return SamplingParams(temperature=0.0, output_kind=RequestOutputKind.DELTA, **kw)
+
+
+async def collect(engine, rid, prompt, params):
+    texts, ids, outs = [], [], []
+    async for out in engine.generate(prompt, params, rid):
+        outs.append(out)
+        texts.append(out.outputs[0].text)
+        ids.extend(out.outputs[0].token_ids)
+    return "".join(texts), ids, outs
+
+
+def test_concurrent_streams_of_deltas_add_up_to_the_offline_result(engine, tiny_llm):
+    params = delta(max_tokens=20, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"s{i}", p, params)
+                                      for i, p in enumerate(PROMPTS)))
+    results = asyncio.run_coroutine_threadsafe(main(), _loop(engine)).result(120)
+    ref = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20,
+                                                    ignore_eos=True))
+    for (text, ids, outs), r in zip(results, ref):
+        assert ids == r.outputs[0].token_ids
+        assert text == r.outputs[0].text
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert all(not o.finished for o in outs[:-1])
+        assert len(outs) > 1                      # it streamed, not one final blob
+
+
+def test_event_loop_keeps_running_during_steps(engine):
+    long_prompt = " ".join(PROMPTS * 8)           # a prefill of several hundred tokens
+    step_spans = []
+    runner = engine.engine.runner
+    original = runner.execute
+
+    def timed(step):
+        t0 = time.perf_counter()
+        try:
+            return original(step)
+        finally:
+            step_spans.append((t0, time.perf_counter()))
+    runner.execute = timed
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.001)
+        task = asyncio.ensure_future(ticker())
+        await collect(engine, "long", {"prompt_token_ids": list(range(3, 900))},
+                      delta(max_tokens=4, ignore_eos=True))
+        await collect(engine, "long2", long_prompt, delta(max_tokens=2))
+        task.cancel()
+        return ticks
+    try:
+        ticks = asyncio.run_coroutine_threadsafe(main(), _loop(engine)).result(120)
+    finally:
+        runner.execute = original
+    longest = max(step_spans, key=lambda s: s[1] - s[0])
+    inside = [t for t in ticks if longest[0] < t < longest[1]]
+    assert len(inside) >= 2, (f"the event loop ran {len(inside)} times during a "
+                              f"{1000 * (longest[1] - longest[0]):.0f} ms step")
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
+    async def main():
+        got = 0
+        async for out in engine.generate(PROMPTS[0], delta(max_tokens=200, ignore_eos=True),
+                                         "leaver"):
+            got += len(out.outputs[0].token_ids)
+            if got >= 3:
+                break                                 # like a client disconnecting
+        for _ in range(200):
+            stats = await engine.get_stats()
+            if stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got, stats
+    got, stats = asyncio.run_coroutine_threadsafe(main(), _loop(engine)).result(60)
+    assert got >= 3
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_aborted_requests >= 1
+
+
+def test_abort_ends_the_stream_with_abort(engine):
+    async def main():
+        stream = await engine.add_request("ab", PROMPTS[1],
+                                          delta(max_tokens=500, ignore_eos=True))
+        first = await stream.__anext__()
+        engine.abort("ab")
+        rest = [o async for o in stream]
+        return first, rest
+    first, rest = asyncio.run_coroutine_threadsafe(main(), _loop(engine)).result(60)
+    assert not first.finished
+    assert rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+
+def test_bad_input_and_a_full_queue_are_refused_at_once(tiny_model_dir):
+    eng = AsyncLLMEngine(EngineArgs(tiny_model_dir, num_blocks=64, max_num_seqs=1,
+                                    max_waiting_requests=2))
+
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await eng.add_request("bad", {"prompt_token_ids": []})
+        with pytest.raises(ValueError, match="already in use"):
+            await eng.add_request("dup", "hi", delta(max_tokens=50, ignore_eos=True))
+            await eng.add_request("dup", "hi")
+        while (await eng.get_stats()).num_running == 0:     # "dup" holds the only slot
+            await asyncio.sleep(0.01)
+        streams = [await eng.add_request(f"q{i}", "hello", delta(max_tokens=50,
+                                                                ignore_eos=True))
+                   for i in range(2)]
+        with pytest.raises(QueueFullError, match="max_waiting_requests"):
+            await eng.add_request("q2", "hello")
+        for s in streams:
+            eng.abort(s.request_id)
+        eng.abort("dup")
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert not eng.engine.has_unfinished_requests()
+
+
+_LOOPS = {}
+
+
+def _loop(engine):
+    """One event loop per engine, on its own thread, as a server would have."""
+    import threading
+    if engine not in _LOOPS:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        _LOOPS[engine] = loop
+    return _LOOPS[engine]
