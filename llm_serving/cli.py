@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -25,7 +26,7 @@ def find_config(name: str) -> Path:
     raise ConfigError("--config", f"file {name!r} not found (looked in . and configs/)")
 
 
-def engine_kwargs_from_config(path: Path) -> dict:
+def engine_kwargs_from_config(path: Path, overrides: Optional[dict] = None) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -45,8 +46,10 @@ def engine_kwargs_from_config(path: Path) -> dict:
         if key in pa:
             kw[key] = pa[key]
     kw.update(ours)
+    kw.update(overrides or {})
     if "model" not in kw:
-        raise ConfigError("llm_serving.model", "missing: the model directory to serve")
+        raise ConfigError("llm_serving.model", "missing: the model directory to serve "
+                          "(or pass --model)")
     return kw
 
 
@@ -57,9 +60,37 @@ def resolve_model(model: str) -> str:
     return model
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine argument (``--max-num-seqs``, ``--enable-prefix-caching`` ...),
+    generated from EngineArgs so the CLI, the YAML and LLM(...) take the same knobs."""
+    import dataclasses
+    import typing
+    from llm_serving.config import EngineArgs
+    group = parser.add_argument_group("engine arguments (override the config file)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        args = typing.get_args(kind)
+        base = next((a for a in args if a is not type(None)), kind) if args else kind
+        if base is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=f.metadata.get("help"))
+        else:
+            group.add_argument(flag, dest=f.name, type=base, default=None,
+                               metavar=f.name.upper(), help=f.metadata.get("help"))
+
+
+def cli_engine_overrides(args: argparse.Namespace) -> dict:
+    import dataclasses
+    from llm_serving.config import EngineArgs
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+            if getattr(args, f.name, None) is not None}
+
+
 def serve(args) -> None:
     from llm_serving import LLM, SamplingParams
-    kw = engine_kwargs_from_config(find_config(args.config))
+    kw = engine_kwargs_from_config(find_config(args.config), cli_engine_overrides(args))
     model = resolve_model(kw.pop("model"))
     t0 = time.perf_counter()
     llm = LLM(model, **kw)
@@ -80,6 +111,7 @@ def main(argv=None) -> None:
     s = sub.add_parser("serve", help="serve a model from a config file")
     s.add_argument("--config", default=DEFAULT_CONFIG)
     s.add_argument("--max-tokens", type=int, default=32)
+    add_engine_arguments(s)
     args = parser.parse_args(argv)
     try:
         serve(args)

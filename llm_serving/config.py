@@ -5,35 +5,59 @@ Every value is checked on construction, and an error names the key.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from llm_serving.errors import ConfigError
 
 
+def _arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineArgs:
-    model: str
-    tokenizer: Optional[str] = None
-    checkpoint: Optional[str] = None        # a MindSpore .ckpt (mindformers names) to load
-    max_num_seqs: int = 256                 # llm-serving's decode_batch_size
-    max_num_batched_tokens: Optional[int] = None
-    max_model_len: Optional[int] = None
-    block_size: int = 16
-    num_blocks: Optional[int] = None        # llm-serving's pa_config.num_blocks
-    kv_cache_space: float = 2.0             # GiB for the KV cache when num_blocks is unset
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
-    preemption_mode: str = "recompute"      # or "swap" (to a host block pool of swap_space)
-    swap_space: float = 4.0                 # GiB of host memory for swapped-out KV blocks
-    scheduling_policy: str = "fcfs"         # or "priority": lower request priority runs first
-    max_waiting_requests: int = 1024        # new requests beyond this are refused at once
-    queue_timeout: Optional[float] = None   # seconds a request may wait before it starts
-    watermark: float = 0.01                 # fraction of KV blocks admission keeps free
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    chat_template: Optional[str] = None
+    model: str = field(metadata={"help": "model directory (HF layout) or builtin:tiny-llama"})
+    tokenizer: Optional[str] = _arg(None,
+        "tokenizer directory (default: the model's)")
+    checkpoint: Optional[str] = _arg(None,
+        "a MindSpore .ckpt with mindformers' parameter names to load")
+    max_num_seqs: int = _arg(256,
+        "most sequences per step (llm-serving's decode_batch_size)")
+    max_num_batched_tokens: Optional[int] = _arg(None,
+        "token budget per step (default 2048 with chunked prefill)")
+    max_model_len: Optional[int] = _arg(None,
+        "longest prompt + output (default: the model's, capped by the KV pool)")
+    block_size: int = _arg(16,
+        "tokens per KV block")
+    num_blocks: Optional[int] = _arg(None,
+        "KV blocks (llm-serving's pa_config.num_blocks; default from kv_cache_space)")
+    kv_cache_space: float = _arg(2.0,
+        "GiB for the KV cache when num_blocks is unset")
+    enable_chunked_prefill: bool = _arg(True,
+        "chunk long prefills into the step budget (Dynamic SplitFuse)")
+    enable_prefix_caching: bool = _arg(False,
+        "reuse the KV blocks of shared prompt prefixes")
+    preemption_mode: str = _arg("recompute",
+        "recompute or swap (to a host pool of swap_space GiB)")
+    swap_space: float = _arg(4.0,
+        "GiB of host memory for swapped-out KV blocks")
+    scheduling_policy: str = _arg("fcfs",
+        "fcfs, or priority: lower request priority runs first and may preempt")
+    max_waiting_requests: int = _arg(1024,
+        "new requests beyond this many waiting are refused at once")
+    queue_timeout: Optional[float] = _arg(None,
+        "seconds a request may wait before it starts; then it fails")
+    watermark: float = _arg(0.01,
+        "fraction of KV blocks admission keeps free")
+    dtype: str = _arg("auto",
+        "auto, float32, float16 or bfloat16")
+    device: str = _arg("auto",
+        "auto, cpu or ascend")
+    seed: int = _arg(0,
+        "seed of the sampler for requests without their own")
+    chat_template: Optional[str] = _arg(None,
+        "a Jinja chat template overriding the tokenizer's")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):

@@ -201,3 +201,28 @@ def test_request_metrics_are_filled(tiny_llm):
     m = out.metrics
     assert m.time_in_queue >= 0 and m.ttft >= m.time_in_queue and m.tpot > 0
     assert m.num_generation_tokens == 8 and m.finished_time >= m.last_token_time
+
+
+def test_cli_flags_override_the_yaml_with_the_same_knobs(tiny_model_dir, tmp_path, capsys,
+                                                         monkeypatch):
+    from llm_serving import cli
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  enable_prefix_caching: false\n"
+                   "  preemption_mode: recompute\n  num_blocks: 64\n")
+    seen = {}
+    real = cli.engine_kwargs_from_config
+
+    def spy(*a, **k):
+        seen.update(real(*a, **k))
+        return real(*a, **k)
+    monkeypatch.setattr(cli, "engine_kwargs_from_config", spy)
+    cli.main(["serve", "--config", str(cfg), "--max-tokens", "2", "--enable-prefix-caching",
+              "--preemption-mode", "swap", "--swap-space", "0.01", "--max-num-seqs", "3"])
+    assert "tok/s" in capsys.readouterr().out
+    assert seen["enable_prefix_caching"] is True and seen["preemption_mode"] == "swap"
+    assert seen["max_num_seqs"] == 3 and seen["num_blocks"] == 64
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--config", str(cfg), "--preemption-mode", "bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: preemption_mode: expected one of recompute, swap, got 'bogus'"]
