@@ -145,15 +145,16 @@ def test_stop_string_split_across_tokens_stops_and_is_trimmed(tiny_llm):
 
 
 def test_abort_frees_blocks_in_every_state(tiny_model_dir):
-    engine = LLMEngine(EngineArgs(tiny_model_dir, num_blocks=24, block_size=8, max_num_seqs=2,
+    engine = LLMEngine(EngineArgs(tiny_model_dir, num_blocks=24, block_size=8, max_num_seqs=3,
                                   preemption_mode="swap", swap_space=0.01))
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
+    ids.append(engine.add_request(PROMPTS[6], SamplingParams(n=2, max_tokens=60)))
     states = set()
     for _ in range(40):
         engine.step()
         states |= {s.status.value for r in engine.requests.values() for s in r.seqs}
-    assert {"running", "waiting"} <= states
+    assert {"running", "waiting", "swapped"} <= states
     for rid in ids:
         out = engine.abort_request(rid)
         if out is not None:
