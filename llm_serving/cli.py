@@ -5,11 +5,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
-import yaml
 
 from llm_serving.errors import ConfigError, LLMServingError
+from llm_serving.serving_config import load_config
 
 DEFAULT_CONFIG = "configs/llama/tiny_llama.yaml"
 DEMO_PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
@@ -24,33 +23,6 @@ def find_config(name: str) -> Path:
         if candidate.is_file():
             return candidate
     raise ConfigError("--config", f"file {name!r} not found (looked in . and configs/)")
-
-
-def engine_kwargs_from_config(path: Path, overrides: Optional[dict] = None) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(str(path), f"not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), "expected a mapping of sections")
-    ours = dict(data.get("llm_serving") or {})
-    mc = data.get("model_config") or {}
-    pa = data.get("pa_config") or {}
-    kw = {}
-    if "decode_batch_size" in mc:
-        dbs = mc["decode_batch_size"]
-        kw["max_num_seqs"] = max(dbs) if isinstance(dbs, list) else dbs
-    if "max_generate_length" in mc:
-        kw["max_model_len"] = mc["max_generate_length"]
-    for key in ("num_blocks", "block_size"):
-        if key in pa:
-            kw[key] = pa[key]
-    kw.update(ours)
-    kw.update(overrides or {})
-    if "model" not in kw:
-        raise ConfigError("llm_serving.model", "missing: the model directory to serve "
-                          "(or pass --model)")
-    return kw
 
 
 def resolve_model(model: str) -> str:
@@ -90,7 +62,11 @@ def cli_engine_overrides(args: argparse.Namespace) -> dict:
 
 def serve(args) -> None:
     from llm_serving import LLM, SamplingParams
-    kw = engine_kwargs_from_config(find_config(args.config), cli_engine_overrides(args))
+    cfg = load_config(find_config(args.config), cli_engine_overrides(args))
+    warning = cfg.ignored_warning()
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    kw = dict(cfg.engine_kwargs)
     model = resolve_model(kw.pop("model"))
     t0 = time.perf_counter()
     llm = LLM(model, **kw)

@@ -211,12 +211,13 @@ def test_cli_flags_override_the_yaml_with_the_same_knobs(tiny_model_dir, tmp_pat
     cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  enable_prefix_caching: false\n"
                    "  preemption_mode: recompute\n  num_blocks: 64\n")
     seen = {}
-    real = cli.engine_kwargs_from_config
+    real = cli.load_config
 
     def spy(*a, **k):
-        seen.update(real(*a, **k))
-        return real(*a, **k)
-    monkeypatch.setattr(cli, "engine_kwargs_from_config", spy)
+        cfg = real(*a, **k)
+        seen.update(cfg.engine_kwargs)
+        return cfg
+    monkeypatch.setattr(cli, "load_config", spy)
     cli.main(["serve", "--config", str(cfg), "--max-tokens", "2", "--enable-prefix-caching",
               "--preemption-mode", "swap", "--swap-space", "0.01", "--max-num-seqs", "3"])
     assert "tok/s" in capsys.readouterr().out

@@ -97,6 +97,11 @@ class LLMEngine:
             raise ConfigError("max_num_batched_tokens",
                               f"{budget} is smaller than max_model_len ({self.max_model_len}); "
                               "without chunked prefill a whole prompt must fit in one step")
+        if args.dtype not in ("auto", "float32") and str(args.device).lower() in ("auto", "cpu"):
+            import mindspore as ms
+            if ms.get_context("device_target") == "CPU":
+                raise ConfigError("dtype", f"{args.dtype} is not supported on CPU, which runs "
+                                  "float32 (use auto or float32)")
         self.runner = ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
                                   args.device, args.seed, config=mc,
                                   num_cpu_blocks=num_cpu_blocks)

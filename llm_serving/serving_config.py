@@ -1,0 +1,196 @@
+"""The config file: llm-serving's YAML schema, accepted unchanged, plus our ``llm_serving:``
+section beside it.
+
+llm-serving's knobs that still mean something are mapped to engine arguments:
+- ``model_config.decode_batch_size`` -> ``max_num_seqs`` (the largest entry);
+- ``model_config.max_generate_length`` (else the largest ``seq_length``) -> ``max_model_len``;
+- ``pa_config.num_blocks`` / ``block_size`` -> the KV pool;
+- ``model_config.model_name`` -> the served model name;
+- ``serving_config.server_ip`` / ``server_port`` -> where the server listens;
+- ``serving_config.agent_ports`` / ``start_device_id`` -> the WorkAgents.
+
+The ``llm_serving:`` section takes every engine argument by its own name (see EngineArgs),
+and wins over the legacy keys. The legacy keys that have no effect are named, with the reason,
+in one warning. A wrong type, or a missing key that llm-serving required in a section that is
+present, is a ConfigError naming the key's path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llm_serving.errors import ConfigError
+
+# Legacy keys we accept and ignore, and why (shown once, in the warning).
+IGNORED = {
+    "model_config.seq_length": "no padding buckets: batches are ragged (it only bounds "
+                               "max_model_len when max_generate_length is absent)",
+    "model_config.zactivate_len": "no padding buckets: batches are ragged",
+    "model_config.prefill_batch_size": "prefills are batched under max_num_batched_tokens",
+    "model_config.model_type": "shapes are always dynamic",
+    "model_config.seq_type": "shapes are always dynamic",
+    "model_config.batch_waiting_time": "continuous batching never waits to fill a batch",
+    "model_config.decode_batch_waiting_time": "continuous batching never waits to fill a batch",
+    "model_config.batching_strategy": "batching is always continuous",
+    "model_config.current_index": "not needed with a paged KV cache",
+    "model_config.page_attention": "attention is always paged",
+    "model_config.model_dtype": "the dtype is set by llm_serving.dtype (float32 on CPU)",
+    "model_config.pad_token_id": "nothing is padded",
+    "model_config.backend": "the model always runs kernel by kernel",
+    "model_config.model_cfg_path": "the model comes from llm_serving.model (an HF directory)",
+    "model_config.end_token": "EOS comes from the model's generation_config.json",
+    "model_config.vocab_size": "the vocabulary comes from the model's config.json",
+    "serving_config.agent_ip": "agents are local processes",
+    "serving_config.prefill_batch_waiting_time": "continuous batching never waits",
+    "serving_config.decode_batch_waiting_time": "continuous batching never waits",
+    "serving_config.enable_host_post_sampling": "sampling always runs on the host",
+    "pa_config.decode_seq_length": "max_model_len bounds each sequence",
+    "tokenizer": "the tokenizer comes from the model directory (or llm_serving.tokenizer)",
+    "basic_inputs": "model inputs are built by the engine",
+    "extra_inputs": "model inputs are built by the engine",
+    "warmup_inputs": "model inputs are built by the engine",
+    "model_path": "the ge backend's compiled graphs are not used",
+}
+
+_IntOrList = Union[int, list[int]]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=False)
+
+
+class LegacyModelConfig(_Section):
+    model_name: str
+    max_generate_length: Optional[int] = Field(None, gt=0)
+    end_token: _IntOrList
+    seq_length: Optional[_IntOrList] = None
+    vocab_size: int = Field(gt=0)
+    prefill_batch_size: Optional[_IntOrList] = None
+    decode_batch_size: Optional[_IntOrList] = None
+    zactivate_len: Optional[_IntOrList] = None
+    model_type: Optional[str] = None
+    seq_type: Optional[str] = None
+    batch_waiting_time: Optional[float] = None
+    decode_batch_waiting_time: Optional[float] = None
+    batching_strategy: Optional[str] = None
+    current_index: Optional[bool] = None
+    page_attention: Optional[bool] = None
+    model_dtype: Optional[str] = None
+    pad_token_id: Optional[int] = None
+    backend: Optional[str] = None
+    model_cfg_path: Optional[str] = None
+
+
+class LegacyServingConfig(_Section):
+    agent_ports: list[int] = Field(min_length=1)
+    start_device_id: int = Field(0, ge=0)
+    server_ip: str = "127.0.0.1"
+    server_port: int = Field(gt=0, lt=65536)
+    agent_ip: Optional[str] = None
+    prefill_batch_waiting_time: Optional[float] = None
+    decode_batch_waiting_time: Optional[float] = None
+    enable_host_post_sampling: Optional[bool] = None
+
+
+class LegacyPAConfig(_Section):
+    num_blocks: Optional[int] = Field(None, gt=0)
+    block_size: Optional[int] = Field(None, gt=0)
+    decode_seq_length: Optional[int] = None
+
+
+class ConfigFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_cfg: Optional[LegacyModelConfig] = Field(None, alias="model_config")
+    serving_config: Optional[LegacyServingConfig] = None
+    pa_config: Optional[LegacyPAConfig] = None
+    tokenizer: Optional[dict[str, Any]] = None
+    basic_inputs: Optional[dict[str, Any]] = None
+    extra_inputs: Optional[dict[str, Any]] = None
+    warmup_inputs: Optional[dict[str, Any]] = None
+    model_path: Optional[dict[str, Any]] = None
+    llm_serving: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class ServingConfig:
+    engine_kwargs: dict                   # EngineArgs keyword arguments (model included)
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8835
+    agent_ports: list = field(default_factory=lambda: [16002])
+    start_device_id: int = 0
+    ignored: dict = field(default_factory=dict)   # legacy key -> why it has no effect
+
+    def ignored_warning(self) -> Optional[str]:
+        if not self.ignored:
+            return None
+        return ("config: these llm-serving keys have no effect here: "
+                + "; ".join(f"{k} ({why})" for k, why in self.ignored.items()))
+
+
+def _biggest(value):
+    return max(value) if isinstance(value, list) else value
+
+
+_TYPE_TAGS = {"int", "str", "float", "bool"}
+
+
+def _error(e: ValidationError) -> ConfigError:
+    err = e.errors()[0]
+    # Drop pydantic's union-member tags ("int", "list[int]") from the path.
+    parts = [str(p) for p in err["loc"]
+             if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    loc = ".".join(parts).replace("model_cfg", "model_config")
+    if err["type"] == "missing":
+        return ConfigError(loc, "missing (llm-serving requires it in this section)")
+    if err["type"] == "extra_forbidden":
+        return ConfigError(loc, "unknown key")
+    return ConfigError(loc, f"{err['msg'].lower()}, got {err.get('input')!r}")
+
+
+def load_config(path: Path, overrides: Optional[dict] = None) -> ServingConfig:
+    """Read a config file; ``overrides`` (from CLI flags) win over it."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), f"not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "expected a mapping of sections")
+    try:
+        cfg = ConfigFile.model_validate(data)
+    except ValidationError as e:
+        raise _error(e) from None
+
+    kw: dict = {}
+    out = ServingConfig(engine_kwargs=kw)
+    mc, sc, pa = cfg.model_cfg, cfg.serving_config, cfg.pa_config
+    if mc is not None:
+        out.served_model_name = mc.model_name
+        if mc.decode_batch_size is not None:
+            kw["max_num_seqs"] = _biggest(mc.decode_batch_size)
+        if mc.max_generate_length is not None:
+            kw["max_model_len"] = mc.max_generate_length
+        elif mc.seq_length is not None:
+            kw["max_model_len"] = _biggest(mc.seq_length)
+    if pa is not None:
+        for key in ("num_blocks", "block_size"):
+            if getattr(pa, key) is not None:
+                kw[key] = getattr(pa, key)
+    if sc is not None:
+        out.host, out.port = sc.server_ip, sc.server_port
+        out.agent_ports, out.start_device_id = list(sc.agent_ports), sc.start_device_id
+    kw.update(cfg.llm_serving or {})
+    kw.update(overrides or {})
+    if "model" not in kw:
+        raise ConfigError("llm_serving.model", "missing: the model directory to serve "
+                          "(or pass --model)")
+    for dotted, why in IGNORED.items():
+        section, _, key = dotted.partition(".")
+        present = data.get(section)
+        if (key and isinstance(present, dict) and key in present) or (not key and present):
+            out.ignored[dotted] = why
+    return out
