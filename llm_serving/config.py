@@ -50,6 +50,8 @@ class EngineArgs:
         "seconds a request may wait before it starts; then it fails")
     watermark: float = _arg(0.01,
         "fraction of KV blocks admission keeps free")
+    distributed_executor_backend: str = _arg("uni",
+        "uni: run the model in this process; mp: in a WorkAgent process")
     dtype: str = _arg("auto",
         "auto, float32, float16 or bfloat16")
     device: str = _arg("auto",
@@ -93,7 +95,8 @@ class EngineArgs:
         number("swap_space", self.swap_space, 0)
         number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
         number("watermark", self.watermark, 0, high=1)
-        for key, allowed in (("preemption_mode", ("recompute", "swap")),
+        for key, allowed in (("distributed_executor_backend", ("uni", "mp")),
+                             ("preemption_mode", ("recompute", "swap")),
                              ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"expected one of {', '.join(allowed)}, "

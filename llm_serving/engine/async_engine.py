@@ -185,6 +185,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     # ---- engine thread --------------------------------------------------------------------
     def _deliver(self, outs: list[RequestOutput]) -> None:

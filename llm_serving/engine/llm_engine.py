@@ -102,9 +102,17 @@ class LLMEngine:
             if ms.get_context("device_target") == "CPU":
                 raise ConfigError("dtype", f"{args.dtype} is not supported on CPU, which runs "
                                   "float32 (use auto or float32)")
-        self.runner = ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
-                                  args.device, args.seed, config=mc,
-                                  num_cpu_blocks=num_cpu_blocks)
+        if args.distributed_executor_backend == "mp":
+            from llm_serving.executor.multiproc_executor import MultiprocExecutor
+            self.runner = MultiprocExecutor(
+                args.model, num_blocks, args.block_size, max_num_batched_tokens=budget,
+                max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                checkpoint=args.checkpoint, device=args.device, seed=args.seed,
+                num_cpu_blocks=num_cpu_blocks)
+        else:
+            self.runner = ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
+                                      args.device, args.seed, config=mc,
+                                      num_cpu_blocks=num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           args.enable_prefix_caching, num_cpu_blocks,
                                           args.watermark)
@@ -401,6 +409,11 @@ class LLMEngine:
             num_generation_tokens=max(len(s.output_token_ids) for s in req.seqs),
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in req.seqs))
+
+    def shutdown(self) -> None:
+        """Stop WorkAgent processes, if any (the in-process runner needs nothing)."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     # ---- stats ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -1,0 +1,86 @@
+"""A WorkAgent: one process per device. It loads the model, owns the KV cache, and runs the
+steps the master announces.
+
+Started by the master (``llm_serving.executor.multiproc_executor``) with the control
+connection's file descriptor and the two shared-memory segments' names:
+
+    python -m agents.work_agent --control-fd N --shm-in NAME --shm-out NAME --model DIR ...
+
+Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
+- agent -> master READY once the model is loaded (or ERROR with the reason, then exit);
+- master -> agent STEP n: a StepInput is packed in the input segment; the agent runs it and
+  answers DONE n with the SamplerOutput packed in the output segment, or ERROR n;
+- master -> agent QUIT: the agent exits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="work_agent")
+    ap.add_argument("--control-fd", type=int, required=True)
+    ap.add_argument("--shm-in", required=True)
+    ap.add_argument("--shm-out", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--num-blocks", type=int, required=True)
+    ap.add_argument("--block-size", type=int, required=True)
+    ap.add_argument("--num-cpu-blocks", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device-id", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    conn = Connection(args.control_fd)
+    import llm_serving  # noqa: F401  (sets the OpenMP policy before MindSpore loads)
+    from llm_serving.executor import shm_channel as ch
+    try:
+        from llm_serving.model_executor.model_runner import ModelRunner
+        runner = ModelRunner(args.model, args.num_blocks, args.block_size, args.checkpoint,
+                             args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks)
+        shm_in, shm_out = ch.ShmSegment(name=args.shm_in), ch.ShmSegment(name=args.shm_out)
+    except Exception as e:   # noqa: BLE001 - reported to the master, which names it
+        msg = f"{type(e).__name__}: {e}".encode()
+        conn.send_bytes(ch.FRAME.pack(ch.ERROR, -1, len(msg)) + msg)
+        return 1
+    conn.send_bytes(ch.FRAME.pack(ch.READY, 0, 0))
+    while True:
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):          # the master is gone
+            _exit(0)
+        kind, step_no, _ = ch.FRAME.unpack_from(frame)
+        if kind == ch.QUIT:
+            _exit(0)
+        try:
+            step = ch.step_from_arrays(ch.unpack(shm_in.buf))
+            if len(step.input_ids):
+                result = runner.execute(step)
+            else:                             # a step that only moves KV blocks
+                runner.move_blocks(step.swap_out, step.swap_in, step.copies)
+                result = None
+            n = ch.pack(shm_out.buf, ch.result_to_arrays(result))
+            conn.send_bytes(ch.FRAME.pack(ch.DONE, step_no, n))
+        except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
+            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()
+            conn.send_bytes(ch.FRAME.pack(ch.ERROR, step_no, len(msg)) + msg)
+
+
+def _exit(code: int) -> None:
+    # The master owns the shared memory; skip interpreter teardown (MindSpore's is slow, and
+    # the step arrays still view the segments).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

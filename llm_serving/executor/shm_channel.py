@@ -1,0 +1,187 @@
+"""The master <-> WorkAgent channel: step data in shared memory, announcements on a framed
+control connection.
+
+Each direction has one POSIX shared-memory segment of a fixed size computed from the config's
+bounds (tokens per step, sequences, blocks), never a fixed number of GiB. A message is a list
+of numpy arrays packed one after another (a small header per array: dtype, shape, offset). The
+control connection carries only small length-prefixed frames: a kind byte, the step number and
+the payload size (``multiprocessing.connection``'s ``send_bytes``; nothing is pickled).
+
+Arrays read from a segment are views into it: they stay valid until the next message in the
+same direction, which the protocol never sends before the reader has replied.
+"""
+from __future__ import annotations
+
+import secrets
+import struct
+from multiprocessing import resource_tracker, shared_memory
+from typing import Optional, Sequence
+
+import numpy as np
+
+from llm_serving.model_executor.layers.sampler import SamplerOutput, SamplingBatch
+from llm_serving.model_executor.model_runner import StepInput
+
+SHM_PREFIX = "llm_serving_"
+_ALIGN = 64
+_DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "float64", "bool", "uint8")]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_HEAD = struct.Struct("<q")          # number of arrays
+_ARR = struct.Struct("<bbxxxxxxqqqq")  # dtype code (-1 = None), ndim, pad, offset, shape[0..2]
+
+# Control frames: kind, step number, payload bytes.
+FRAME = struct.Struct("<cqq")
+READY, STEP, DONE, ERROR, QUIT = b"R", b"S", b"D", b"E", b"Q"
+
+
+class ChannelFullError(RuntimeError):
+    pass
+
+
+class ShmSegment:
+    """One shared-memory segment, created by the master and attached by an agent."""
+
+    def __init__(self, size: int = 0, name: Optional[str] = None):
+        if name is None:
+            self.shm = shared_memory.SharedMemory(
+                name=f"{SHM_PREFIX}{secrets.token_hex(6)}", create=True, size=size)
+            self.owner = True
+        else:
+            self.shm = shared_memory.SharedMemory(name=name)
+            # Attaching registers the segment with this process's resource tracker, which
+            # would unlink it when this process exits; the master owns it.
+            resource_tracker.unregister(self.shm._name, "shared_memory")
+            self.owner = False
+        self.name = self.shm.name
+        self.buf = self.shm.buf
+
+    @property
+    def size(self) -> int:
+        return self.shm.size
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self.shm.close()
+        except BufferError:       # a view into it is still alive; unlinking still frees it
+            pass
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def pack(buf, arrays: Sequence[Optional[np.ndarray]]) -> int:
+    """Write the arrays (at most 3 dims, or None) into ``buf``; return the bytes used."""
+    n = len(arrays)
+    pos = _HEAD.size + n * _ARR.size
+    _HEAD.pack_into(buf, 0, n)
+    for i, a in enumerate(arrays):
+        slot = _HEAD.size + i * _ARR.size
+        if a is None:
+            _ARR.pack_into(buf, slot, -1, 0, 0, 0, 0, 0)
+            continue
+        a = np.ascontiguousarray(a)
+        shape = tuple(a.shape) + (0,) * (3 - a.ndim)
+        pos = -(-pos // _ALIGN) * _ALIGN
+        end = pos + a.nbytes
+        if end > len(buf):
+            raise ChannelFullError(f"a step needs more than the channel's {len(buf)} bytes")
+        _ARR.pack_into(buf, slot, _DTYPE_CODE[a.dtype], a.ndim, pos, *shape)
+        np.frombuffer(buf, np.uint8, a.nbytes, pos)[:] = a.reshape(-1).view(np.uint8)
+        pos = end
+    return pos
+
+
+def unpack(buf) -> list[Optional[np.ndarray]]:
+    (n,) = _HEAD.unpack_from(buf, 0)
+    out = []
+    for i in range(n):
+        code, ndim, pos, *shape = _ARR.unpack_from(buf, _HEAD.size + i * _ARR.size)
+        if code < 0:
+            out.append(None)
+            continue
+        dtype, shape = _DTYPES[code], shape[:ndim]
+        count = int(np.prod(shape)) if shape else 1
+        out.append(np.frombuffer(buf, dtype, count, pos).reshape(shape))
+    return out
+
+
+# ---- StepInput <-> arrays ----------------------------------------------------------------
+
+_STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc",
+                "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies")
+_BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seeds", "output_lens",
+                 "num_logprobs")
+_RAGGED_FIELDS = ("prompt_token_ids", "output_token_ids", "banned_token_ids")
+
+
+def _ragged(rows: Optional[list]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    if rows is None:
+        return None, None
+    lens = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    flat = np.concatenate(rows).astype(np.int64) if len(rows) else np.zeros(0, np.int64)
+    return flat, offsets
+
+
+def step_to_arrays(step: StepInput) -> list[Optional[np.ndarray]]:
+    arrays = [getattr(step, f) for f in _STEP_FIELDS]
+    s = step.sampling
+    if s is None:
+        return arrays
+    arrays += [getattr(s, f) for f in _BATCH_FIELDS]
+    for f in _RAGGED_FIELDS:
+        arrays += list(_ragged(getattr(s, f)))
+    return arrays
+
+
+def step_from_arrays(arrays: list[Optional[np.ndarray]]) -> StepInput:
+    k = len(_STEP_FIELDS)
+    step = StepInput(**dict(zip(_STEP_FIELDS, arrays[:k])))
+    if len(arrays) > k:
+        kw = dict(zip(_BATCH_FIELDS, arrays[k:k + len(_BATCH_FIELDS)]))
+        rest = arrays[k + len(_BATCH_FIELDS):]
+        for i, f in enumerate(_RAGGED_FIELDS):
+            flat, offsets = rest[2 * i], rest[2 * i + 1]
+            kw[f] = None if flat is None else [flat[offsets[j]:offsets[j + 1]]
+                                               for j in range(len(offsets) - 1)]
+        step.sampling = SamplingBatch(**kw)
+    return step
+
+
+_RESULT_FIELDS = ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "ranks")
+
+
+def result_to_arrays(result: Optional[SamplerOutput]) -> list[Optional[np.ndarray]]:
+    if result is None:
+        return []
+    return [getattr(result, f) for f in _RESULT_FIELDS]
+
+
+def result_from_arrays(arrays: list[Optional[np.ndarray]]) -> Optional[SamplerOutput]:
+    if not arrays:
+        return None
+    # Copies: the segment is rewritten by the next step, results are small.
+    return SamplerOutput(**{f: None if a is None else a.copy()
+                            for f, a in zip(_RESULT_FIELDS, arrays)})
+
+
+def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block_size: int,
+                       num_blocks: int) -> int:
+    """An upper bound on one packed StepInput under the engine's limits."""
+    width = -(-max_model_len // block_size)
+    ints = (3 * max_tokens                       # ids, positions, slots
+            + max_seqs * width                   # block tables
+            + 4 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows
+            + 3 * 2 * num_blocks)                # swap out / in, copies (int32 pairs)
+    per_row = 10 * 8 + 2 * max_model_len * 8 + 64 * 8 + 3 * 16   # params, penalties, bans
+    headers = 64 * (_ARR.size + _ALIGN)
+    return 4 * ints + max_seqs * per_row + headers + (1 << 16)
+
+
+def result_channel_bytes(max_seqs: int, max_logprobs: int = 20) -> int:
+    return max_seqs * (8 + 4 + 8 + max_logprobs * 12) + 8 * (_ARR.size + _ALIGN) + (1 << 12)

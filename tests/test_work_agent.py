@@ -1,0 +1,77 @@
+"""The model in a WorkAgent process, fed through shared memory: same outputs as in-process,
+a dead agent is reported, and nothing is left in /dev/shm."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from llm_serving import LLM, SamplingParams
+from llm_serving.errors import LLMServingError
+from llm_serving.executor.multiproc_executor import AgentDiedError
+from llm_serving.executor.shm_channel import SHM_PREFIX
+
+PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
+           "Write a haiku about the sea.", "Explain paged attention in one sentence, then "
+           "explain it again for a child, and once more for an expert."] * 3
+
+
+def our_segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
+
+
+def workload():
+    # Every part of a step crosses the channel: penalties (token lists), min_tokens (banned
+    # ids), logprobs (top-k results), seeds, n > 1, and swap preemption (block moves).
+    return [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=24, repetition_penalty=1.3,
+                           frequency_penalty=0.5, presence_penalty=0.2),
+            SamplingParams(temperature=0.7, seed=9, n=2, max_tokens=24, min_tokens=10),
+            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 3
+
+
+def run(llm):
+    outs = llm.generate(PROMPTS, workload())
+    return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+
+def test_agent_process_gives_the_same_outputs_and_cleans_up(tiny_model_dir):
+    kw = dict(num_blocks=24, block_size=8, max_num_seqs=8, preemption_mode="swap",
+              swap_space=0.01)
+    before = our_segments()
+    ref = run(LLM(tiny_model_dir, **kw))
+    llm = LLM(tiny_model_dir, distributed_executor_backend="mp", **kw)
+    agent = llm.engine.runner.proc
+    assert agent.poll() is None and agent.pid != os.getpid()
+    assert len(our_segments() - before) == 2
+    got = run(llm)
+    assert llm.engine.get_stats().num_swap_preemptions > 0
+    assert got == ref
+    llm.engine.shutdown()
+    assert agent.wait(10) == 0
+    assert our_segments() == before
+
+
+def test_a_killed_agent_is_reported_at_once(tiny_model_dir):
+    before = our_segments()
+    llm = LLM(tiny_model_dir, num_blocks=64, distributed_executor_backend="mp")
+    agent = llm.engine.runner.proc
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(AgentDiedError, match="exited|closed|gone"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
+    assert time.monotonic() - t0 < 5
+    assert not llm.engine.has_unfinished_requests()      # the failed request was dropped
+    llm.engine.shutdown()
+    assert our_segments() == before
+
+
+def test_an_agent_that_cannot_load_names_the_reason(tiny_model_dir, tmp_path):
+    before = our_segments()
+    with pytest.raises(LLMServingError, match="WorkAgent failed to start.*nothing.ckpt"):
+        LLM(tiny_model_dir, num_blocks=64, distributed_executor_backend="mp",
+            checkpoint=str(tmp_path / "nothing.ckpt"))
+    assert our_segments() == before
