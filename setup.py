@@ -5,10 +5,11 @@ setup(
     version="0.1.0",
     description="LLM inference serving on MindSpore: paged KV cache, continuous batching, "
     "llm-serving and OpenAI compatible HTTP APIs.",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "clients"]),
     package_data={
-        "llm_serving": ["model_executor/attention/kernels/*.cpp", "data/*"],
+        "llm_serving": ["model_executor/attention/kernels/*.cpp",
+                        "model_executor/layers/kernels/*.cpp", "data/*"],
         "clients": ["data/*.json"],
     },
     install_requires=[
@@ -21,6 +22,9 @@ setup(
         "pyyaml",
         "pydantic>=2",
         "tqdm",
+        "fastapi",
+        "uvicorn",
+        "prometheus-client",
     ],
     extras_require={
         "test": [
@@ -29,6 +33,8 @@ setup(
             "torch==2.13.0",
             "transformers",
             "protobuf",
+            "openai",
+            "requests",
         ],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -39,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The master decides when agents stop (Ctrl-C in a terminal reaches the whole group).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(args.control_fd)
     import llm_serving  # noqa: F401  (sets the OpenMP policy before MindSpore loads)
     from llm_serving.executor import shm_channel as ch

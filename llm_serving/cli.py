@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-import time
 from pathlib import Path
 
 
@@ -11,8 +11,6 @@ from llm_serving.errors import ConfigError, LLMServingError
 from llm_serving.serving_config import load_config
 
 DEFAULT_CONFIG = "configs/llama/tiny_llama.yaml"
-DEMO_PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
-                "Write a haiku about the sea.", "Explain paged attention in one sentence."]
 
 
 def find_config(name: str) -> Path:
@@ -60,37 +58,59 @@ def cli_engine_overrides(args: argparse.Namespace) -> dict:
             if getattr(args, f.name, None) is not None}
 
 
-def serve(args) -> None:
-    from llm_serving import LLM, SamplingParams
+def server_settings(args) -> tuple:
+    """(EngineArgs, served model name, host, port) from the config file and the flags."""
+    from llm_serving.config import EngineArgs
     cfg = load_config(find_config(args.config), cli_engine_overrides(args))
     warning = cfg.ignored_warning()
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     kw = dict(cfg.engine_kwargs)
-    model = resolve_model(kw.pop("model"))
-    t0 = time.perf_counter()
-    llm = LLM(model, **kw)
-    print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", flush=True)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    t0 = time.perf_counter()
-    outs = llm.generate(DEMO_PROMPTS, params)
-    dt = time.perf_counter() - t0
-    for o in outs:
-        print(f"{o.prompt!r} -> {o.outputs[0].text!r}")
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)")
+    if len(cfg.agent_ports) > 1:
+        raise ConfigError("serving_config.agent_ports", "one WorkAgent per port needs tensor "
+                          "parallelism, which is not implemented yet; give one port")
+    # The model runs in a WorkAgent process, as llm-serving's agents did.
+    kw.setdefault("distributed_executor_backend", "mp")
+    kw["model"] = resolve_model(kw["model"])
+    engine_args = EngineArgs(**kw)
+    name = args.served_model_name or cfg.served_model_name or Path(kw["model"]).name
+    host = args.host or cfg.host
+    port = args.port if args.port is not None else cfg.port
+    return engine_args, name, host, port
 
 
-def main(argv=None) -> None:
+def serve(args) -> None:
+    from llm_serving.entrypoints.api_server import run_server
+    engine_args, name, host, port = server_settings(args)
+    # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    run_server(engine_args, name, host, port, api_key=args.api_key,
+               chat_template=engine_args.chat_template)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model from a config file")
     s.add_argument("--config", default=DEFAULT_CONFIG)
-    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--host", default=None,
+                   help="address to listen on (default: the config's server_ip, 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None,
+                   help="port (default: the config's server_port, 8835)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (also $LLM_SERVING_API_KEY)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: model_config.model_name)")
     add_engine_arguments(s)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         serve(args)
+    except KeyboardInterrupt:
+        pass
     except (LLMServingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

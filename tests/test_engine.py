@@ -204,25 +204,18 @@ def test_request_metrics_are_filled(tiny_llm):
     assert m.num_generation_tokens == 8 and m.finished_time >= m.last_token_time
 
 
-def test_cli_flags_override_the_yaml_with_the_same_knobs(tiny_model_dir, tmp_path, capsys,
-                                                         monkeypatch):
+def test_cli_flags_override_the_yaml_with_the_same_knobs(tiny_model_dir, tmp_path, capsys):
     from llm_serving import cli
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  enable_prefix_caching: false\n"
                    "  preemption_mode: recompute\n  num_blocks: 64\n")
-    seen = {}
-    real = cli.load_config
-
-    def spy(*a, **k):
-        cfg = real(*a, **k)
-        seen.update(cfg.engine_kwargs)
-        return cfg
-    monkeypatch.setattr(cli, "load_config", spy)
-    cli.main(["serve", "--config", str(cfg), "--max-tokens", "2", "--enable-prefix-caching",
-              "--preemption-mode", "swap", "--swap-space", "0.01", "--max-num-seqs", "3"])
-    assert "tok/s" in capsys.readouterr().out
-    assert seen["enable_prefix_caching"] is True and seen["preemption_mode"] == "swap"
-    assert seen["max_num_seqs"] == 3 and seen["num_blocks"] == 64
+    args = cli.build_parser().parse_args(
+        ["serve", "--config", str(cfg), "--enable-prefix-caching", "--preemption-mode", "swap",
+         "--swap-space", "0.01", "--max-num-seqs", "3", "--port", "9001"])
+    engine_args, name, host, port = cli.server_settings(args)
+    assert engine_args.enable_prefix_caching is True and engine_args.preemption_mode == "swap"
+    assert engine_args.max_num_seqs == 3 and engine_args.num_blocks == 64
+    assert (name, host, port) == ("tiny-llama", "127.0.0.1", 9001)
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--config", str(cfg), "--preemption-mode", "bogus"])
     assert exc.value.code == 2

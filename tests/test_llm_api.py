@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -135,20 +133,3 @@ def test_prompt_longer_than_model_is_refused(tiny_llm):
         tiny_llm.generate({"prompt_token_ids": [5] * 5000}, SamplingParams(max_tokens=4))
     # The engine is still usable afterwards.
     assert tiny_llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs
-
-
-def test_start_py_runs_the_config_and_broken_config_gives_one_line_error(tiny_model_dir,
-                                                                        tmp_path):
-    cfg = tmp_path / "my.yaml"
-    cfg.write_text(f"pa_config:\n  num_blocks: 64\n  block_size: 16\n"
-                   f"llm_serving:\n  model: {tiny_model_dir}\n")
-    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
-                          "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert "tok/s" in run.stdout
-    cfg.write_text(f"pa_config:\n  block_size: -3\nllm_serving:\n  model: {tiny_model_dir}\n")
-    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2
-    errors = [l for l in run.stderr.splitlines() if l.startswith("error:")]
-    assert len(errors) == 1 and "block_size" in errors[0]

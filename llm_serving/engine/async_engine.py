@@ -123,7 +123,7 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, strict_length: bool = False) -> RequestStream:
         """Queue a request and return its stream of outputs (in ``params.output_kind``:
         DELTA gives the new token ids and text of each step).
 
@@ -134,7 +134,8 @@ class AsyncLLMEngine:
         self._bind_loop()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        new = self.engine.process_request(prompt, params, request_id, priority)
+        new = self.engine.process_request(prompt, params, request_id, priority,
+                                          strict_length=strict_length)
         sch = self.engine.scheduler
         if len(sch.waiting) + self._adds_sent - self._adds_taken >= sch.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({sch.max_waiting} requests, "

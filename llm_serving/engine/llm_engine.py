@@ -138,9 +138,11 @@ class LLMEngine:
 
     def process_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                         request_id: Optional[str] = None, priority: int = 0,
-                        arrival_time: Optional[float] = None) -> NewRequest:
+                        arrival_time: Optional[float] = None,
+                        strict_length: bool = False) -> NewRequest:
         """Check and tokenize a request without touching the engine's state (so any thread
-        may call it). Raises ValueError naming what is wrong."""
+        may call it). Raises ValueError naming what is wrong. ``max_tokens`` is lowered to
+        what fits in max_model_len, or with ``strict_length`` refused when it does not fit."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
@@ -161,19 +163,25 @@ class LLMEngine:
                 raise ValueError("prompt_token_ids must be a list of integers") from None
             text = prompt.get("prompt")
         elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: it is empty")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
                             f"got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise ValueError("prompt: it is empty")
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the maximum model length is "
+            raise ValueError(f"prompt: it has {len(ids)} tokens; the maximum model length is "
                              f"{self.max_model_len}, leaving no room to generate")
+        if strict_length and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is "
+                             f"{params.max_tokens}, more than the maximum model length "
+                             f"({self.max_model_len}) allows")
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time)

@@ -1,0 +1,238 @@
+"""llm-serving's own routes, with its request fields, response shapes and stream framing
+(``LLM_SERVING_COMPAT.md``), so its clients (performance_serving among them) work unchanged.
+
+- ``POST /models/{model}/generate``: one JSON line.
+- ``POST /models/{model}/generate_stream``: one JSON line per step's new text. With
+  return_protocol "sse" (the default) each line is
+  ``{"event":"message","retry":30000,"data":[{...}]}``; with any other protocol it is
+  ``data:{...}``. With return_full_text, a last line carries the whole text.
+- ``POST /models/{model}``: either, by the body's ``stream``.
+- ``GET /serving/get_bs``, ``/serving/get_request_numbers``, ``/serving/get_serverd_model_info``.
+
+``{model}`` is the served model name; ``llama2`` is always accepted. Unlike llm-serving, the
+seed, stop strings, repetition penalty and per-request temperature are honoured, and the last
+token's text is never lost.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from llm_serving.entrypoints.api_server import (HTTPError, ServerState, new_request_id,
+                                                parse_body, stream_or_disconnect,
+                                                translate_error)
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams
+
+router = APIRouter()
+DEFAULT_MAX_NEW_TOKENS = 300      # llm-serving's default
+
+
+class Parameters(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    do_sample: bool = False
+    repetition_penalty: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
+    return_full_text: bool = False
+    return_protocol: str = "sse"
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int = Field(0, ge=0, le=20)
+    # Accepted and ignored, as in llm-serving.
+    truncate: Optional[Union[bool, int]] = None
+    typical_p: Optional[float] = None
+    watermark: Optional[bool] = None
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    inputs: str = Field(min_length=1)
+    parameters: Parameters = Field(default_factory=Parameters)
+    stream: bool = False
+
+
+def _params(p: Parameters) -> SamplingParams:
+    sample = p.do_sample and p.temperature > 0
+    want_lp = p.details or p.top_n_tokens > 0
+    return SamplingParams(
+        temperature=p.temperature if sample else 0.0, top_k=p.top_k if sample else 0,
+        top_p=p.top_p if sample else 1.0, repetition_penalty=p.repetition_penalty,
+        seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens,
+        logprobs=p.top_n_tokens if want_lp else None, output_kind=RequestOutputKind.DELTA)
+
+
+def _finish_reason(c, error: Optional[str]) -> Optional[str]:
+    if error:
+        return "timeout" if "queue_timeout" in error else "error"
+    if c.finish_reason == "stop":
+        return "eos" if c.stop_reason is None else "stop_sequence"
+    return c.finish_reason
+
+
+def _token(tid: int, text: str, logprob, special: set) -> dict:
+    return {"id": tid, "logprob": logprob, "special": tid in special, "text": text}
+
+
+def _line(obj: dict, protocol: str) -> bytes:
+    if protocol == "sse":
+        return (json.dumps({"event": "message", "retry": 30000, "data": [obj]},
+                           ensure_ascii=False) + "\n").encode()
+    return f"data:{json.dumps(obj, ensure_ascii=False)}\n".encode()
+
+
+async def _start(request: Request, model: str):
+    state: ServerState = request.app.state.server
+    if model not in ("llama2", state.served_model_name):
+        raise HTTPError(404, f"model {model!r} does not exist; this server serves "
+                        f"{state.served_model_name!r} (also reachable as 'llama2')",
+                        param="model", kind="not_found_error")
+    req = await parse_body(request, GenerateRequest)
+    engine = state.require_engine()
+    try:
+        params = _params(req.parameters)
+        rid = new_request_id("gen")
+        stream = await engine.add_request(rid, req.inputs, params, strict_length=True)
+    except Exception as e:
+        raise translate_error(e) from None
+    return state, engine, req, stream
+
+
+def _summary(tokens: list, text: str, finish: Optional[str], seed) -> dict:
+    first = tokens[0] if tokens else None
+    return {"generated_text": text, "finish_reason": finish, "generated_tokens": len(tokens),
+            "prefill": [first] if first else [], "seed": seed, "tokens": tokens,
+            "top_tokens": [[first]] if first else [], "details": None}
+
+
+async def _full(request: Request, model: str):
+    state, engine, req, stream = await _start(request, model)
+    tok = engine.tokenizer
+    special = set(getattr(tok, "all_special_ids", ()) or ())
+    texts, tokens, finish, error = [], [], None, None
+    async for out in stream_or_disconnect(request, engine_stream(engine, stream)):
+        c = out.outputs[0]
+        error = out.error
+        texts.append(c.text)
+        for j, tid in enumerate(c.token_ids):
+            lp = c.logprobs[j][tid].logprob if c.logprobs else None
+            tokens.append(_token(tid, tok.decode([tid]), lp, special))
+        finish = _finish_reason(c, error)
+    if error:
+        raise HTTPError(503, error, kind="service_unavailable")
+    body = _summary(tokens, "".join(texts), finish, req.parameters.seed)
+    return Response((json.dumps(body, ensure_ascii=False) + "\n").encode(),
+                    media_type="application/json")
+
+
+async def engine_stream(engine, stream):
+    """The request's outputs; leaving early aborts it."""
+    try:
+        async for out in stream:
+            yield out
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
+async def _stream(request: Request, model: str):
+    state, engine, req, stream = await _start(request, model)
+    tok = engine.tokenizer
+    special = set(getattr(tok, "all_special_ids", ()) or ())
+    protocol = req.parameters.return_protocol
+
+    async def gen():
+        texts, tokens, finish = [], [], None
+        async for out in engine_stream(engine, stream):
+            c = out.outputs[0]
+            finish = _finish_reason(c, out.error)
+            if out.error:
+                yield _line({"details": None, "generated_text": "", "finish_reason": finish,
+                             "error": out.error}, protocol)
+                return
+            if not c.token_ids and not c.text:
+                continue
+            lps = c.logprobs or []
+            new = [_token(tid, tok.decode([tid]),
+                          lps[j][tid].logprob if lps else None, special)
+                   for j, tid in enumerate(c.token_ids)]
+            tokens.extend(new)
+            texts.append(c.text)
+            last = dict(new[-1]) if new else _token(-1, "", None, special)
+            last["text"] = c.text
+            piece = {"details": None, "generated_text": c.text, "tokens": last,
+                     "top_tokens": [last]}
+            if c.finish_reason is not None:
+                piece["finish_reason"] = finish
+            yield _line(piece, protocol)
+        if req.parameters.return_full_text:
+            yield _line(_summary(tokens, "".join(texts), finish, req.parameters.seed),
+                        protocol)
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+@router.post("/models/{model}/generate")
+async def generate(request: Request, model: str):
+    return await _full(request, model)
+
+
+@router.post("/models/{model}/generate_stream")
+async def generate_stream(request: Request, model: str):
+    return await _stream(request, model)
+
+
+@router.post("/models/{model}")
+async def generate_either(request: Request, model: str):
+    body = await request.body()
+    try:
+        stream = bool(json.loads(body).get("stream", False))
+    except (ValueError, AttributeError):
+        stream = False                       # the parser below names the problem
+    return await (_stream if stream else _full)(request, model)
+
+
+def _event(obj) -> Response:
+    return Response(f"data: {json.dumps(obj, ensure_ascii=False)}\r\n\r\n".encode(),
+                    media_type="text/event-stream")
+
+
+@router.get("/serving/get_bs")
+async def get_bs(request: Request):
+    state: ServerState = request.app.state.server
+    stats = await state.require_engine().get_stats()
+    return _event({"event": "message", "retry": 30000, "data": stats.num_running})
+
+
+@router.get("/serving/get_request_numbers")
+async def get_request_numbers(request: Request):
+    state: ServerState = request.app.state.server
+    stats = await state.require_engine().get_stats()
+    return _event({"event": "message", "retry": 30000,
+                   "data": stats.num_waiting + stats.num_running + stats.num_swapped})
+
+
+@router.get("/serving/get_serverd_model_info")
+async def get_served_model_info(request: Request):
+    state: ServerState = request.app.state.server
+    engine = state.require_engine().engine
+    return _event({
+        "docker_label": None,
+        "max_batch_total_tokens": engine.scheduler.max_num_batched_tokens,
+        "max_concurrent_requests": engine.scheduler.max_num_seqs,
+        "max_input_length": engine.max_model_len - 1,
+        "max_total_tokens": engine.max_model_len,
+        "model_device_type": "CANN" if getattr(engine.runner, "device", "CPU") == "Ascend"
+                             else "CPU",
+        "model_dtype": "float32",
+        "model_id": state.served_model_name,
+        "model_pipeline_tag": "text-generation",
+        "version": "2.3",
+    })
+

@@ -1,0 +1,75 @@
+"""Prometheus metrics at ``/metrics``, with vLLM's names under the ``llm_serving:`` prefix.
+
+They are refreshed from ``EngineStats`` at each scrape: gauges are set, counters advance by
+what the engine counted since the previous scrape, and the histograms take the requests that
+finished since then.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from llm_serving.engine.metrics import EngineStats
+
+P = "llm_serving:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0)
+
+# counter name -> EngineStats field
+_COUNTERS = {
+    "num_preemptions": ("num_preemptions", "Preemptions (swap or recompute)"),
+    "prompt_tokens": ("num_prefill_tokens", "Prompt tokens computed (recompute included)"),
+    "generation_tokens": ("num_generation_tokens", "Tokens generated"),
+    "prefix_cache_queries": ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Tokens found in the prefix cache"),
+    "request_success": ("num_finished_requests", "Requests finished"),
+    "request_aborted": ("num_aborted_requests", "Requests aborted"),
+    "request_timeout": ("num_timed_out_requests", "Requests that timed out in the queue"),
+}
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge(P + "num_requests_running", "Sequences running", registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Sequences waiting", registry=r)
+        self.swapped = Gauge(P + "num_requests_swapped", "Sequences swapped out", registry=r)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "KV blocks in use (0..1)", registry=r)
+        self.cpu_usage = Gauge(P + "cpu_cache_usage_perc", "Host swap blocks in use (0..1)",
+                               registry=r)
+        self.hit_rate = Gauge(P + "prefix_cache_hit_rate", "Prefix-cache hit rate (tokens)",
+                              registry=r)
+        self.counters = {name: Counter(P + name, doc, registry=r)
+                         for name, (_, doc) in _COUNTERS.items()}
+        self._last = {name: 0 for name in _COUNTERS}
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(P + "request_queue_time_seconds", "Time waiting to start",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+
+    def update(self, s: EngineStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.swapped.set(s.num_swapped)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.cpu_usage.set(s.cpu_cache_usage)
+        self.hit_rate.set(s.prefix_cache_hit_rate)
+        for name, (attr, _) in _COUNTERS.items():
+            value = getattr(s, attr)
+            if value > self._last[name]:
+                self.counters[name].inc(value - self._last[name])
+                self._last[name] = value
+        for m in s.finished_requests:
+            for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
+                                (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue)):
+                if value is not None:
+                    hist.observe(value)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

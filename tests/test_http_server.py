@@ -1,0 +1,272 @@
+"""The real server (start.py in a subprocess, model in a WorkAgent) driven by real clients:
+the `openai` package on the OpenAI API and `requests` on llm-serving's routes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from llm_serving import SamplingParams
+from llm_serving.executor.shm_channel import SHM_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
+           "Write a haiku about the sea.", "List five prime numbers:"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path, model_dir, *extra, section=""):
+    port = free_port()
+    cfg = tmp_path / f"server-{port}.yaml"
+    cfg.write_text(f"model_config:\n  model_name: tiny\n  end_token: 2\n  vocab_size: 1024\n"
+                   f"serving_config:\n  agent_ports: [16002]\n  server_port: {port}\n"
+                   f"llm_serving:\n  model: {model_dir}\n  num_blocks: 512\n"
+                   f"  max_num_seqs: 64\n  max_model_len: 1024\n{section}")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "ready" in line or proc.poll() is not None:
+            break
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line!r} {proc.stderr.read()[-2000:]}")
+    return proc, f"http://127.0.0.1:{port}", line
+
+
+def stop_server(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    before = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
+    proc, url, line = start_server(tmp_path_factory.mktemp("srv"), tiny_model_dir)
+    yield url
+    assert stop_server(proc) == 0
+    after = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
+    assert after == before, "the server left shared memory behind"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none")
+
+
+def greedy(tiny_llm, prompt, n):
+    return tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n))[0].outputs[0]
+
+
+def test_ready_line_health_and_models(server, client):
+    assert requests.get(server + "/health").status_code == 200
+    assert requests.get(server + "/ready").json() == {"ready": True}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completions_match_offline_greedy(client, tiny_llm):
+    for prompt in PROMPTS:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                      temperature=0)
+        ref = greedy(tiny_llm, prompt, 12)
+        assert r.choices[0].text == ref.text
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert r.usage.prompt_tokens == len(tiny_llm.get_tokenizer().encode(prompt))
+
+
+def test_streaming_with_usage_adds_up(client, tiny_llm):
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            finish = c.finish_reason or finish
+    ref = greedy(tiny_llm, PROMPTS[0], 16)
+    assert text == ref.text and usage.completion_tokens == len(ref.token_ids)
+    assert finish in ("stop", "length")
+
+
+def test_chat_uses_the_template_and_streams(client, tiny_llm):
+    msgs = [{"role": "user", "content": "Hello there"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                       temperature=0)
+    ref = tiny_llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0]
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+
+
+def test_n_logprobs_stop_and_seed(client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, n=2,
+                                  temperature=1.0, seed=7, logprobs=2)
+    assert len(r.choices) == 2 and {c.index for c in r.choices} == {0, 1}
+    lp = r.choices[0].logprobs
+    assert all(v <= 0 for v in lp.token_logprobs) and len(lp.top_logprobs[0]) == 2
+    again = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, n=2,
+                                      temperature=1.0, seed=7, logprobs=2)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model="tiny", max_tokens=6, logprobs=True,
+                                          top_logprobs=3, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    content = chat.choices[0].logprobs.content
+    assert content and len(content[0].top_logprobs) == 3
+    free = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    stop = free.choices[0].text[5:8]
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20,
+                                    temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == free.choices[0].text[:free.choices[0].text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
+    body = {"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 12, "do_sample": "False",
+                                                 "return_full_text": "True"}}
+    full = requests.post(server + "/models/llama2/generate", json=body)
+    assert full.status_code == 200 and full.text.endswith("\n") and full.text.count("\n") == 1
+    obj = json.loads(full.text)
+    assert set(obj) == {"generated_text", "finish_reason", "generated_tokens", "prefill",
+                        "seed", "tokens", "top_tokens", "details"}
+    ref = greedy(tiny_llm, PROMPTS[3], 12)
+    assert obj["generated_text"] == ref.text
+    assert [t["id"] for t in obj["tokens"]] == ref.token_ids
+    assert set(obj["tokens"][0]) == {"id", "logprob", "special", "text"}
+    lines = requests.post(server + "/models/tiny/generate_stream", json=body).text
+    lines = lines.splitlines()
+    parsed = [json.loads(line) for line in lines]
+    for p in parsed:
+        assert set(p) == {"event", "retry", "data"} and p["event"] == "message"
+        assert p["retry"] == 30000 and isinstance(p["data"], list) and len(p["data"]) == 1
+    pieces = [p["data"][0]["generated_text"] for p in parsed[:-1]]
+    assert "".join(pieces) == ref.text                    # the last token's text included
+    assert parsed[-1]["data"][0]["generated_text"] == ref.text   # return_full_text line
+    other = requests.post(server + "/models/llama2", json={**body, "stream": True, "parameters":
+                          {**body["parameters"], "return_protocol": "plain"}}).text
+    assert all(line.startswith("data:") for line in other.splitlines())
+    info = requests.get(server + "/serving/get_serverd_model_info").text
+    assert json.loads(info.removeprefix("data: "))["model_id"] == "tiny"
+
+
+@pytest.mark.parametrize("path, body, status, needle", [
+    ("/v1/completions", "{not json", 400, "JSON"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400,
+     "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/models/llama2/generate", {"inputs": ""}, 400, "inputs"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_p": 2}}, 400, "top_p"),
+    ("/models/other/generate", {"inputs": "x"}, 404, "other"),
+])
+def test_bad_input_gets_a_4xx_naming_the_field(server, path, body, status, needle):
+    kw = {"data": body} if isinstance(body, str) else {"json": body}
+    r = requests.post(server + path, **kw)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_oversized_body_is_refused(server):
+    r = requests.post(server + "/v1/completions",
+                      data=json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}))
+    assert r.status_code == 413
+
+
+def test_disconnect_storm_frees_everything(server, tiny_llm):
+    ref = {p: greedy(tiny_llm, p, 24).text for p in PROMPTS}
+    results, errors = [], []
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 24}}
+        try:
+            with requests.post(server + "/models/llama2/generate_stream", json=body,
+                               stream=True, timeout=60) as r:
+                text = ""
+                for k, line in enumerate(r.iter_lines()):
+                    if i % 2 and k == 2:
+                        return                      # hang up mid-stream
+                    text += json.loads(line)["data"][0]["generated_text"]
+                results.append(text == ref[prompt])
+        except Exception as e:   # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 25 and all(results)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = requests.get(server + "/metrics").text
+        usage = [line for line in metrics.splitlines()
+                 if line.startswith("llm_serving:kv_cache_usage_perc ")]
+        running = [line for line in metrics.splitlines()
+                   if line.startswith("llm_serving:num_requests_running ")]
+        if usage == ["llm_serving:kv_cache_usage_perc 0.0"] and running[0].endswith(" 0.0"):
+            break
+        time.sleep(0.2)
+    assert usage == ["llm_serving:kv_cache_usage_perc 0.0"], usage
+    assert "llm_serving:time_to_first_token_seconds_count" in metrics
+
+
+def test_api_key_guards_every_route_but_health(tmp_path, tiny_model_dir):
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--api-key", "s3cret")
+    try:
+        assert requests.get(url + "/health").status_code == 200
+        for path in ("/ready", "/v1/models", "/metrics"):
+            assert requests.get(url + path).status_code == 401
+        assert requests.post(url + "/models/llama2/generate",
+                             json={"inputs": "x"}).status_code == 401
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret")
+        assert ok.completions.create(model="tiny", prompt="x", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong").models.list()
+    finally:
+        assert stop_server(proc) == 0
+
+
+def test_busy_port_and_broken_config_fail_with_one_line(tmp_path, server, tiny_model_dir):
+    port = server.rsplit(":", 1)[1]
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                          "--port", port], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in run.stderr
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(f"pa_config:\n  block_size: -3\nllm_serving:\n  model: {tiny_model_dir}\n")
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "pa_config.block_size" in errors[0]
