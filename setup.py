@@ -35,6 +35,7 @@ setup(
             "protobuf",
             "openai",
             "requests",
+            "schemathesis",
         ],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

@@ -270,3 +270,63 @@ def test_busy_port_and_broken_config_fail_with_one_line(tmp_path, server, tiny_m
     assert run.returncode == 2
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "pa_config.block_size" in errors[0]
+
+
+def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
+    """/ready is 503 while loading; a full queue gives 503 with Retry-After; schemathesis
+    over /openapi.json finds no 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    port = free_port()
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(f"serving_config:\n  agent_ports: [1]\n  server_port: {port}\n"
+                   f"llm_serving:\n  model: {tiny_model_dir}\n  num_blocks: 64\n"
+                   "  max_num_seqs: 1\n  max_waiting_requests: 1\n  max_model_len: 96\n")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    seen = set()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = requests.get(url + "/ready", timeout=1)
+                seen.add(r.status_code)
+                if r.status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.05)
+        assert seen == {503, 200}, seen          # not ready while loading, then ready
+
+        # One running, one waiting: the third is refused at once.
+        body = {"inputs": "Tell me a story", "parameters": {"max_new_tokens": 80}}
+        held = [requests.post(url + "/models/llama2/generate_stream", json=body, stream=True)
+                for _ in range(2)]
+        refused = requests.post(url + "/models/llama2/generate", json=body)
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        assert "max_waiting_requests" in refused.json()["error"]["message"]
+        for r in held:
+            r.close()
+        while "llm_serving:num_requests_running 0.0" not in requests.get(url + "/metrics").text:
+            time.sleep(0.1)
+
+        schema = schemathesis.openapi.from_url(url + "/openapi.json")
+        failures = []
+        for op in schema.get_all_operations():
+            strategy = op.ok().as_strategy()
+
+            @given(case=strategy)
+            @settings(max_examples=30, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            def fuzz(case):
+                response = case.call(base_url=url, timeout=30)
+                if response.status_code >= 500:
+                    failures.append((case.method, case.path, case.body,
+                                     response.status_code, response.text[:200]))
+            fuzz()
+        assert not failures, failures[:3]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -13,7 +13,6 @@ and 503 (with Retry-After) for a full queue.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -99,22 +98,6 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def parse_body(request: Request, model_cls):
-    """The JSON body as ``model_cls``; 400 for malformed JSON or a field breaking a rule."""
-    from pydantic import ValidationError
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "body"
-        raise HTTPError(400, f"{loc}: {err['msg']}", param=loc) from None
-
-
 async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> AsyncIterator:
     """Items of ``stream``; stops (closing it, which aborts the request) once the client
     has gone, even while no output is coming."""
@@ -140,7 +123,8 @@ async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> Async
 
 
 class _BodyLimit:
-    """ASGI middleware: a request body over the limit gets 413 before it is read in full."""
+    """ASGI middleware: a request body over the limit gets 413 before it is read in full.
+    Bodies are JSON whatever the declared type (curl -d sends form-urlencoded)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -148,7 +132,12 @@ class _BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = scope.get("headers") or []
+        if scope.get("method") == "POST" and not any(
+                k == b"content-type" and b"json" in v for k, v in headers):
+            headers = [(k, v) for k, v in headers if k != b"content-type"]
+            scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+        declared = dict(headers).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await error_response(413, f"the body exceeds {self.limit} bytes")(
                 scope, receive, send)
@@ -192,6 +181,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {err['msg']}", "body")
         loc = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
         return error_response(400, f"{loc}: {err['msg']}", loc)
 
@@ -256,6 +247,9 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     import socket
 
     import uvicorn
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = api_key or os.environ.get("LLM_SERVING_API_KEY") or None
     state = ServerState(engine_args, served_model_name, api_key, chat_template)
     # A busy port fails at once, before the model loads.

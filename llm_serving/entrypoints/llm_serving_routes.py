@@ -23,8 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llm_serving.entrypoints.api_server import (HTTPError, ServerState, new_request_id,
-                                                parse_body, stream_or_disconnect,
-                                                translate_error)
+                                                stream_or_disconnect, translate_error)
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
@@ -88,13 +87,12 @@ def _line(obj: dict, protocol: str) -> bytes:
     return f"data:{json.dumps(obj, ensure_ascii=False)}\n".encode()
 
 
-async def _start(request: Request, model: str):
+async def _start(request: Request, model: str, req: GenerateRequest):
     state: ServerState = request.app.state.server
     if model not in ("llama2", state.served_model_name):
         raise HTTPError(404, f"model {model!r} does not exist; this server serves "
                         f"{state.served_model_name!r} (also reachable as 'llama2')",
                         param="model", kind="not_found_error")
-    req = await parse_body(request, GenerateRequest)
     engine = state.require_engine()
     try:
         params = _params(req.parameters)
@@ -112,8 +110,8 @@ def _summary(tokens: list, text: str, finish: Optional[str], seed) -> dict:
             "top_tokens": [[first]] if first else [], "details": None}
 
 
-async def _full(request: Request, model: str):
-    state, engine, req, stream = await _start(request, model)
+async def _full(request: Request, model: str, req: GenerateRequest):
+    state, engine, req, stream = await _start(request, model, req)
     tok = engine.tokenizer
     special = set(getattr(tok, "all_special_ids", ()) or ())
     texts, tokens, finish, error = [], [], None, None
@@ -142,8 +140,8 @@ async def engine_stream(engine, stream):
             engine.abort(stream.request_id)
 
 
-async def _stream(request: Request, model: str):
-    state, engine, req, stream = await _start(request, model)
+async def _stream(request: Request, model: str, req: GenerateRequest):
+    state, engine, req, stream = await _start(request, model, req)
     tok = engine.tokenizer
     special = set(getattr(tok, "all_special_ids", ()) or ())
     protocol = req.parameters.return_protocol
@@ -179,23 +177,18 @@ async def _stream(request: Request, model: str):
 
 
 @router.post("/models/{model}/generate")
-async def generate(request: Request, model: str):
-    return await _full(request, model)
+async def generate(req: GenerateRequest, request: Request, model: str):
+    return await _full(request, model, req)
 
 
 @router.post("/models/{model}/generate_stream")
-async def generate_stream(request: Request, model: str):
-    return await _stream(request, model)
+async def generate_stream(req: GenerateRequest, request: Request, model: str):
+    return await _stream(request, model, req)
 
 
 @router.post("/models/{model}")
-async def generate_either(request: Request, model: str):
-    body = await request.body()
-    try:
-        stream = bool(json.loads(body).get("stream", False))
-    except (ValueError, AttributeError):
-        stream = False                       # the parser below names the problem
-    return await (_stream if stream else _full)(request, model)
+async def generate_either(req: GenerateRequest, request: Request, model: str):
+    return await (_stream if req.stream else _full)(request, model, req)
 
 
 def _event(obj) -> Response:

@@ -12,8 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from llm_serving.entrypoints.api_server import (HTTPError, ServerState, new_request_id,
-                                                parse_body, stream_or_disconnect,
-                                                translate_error)
+                                                stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.outputs import RequestOutput
@@ -33,6 +32,10 @@ def _finish_reason(reason: Optional[str]) -> Optional[str]:
 async def _start(state: ServerState, rid: str, prompts: list, params, priority: int):
     """Queue one engine request per prompt; all or none."""
     engine = state.require_engine()
+    bound = engine.engine.scheduler.max_waiting
+    if len(prompts) > bound:
+        raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request exceed the "
+                        f"waiting-queue bound (max_waiting_requests={bound})", param="prompt")
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -100,9 +103,8 @@ def _completion_logprobs(entries, text_offset: int, k: int) -> dict:
 
 
 @router.post("/v1/completions")
-async def completions(request: Request):
+async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
-    req = await parse_body(request, CompletionRequest)
     state.check_model(req.model)
     if req.echo or req.suffix:
         raise HTTPError(400, "echo and suffix are not supported", param="echo")
@@ -212,9 +214,8 @@ def _chat_logprobs(entries, top: int) -> dict:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request):
+async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
-    req = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
     engine = state.require_engine()
     try:
@@ -318,9 +319,8 @@ async def models(request: Request):
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request):
+async def tokenize(req: TokenizeRequest, request: Request):
     state = _state(request)
-    req = await parse_body(request, TokenizeRequest)
     state.check_model(req.model)
     engine = state.require_engine()
     tok = engine.tokenizer
@@ -338,9 +338,8 @@ async def tokenize(request: Request):
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request):
+async def detokenize(req: DetokenizeRequest, request: Request):
     state = _state(request)
-    req = await parse_body(request, DetokenizeRequest)
     state.check_model(req.model)
     engine = state.require_engine()
     vocab = engine.engine.model_config.vocab_size
