@@ -24,6 +24,26 @@ PROMPTS = ["Give three tips for staying healthy.", "What is the capital of Franc
            "Write a haiku about the sea.", "List five prime numbers:"]
 
 
+SERVERS = {}
+
+
+def agent_pids(pid: int) -> list[int]:
+    """The WorkAgent processes started by server ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid and b"agents.work_agent" in cmd:
+                out.append(int(d))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,6 +85,7 @@ def stop_server(proc) -> int:
 def server(tmp_path_factory, tiny_model_dir):
     before = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
     proc, url, line = start_server(tmp_path_factory.mktemp("srv"), tiny_model_dir)
+    SERVERS[url] = proc
     yield url
     assert stop_server(proc) == 0
     after = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
@@ -240,6 +261,32 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
         time.sleep(0.2)
     assert usage == ["llm_serving:kv_cache_usage_perc 0.0"], usage
     assert "llm_serving:time_to_first_token_seconds_count" in metrics
+
+
+def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
+    agents = agent_pids(SERVERS[server].pid)
+    assert len(agents) == 1
+    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200}}
+    with requests.post(server + "/models/llama2/generate_stream", json=body, stream=True,
+                       timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)                                   # the request is running
+        os.kill(agents[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = [json.loads(line) for line in lines]
+        detected = time.monotonic() - t0
+    assert detected < 5
+    assert "model process failed" in rest[-1]["data"][0]["error"]
+    assert requests.get(server + "/health").status_code == 200
+    deadline = time.monotonic() + 60
+    while requests.get(server + "/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the server did not come back"
+        time.sleep(0.2)
+    new_agents = agent_pids(SERVERS[server].pid)
+    assert len(new_agents) == 1 and new_agents != agents
+    r = requests.post(server + "/models/llama2/generate",
+                      json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8}})
+    assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[1], 8).text
 
 
 def test_api_key_guards_every_route_but_health(tmp_path, tiny_model_dir):

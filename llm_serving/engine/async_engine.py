@@ -29,6 +29,7 @@ from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.01       # how long to sleep when work is queued but nothing could be scheduled
+_HEALTH_POLL_S = 1.0      # how often an idle loop checks that the model runner is alive
 
 
 class RequestStream:
@@ -102,6 +103,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._dead: Optional[BaseException] = None
+        self._restarting = False
+        self.num_restarts = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
@@ -113,7 +116,13 @@ class AsyncLLMEngine:
     # ---- caller side (event loop) ---------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        """True when requests can be served (False while a dead WorkAgent is replaced)."""
+        return self._thread.is_alive() and self._dead is None and not self._restarting
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the loop stopped for good (liveness fails)."""
+        return self._dead is not None or not self._thread.is_alive()
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -208,19 +217,25 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _run(self) -> None:
+        from llm_serving.executor.multiproc_executor import AgentDiedError
         engine = self.engine
         try:
             while not self._stopping:
                 outs = self._take_commands()
-                if engine.has_unfinished_requests():
-                    steps = engine.stats.num_steps
-                    outs.extend(engine.step())
-                    if engine.stats.num_steps == steps and not outs:
-                        self._wake.wait(_IDLE_POLL_S)   # nothing could run: don't spin
+                try:
+                    if engine.has_unfinished_requests():
+                        steps = engine.stats.num_steps
+                        outs.extend(engine.step())
+                        if engine.stats.num_steps == steps and not outs:
+                            self._wake.wait(_IDLE_POLL_S)   # nothing could run: don't spin
+                            self._wake.clear()
+                    else:
+                        self._wake.wait(_HEALTH_POLL_S)
                         self._wake.clear()
-                else:
-                    self._wake.wait()
-                    self._wake.clear()
+                        if not engine.runner_alive():
+                            raise AgentDiedError("the WorkAgent process exited")
+                except AgentDiedError as e:
+                    outs.extend(self._recover(str(e)))
                 if outs:
                     self._post(self._deliver, outs)
             outs = [engine.abort_request(rid) for rid in list(engine.requests)]
@@ -229,6 +244,20 @@ class AsyncLLMEngine:
             logger.exception("engine loop failed")
             self._dead = e
             self._post(self._fail_all, EngineDeadError(f"the engine loop stopped: {e!r}"))
+
+    def _recover(self, reason: str) -> list[RequestOutput]:
+        """A WorkAgent died: fail the requests in flight (their KV is gone), start a new
+        agent, and serve again. Not ready meanwhile."""
+        logger.error("%s; failing the requests in flight and restarting it", reason)
+        self._restarting = True
+        outs = self.engine.fail_all(f"the model process failed ({reason}); "
+                                    "the request was dropped, retry it")
+        self._post(self._deliver, outs)
+        self.engine.restart_runner()
+        self.num_restarts += 1
+        self._restarting = False
+        logger.info("the WorkAgent was restarted; serving again")
+        return []
 
     def _take_commands(self) -> list[RequestOutput]:
         engine, outs = self.engine, []

@@ -271,6 +271,18 @@ class BlockManager:
         seq.cpu_block_table = []
         self.append(seq, num_new_tokens, copies)
 
+    def reset(self) -> None:
+        """Forget all KV (the model runner lost it): every block free, the prefix cache empty.
+        Only valid once no sequence holds blocks."""
+        assert not any(self.ref_counts), "reset while sequences hold blocks"
+        self.free_uncached = deque(range(self.num_blocks))
+        self.free_cached.clear()
+        self.cache.clear()
+        n = self.num_blocks
+        self.block_hash, self.block_tokens = [None] * n, [None] * n
+        self.block_uid, self.block_parent_uid = [None] * n, [None] * n
+        self.cpu_free = deque(range(self.num_cpu_blocks))
+
     # ---- checks (used by tests) -----------------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:
         expect = [0] * self.num_blocks

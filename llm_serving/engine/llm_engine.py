@@ -102,17 +102,8 @@ class LLMEngine:
             if ms.get_context("device_target") == "CPU":
                 raise ConfigError("dtype", f"{args.dtype} is not supported on CPU, which runs "
                                   "float32 (use auto or float32)")
-        if args.distributed_executor_backend == "mp":
-            from llm_serving.executor.multiproc_executor import MultiprocExecutor
-            self.runner = MultiprocExecutor(
-                args.model, num_blocks, args.block_size, max_num_batched_tokens=budget,
-                max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                checkpoint=args.checkpoint, device=args.device, seed=args.seed,
-                num_cpu_blocks=num_cpu_blocks)
-        else:
-            self.runner = ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
-                                      args.device, args.seed, config=mc,
-                                      num_cpu_blocks=num_cpu_blocks)
+        self._runner_args = (num_blocks, budget, num_cpu_blocks)
+        self.runner = self._make_runner()
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           args.enable_prefix_caching, num_cpu_blocks,
                                           args.watermark)
@@ -417,6 +408,48 @@ class LLMEngine:
             num_generation_tokens=max(len(s.output_token_ids) for s in req.seqs),
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in req.seqs))
+
+    def _make_runner(self):
+        args, (num_blocks, budget, num_cpu_blocks) = self.args, self._runner_args
+        if args.distributed_executor_backend == "mp":
+            from llm_serving.executor.multiproc_executor import MultiprocExecutor
+            return MultiprocExecutor(
+                args.model, num_blocks, args.block_size, max_num_batched_tokens=budget,
+                max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                checkpoint=args.checkpoint, device=args.device, seed=args.seed,
+                num_cpu_blocks=num_cpu_blocks)
+        return ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
+                           args.device, args.seed, config=self.model_config,
+                           num_cpu_blocks=num_cpu_blocks)
+
+    def runner_alive(self) -> bool:
+        is_alive = getattr(self.runner, "is_alive", None)
+        return is_alive() if is_alive is not None else True
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with ``error`` (finish_reason "abort"), freeing all blocks."""
+        outs = []
+        for req in list(self.requests.values()):
+            req.error = error
+            for seq in req.seqs:
+                if not seq.status.finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    seq.finished_time = time.time()
+            self.stats.num_aborted_requests += 1
+            out = self._request_output(req)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def restart_runner(self) -> None:
+        """Replace a dead model runner (a WorkAgent that died). Call after ``fail_all``: the
+        KV cache is gone, so the block pools and the prefix cache start empty."""
+        try:
+            self.runner.shutdown()
+        except Exception:   # noqa: BLE001 - it is dead already
+            pass
+        self.block_manager.reset()
+        self.runner = self._make_runner()
 
     def shutdown(self) -> None:
         """Stop WorkAgent processes, if any (the in-process runner needs nothing)."""

@@ -203,7 +203,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.engine is not None and not state.engine.is_running:
+        if state.engine is not None and state.engine.is_dead:
             return error_response(503, "the engine loop stopped", kind="service_unavailable")
         return Response(status_code=200)
 
@@ -211,7 +211,9 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     async def ready():
         if state.engine is None or state.draining or not state.engine.is_running:
             reason = ("shutting down" if state.draining else state.load_error
-                      or ("loading" if state.engine is None else "the engine loop stopped"))
+                      or ("loading" if state.engine is None else
+                          "the engine loop stopped" if state.engine.is_dead else
+                          "restarting the model process"))
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         return {"ready": True}
 

@@ -77,6 +77,9 @@ class MultiprocExecutor:
     def pid(self) -> int:
         return self.proc.pid
 
+    def is_alive(self) -> bool:
+        return not self._closed and self.proc.poll() is None
+
     def _wait(self, timeout: Optional[float], doing: str):
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.conn.poll(1.0):
