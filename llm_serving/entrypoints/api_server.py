@@ -94,6 +94,12 @@ def translate_error(e: BaseException) -> HTTPError:
     return HTTPError(500, f"internal error: {type(e).__name__}", kind="internal_error")
 
 
+def log_request(rid: str, prompt_tokens: int, completion_tokens: int, t0: float) -> None:
+    """The one access-log line of a request (nothing is logged per token)."""
+    logger.info("request %s: %d prompt + %d completion tokens in %.3f s", rid, prompt_tokens,
+                completion_tokens, time.perf_counter() - t0)
+
+
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -16,14 +16,16 @@ token's text is never lost.
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llm_serving.entrypoints.api_server import (HTTPError, ServerState, new_request_id,
-                                                stream_or_disconnect, translate_error)
+from llm_serving.entrypoints.api_server import (HTTPError, ServerState, log_request,
+                                                new_request_id, stream_or_disconnect,
+                                                translate_error)
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
@@ -112,10 +114,12 @@ def _summary(tokens: list, text: str, finish: Optional[str], seed) -> dict:
 
 async def _full(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
+    t0 = time.perf_counter()
     tok = engine.tokenizer
     special = set(getattr(tok, "all_special_ids", ()) or ())
-    texts, tokens, finish, error = [], [], None, None
+    texts, tokens, finish, error, n_prompt = [], [], None, None, 0
     async for out in stream_or_disconnect(request, engine_stream(engine, stream)):
+        n_prompt = len(out.prompt_token_ids)
         c = out.outputs[0]
         error = out.error
         texts.append(c.text)
@@ -126,6 +130,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
     if error:
         raise HTTPError(503, error, kind="service_unavailable")
     body = _summary(tokens, "".join(texts), finish, req.parameters.seed)
+    log_request(stream.request_id, n_prompt, len(tokens), t0)
     return Response((json.dumps(body, ensure_ascii=False) + "\n").encode(),
                     media_type="application/json")
 
@@ -147,32 +152,37 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
     protocol = req.parameters.return_protocol
 
     async def gen():
-        texts, tokens, finish = [], [], None
-        async for out in engine_stream(engine, stream):
-            c = out.outputs[0]
-            finish = _finish_reason(c, out.error)
-            if out.error:
-                yield _line({"details": None, "generated_text": "", "finish_reason": finish,
-                             "error": out.error}, protocol)
-                return
-            if not c.token_ids and not c.text:
-                continue
-            lps = c.logprobs or []
-            new = [_token(tid, tok.decode([tid]),
-                          lps[j][tid].logprob if lps else None, special)
-                   for j, tid in enumerate(c.token_ids)]
-            tokens.extend(new)
-            texts.append(c.text)
-            last = dict(new[-1]) if new else _token(-1, "", None, special)
-            last["text"] = c.text
-            piece = {"details": None, "generated_text": c.text, "tokens": last,
-                     "top_tokens": [last]}
-            if c.finish_reason is not None:
-                piece["finish_reason"] = finish
-            yield _line(piece, protocol)
-        if req.parameters.return_full_text:
-            yield _line(_summary(tokens, "".join(texts), finish, req.parameters.seed),
-                        protocol)
+        texts, tokens, finish, n_prompt = [], [], None, 0
+        t0 = time.perf_counter()
+        try:
+            async for out in engine_stream(engine, stream):
+                n_prompt = len(out.prompt_token_ids)
+                c = out.outputs[0]
+                finish = _finish_reason(c, out.error)
+                if out.error:
+                    yield _line({"details": None, "generated_text": "", "finish_reason": finish,
+                                 "error": out.error}, protocol)
+                    return
+                if not c.token_ids and not c.text:
+                    continue
+                lps = c.logprobs or []
+                new = [_token(tid, tok.decode([tid]),
+                              lps[j][tid].logprob if lps else None, special)
+                       for j, tid in enumerate(c.token_ids)]
+                tokens.extend(new)
+                texts.append(c.text)
+                last = dict(new[-1]) if new else _token(-1, "", None, special)
+                last["text"] = c.text
+                piece = {"details": None, "generated_text": c.text, "tokens": last,
+                         "top_tokens": [last]}
+                if c.finish_reason is not None:
+                    piece["finish_reason"] = finish
+                yield _line(piece, protocol)
+            if req.parameters.return_full_text:
+                yield _line(_summary(tokens, "".join(texts), finish, req.parameters.seed),
+                            protocol)
+        finally:
+            log_request(stream.request_id, n_prompt, len(tokens), t0)
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from llm_serving.entrypoints.api_server import (HTTPError, ServerState, new_request_id,
-                                                stream_or_disconnect, translate_error)
+from llm_serving.entrypoints.api_server import (HTTPError, ServerState, log_request,
+                                                new_request_id, stream_or_disconnect,
+                                                translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.outputs import RequestOutput
 
-logger = logging.getLogger("llm_serving.server")
 router = APIRouter()
 
 
@@ -163,7 +162,7 @@ async def completions(req: CompletionRequest, request: Request):
             except HTTPError as e:
                 yield _sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
-                _log(rid, sum(prompt_tokens.values()), completion_tokens, t0)
+                log_request(rid, sum(prompt_tokens.values()), completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     choices: dict[int, dict] = {}
@@ -190,7 +189,7 @@ async def completions(req: CompletionRequest, request: Request):
                         for idx, ch in sorted(choices.items())],
             "usage": _usage(sum(prompt_tokens.values()),
                             sum(ch["ids"] for ch in choices.values()))}
-    _log(rid, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
+    log_request(rid, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
     return body
 
 
@@ -278,7 +277,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             except HTTPError as e:
                 yield _sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
-                _log(rid, prompt_tokens, completion_tokens, t0)
+                log_request(rid, prompt_tokens, completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     choices: dict[int, dict] = {}
@@ -295,7 +294,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if len(choices) < req.n:
         return JSONResponse({}, status_code=499)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
-    _log(rid, len(ids), completion_tokens, t0)
+    log_request(rid, len(ids), completion_tokens, t0)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": idx,
                          "message": {"role": "assistant", "content": "".join(ch["text"])},
@@ -348,8 +347,3 @@ async def detokenize(req: DetokenizeRequest, request: Request):
         raise HTTPError(400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}",
                         param="tokens")
     return {"prompt": engine.tokenizer.decode(req.tokens)}
-
-
-def _log(rid: str, prompt_tokens: int, completion_tokens: int, t0: float) -> None:
-    logger.info("request %s: %d prompt + %d completion tokens in %.3f s", rid, prompt_tokens,
-                completion_tokens, time.perf_counter() - t0)
