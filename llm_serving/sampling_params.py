@@ -184,6 +184,14 @@ class SamplingParams:
                 need(0 <= value <= MAX_LOGPROBS,
                      f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
         need("" not in self.stop, "stop must not contain an empty string")
+        if self.seed is not None:
+            need(-(2**63) <= self.seed < 2**63, f"seed must fit in 64 bits, got {self.seed}")
+        need(all(t < 2**31 for t in self.stop_token_ids),
+             "stop_token_ids must be token ids (< 2**31)")
+        need(self.top_k < 2**31, f"top_k must be < 2**31, got {self.top_k}")
+        need(self.max_tokens is None or self.max_tokens < 2**31,
+             f"max_tokens must be < 2**31, got {self.max_tokens}")
+        need(self.min_tokens < 2**31, f"min_tokens must be < 2**31, got {self.min_tokens}")
 
     # ----------------------------------------------------------------- queries
 

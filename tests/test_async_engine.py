@@ -165,3 +165,29 @@ def _loop(engine):
         threading.Thread(target=loop.run_forever, daemon=True).start()
         _LOOPS[engine] = loop
     return _LOOPS[engine]
+
+
+def test_a_failing_step_fails_its_requests_but_not_the_engine(tiny_model_dir):
+    eng = AsyncLLMEngine(EngineArgs(tiny_model_dir, num_blocks=64))
+    runner = eng.engine.runner
+    original = runner.execute
+    calls = []
+
+    def broken(step):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated kernel failure")
+        return original(step)
+    runner.execute = broken
+
+    async def main():
+        _, _, outs = await collect(eng, "a", PROMPTS[0], delta(max_tokens=10, ignore_eos=True))
+        assert outs[-1].finished and "simulated kernel failure" in outs[-1].error
+        text, ids, outs = await collect(eng, "b", PROMPTS[1],
+                                        delta(max_tokens=5, ignore_eos=True))
+        return ids, (await eng.get_stats())
+    try:
+        ids, stats = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert len(ids) == 5 and stats.kv_cache_usage == 0.0      # served on after the failure

@@ -365,7 +365,8 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
             strategy = op.ok().as_strategy()
 
             @given(case=strategy)
-            @settings(max_examples=30, deadline=None, database=None,
+            @settings(max_examples=int(os.environ.get("LLM_SERVING_FUZZ_EXAMPLES", 30)),
+                      deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
             def fuzz(case):
                 response = case.call(base_url=url, timeout=30)

@@ -236,6 +236,9 @@ class AsyncLLMEngine:
                             raise AgentDiedError("the WorkAgent process exited")
                 except AgentDiedError as e:
                     outs.extend(self._recover(str(e)))
+                except Exception as e:   # noqa: BLE001 - a bad step must not end the service
+                    logger.exception("a model step failed; failing the requests in flight")
+                    outs.extend(engine.fail_all(f"internal error in a model step: {e!r}"))
                 if outs:
                     self._post(self._deliver, outs)
             outs = [engine.abort_request(rid) for rid in list(engine.requests)]

@@ -138,8 +138,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) \
+                or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         if priority != 0 and self.scheduler.policy != "priority":
             raise ValueError("priority is only used with scheduling_policy='priority'")
         if params.n > self.scheduler.max_num_seqs:
