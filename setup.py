@@ -6,7 +6,8 @@ setup(
     description="LLM inference serving on MindSpore: paged KV cache, continuous batching, "
     "llm-serving and OpenAI compatible HTTP APIs.",
     python_requires=">=3.10",
-    packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "clients"]),
+    packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "clients",
+                                    "clients.*"]),
     package_data={
         "llm_serving": ["model_executor/attention/kernels/*.cpp",
                         "model_executor/layers/kernels/*.cpp", "data/*"],
@@ -25,6 +26,7 @@ setup(
         "fastapi",
         "uvicorn",
         "prometheus-client",
+        "aiohttp",
     ],
     extras_require={
         "test": [

@@ -378,3 +378,28 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm):
+    port = server.rsplit(":", 1)[1]
+    data = ROOT / "clients" / "data" / "alpaca_521.json"
+    run = subprocess.run([sys.executable, str(ROOT / "clients" / "performance_serving" /
+                                              "test_serving_performance.py"),
+                          "-X", "4", "-P", port, "-O", str(tmp_path), "-T", "2",
+                          "--dataset", str(data)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("All Tasks Done; Exec Time is ")
+    assert float(last.rsplit(" ", 1)[1]) >= 1.75            # paced over -T seconds
+    records = json.loads((tmp_path / "result_4_x.json").read_text())
+    assert len(records) == 8
+    rows = json.loads(data.read_text())
+    tok = tiny_llm.get_tokenizer()
+    for rec, row in zip(records, rows):
+        assert set(rec) == {"input", "resp_text", "res_time", "first_token_time"}
+        prompt = row["instruction"] + ":" + row["input"] if row["input"] else row["instruction"]
+        assert rec["input"] == prompt
+        assert 0 < rec["first_token_time"] <= rec["res_time"]
+        n = max(1, len(tok.encode(row["output"], add_special_tokens=False)))
+        assert rec["resp_text"] == greedy(tiny_llm, prompt, n).text
+    assert "TTFT" in run.stdout and "failures: 0" in run.stdout
