@@ -92,8 +92,10 @@ def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
 
 
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, warm_up: bool = True):
         self.engine = LLMEngine(args)
+        if warm_up:
+            self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Adds handed over but not yet taken, for the queue bound: each count has one writer.

@@ -423,6 +423,23 @@ class LLMEngine:
                            args.device, args.seed, config=self.model_config,
                            num_cpu_blocks=num_cpu_blocks)
 
+    def warm_up(self) -> None:
+        """Run one small request through every path a first request takes (prefill, decode,
+        sampling, kernel loading), so that the first real request is not slow. Leaves the
+        stats and the prefix cache as they were."""
+        rid = "__warm_up__"
+        self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
+                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                        output_kind=RequestOutputKind.FINAL_ONLY),
+                         request_id=rid)
+        while rid in self.requests:
+            self.step()
+        self.block_manager.reset()
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0
+        self.stats = EngineStats()
+        self._finished_metrics.clear()
+
     def runner_alive(self) -> bool:
         is_alive = getattr(self.runner, "is_alive", None)
         return is_alive() if is_alive is not None else True
@@ -451,6 +468,7 @@ class LLMEngine:
             pass
         self.block_manager.reset()
         self.runner = self._make_runner()
+        self.warm_up()
 
     def shutdown(self) -> None:
         """Stop WorkAgent processes, if any (the in-process runner needs nothing)."""
