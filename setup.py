@@ -38,7 +38,9 @@ setup(
             "openai",
             "requests",
             "schemathesis",
+            "matplotlib",
         ],
+        "clients": ["matplotlib"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
 )

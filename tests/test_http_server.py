@@ -403,3 +403,37 @@ def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm)
         n = max(1, len(tok.encode(row["output"], add_special_tokens=False)))
         assert rec["resp_text"] == greedy(tiny_llm, prompt, n).text
     assert "TTFT" in run.stdout and "failures: 0" in run.stdout
+    plots = subprocess.run([sys.executable, str(ROOT / "clients" / "plot_results.py"),
+                            str(tmp_path / "result_4_x.timeline.json"), "--out",
+                            str(tmp_path / "plots")], capture_output=True, text=True,
+                           timeout=120)
+    assert plots.returncode == 0, plots.stderr
+    for name in ("timeline.png", "latency_cdf.png"):
+        png = (tmp_path / "plots" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_benchmark_serving_client_prints_vllm_block_and_saves_records(server, tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
+                          "--base-url", server, "--dataset-name", "alpaca", "--dataset-path",
+                          str(ROOT / "clients" / "data" / "alpaca_521.json"),
+                          "--num-prompts", "12", "--request-rate", "20", "--max-output", "24",
+                          "--ignore-eos", "--goodput", "ttft:60000", "--result-file", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Serving Benchmark Result" in run.stdout and "Mean TTFT (ms):" in run.stdout
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    assert s["completed"] == 12 and s["failed"] == 0 and s["request_goodput"] > 0
+    recs = data["records"]
+    # ignore_eos: every request produced exactly its asked-for length.
+    assert all(r["output_tokens"] == r["max_tokens"] for r in recs)
+    assert s["total_output_tokens"] == sum(r["max_tokens"] for r in recs)
+    assert all(0 < r["ttft"] <= r["latency"] for r in recs)
+    sends = sorted(r["send"] for r in recs)
+    assert sends[-1] > 0.1                             # paced, not all at once
+    plots = subprocess.run([sys.executable, str(ROOT / "clients" / "plot_results.py"),
+                            str(out)], capture_output=True, text=True, timeout=120)
+    assert plots.returncode == 0, plots.stderr
+    assert (tmp_path / "bench" / "timeline.png").read_bytes().startswith(b"\x89PNG")

@@ -9,6 +9,7 @@ from ``/models/llama2/generate_stream`` with do_sample False, return_full_text T
 max_new_tokens equal to the reference output's token count. It writes
 ``{out_dir}/result_{X}_x.json`` (a list of {"input", "resp_text", "res_time",
 "first_token_time"}) and ends with "All Tasks Done; Exec Time is <s>", as the original did.
+Beside it, ``result_{X}_x.timeline.json`` adds send times for ``clients/plot_results.py``.
 
 Unlike the original, it uses one asyncio loop, not a thread per request. Pacing sleeps to
 each send time, so it is right at any rate (X >= 200 too) and burns no core. Requests have a
@@ -136,9 +137,11 @@ async def run(args) -> int:
             delay = start + i / args.X - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            result = await one_request(session, url, reqs[i]["prompt"], lens[i], args.timeout)
+            sent = time.perf_counter() - start
+            rec, tokens, error = await one_request(session, url, reqs[i]["prompt"], lens[i],
+                                                   args.timeout)
             bar.update(1)
-            return result
+            return rec, tokens, error, sent
         results = await asyncio.gather(*(paced(i) for i in range(count)))
         elapsed = time.perf_counter() - start
         bar.close()
@@ -147,10 +150,15 @@ async def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     x = int(args.X) if float(args.X).is_integer() else args.X
     path = out_dir / f"result_{x}_x.json"
-    path.write_text(json.dumps([r for r, _, _ in results], ensure_ascii=False, indent=2))
+    path.write_text(json.dumps([r for r, _, _, _ in results], ensure_ascii=False, indent=2))
+    # For clients/plot_results.py: when each request was sent, and how it went.
+    timeline = out_dir / f"result_{x}_x.timeline.json"
+    timeline.write_text(json.dumps(
+        [{"send": sent, "first_token_time": r["first_token_time"], "res_time": r["res_time"],
+          "output_tokens": n, "error": e} for r, n, e, sent in results], indent=1))
 
-    ok = [(r, n) for r, n, e in results if e is None]
-    failures = [e for _, _, e in results if e is not None]
+    ok = [(r, n) for r, n, e, _ in results if e is None]
+    failures = [e for _, _, e, _ in results if e is not None]
     ttft = [r["first_token_time"] for r, _ in ok if r["first_token_time"] is not None]
     e2e = [r["res_time"] for r, _ in ok]
     tpot = [(r["res_time"] - r["first_token_time"]) / (n - 1) for r, n in ok
