@@ -52,6 +52,10 @@ class EngineArgs:
         "fraction of KV blocks admission keeps free")
     distributed_executor_backend: str = _arg("uni",
         "uni: run the model in this process; mp: in a WorkAgent process")
+    dump_logits: Optional[str] = _arg(None,
+        "directory: save the raw logits of every request at dump_logits_every positions")
+    dump_logits_every: int = _arg(100,
+        "output positions between logits dumps (0, N, 2N, ...)")
     dtype: str = _arg("auto",
         "auto, float32, float16 or bfloat16")
     device: str = _arg("auto",
@@ -83,6 +87,7 @@ class EngineArgs:
         if str(self.device).lower() not in ("auto", "cpu", "ascend", "npu"):
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
         positive("max_waiting_requests", self.max_waiting_requests)
+        positive("dump_logits_every", self.dump_logits_every)
 
         def number(key, value, low, allow_none=False, low_inclusive=True, high=None):
             if value is None and allow_none:

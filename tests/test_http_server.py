@@ -329,7 +329,7 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
     cfg = tmp_path / "small.yaml"
     cfg.write_text(f"serving_config:\n  agent_ports: [1]\n  server_port: {port}\n"
                    f"llm_serving:\n  model: {tiny_model_dir}\n  num_blocks: 64\n"
-                   "  max_num_seqs: 1\n  max_waiting_requests: 1\n  max_model_len: 96\n")
+                   "  max_num_seqs: 1\n  max_waiting_requests: 1\n  max_model_len: 640\n")
     proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -348,9 +348,13 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
         assert seen == {503, 200}, seen          # not ready while loading, then ready
 
         # One running, one waiting: the third is refused at once.
-        body = {"inputs": "Tell me a story", "parameters": {"max_new_tokens": 80}}
-        held = [requests.post(url + "/models/llama2/generate_stream", json=body, stream=True)
-                for _ in range(2)]
+        long = {"prompt": "Tell me a story", "max_tokens": 600, "ignore_eos": True,
+                "stream": True}
+        held = [requests.post(url + "/v1/completions", json=long, stream=True)]
+        next(held[0].iter_lines())                   # the first is running
+        held.append(requests.post(url + "/v1/completions", json=long, stream=True))
+        body = {"inputs": "Tell me a story", "parameters": {"max_new_tokens": 8}}
+        assert [r.status_code for r in held] == [200, 200]
         refused = requests.post(url + "/models/llama2/generate", json=body)
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert "max_waiting_requests" in refused.json()["error"]["message"]

@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
@@ -113,6 +114,7 @@ class LLMEngine:
                                    args.queue_timeout)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
+        self._dumps: list[tuple[int, str]] = []
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = EngineStats()
@@ -270,14 +272,29 @@ class LLMEngine:
         sampling = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_token_ids for s in sampled],
             [s.output_token_ids for s in sampled], self.eos_token_ids) if sampled else None
+        self._dumps = self._dump_plan(sampled) if self.args.dump_logits else []
 
         def pairs(p):
             return np.asarray(p, np.int32).reshape(-1, 2) if p else _EMPTY_PAIRS
         step = StepInput(ids, positions, slots.astype(np.int32), tables, qsl,
                          (starts + n).astype(np.int32), np.asarray(sample_rows, np.int32),
                          sampling, swap_out=pairs(batch.swap_out), swap_in=pairs(batch.swap_in),
-                         copies=pairs(batch.copies))
+                         copies=pairs(batch.copies),
+                         dump_rows=np.asarray([r for r, _ in self._dumps], np.int32))
         return step, sampled
+
+    def _dump_plan(self, sampled: list[Sequence]) -> list[tuple[int, str]]:
+        """(sampled row, file name) for the rows whose logits are saved this step. Names come
+        from the request's content and the output position, so runs at any batch size pair."""
+        import hashlib
+        every, plan = self.args.dump_logits_every, []
+        for row, seq in enumerate(sampled):
+            pos = len(seq.output_token_ids)
+            if pos % every == 0:
+                key = hashlib.sha1(np.asarray(seq.prompt_token_ids, np.int64).tobytes()
+                                   + repr((seq.params.seed, seq.index)).encode()).hexdigest()
+                plan.append((row, f"{key[:20]}_pos{pos}.npy"))
+        return plan
 
     @staticmethod
     def _prompt_lens(seqs: list[Sequence]) -> np.ndarray:
@@ -286,6 +303,11 @@ class LLMEngine:
     def _update(self, batch: SchedulerOutput, sampled: list[Sequence],
                 result: Optional[SamplerOutput]) -> list[RequestOutput]:
         self.scheduler.after_step(batch)
+        if self._dumps:
+            out_dir = Path(self.args.dump_logits)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for k, (_, name) in enumerate(self._dumps):
+                np.save(out_dir / name, result.dump_logits[k])
         self.stats.num_steps += 1
         now = time.time()
         touched: dict[str, None] = {}
@@ -418,7 +440,8 @@ class LLMEngine:
                 args.model, num_blocks, args.block_size, max_num_batched_tokens=budget,
                 max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                 checkpoint=args.checkpoint, device=args.device, seed=args.seed,
-                num_cpu_blocks=num_cpu_blocks)
+                num_cpu_blocks=num_cpu_blocks,
+                dump_vocab=self.model_config.vocab_size if args.dump_logits else 0)
         return ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
                            args.device, args.seed, config=self.model_config,
                            num_cpu_blocks=num_cpu_blocks)
@@ -428,12 +451,16 @@ class LLMEngine:
         sampling, kernel loading), so that the first real request is not slow. Leaves the
         stats and the prefix cache as they were."""
         rid = "__warm_up__"
+        dump, self.args.dump_logits = self.args.dump_logits, None     # nothing saved from it
         self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
                          SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY),
                          request_id=rid)
-        while rid in self.requests:
-            self.step()
+        try:
+            while rid in self.requests:
+                self.step()
+        finally:
+            self.args.dump_logits = dump
         self.block_manager.reset()
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
         self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0

@@ -42,10 +42,12 @@ class MultiprocExecutor:
     def __init__(self, model_dir: str, num_blocks: int, block_size: int, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  checkpoint: Optional[str] = None, device: str = "auto", device_id: int = 0,
-                 seed: int = 0, num_cpu_blocks: int = 0, ready_timeout: float = 300.0):
+                 seed: int = 0, num_cpu_blocks: int = 0, dump_vocab: int = 0,
+                 ready_timeout: float = 300.0):
         self.shm_in = ch.ShmSegment(ch.step_channel_bytes(
             max_num_batched_tokens, max_num_seqs, max_model_len, block_size, num_blocks))
-        self.shm_out = ch.ShmSegment(ch.result_channel_bytes(max_num_seqs))
+        self.shm_out = ch.ShmSegment(ch.result_channel_bytes(max_num_seqs,
+                                                             dump_vocab=dump_vocab))
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         cmd = [sys.executable, "-m", "agents.work_agent", "--control-fd", str(theirs.fileno()),

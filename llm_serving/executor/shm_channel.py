@@ -111,7 +111,7 @@ def unpack(buf) -> list[Optional[np.ndarray]]:
 # ---- StepInput <-> arrays ----------------------------------------------------------------
 
 _STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc",
-                "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies")
+                "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies", "dump_rows")
 _BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seeds", "output_lens",
                  "num_logprobs")
@@ -153,7 +153,8 @@ def step_from_arrays(arrays: list[Optional[np.ndarray]]) -> StepInput:
     return step
 
 
-_RESULT_FIELDS = ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "ranks")
+_RESULT_FIELDS = ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "ranks",
+                  "dump_logits")
 
 
 def result_to_arrays(result: Optional[SamplerOutput]) -> list[Optional[np.ndarray]]:
@@ -183,5 +184,7 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
     return 4 * ints + max_seqs * per_row + headers + (1 << 16)
 
 
-def result_channel_bytes(max_seqs: int, max_logprobs: int = 20) -> int:
-    return max_seqs * (8 + 4 + 8 + max_logprobs * 12) + 8 * (_ARR.size + _ALIGN) + (1 << 12)
+def result_channel_bytes(max_seqs: int, max_logprobs: int = 20, dump_vocab: int = 0) -> int:
+    """An upper bound on one packed SamplerOutput; ``dump_vocab`` > 0 when logits are dumped."""
+    per_row = 8 + 4 + 8 + max_logprobs * 12 + 4 * dump_vocab
+    return max_seqs * per_row + 8 * (_ARR.size + _ALIGN) + (1 << 12)

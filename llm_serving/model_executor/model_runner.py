@@ -32,9 +32,12 @@ class StepInput:
     swap_out: np.ndarray = field(default_factory=lambda: _NO_PAIRS)   # [K, 2] device, host
     swap_in: np.ndarray = field(default_factory=lambda: _NO_PAIRS)    # [K, 2] host, device
     copies: np.ndarray = field(default_factory=lambda: _NO_PAIRS)     # [K, 2] src, dst
+    # Sampled rows whose raw logits are returned too (the accuracy harness, --dump-logits).
+    dump_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)
 
 
 _NO_PAIRS = np.zeros((0, 2), np.int32)
+_NO_ROWS = np.zeros(0, np.int32)
 
 
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1):
@@ -102,4 +105,7 @@ class ModelRunner:
         logits = self.forward(step, rows)
         if len(rows) == 0:
             return None
-        return self.sampler(logits, step.sampling)
+        dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
+        out = self.sampler(logits, step.sampling)
+        out.dump_logits = dump
+        return out

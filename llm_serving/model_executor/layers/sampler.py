@@ -194,6 +194,8 @@ class SamplerOutput:
     top_token_ids: Optional[np.ndarray] = None
     top_logprobs: Optional[np.ndarray] = None
     ranks: Optional[np.ndarray] = None
+    # float32 [K, V]: raw logits of the rows the step asked to dump (StepInput.dump_rows).
+    dump_logits: Optional[np.ndarray] = None
 
 
 # ======================================================================= the sampler
