@@ -1,7 +1,11 @@
 #!/usr/bin/env python
-"""The master -> WorkAgent hop: engine step time with the model in-process ("uni") against
-the model in a WorkAgent process fed through shared memory ("mp"), same model, same batch,
-measured in one run.
+"""What serving costs on top of the bare model, at the same batch sizes, in one run:
+- in-process: engine steps with the model in this process ("uni"), LLM.generate;
+- via WorkAgent: the model in a WorkAgent fed through shared memory ("mp");
+- served: the real server (start.py) with B concurrent streaming HTTP requests.
+
+Output tokens/s of each, and the loss against in-process. llm-serving lost 38% between its
+bare step and its served tokens.
 
     python bench/bench_agent_hop.py [--batch-sizes 1,16,64] [--tokens 32] [--model DIR]
 """
@@ -25,6 +29,51 @@ def step_time(llm, batch: int, tokens: int) -> float:
     return (time.perf_counter() - t0) / (llm.engine.stats.num_steps - steps0)
 
 
+def served_rate(model: str, batch: int, tokens: int) -> float:
+    """Output tokens/s of B concurrent streaming requests through the HTTP server."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import requests
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(root / "start.py"), "--model", model,
+                             "--port", str(port), "--max-num-seqs", str(batch),
+                             "--num-blocks", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if "ready" in line:
+                break
+        url = f"http://127.0.0.1:{port}/v1/completions"
+
+        def one(i, n):
+            body = {"prompt": f"Request {i}: tell me about the number {i}.", "max_tokens": n,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            count = 0
+            with requests.post(url, json=body, stream=True) as r:
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        count += len(json.loads(line[6:])["choices"][0]["text"]) > 0
+            return count
+        with ThreadPoolExecutor(batch) as pool:
+            list(pool.map(one, range(batch), [4] * batch))           # warm
+            t0 = time.perf_counter()
+            list(pool.map(one, range(batch), [tokens] * batch))
+            dt = time.perf_counter() - t0
+        return batch * tokens / dt
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
@@ -45,12 +94,16 @@ def main() -> None:
         del llm
     print(f"# master -> WorkAgent hop, {datetime.date.today()}, {platform.node()}, "
           f"{os.cpu_count()} cores\nmodel: {model}\n")
-    print("| batch | in-process step | via WorkAgent step | hop cost | overhead |")
-    print("|---|---|---|---|---|")
     for b in batches:
-        uni, mp = res["uni", b], res["mp", b]
-        print(f"| {b} | {uni * 1e3:.2f} ms | {mp * 1e3:.2f} ms | {(mp - uni) * 1e3:.2f} ms | "
-              f"{mp / uni - 1:+.1%} |")
+        res["http", b] = served_rate(model, b, args.tokens)
+    print("| batch | in-process step | via WorkAgent step | hop | served (HTTP) | "
+          "served vs in-process |")
+    print("|---|---|---|---|---|---|")
+    for b in batches:
+        uni, mp, http = res["uni", b], res["mp", b], res["http", b]
+        bare = b / uni
+        print(f"| {b} | {uni * 1e3:.2f} ms ({bare:.0f} tok/s) | {mp * 1e3:.2f} ms | "
+              f"{(mp - uni) * 1e3:+.2f} ms | {http:.0f} tok/s | {http / bare - 1:+.1%} |")
 
 
 if __name__ == "__main__":
