@@ -38,19 +38,20 @@ def main() -> None:
     print(f"|---|---|---|---|")
     for m in [int(v) for v in args.ms.split(",")]:
         xs = {k: Tensor(rng.standard_normal((m, k), np.float32)) for k in (h, f)}
-        res = {}
-        for name, fn in (("cpp", lambda x, w: cpu_linear(x, w)), ("ms", lambda x, w: mm(x, w))):
-            for layer in weights:           # warm-up
+        fns = {"cpp": lambda x, w: cpu_linear(x, w), "ms": lambda x, w: mm(x, w)}
+        for fn in fns.values():             # warm-up
+            for layer in weights:
                 for w in layer:
                     fn(xs[w.shape[1]], w)
-            ts = []
-            for _ in range(args.reps):
+        ts = {name: [] for name in fns}
+        for _ in range(args.reps):          # interleaved, so both see the same machine load
+            for name, fn in fns.items():
                 t = time.perf_counter()
                 for layer in weights:
                     for w in layer:
                         fn(xs[w.shape[1]], w).data_ptr()
-                ts.append(time.perf_counter() - t)
-            res[name] = np.median(ts) * 1e3
+                ts[name].append(time.perf_counter() - t)
+        res = {name: np.median(v) * 1e3 for name, v in ts.items()}
         print(f"| {m} | {res['ms']:.2f} | {res['cpp']:.2f} | {res['ms'] / res['cpp']:.2f}x |")
 
 

@@ -22,7 +22,7 @@ from llm_serving.model_executor.layers.custom_op import (CustomOp, cpu_layer_ops
 
 # Rows up to which the C++ kernel beats MindSpore's MatMul on this project's CPU (measured with
 # bench/bench_linear.py, 97M model shapes); override with LLM_SERVING_CPU_LINEAR_MAX_M.
-CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "32"))
+CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "24"))
 
 
 class _LinearCall:

@@ -60,13 +60,16 @@ inline float hsum(vf v) {
 typedef void (*TaskFn)(void* ctx, int64_t i);
 typedef void (*ParallelForFn)(TaskFn fn, void* ctx, int64_t n, int parallel, int64_t linger_us);
 ParallelForFn g_parallel_for = nullptr;
-// After one of our jobs the pool's idle helpers keep spinning this long: the next layer op
-// usually follows within tens of microseconds (decode), and a sleeping helper wakes too late.
+// After a linear job the pool's idle helpers keep spinning this long: the model runs the
+// linear kernel only for decode-sized inputs, where every matmul of the step is ours and the
+// next one follows within tens of microseconds, while a sleeping helper wakes too late. Other
+// jobs (element-wise) do not linger: at larger batches MindSpore's MatMul runs next and needs
+// the core.
 int64_t g_linger_us = 500;
 
-void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel) {
+void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel, int64_t linger_us = 0) {
   if (parallel && n > 1 && g_parallel_for) {
-    g_parallel_for(fn, ctx, n, 1, g_linger_us);
+    g_parallel_for(fn, ctx, n, 1, linger_us);
     return;
   }
   for (int64_t i = 0; i < n; ++i) fn(ctx, i);
@@ -216,7 +219,7 @@ int lls_linear_f32(const float* x, int64_t ldx, const float* w, const float* bia
   // enough that the per-item cost stays negligible. Small problems run on the calling thread.
   a.nb = 64;
   const int64_t items = (N + a.nb - 1) / a.nb;
-  parallel_for(linear_item, &a, items, M * N * K >= (1 << 18));
+  parallel_for(linear_item, &a, items, M * N * K >= (1 << 18), g_linger_us);
   return 0;
 }
 
