@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
-vocab 8000, fp32): decode step time at several batch sizes and prefill throughput, against
-the memory-bandwidth floor measured in the same run (weight bytes / read bandwidth with every
-core reading).
+vocab 8000, fp32): decode step time (median over --steps steps) at several batch sizes and
+prefill throughput (median of 3), against the memory-bandwidth floor measured in the same run
+(weight bytes / read bandwidth with every core reading).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
 """
@@ -22,7 +22,8 @@ def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
     import ctypes
     from pathlib import Path
     from llm_serving.model_executor.cpp_build import load_cpp_library
-    lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")))
+    # -fopenmp: without it the pragma is ignored and this measures one core (about half).
+    lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")), ("-fopenmp",))
     lib.sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.sum_f32.restype = ctypes.c_double
     a = np.ones(n_bytes // 4, np.float32)
@@ -72,14 +73,16 @@ def main() -> None:
     rows = []
     # Prefill throughput: several prompts of the context length in one ragged step.
     n_prompts = max(1, args.prefill_tokens // ctx)
+    pre = []
     for rep in range(3):
         rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
                                 greedy) for _ in range(n_prompts)]
         t = time.perf_counter()
         eng.step()
-        dt = time.perf_counter() - t
+        pre.append(time.perf_counter() - t)
         for r in rids:
             eng.abort_request(r)
+    dt = float(np.median(pre))
     rows.append(("prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
                  f"{n_prompts * ctx / dt:.0f} tok/s", ""))
 
@@ -91,10 +94,12 @@ def main() -> None:
             eng.step()
         for _ in range(3):
             eng.step()
-        t = time.perf_counter()
+        times = []
         for _ in range(args.steps):
+            t = time.perf_counter()
             eng.step()
-        step_ms = (time.perf_counter() - t) / args.steps * 1e3
+            times.append(time.perf_counter() - t)
+        step_ms = float(np.median(times)) * 1e3   # median: robust to a busy neighbour
         for r in rids:
             eng.abort_request(r)
         rows.append((f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
