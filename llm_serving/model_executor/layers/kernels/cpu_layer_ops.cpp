@@ -102,14 +102,18 @@ void parallel_rows(int64_t rows, int64_t chunk, F&& body) {
 //
 // Micro-tile: MR rows of x times NR rows of w, MR*NR vector accumulators over K. Work items are
 // blocks of output columns (w rows); within one, each NR-row w tile is reused from L1 for all
-// MR-row tiles of x.
+// MR-row tiles of x. With AVX-512 and M <= 2, 8 w rows stream at once (more reads in flight:
+// measured ~10% more bandwidth than 4 at M=1, together with the software prefetch).
 
 constexpr int NR = 4;
 #if LLS_VW == 16
 constexpr int MR_MAX = 4;   // 16 accumulators + 4 w + 1 x of 32 zmm registers
+constexpr int NR_WIDE = 8;  // for M <= 2: up to 16 accumulators + 8 w + 1 x
 #else
 constexpr int MR_MAX = 2;   // 8 accumulators + 4 w + 1 x of 16 ymm registers
+constexpr int NR_WIDE = 4;
 #endif
+constexpr int64_t kPrefetch = 1024;  // floats ahead in each w row (4 KB)
 
 // Output parts: columns [split[p], split[p+1]) of the logical [M, N] result go to out[p] with
 // row stride ld[p] (a fused qkv projection can write q, k and v into separate tensors).
@@ -144,6 +148,7 @@ inline void linear_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
     for (int j = 0; j < NRT; ++j) acc[i][j] = vf{};
   int64_t k = 0;
   for (; k + VW <= K; k += VW) {
+    for (int j = 0; j < NRT; ++j) __builtin_prefetch(w + j * K + k + kPrefetch);
     vf wv[NRT];
     for (int j = 0; j < NRT; ++j) wv[j] = vload(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
@@ -180,6 +185,8 @@ void linear_item(void* p, int64_t item) {
   const int64_t n0 = item * a.nb;
   const int64_t n1 = n0 + a.nb < a.N ? n0 + a.nb : a.N;
   int64_t n = n0;
+  if (a.M <= 2)
+    for (; n + NR_WIDE <= n1; n += NR_WIDE) linear_cols<NR_WIDE>(a, n);
   for (; n + NR <= n1; n += NR) linear_cols<NR>(a, n);
   for (; n < n1; ++n) linear_cols<1>(a, n);
 }
