@@ -26,47 +26,48 @@ CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "24"))
 
 
 class _LinearCall:
-    """Reusable ctypes argument blocks for one weight's kernel calls (outputs in parts)."""
+    """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
+    one [M, N] buffer (part p at column offsets[p] of each row), or with ``split`` each part
+    as its own contiguous [M, size] block of one buffer."""
 
     def __init__(self, sizes):
         n = len(sizes)
         self.nparts = n
-        self.sizes = list(sizes)
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.n = int(offsets[-1])
-        self.split = (ctypes.c_int64 * (n + 1))(*offsets.tolist())
-        self.out = (ctypes.c_void_p * n)()
-        self.ld = (ctypes.c_int64 * n)(*self.sizes)
-        self.offsets = offsets.tolist()
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.offsets = offsets
+        self.n = offsets[-1]
+        self.c_split = (ctypes.c_int64 * (n + 1))(*offsets)
+        self.ld_split = (ctypes.c_int64 * n)(*sizes)
+        self.ld_fused = (ctypes.c_int64 * n)(*([self.n] * n))
+        self.out_type = ctypes.c_void_p * n
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: _LinearCall | None = None,
                split: bool = False):
     """x [M, K] @ weight[N, K].T (+ bias) with the C++ kernel. Returns a new Tensor [M, N], or,
-    with ``split``, one contiguous Tensor per part of ``call.sizes`` (q, k, v of a fused qkv)."""
+    with ``split``, one contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
     m, k = x.shape
     if call is None:
         call = _LinearCall([weight.shape[0]])
     flat = np.empty(m * call.n, np.float32)
     base = flat.ctypes.data
+    offs = call.offsets
     if split:
-        for p in range(call.nparts):
-            call.out[p] = base + 4 * m * call.offsets[p]
+        out = call.out_type(*[base + 4 * m * o for o in offs[:-1]])
+        ld = call.ld_split
     else:
-        # one [M, N] buffer: part p starts at column offsets[p] of every row
-        for p in range(call.nparts):
-            call.out[p] = base + 4 * call.offsets[p]
-            call.ld[p] = call.n
+        out = call.out_type(*[base + 4 * o for o in offs[:-1]])
+        ld = call.ld_fused
     rc = cpu_layer_ops().lls_linear_f32(
         x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
-        bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts, call.split,
-        call.out, call.ld)
+        bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts, call.c_split,
+        out, ld)
     if rc:
         raise ValueError(f"lls_linear_f32 rejected shapes x {x.shape}, weight {weight.shape}")
     if not split:
         return Tensor.from_numpy(flat.reshape(m, call.n))
     return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
-                 for a, b in zip(call.offsets[:-1], call.offsets[1:]))
+                 for a, b in zip(offs[:-1], offs[1:]))
 
 
 def _param(shape) -> Parameter:
