@@ -132,6 +132,30 @@ struct LinearArgs {
   int64_t ld[kMaxParts];
 };
 
+// sums[j] = horizontal sum of v[j], j < NR. With AVX-512, groups of 4 vectors are reduced
+// together through a transpose (8 instructions for 4 sums instead of ~32).
+template <int NRT>
+inline void hsum_n(const vf* v, float* sums) {
+  int j = 0;
+#if LLS_VW == 16
+  for (; j + 4 <= NRT; j += 4) {
+    const __m512 a = (__m512)v[j], b = (__m512)v[j + 1], c = (__m512)v[j + 2],
+                 d = (__m512)v[j + 3];
+    // per 128-bit lane: ab = [a0+a2, b0+b2, a1+a3, b1+b3], cd likewise
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    // per 128-bit lane: [a, b, c, d] partial sums
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44),
+                                      _mm512_shuffle_ps(ab, cd, 0xEE));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                   _mm512_extractf32x8_ps(abcd, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(sums + j, q);
+  }
+#endif
+  for (; j < NRT; ++j) sums[j] = hsum(v[j]);
+}
+
 inline float* out_ptr(const LinearArgs& a, int64_t m, int64_t n) {
   int p = 0;
   while (n >= a.split[p + 1]) ++p;
@@ -157,8 +181,10 @@ inline void linear_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
     }
   }
   for (int i = 0; i < MR; ++i) {
+    float sums[NRT];
+    hsum_n<NRT>(acc[i], sums);
     for (int j = 0; j < NRT; ++j) {
-      float s = hsum(acc[i][j]);
+      float s = sums[j];
       for (int64_t kk = k; kk < K; ++kk) s += x[i * a.ldx + kk] * w[j * K + kk];
       if (a.bias) s += a.bias[n0 + j];
       *out_ptr(a, m0 + i, n0 + j) = s;
