@@ -20,9 +20,15 @@ from mindspore import Parameter, Tensor, ops
 from llm_serving.model_executor.layers.custom_op import (CustomOp, cpu_layer_ops, row_stride,
                                                           use_cpu_kernels)
 
-# Rows up to which the C++ kernel beats MindSpore's MatMul on this project's CPU (measured with
-# bench/bench_linear.py, 97M model shapes); override with LLM_SERVING_CPU_LINEAR_MAX_M.
-CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "24"))
+# Rows up to which the C++ kernel runs instead of MindSpore's MatMul. Measured on this
+# project's CPU inside whole model steps (bench/bench_model.py, 97M model; 2026-11-21):
+# decode B=64 160-170 ms/step with the kernel vs 141-256 ms (erratic) with MatMul, B=128 297 vs
+# 477-569 ms: MindSpore's matmul threads and the attention kernel's pool contend when they
+# alternate, which an isolated matmul benchmark (bench/bench_linear.py: MatMul ahead from M~32)
+# does not show. Prefill: 256-token prefill even (354 vs 373 ms), 512 tokens MatMul ahead
+# (672 vs 896 ms), 2048 tokens MatMul far ahead (1954 vs 4094 ms). Override with
+# LLM_SERVING_CPU_LINEAR_MAX_M.
+CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "256"))
 
 
 class _LinearCall:
