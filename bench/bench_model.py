@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
-vocab 8000, fp32): decode step time at several batch sizes and prefill throughput, against
-the memory-bandwidth floor measured in the same run (weight bytes / read bandwidth with every
-core reading).
+vocab 8000, fp32): decode step time (median over --steps steps) at several batch sizes and
+prefill throughput (median of 3), against the memory-bandwidth floor measured in the same run
+(weight bytes / read bandwidth with every core reading).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
 """
@@ -22,7 +22,8 @@ def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
     import ctypes
     from pathlib import Path
     from llm_serving.model_executor.cpp_build import load_cpp_library
-    lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")))
+    # -fopenmp: without it the pragma is ignored and this measures one core (about half).
+    lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")), ("-fopenmp",))
     lib.sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.sum_f32.restype = ctypes.c_double
     a = np.ones(n_bytes // 4, np.float32)
@@ -33,6 +34,30 @@ def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
         lib.sum_f32(a.ctypes.data, a.size)
         best = max(best, n_bytes / (time.perf_counter() - t))
     return best
+
+
+def _busy_seconds() -> tuple[float, float]:
+    """(CPU seconds busy on the whole machine, CPU seconds used by this process) so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(v) - v[3] - v[4]                      # minus idle and iowait
+    own = sum(os.times()[:2])
+    return busy / tick, own
+
+
+class OtherLoad:
+    """Average number of cores other processes kept busy while the block ran (Linux)."""
+
+    def __enter__(self):
+        self.t = time.perf_counter()
+        self.b = _busy_seconds()
+        return self
+
+    def __exit__(self, *exc):
+        busy, own = _busy_seconds()
+        self.cores = max(0.0, (busy - self.b[0]) - (own - self.b[1])) / (
+            time.perf_counter() - self.t)
 
 
 def main() -> None:
@@ -57,8 +82,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.context
     max_b = max(batches)
-    llm = LLM(model, max_num_seqs=max_b, block_size=16,
-              num_blocks=max_b * ((ctx + args.steps + 20) // 16 + 2),
+    n_prompts = max(1, args.prefill_tokens // ctx)
+    seqs = max(max_b, n_prompts)    # else a partial run (--batches 1) prefills one prompt a step
+    llm = LLM(model, max_num_seqs=seqs, block_size=16,
+              num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
               max_num_batched_tokens=max(args.prefill_tokens, max_b))
     eng = llm.engine
     mc = eng.model_config
@@ -71,17 +98,20 @@ def main() -> None:
 
     rows = []
     # Prefill throughput: several prompts of the context length in one ragged step.
-    n_prompts = max(1, args.prefill_tokens // ctx)
-    for rep in range(3):
-        rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
-                                greedy) for _ in range(n_prompts)]
-        t = time.perf_counter()
-        eng.step()
-        dt = time.perf_counter() - t
-        for r in rids:
-            eng.abort_request(r)
+    pre = []
+    with OtherLoad() as load:
+        for rep in range(3):
+            rids = [eng.add_request(
+                {"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()}, greedy)
+                for _ in range(n_prompts)]
+            t = time.perf_counter()
+            eng.step()
+            pre.append(time.perf_counter() - t)
+            for r in rids:
+                eng.abort_request(r)
+    dt = float(np.median(pre))
     rows.append(("prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
-                 f"{n_prompts * ctx / dt:.0f} tok/s", ""))
+                 f"{n_prompts * ctx / dt:.0f} tok/s", "", f"{load.cores:.2f}"))
 
     for b in batches:
         rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
@@ -91,26 +121,30 @@ def main() -> None:
             eng.step()
         for _ in range(3):
             eng.step()
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        step_ms = (time.perf_counter() - t) / args.steps * 1e3
+        times = []
+        with OtherLoad() as load:
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+        step_ms = float(np.median(times)) * 1e3   # median: robust to a busy neighbour
         for r in rids:
             eng.abort_request(r)
         rows.append((f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
                      f"{b / step_ms * 1e3:.0f} tok/s",
-                     f"{step_ms / floor_ms:.2f}x floor" if b == 1 else ""))
+                     f"{step_ms / floor_ms:.2f}x floor" if b == 1 else "", f"{load.cores:.2f}"))
 
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
           f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}")
     print(f"model: {model} ({weight_bytes / 1e6:.0f} MB of weights read per decode step)")
     print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s -> batch-1 floor {floor_ms:.1f} ms/step")
+    print("other load: cores kept busy by other processes during the case (0 = quiet machine)")
     print()
-    print(f"| {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} | {'vs floor':<11} |")
-    print(f"|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|")
+    print(f"| {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} | {'vs floor':<11} "
+          f"| other load |")
+    print(f"|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|{'-' * 12}|")
     for r in rows:
-        print(f"| {r[0]:<14} | {r[1]:<16} | {r[2]:<14} | {r[3]:<12} | {r[4]:<11} |")
-
+        print(f"| {r[0]:<14} | {r[1]:<16} | {r[2]:<14} | {r[3]:<12} | {r[4]:<11} | {r[5]:<10} |")
 
 if __name__ == "__main__":
     main()

@@ -23,9 +23,30 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 
 
-@lru_cache(maxsize=None)
-def cpu_layer_ops() -> ctypes.CDLL:
-    lib = load_cpp_library(_SRC, ("-fopenmp",))
+# -ffp-contract=fast: a*b+c compiles to FMA (ISO C++ mode turns contraction off);
+# -fopenmp-simd: the simd pragmas only, no OpenMP runtime (threads come from the shared pool).
+LAYER_OPS_FLAGS = ("-ffp-contract=fast", "-fopenmp-simd")
+LAYER_OPS_ABI = 2
+
+
+def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
+    """Build (if needed) and load the layer kernels; ``extra_flags`` e.g. ``("-mno-avx512f",)``
+    builds the narrower-vector variant (what a CPU without AVX-512 gets)."""
+    lib = load_cpp_library(_SRC, LAYER_OPS_FLAGS + tuple(extra_flags))
+    if getattr(lib, "_lls_declared", False):
+        return lib
+    lib.lls_layer_ops_abi_version.restype = ctypes.c_int
+    lib.lls_layer_ops_abi_version.argtypes = []
+    if lib.lls_layer_ops_abi_version() != LAYER_OPS_ABI:
+        raise RuntimeError(f"layer kernel library {lib._name} has an unexpected ABI version")
+    lib.lls_layer_ops_vector_width.restype = ctypes.c_int
+    lib.lls_layer_ops_vector_width.argtypes = []
+    lib.lls_layer_ops_set_parallel_for.restype = None
+    lib.lls_layer_ops_set_parallel_for.argtypes = [_P]
+    lib.lls_layer_ops_set_linger_us.restype = None
+    lib.lls_layer_ops_set_linger_us.argtypes = [_I]
+    lib.lls_linear_f32.restype = ctypes.c_int
+    lib.lls_linear_f32.argtypes = [_P, _I, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.rms_norm_f32.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.add_rms_norm_f32.argtypes = [_P, _P, _P, _P, _I, _I, _F]
     lib.rotary_embedding_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
@@ -33,7 +54,16 @@ def cpu_layer_ops() -> ctypes.CDLL:
     for fn in (lib.rms_norm_f32, lib.add_rms_norm_f32, lib.rotary_embedding_f32,
                lib.silu_and_mul_f32):
         fn.restype = None
+    # One thread pool for all our kernels: the attention library's.
+    from llm_serving.model_executor.attention import kernels as attention_kernels
+    lib.lls_layer_ops_set_parallel_for(attention_kernels.parallel_for_address())
+    lib._lls_declared = True
     return lib
+
+
+@lru_cache(maxsize=None)
+def cpu_layer_ops() -> ctypes.CDLL:
+    return load_layer_ops()
 
 
 def use_cpu_kernels() -> bool:
@@ -72,6 +102,13 @@ class CustomOp(nn.Cell):
         if self._use_cpu:
             return self.forward_cpu(*args)
         return self.forward_native(*args)
+
+    def __call__(self, *args):
+        # The CPU kernels run eagerly through ctypes (never inside a graph), so skip
+        # Cell.__call__'s mode and hook checks: ~2 us a call, ~100 calls per decode step.
+        if self._use_cpu:
+            return self.forward_cpu(*args)
+        return super().__call__(*args)
 
     def forward_native(self, *args):
         raise NotImplementedError

@@ -3,22 +3,90 @@
 Fused projections (q/k/v -> qkv, gate/up -> gate_up) and tensor-parallel shards are loaded
 through ``weight_loader``: each layer knows which slice of its parameter a checkpoint tensor
 fills, so a new model adds a name mapping, not a new loader.
+
+On CPU, decode-sized inputs (at most ``CPU_LINEAR_MAX_M`` rows) run through the layer
+kernels' GEMV/small-M kernel (``lls_linear_f32``), which streams the weight once at close to
+memory bandwidth on both cores; larger inputs (prefill) and other devices use MindSpore's
+``MatMul(transpose_b=True)``.
 """
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, ops
+
+from llm_serving.model_executor.layers.custom_op import (CustomOp, cpu_layer_ops, row_stride,
+                                                          use_cpu_kernels)
+
+# Rows up to which the C++ kernel runs instead of MindSpore's MatMul. Measured on this
+# project's CPU inside whole model steps (bench/bench_model.py, 97M model; 2026-11-21):
+# decode B=64 160-170 ms/step with the kernel vs 141-256 ms (erratic) with MatMul, B=128 297 vs
+# 477-569 ms: MindSpore's matmul threads and the attention kernel's pool contend when they
+# alternate, which an isolated matmul benchmark (bench/bench_linear.py: MatMul ahead from M~32)
+# does not show. Prefill: 256-token prefill even (354 vs 373 ms), 512 tokens MatMul ahead
+# (672 vs 896 ms), 2048 tokens MatMul far ahead (1954 vs 4094 ms). Override with
+# LLM_SERVING_CPU_LINEAR_MAX_M.
+CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "256"))
+
+
+class _LinearCall:
+    """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
+    one [M, N] buffer (part p at column offsets[p] of each row), or with ``split`` each part
+    as its own contiguous [M, size] block of one buffer."""
+
+    def __init__(self, sizes):
+        n = len(sizes)
+        self.nparts = n
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.offsets = offsets
+        self.n = offsets[-1]
+        self.c_split = (ctypes.c_int64 * (n + 1))(*offsets)
+        self.ld_split = (ctypes.c_int64 * n)(*sizes)
+        self.ld_fused = (ctypes.c_int64 * n)(*([self.n] * n))
+        self.out_type = ctypes.c_void_p * n
+
+
+def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: _LinearCall | None = None,
+               split: bool = False):
+    """x [M, K] @ weight[N, K].T (+ bias) with the C++ kernel. Returns a new Tensor [M, N], or,
+    with ``split``, one contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
+    m, k = x.shape
+    if call is None:
+        call = _LinearCall([weight.shape[0]])
+    flat = np.empty(m * call.n, np.float32)
+    base = flat.ctypes.data
+    offs = call.offsets
+    if split:
+        out = call.out_type(*[base + 4 * m * o for o in offs[:-1]])
+        ld = call.ld_split
+    else:
+        out = call.out_type(*[base + 4 * o for o in offs[:-1]])
+        ld = call.ld_fused
+    rc = cpu_layer_ops().lls_linear_f32(
+        x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts, call.c_split,
+        out, ld)
+    if rc:
+        raise ValueError(f"lls_linear_f32 rejected shapes x {x.shape}, weight {weight.shape}")
+    if not split:
+        return Tensor.from_numpy(flat.reshape(m, call.n))
+    return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
+                 for a, b in zip(offs[:-1], offs[1:]))
 
 
 def _param(shape) -> Parameter:
     return Parameter(Tensor(np.zeros(shape, np.float32)), requires_grad=False)
 
 
-class Linear(nn.Cell):
-    """y = x @ W.T (+ b). ``output_sizes`` lists the fused parts' sizes, in order."""
+class Linear(CustomOp):
+    """y = x @ W.T (+ b). ``output_sizes`` lists the fused parts' sizes, in order. With
+    ``split_output`` the layer returns one tensor per part (q, k, v of a fused qkv)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, parallel: str = "none"):
+                 tp_rank: int = 0, tp_size: int = 1, parallel: str = "none",
+                 split_output: bool = False):
         super().__init__()
         if parallel == "column":
             for s in output_sizes:
@@ -34,13 +102,22 @@ class Linear(nn.Cell):
         out = self.offsets[-1]
         self.weight = _param((out, self.input_size))
         self.bias = _param((out,)) if bias else None
+        self.split_output = split_output
         self.matmul = ops.MatMul(transpose_b=True)
+        self._call = _LinearCall(self.output_sizes if split_output else [out])
 
-    def construct(self, x):
+    def forward_native(self, x):
         y = self.matmul(x, self.weight)
         if self.bias is not None:
             y = y + self.bias
+        if self.split_output:
+            return ops.split(y, self.output_sizes, -1)
         return y
+
+    def forward_cpu(self, x):
+        if x.shape[0] > CPU_LINEAR_MAX_M:
+            return self.forward_native(x)
+        return cpu_linear(x, self.weight, self.bias, self._call, self.split_output)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:
@@ -58,11 +135,11 @@ class Linear(nn.Cell):
         dst[...] = loaded
 
 
-class VocabEmbedding(nn.Cell):
+class VocabEmbedding(CustomOp):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = _param((vocab_size, hidden_size))
 
-    def construct(self, input_ids):
+    def forward_native(self, input_ids):
         return ops.gather(self.weight, input_ids, 0)

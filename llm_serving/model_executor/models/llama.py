@@ -14,7 +14,9 @@ from llm_serving.model_executor.attention.backend import AttentionBackend
 from llm_serving.model_executor.attention.layer import Attention
 from llm_serving.model_executor.layers.activation import SiluAndMul
 from llm_serving.model_executor.layers.layernorm import RMSNorm
-from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
+from llm_serving.model_executor.layers.custom_op import use_cpu_kernels
+from llm_serving.model_executor.layers.linear import (CPU_LINEAR_MAX_M, Linear, VocabEmbedding,
+                                                      cpu_linear)
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -42,7 +44,7 @@ class LlamaAttention(nn.Cell):
         self.qkv_proj = Linear(
             config.hidden_size,
             [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
-            config.qkv_bias, tp_rank, tp_size, "column")
+            config.qkv_bias, tp_rank, tp_size, "column", split_output=True)
         self.o_proj = Linear(config.num_heads * d, [config.hidden_size], config.o_bias,
                              tp_rank, tp_size, "row")
         self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
@@ -50,8 +52,7 @@ class LlamaAttention(nn.Cell):
         self.attn = Attention(backend, layer_idx)
 
     def construct(self, positions, hidden_states):
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = ops.split(qkv, [self.q_size, self.kv_size, self.kv_size], -1)
+        q, k, v = self.qkv_proj(hidden_states)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -117,11 +118,14 @@ class LlamaForCausalLM(nn.Cell):
         else:
             self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.logits_matmul = ops.MatMul(transpose_b=True)
+        self._cpu_logits = use_cpu_kernels()
 
     def construct(self, input_ids, positions):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states):
+        if self._cpu_logits and hidden_states.shape[0] <= CPU_LINEAR_MAX_M:
+            return cpu_linear(hidden_states, self.lm_head.weight)
         return self.logits_matmul(hidden_states, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:

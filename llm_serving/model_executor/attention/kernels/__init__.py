@@ -63,6 +63,7 @@ __all__ = [
     "load_library",
     "has_avx512",
     "set_num_threads",
+    "parallel_for_address",
     "reshape_and_cache",
     "paged_attention",
     "attention_fused",
@@ -108,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lls_set_num_threads.argtypes = [ctypes.c_int]
     lib.lls_get_num_threads.restype = ctypes.c_int
     lib.lls_get_num_threads.argtypes = []
+    lib.lls_parallel_for.restype = None
+    lib.lls_parallel_for.argtypes = [P, P, I, ctypes.c_int, I]
     lib.lls_set_parallel_threshold.restype = None
     lib.lls_set_parallel_threshold.argtypes = [I]
     lib.lls_reshape_and_cache.restype = ctypes.c_int
@@ -144,6 +147,12 @@ def _lib() -> ctypes.CDLL:
 
 def has_avx512() -> bool:
     return bool(_lib().lls_has_avx512())
+
+
+def parallel_for_address() -> int:
+    """Address of ``lls_parallel_for``: the kernels' thread pool, which the other C++ kernel
+    libraries (the layer ops) register so that all our kernels share one pool."""
+    return ctypes.cast(_lib().lls_parallel_for, ctypes.c_void_p).value
 
 
 def set_num_threads(n: int) -> None:

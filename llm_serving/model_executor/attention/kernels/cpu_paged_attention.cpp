@@ -36,6 +36,7 @@
 #include <vector>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <thread>
 
@@ -111,6 +112,13 @@ int num_threads() {
 // helpers that actually joined the job (they are running items), never for a helper that has
 // not woken up yet, so a descheduled helper cannot stall a call. Concurrent callers do not
 // block: if the pool is busy the call runs on the calling thread.
+//
+// The pool is shared: the layer ops (layers/kernels/cpu_layer_ops.cpp) run on it through
+// lls_parallel_for. They pass a linger time: during a decode step Python runs for tens of
+// microseconds between their ~0.1-1 ms jobs, and waking a sleeping helper costs about as much
+// on a VM, so the caller would do most of the next job alone (measured: half of the batch-1
+// matmuls ran at single-core speed). After such a job the idle helpers spin until the linger
+// time has passed, and only then sleep.
 
 typedef void (*TaskFn)(void* ctx, int64_t i);
 
@@ -122,9 +130,17 @@ inline void cpu_relax() {
 #endif
 }
 
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 class ThreadPool {
  public:
-  void run(TaskFn fn, void* ctx, int64_t n, int nthreads) {
+  // linger_ns: after this job, idle helpers keep spinning (instead of sleeping) for this long,
+  // because the caller expects another job soon.
+  void run(TaskFn fn, void* ctx, int64_t n, int nthreads, int64_t linger_ns = 0) {
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     if (!lock.owns_lock() || nthreads <= 1 || n <= 1) {
       for (int64_t i = 0; i < n; ++i) fn(ctx, i);
@@ -150,10 +166,16 @@ class ThreadPool {
       if (spins < kCallerSpins) cpu_relax();
       else std::this_thread::yield();
     }
+    if (linger_ns > 0) {
+      const int64_t until = now_ns() + linger_ns;
+      int64_t cur = linger_until_.load(std::memory_order_relaxed);
+      while (cur < until && !linger_until_.compare_exchange_weak(cur, until)) {
+      }
+    }
   }
 
  private:
-  static constexpr int kIdleSpins = 1000;   // x ~32 ns pause
+  static constexpr int kIdleSpins = 1000;   // x ~32 ns pause, then sleep unless lingering
   static constexpr int kCallerSpins = 4000;
 
   static void futex_wait(std::atomic<uint32_t>* w, uint32_t val) {
@@ -202,7 +224,12 @@ class ThreadPool {
       const uint32_t w = wake_.load(std::memory_order_acquire);
       if (w != seen) { seen = w; continue; }
       int spins = 0;
-      while (wake_.load(std::memory_order_acquire) == w && spins < kIdleSpins) { cpu_relax(); ++spins; }
+      while (wake_.load(std::memory_order_acquire) == w) {
+        cpu_relax();
+        if (++spins < kIdleSpins || (spins & 63)) continue;
+        // past the short spin: go on only while a recent job asked helpers to linger
+        if (now_ns() >= linger_until_.load(std::memory_order_relaxed)) break;
+      }
       if (wake_.load(std::memory_order_acquire) == w) {
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         if (wake_.load(std::memory_order_seq_cst) == w) futex_wait(&wake_, w);
@@ -215,6 +242,7 @@ class ThreadPool {
   std::atomic<uint64_t> state_{0};     // (generation << 32) | helpers inside the job
   std::atomic<uint32_t> wake_{0};      // futex word, bumped for every job
   std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> linger_until_{0};  // steady_clock ns; helpers spin until then
   std::atomic<int64_t> next_{0};
   std::atomic<int> allowed_{0};
   int nthreads_ = 0;
@@ -242,14 +270,15 @@ ThreadPool& pool() {
   return *g_pool.load(std::memory_order_acquire);
 }
 
-// Run fn(ctx, i) for i in [0, n), in parallel when `parallel`.
-void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel) {
+// Run fn(ctx, i) for i in [0, n), in parallel when `parallel`; idle helpers then spin for
+// linger_ns before sleeping (see ThreadPool::run).
+void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel, int64_t linger_ns = 0) {
   const int nt = parallel ? num_threads() : 1;
 #if defined(LLS_USE_OPENMP) && defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < n; ++i) fn(ctx, i);
 #else
-  pool().run(fn, ctx, n, nt);
+  pool().run(fn, ctx, n, nt, linger_ns);
 #endif
 }
 
@@ -783,6 +812,15 @@ const char* lls_last_error() { return g_err; }
 void lls_set_num_threads(int n) { g_num_threads = n; }
 
 int lls_get_num_threads() { return num_threads(); }
+
+// The kernels' thread pool, shared with the other C++ kernel libraries (the layer ops register
+// this function): fn(ctx, i) for i in [0, n), on the caller and the pool's helpers when
+// `parallel` is non-zero. One pool for all our kernels, so they never compete for the cores.
+// linger_us > 0: the caller expects another job within about that long, so idle helpers keep
+// spinning that long after this job instead of going to sleep (waking one costs tens of us).
+void lls_parallel_for(TaskFn fn, void* ctx, int64_t n, int parallel, int64_t linger_us) {
+  parallel_for(fn, ctx, n, parallel != 0, linger_us * 1000);
+}
 
 // Attention runs serially below this much work (sum over items of rows*heads*context*ceil(D/16)).
 void lls_set_parallel_threshold(int64_t work) { g_parallel_min_work = work; }

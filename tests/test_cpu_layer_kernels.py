@@ -1,0 +1,195 @@
+"""CPU layer kernels (layers/kernels/cpu_layer_ops.cpp) against NumPy references: the small-M
+linear kernel in every build variant (AVX-512, AVX2, SSE vector widths), and the element-wise
+kernels on the shared thread pool."""
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+from llm_serving.model_executor.layers.custom_op import load_layer_ops
+
+# Vector width of the build -> extra flags (a CPU without AVX-512 builds the 8-wide variant).
+VARIANTS = {16: (), 8: ("-mno-avx512f",), 4: ("-mno-avx",)}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS), ids=lambda w: f"vw{w}")
+def lib(request):
+    lib = load_layer_ops(VARIANTS[request.param])
+    native = load_layer_ops().lls_layer_ops_vector_width()
+    if request.param > native:
+        pytest.skip(f"this CPU builds {native}-wide vectors natively")  # pragma: no cover
+    assert lib.lls_layer_ops_vector_width() == request.param
+    return lib
+
+
+def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0):
+    """Call lls_linear_f32; parts: list of part widths, each written to its own [M, width +
+    out_ld_pad] buffer. Returns the list of part outputs (trimmed)."""
+    m, k = x.shape
+    n = w.shape[0]
+    parts = parts or [n]
+    split = np.concatenate([[0], np.cumsum(parts)]).astype(np.int64)
+    outs = [np.full((m, p + out_ld_pad), np.nan, np.float32) for p in parts]
+    c_split = (ctypes.c_int64 * len(split))(*split.tolist())
+    c_out = (ctypes.c_void_p * len(parts))(*[o.ctypes.data for o in outs])
+    c_ld = (ctypes.c_int64 * len(parts))(*[o.shape[1] for o in outs])
+    ldx = x.strides[0] // 4 if m > 1 else k
+    rc = lib.lls_linear_f32(x.ctypes.data, ldx, w.ctypes.data,
+                            None if bias is None else bias.ctypes.data, m, n, k, len(parts),
+                            c_split, c_out, c_ld)
+    assert rc == 0
+    return [o[:, :p] for o, p in zip(outs, parts)]
+
+
+def reference(x, w, bias=None):
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 33])
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 15), (4, 16), (5, 17), (64, 31), (67, 64),
+                                 (130, 768), (300, 2048)])
+def test_linear_matches_numpy(lib, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    (y,) = run_linear(lib, x, w)
+    np.testing.assert_allclose(y, reference(x, w), rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_linear_bias_parts_and_strides(lib):
+    """Fused-qkv use: bias, three parts into separate buffers (with padded rows), and x a
+    column slice of a wider buffer (strided rows); large enough to run on the pool."""
+    rng = np.random.default_rng(0)
+    m, k, parts = 6, 96, [128, 32, 32]
+    n = sum(parts)
+    wide = rng.standard_normal((m, k + 40)).astype(np.float32)
+    x = wide[:, 8:8 + k]
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    outs = run_linear(lib, x, w, b, parts, out_ld_pad=3)
+    ref = reference(x, w, b)
+    np.testing.assert_allclose(np.concatenate(outs, 1), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_large_uses_pool_and_agrees_across_threads(lib):
+    from llm_serving.model_executor.attention import kernels as attn
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 768)).astype(np.float32)
+    w = rng.standard_normal((2304, 768)).astype(np.float32)
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            attn.set_num_threads(threads)
+            results.append(run_linear(lib, x, w)[0])
+    finally:
+        attn.set_num_threads(0)
+    for y in results:
+        np.testing.assert_array_equal(y, results[0])  # same per-output arithmetic whatever split
+    np.testing.assert_allclose(results[0], reference(x, w), rtol=1e-4, atol=3e-3)
+
+
+def test_linear_concurrent_callers(lib):
+    """Two Python threads sharing the pool: the busy pool runs the second call inline."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((1024, 512)).astype(np.float32)
+    xs = [rng.standard_normal((2, 512)).astype(np.float32) for _ in range(2)]
+    errors = []
+
+    def work(x):
+        for _ in range(20):
+            y = run_linear(lib, x, w)[0]
+            if not np.allclose(y, reference(x, w), rtol=1e-4, atol=3e-3):
+                errors.append("mismatch")
+
+    ts = [threading.Thread(target=work, args=(x,)) for x in xs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+
+
+def test_linear_rejects_bad_arguments(lib):
+    x = np.zeros((1, 8), np.float32)
+    w = np.zeros((4, 8), np.float32)
+    y = np.zeros((1, 4), np.float32)
+    split = (ctypes.c_int64 * 2)(0, 3)  # does not end at N
+    out = (ctypes.c_void_p * 1)(y.ctypes.data)
+    ld = (ctypes.c_int64 * 1)(4)
+    assert lib.lls_linear_f32(x.ctypes.data, 8, w.ctypes.data, None, 1, 4, 8, 1, split, out,
+                              ld) == -1
+    split = (ctypes.c_int64 * 2)(0, 4)
+    assert lib.lls_linear_f32(x.ctypes.data, 7, w.ctypes.data, None, 1, 4, 8, 1, split, out,
+                              ld) == -1  # row stride shorter than a row
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_elementwise_kernels(lib, rows):
+    rng = np.random.default_rng(rows)
+    dim, eps = 96, 1e-6
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    res = rng.standard_normal((rows, dim)).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+
+    def rms(v):
+        v = v.astype(np.float64)
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * w
+
+    out = np.empty_like(x)
+    lib.rms_norm_f32(x.ctypes.data, w.ctypes.data, out.ctypes.data, rows, dim, eps)
+    np.testing.assert_allclose(out, rms(x), rtol=1e-5, atol=1e-5)
+
+    r = res.copy()
+    lib.add_rms_norm_f32(x.ctypes.data, r.ctypes.data, w.ctypes.data, out.ctypes.data, rows,
+                         dim, eps)
+    np.testing.assert_allclose(r, x + res, rtol=1e-6)
+    np.testing.assert_allclose(out, rms(x + res), rtol=1e-5, atol=1e-5)
+
+    f = 64
+    gu = rng.standard_normal((rows, 2 * f)).astype(np.float32)
+    act = np.empty((rows, f), np.float32)
+    lib.silu_and_mul_f32(gu.ctypes.data, act.ctypes.data, rows, f)
+    g, u = gu[:, :f].astype(np.float64), gu[:, f:]
+    np.testing.assert_allclose(act, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+
+    # rotary on column slices of one fused [rows, (nq + 2 nk) * D] buffer
+    nq, nk, d, max_pos = 3, 1, 16, 64
+    qkv = rng.standard_normal((rows, (nq + 2 * nk) * d)).astype(np.float32)
+    pos = rng.integers(0, max_pos, rows).astype(np.int32)
+    inv = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    fr = np.outer(np.arange(max_pos), inv)
+    cs = np.concatenate([np.cos(fr), np.sin(fr)], -1).astype(np.float32)
+    want = qkv.astype(np.float64).copy()
+    for t in range(rows):
+        c, s = cs[pos[t], :d // 2], cs[pos[t], d // 2:]
+        for h in range(nq + nk):
+            v = want[t, h * d:(h + 1) * d]
+            a, b = v[:d // 2].copy(), v[d // 2:].copy()
+            v[:d // 2], v[d // 2:] = a * c - b * s, b * c + a * s
+    lib.rotary_embedding_f32(qkv.ctypes.data, qkv.ctypes.data + 4 * nq * d, pos.ctypes.data,
+                             cs.ctypes.data, rows, nq, nk, d, qkv.shape[1], qkv.shape[1])
+    np.testing.assert_allclose(qkv, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mindspore_linear_layer_paths_agree():
+    """Linear on CPU: the kernel path (small M) and MindSpore's MatMul path agree, for plain
+    and split (fused qkv) outputs."""
+    from mindspore import Tensor
+    from llm_serving.model_executor.device import init_device
+    from llm_serving.model_executor.layers import linear as L
+    init_device("cpu")
+    rng = np.random.default_rng(3)
+    for split in (False, True):
+        layer = L.Linear(64, [48, 16, 16], bias=True, split_output=split)
+        w = rng.standard_normal((80, 64)).astype(np.float32)
+        b = rng.standard_normal(80).astype(np.float32)
+        layer.weight.set_data(Tensor(w))
+        layer.bias.set_data(Tensor(b))
+        for m in (1, 3, L.CPU_LINEAR_MAX_M + 5):
+            x = rng.standard_normal((m, 64)).astype(np.float32)
+            got = layer(Tensor(x))
+            got = np.concatenate([g.asnumpy() for g in got], 1) if split else got.asnumpy()
+            np.testing.assert_allclose(got, reference(x, w, b), rtol=1e-4, atol=1e-4)
