@@ -328,7 +328,7 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
     port = free_port()
     cfg = tmp_path / "small.yaml"
     cfg.write_text(f"serving_config:\n  agent_ports: [1]\n  server_port: {port}\n"
-                   f"llm_serving:\n  model: {tiny_model_dir}\n  num_blocks: 64\n"
+                   f"llm_serving:\n  model: {tiny_model_dir}\n  num_blocks: 256\n"
                    "  max_num_seqs: 1\n  max_waiting_requests: 1\n  max_model_len: 640\n")
     proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -351,7 +351,8 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
         long = {"prompt": "Tell me a story", "max_tokens": 600, "ignore_eos": True,
                 "stream": True}
         held = [requests.post(url + "/v1/completions", json=long, stream=True)]
-        next(held[0].iter_lines())                   # the first is running
+        lines0 = held[0].iter_lines()                # (dropping it would hang up)
+        next(lines0)                                 # the first is running
         held.append(requests.post(url + "/v1/completions", json=long, stream=True))
         body = {"inputs": "Tell me a story", "parameters": {"max_new_tokens": 8}}
         assert [r.status_code for r in held] == [200, 200]

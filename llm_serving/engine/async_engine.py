@@ -272,11 +272,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return outs
             if cmd == "add":
-                self._adds_taken += 1
                 try:
                     engine.add_processed(arg)
                 except Exception as e:    # noqa: BLE001 - refused; goes to its caller
                     self._post(self._fail, arg.request_id, e)
+                finally:
+                    # Counted only once it is in the waiting queue, so that the bound check
+                    # in add_request never sees it in neither place.
+                    self._adds_taken += 1
             elif cmd == "abort":
                 out = engine.abort_request(arg)
                 if out is not None:
