@@ -62,7 +62,7 @@ def _prefill_logits(llm, prompts):
     try:
         batch = eng.scheduler.schedule()
         assert len(batch.seqs) == len(prompts), "all prompts should prefill in one step"
-        step, _ = eng._build_step(batch)
+        step = eng._build_step(batch)[0]
         logits = eng.runner.forward(step, np.arange(len(step.input_ids)))
     finally:
         for rid in rids:

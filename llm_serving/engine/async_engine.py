@@ -35,9 +35,10 @@ _HEALTH_POLL_S = 1.0      # how often an idle loop checks that the model runner 
 class RequestStream:
     """Async iterator of one request's outputs; lives on the caller's event loop."""
 
-    def __init__(self, request_id: str, kind: RequestOutputKind):
+    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None):
         self.request_id = request_id
         self.kind = kind
+        self._abort = abort
         self.finished = False
         self._pending: list[RequestOutput] = []
         self._error: Optional[BaseException] = None
@@ -54,6 +55,13 @@ class RequestStream:
 
     def __aiter__(self) -> "RequestStream":
         return self
+
+    async def aclose(self) -> None:
+        """Stop reading: an unfinished request is aborted (its blocks freed before the next
+        step). Safe to call more than once."""
+        if not self.finished and self._abort is not None:
+            self._abort(self.request_id)
+        self._abort = None
 
     async def __anext__(self) -> RequestOutput:
         while not self._pending:
@@ -151,7 +159,7 @@ class AsyncLLMEngine:
         if len(sch.waiting) + self._adds_sent - self._adds_taken >= sch.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({sch.max_waiting} requests, "
                                  "max_waiting_requests); try again later")
-        stream = RequestStream(request_id, new.params.output_kind)
+        stream = RequestStream(request_id, new.params.output_kind, self.abort)
         self._streams[request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))
@@ -173,8 +181,7 @@ class AsyncLLMEngine:
             async for out in stream:
                 yield out
         finally:
-            if not stream.finished:
-                self.abort(request_id)
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step. Safe to repeat."""

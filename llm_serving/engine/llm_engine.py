@@ -37,6 +37,12 @@ from llm_serving.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 PromptType = Union[str, dict]
 _EMPTY_PAIRS = np.zeros((0, 2), np.int32)
+_WARM_UP_ID = "__warm_up__"
+
+
+def _pairs(pairs: list) -> np.ndarray:
+    """Block pairs from the scheduler as an int32 [K, 2] array."""
+    return np.asarray(pairs, np.int32).reshape(-1, 2) if pairs else _EMPTY_PAIRS
 _MAX_FINISHED_METRICS = 10000
 
 
@@ -114,7 +120,6 @@ class LLMEngine:
                                    args.queue_timeout)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
-        self._dumps: list[tuple[int, str]] = []
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = EngineStats()
@@ -213,11 +218,21 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.stats.num_aborted_requests += 1
+        return self._end_request(req, SequenceStatus.FINISHED_ABORTED)
+
+    def _end_request(self, req: _Request, status: SequenceStatus,
+                     error: Optional[str] = None) -> Optional[RequestOutput]:
+        """Finish every unfinished sequence of the request with ``status`` (freeing its blocks)
+        and return its last output."""
+        now = time.time()
+        if error is not None:
+            req.error = error
         for seq in req.seqs:
             if not seq.status.finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                seq.finished_time = time.time()
-        self.stats.num_aborted_requests += 1
+                self.scheduler.finish(seq, status)
+            if seq.finished_time is None:
+                seq.finished_time = now
         return self._request_output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -233,14 +248,15 @@ class LLMEngine:
         outputs = [o for o in outputs if o is not None]
         if not batch.seqs:
             if batch.swap_out:      # a step that only preempted still moves the KV
-                self.runner.move_blocks(np.asarray(batch.swap_out, np.int32), _EMPTY_PAIRS,
-                                        _EMPTY_PAIRS)
+                self.runner.move_blocks(_pairs(batch.swap_out), _EMPTY_PAIRS, _EMPTY_PAIRS)
             return outputs
-        step_input, sampled = self._build_step(batch)
+        step_input, sampled, dumps = self._build_step(batch)
         result = self.runner.execute(step_input)
-        return outputs + self._update(batch, sampled, result)
+        return outputs + self._update(batch, sampled, result, dumps)
 
-    def _build_step(self, batch: SchedulerOutput) -> tuple[StepInput, list[Sequence]]:
+    def _build_step(self, batch: SchedulerOutput):
+        """The step's StepInput, the sequences that sample (in row order), and the logits dumps
+        planned for them."""
         bs = self.block_manager.block_size
         n = np.asarray(batch.num_tokens, np.int32)
         starts = np.asarray([s.num_computed_tokens for s in batch.seqs], np.int32)
@@ -272,16 +288,13 @@ class LLMEngine:
         sampling = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_token_ids for s in sampled],
             [s.output_token_ids for s in sampled], self.eos_token_ids) if sampled else None
-        self._dumps = self._dump_plan(sampled) if self.args.dump_logits else []
-
-        def pairs(p):
-            return np.asarray(p, np.int32).reshape(-1, 2) if p else _EMPTY_PAIRS
+        dumps = self._dump_plan(sampled) if self.args.dump_logits else []
         step = StepInput(ids, positions, slots.astype(np.int32), tables, qsl,
                          (starts + n).astype(np.int32), np.asarray(sample_rows, np.int32),
-                         sampling, swap_out=pairs(batch.swap_out), swap_in=pairs(batch.swap_in),
-                         copies=pairs(batch.copies),
-                         dump_rows=np.asarray([r for r, _ in self._dumps], np.int32))
-        return step, sampled
+                         sampling, swap_out=_pairs(batch.swap_out),
+                         swap_in=_pairs(batch.swap_in), copies=_pairs(batch.copies),
+                         dump_rows=np.asarray([r for r, _ in dumps], np.int32))
+        return step, sampled, dumps
 
     def _dump_plan(self, sampled: list[Sequence]) -> list[tuple[int, str]]:
         """(sampled row, file name) for the rows whose logits are saved this step. Names come
@@ -290,7 +303,7 @@ class LLMEngine:
         every, plan = self.args.dump_logits_every, []
         for row, seq in enumerate(sampled):
             pos = len(seq.output_token_ids)
-            if pos % every == 0:
+            if pos % every == 0 and seq.request_id != _WARM_UP_ID:
                 key = hashlib.sha1(np.asarray(seq.prompt_token_ids, np.int64).tobytes()
                                    + repr((seq.params.seed, seq.index)).encode()).hexdigest()
                 plan.append((row, f"{key[:20]}_pos{pos}.npy"))
@@ -301,12 +314,13 @@ class LLMEngine:
         return np.asarray([len(s.prompt_token_ids) for s in seqs], np.int32)
 
     def _update(self, batch: SchedulerOutput, sampled: list[Sequence],
-                result: Optional[SamplerOutput]) -> list[RequestOutput]:
+                result: Optional[SamplerOutput],
+                dumps: list[tuple[int, str]]) -> list[RequestOutput]:
         self.scheduler.after_step(batch)
-        if self._dumps:
+        if dumps:
             out_dir = Path(self.args.dump_logits)
             out_dir.mkdir(parents=True, exist_ok=True)
-            for k, (_, name) in enumerate(self._dumps):
+            for k, (_, name) in enumerate(dumps):
                 np.save(out_dir / name, result.dump_logits[k])
         self.stats.num_steps += 1
         now = time.time()
@@ -340,14 +354,11 @@ class LLMEngine:
         if req is None:
             return None
         waited = time.time() - seq.arrival_time
-        req.error = (f"request waited {waited:.1f} s in the queue without starting "
-                     f"(queue_timeout={self.scheduler.queue_timeout} s)")
-        for s in req.seqs:
-            if not s.status.finished:
-                self.scheduler.finish(s, SequenceStatus.FINISHED_TIMEOUT)
-            s.finished_time = time.time()
         self.stats.num_timed_out_requests += 1
-        return self._request_output(req)
+        return self._end_request(
+            req, SequenceStatus.FINISHED_TIMEOUT,
+            f"request waited {waited:.1f} s in the queue without starting "
+            f"(queue_timeout={self.scheduler.queue_timeout} s)")
 
     def _record_logprobs(self, seq: Sequence, row: int, token: int, r: SamplerOutput) -> None:
         k = seq.params.logprobs
@@ -450,17 +461,13 @@ class LLMEngine:
         """Run one small request through every path a first request takes (prefill, decode,
         sampling, kernel loading), so that the first real request is not slow. Leaves the
         stats and the prefix cache as they were."""
-        rid = "__warm_up__"
-        dump, self.args.dump_logits = self.args.dump_logits, None     # nothing saved from it
+        rid = _WARM_UP_ID
         self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
                          SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY),
                          request_id=rid)
-        try:
-            while rid in self.requests:
-                self.step()
-        finally:
-            self.args.dump_logits = dump
+        while rid in self.requests:
+            self.step()
         self.block_manager.reset()
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
         self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0
@@ -475,13 +482,8 @@ class LLMEngine:
         """End every request with ``error`` (finish_reason "abort"), freeing all blocks."""
         outs = []
         for req in list(self.requests.values()):
-            req.error = error
-            for seq in req.seqs:
-                if not seq.status.finished:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                    seq.finished_time = time.time()
             self.stats.num_aborted_requests += 1
-            out = self._request_output(req)
+            out = self._end_request(req, SequenceStatus.FINISHED_ABORTED, error)
             if out is not None:
                 outs.append(out)
         return outs

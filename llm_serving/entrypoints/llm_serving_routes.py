@@ -112,37 +112,38 @@ def _summary(tokens: list, text: str, finish: Optional[str], seed) -> dict:
             "top_tokens": [[first]] if first else [], "details": None}
 
 
+def _chosen_logprobs(c) -> list:
+    """The logprob of each new token of a completion delta (None when not asked)."""
+    if not c.logprobs:
+        return [None] * len(c.token_ids)
+    return [c.logprobs[j][tid].logprob for j, tid in enumerate(c.token_ids)]
+
+
+def _token_list(tok, ids: list, lps: list) -> list[dict]:
+    """llm-serving's per-token records, each token decoded on its own."""
+    special = set(getattr(tok, "all_special_ids", ()) or ())
+    return [_token(tid, tok.decode([tid]), lp, special) for tid, lp in zip(ids, lps)]
+
+
 async def _full(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()
-    tok = engine.tokenizer
-    special = set(getattr(tok, "all_special_ids", ()) or ())
-    texts, tokens, finish, error, n_prompt = [], [], None, None, 0
-    async for out in stream_or_disconnect(request, engine_stream(engine, stream)):
+    texts, ids, lps, finish, error, n_prompt = [], [], [], None, None, 0
+    async for out in stream_or_disconnect(request, stream):
         n_prompt = len(out.prompt_token_ids)
         c = out.outputs[0]
         error = out.error
         texts.append(c.text)
-        for j, tid in enumerate(c.token_ids):
-            lp = c.logprobs[j][tid].logprob if c.logprobs else None
-            tokens.append(_token(tid, tok.decode([tid]), lp, special))
+        ids.extend(c.token_ids)
+        lps.extend(_chosen_logprobs(c))
         finish = _finish_reason(c, error)
     if error:
         raise HTTPError(503, error, kind="service_unavailable")
-    body = _summary(tokens, "".join(texts), finish, req.parameters.seed)
-    log_request(stream.request_id, n_prompt, len(tokens), t0)
+    body = _summary(_token_list(engine.tokenizer, ids, lps), "".join(texts), finish,
+                    req.parameters.seed)
+    log_request(stream.request_id, n_prompt, len(ids), t0)
     return Response((json.dumps(body, ensure_ascii=False) + "\n").encode(),
                     media_type="application/json")
-
-
-async def engine_stream(engine, stream):
-    """The request's outputs; leaving early aborts it."""
-    try:
-        async for out in stream:
-            yield out
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
 
 
 async def _stream(request: Request, model: str, req: GenerateRequest):
@@ -152,10 +153,12 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
     protocol = req.parameters.return_protocol
 
     async def gen():
-        texts, tokens, finish, n_prompt = [], [], None, 0
+        # Per-token texts are only needed for the return_full_text line: each stream line
+        # carries the step's incremental text, decoded once by the engine.
+        texts, ids, lps, finish, n_prompt = [], [], [], None, 0
         t0 = time.perf_counter()
         try:
-            async for out in engine_stream(engine, stream):
+            async for out in stream:
                 n_prompt = len(out.prompt_token_ids)
                 c = out.outputs[0]
                 finish = _finish_reason(c, out.error)
@@ -165,24 +168,23 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
                     return
                 if not c.token_ids and not c.text:
                     continue
-                lps = c.logprobs or []
-                new = [_token(tid, tok.decode([tid]),
-                              lps[j][tid].logprob if lps else None, special)
-                       for j, tid in enumerate(c.token_ids)]
-                tokens.extend(new)
+                new_lps = _chosen_logprobs(c)
+                ids.extend(c.token_ids)
+                lps.extend(new_lps)
                 texts.append(c.text)
-                last = dict(new[-1]) if new else _token(-1, "", None, special)
-                last["text"] = c.text
+                last = (_token(c.token_ids[-1], c.text, new_lps[-1], special) if c.token_ids
+                        else _token(-1, c.text, None, special))
                 piece = {"details": None, "generated_text": c.text, "tokens": last,
                          "top_tokens": [last]}
                 if c.finish_reason is not None:
                     piece["finish_reason"] = finish
                 yield _line(piece, protocol)
             if req.parameters.return_full_text:
-                yield _line(_summary(tokens, "".join(texts), finish, req.parameters.seed),
-                            protocol)
+                yield _line(_summary(_token_list(tok, ids, lps), "".join(texts), finish,
+                                     req.parameters.seed), protocol)
         finally:
-            log_request(stream.request_id, n_prompt, len(tokens), t0)
+            await stream.aclose()
+            log_request(stream.request_id, n_prompt, len(ids), t0)
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 

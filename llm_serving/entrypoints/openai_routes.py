@@ -8,7 +8,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from llm_serving.entrypoints.api_server import (HTTPError, ServerState, log_request,
                                                 new_request_id, stream_or_disconnect,
@@ -42,12 +42,12 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
                                                     strict_length=True))
     except Exception as e:
         for s in streams:
-            engine.abort(s.request_id)
+            await s.aclose()
         raise translate_error(e) from None
     return streams
 
 
-async def _merge(engine, streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from all the streams as they come; closing it aborts them."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -73,8 +73,32 @@ async def _merge(engine, streams) -> AsyncIterator[tuple[int, RequestOutput]]:
         for t in tasks:
             t.cancel()
         for s in streams:
-            if not s.finished:
-                engine.abort(s.request_id)
+            await s.aclose()
+
+
+async def _collect(request: Request, streams, n: int) -> tuple[dict, int]:
+    """The whole of every completion, for non-streaming answers: choice index (prompt * n +
+    completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
+    tokens. A client that leaves first aborts the requests (HTTPError 499)."""
+    choices: dict[int, dict] = {}
+    prompt_tokens: dict[int, int] = {}
+    async for i, out in stream_or_disconnect(request, _merge(streams)):
+        if out.error:
+            raise HTTPError(503, out.error, kind="service_unavailable")
+        prompt_tokens[i] = len(out.prompt_token_ids)
+        for c in out.outputs:
+            ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
+                                                      "finish": None})
+            ch["text"].append(c.text)
+            ch["ids"] += len(c.token_ids)
+            if c.logprobs:
+                ch["lp"].extend(c.logprobs)
+            ch["finish"] = c.finish_reason
+    if len(choices) < len(streams) * n:
+        raise HTTPError(499, "the client closed the connection")
+    for ch in choices.values():
+        ch["text"] = "".join(ch["text"])
+    return dict(sorted(choices.items())), sum(prompt_tokens.values())
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -118,7 +142,6 @@ async def completions(req: CompletionRequest, request: Request):
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("cmpl")
-    engine = state.require_engine()
     streams = await _start(state, rid, prompts, params, req.priority)
     created, model = int(time.time()), state.served_model_name
     n = req.n
@@ -131,7 +154,7 @@ async def completions(req: CompletionRequest, request: Request):
             prompt_tokens, completion_tokens = {}, 0
             offsets = {}
             try:
-                async for i, out in _merge(engine, streams):
+                async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     if out.error:
                         yield _sse({"error": {"message": out.error, "type": "service_unavailable",
@@ -165,30 +188,14 @@ async def completions(req: CompletionRequest, request: Request):
                 log_request(rid, sum(prompt_tokens.values()), completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    choices: dict[int, dict] = {}
-    prompt_tokens = {}
-    async for i, out in stream_or_disconnect(request, _merge(engine, streams)):
-        if out.error:
-            raise HTTPError(503, out.error, kind="service_unavailable")
-        prompt_tokens[i] = len(out.prompt_token_ids)
-        for c in out.outputs:
-            ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
-                                                      "finish": None})
-            ch["text"].append(c.text)
-            ch["ids"] += len(c.token_ids)
-            if c.logprobs is not None:
-                ch["lp"].extend(c.logprobs)
-            ch["finish"] = c.finish_reason
-    if len(choices) < len(prompts) * n:
-        return JSONResponse({}, status_code=499)       # the client left
+    choices, prompt_tokens = await _collect(request, streams, n)
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": idx, "text": "".join(ch["text"]),
+            "choices": [{"index": idx, "text": ch["text"],
                          "logprobs": (_completion_logprobs(ch["lp"], 0, req.logprobs)
                                       if req.logprobs is not None else None),
                          "finish_reason": _finish_reason(ch["finish"])}
-                        for idx, ch in sorted(choices.items())],
-            "usage": _usage(sum(prompt_tokens.values()),
-                            sum(ch["ids"] for ch in choices.values()))}
+                        for idx, ch in choices.items()],
+            "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()))}
     log_request(rid, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
     return body
 
@@ -254,7 +261,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             completion_tokens, prompt_tokens = 0, len(ids)
             started = set()
             try:
-                async for _, out in _merge(engine, streams):
+                async for _, out in _merge(streams):
                     if out.error:
                         yield _sse({"error": {"message": out.error, "type": "service_unavailable",
                                               "code": 503}})
@@ -280,27 +287,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 log_request(rid, prompt_tokens, completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    choices: dict[int, dict] = {}
-    async for _, out in stream_or_disconnect(request, _merge(engine, streams)):
-        if out.error:
-            raise HTTPError(503, out.error, kind="service_unavailable")
-        for c in out.outputs:
-            ch = choices.setdefault(c.index, {"text": [], "ids": 0, "lp": [], "finish": None})
-            ch["text"].append(c.text)
-            ch["ids"] += len(c.token_ids)
-            if c.logprobs:
-                ch["lp"].extend(c.logprobs)
-            ch["finish"] = c.finish_reason
-    if len(choices) < req.n:
-        return JSONResponse({}, status_code=499)
+    choices, _ = await _collect(request, streams, req.n)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(rid, len(ids), completion_tokens, t0)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": idx,
-                         "message": {"role": "assistant", "content": "".join(ch["text"])},
+                         "message": {"role": "assistant", "content": ch["text"]},
                          "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
                          "finish_reason": _finish_reason(ch["finish"])}
-                        for idx, ch in sorted(choices.items())],
+                        for idx, ch in choices.items()],
             "usage": _usage(len(ids), completion_tokens)}
 
 

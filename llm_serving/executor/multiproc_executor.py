@@ -30,7 +30,6 @@ from llm_serving.model_executor.model_runner import StepInput
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
-_NO_PAIRS = np.zeros((0, 2), np.int32)
 _EMPTY = np.zeros(0, np.int32)
 
 
@@ -44,23 +43,24 @@ class MultiprocExecutor:
                  checkpoint: Optional[str] = None, device: str = "auto", device_id: int = 0,
                  seed: int = 0, num_cpu_blocks: int = 0, dump_vocab: int = 0,
                  ready_timeout: float = 300.0):
-        self.shm_in = ch.ShmSegment(ch.step_channel_bytes(
-            max_num_batched_tokens, max_num_seqs, max_model_len, block_size, num_blocks))
-        self.shm_out = ch.ShmSegment(ch.result_channel_bytes(max_num_seqs,
-                                                             dump_vocab=dump_vocab))
-        ours, theirs = socket.socketpair()
-        self.conn = Connection(ours.detach())
-        cmd = [sys.executable, "-m", "agents.work_agent", "--control-fd", str(theirs.fileno()),
-               "--shm-in", self.shm_in.name, "--shm-out", self.shm_out.name,
-               "--model", model_dir, "--num-blocks", str(num_blocks),
-               "--block-size", str(block_size), "--num-cpu-blocks", str(num_cpu_blocks),
-               "--device", device, "--device-id", str(device_id), "--seed", str(seed)]
-        if checkpoint:
-            cmd += ["--checkpoint", checkpoint]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env)
+        held = []             # freed if starting the agent fails before the finalizer owns them
+        try:
+            self.shm_in = ch.ShmSegment(ch.step_channel_bytes(
+                max_num_batched_tokens, max_num_seqs, max_model_len, block_size, num_blocks))
+            held.append(self.shm_in)
+            self.shm_out = ch.ShmSegment(ch.result_channel_bytes(max_num_seqs,
+                                                                 dump_vocab=dump_vocab))
+            held.append(self.shm_out)
+            ours, theirs = socket.socketpair()
+            held += [ours, theirs]
+            self.proc = self._spawn(theirs, model_dir, num_blocks, block_size, checkpoint,
+                                    device, device_id, seed, num_cpu_blocks)
+        except BaseException:
+            for h in held:
+                h.close()
+            raise
         theirs.close()
+        self.conn = Connection(ours.detach())
         self._step_no = 0
         self._closed = False
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
@@ -74,6 +74,19 @@ class MultiprocExecutor:
         if kind != ch.READY:
             self.shutdown()
             raise LLMServingError(f"the WorkAgent failed to start: {payload}")
+
+    def _spawn(self, theirs: socket.socket, model_dir, num_blocks, block_size, checkpoint, device,
+               device_id, seed, num_cpu_blocks) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "agents.work_agent", "--control-fd", str(theirs.fileno()),
+               "--shm-in", self.shm_in.name, "--shm-out", self.shm_out.name,
+               "--model", model_dir, "--num-blocks", str(num_blocks),
+               "--block-size", str(block_size), "--num-cpu-blocks", str(num_cpu_blocks),
+               "--device", device, "--device-id", str(device_id), "--seed", str(seed)]
+        if checkpoint:
+            cmd += ["--checkpoint", checkpoint]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        return subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env)
 
     @property
     def pid(self) -> int:
@@ -118,9 +131,8 @@ class MultiprocExecutor:
 
     def move_blocks(self, swap_out: np.ndarray, swap_in: np.ndarray,
                     copies: np.ndarray) -> None:
-        empty = _EMPTY
-        self.execute(StepInput(empty, empty, empty, np.zeros((0, 0), np.int32),
-                               np.zeros(1, np.int32), empty, empty, None,
+        self.execute(StepInput(_EMPTY, _EMPTY, _EMPTY, np.zeros((0, 0), np.int32),
+                               np.zeros(1, np.int32), _EMPTY, _EMPTY, None,
                                swap_out=swap_out, swap_in=swap_in, copies=copies))
 
     def shutdown(self) -> None:
