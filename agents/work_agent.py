@@ -4,12 +4,13 @@ steps the master announces.
 Started by the master (``llm_serving.executor.multiproc_executor``) with the control
 connection's file descriptor and the two shared-memory segments' names:
 
-    python -m agents.work_agent --control-fd N --shm-in NAME --shm-out NAME --model DIR ...
+    python -m agents.work_agent --control-fd N --shm-in A,B --shm-out C,D --model DIR ...
 
 Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
 - agent -> master READY once the model is loaded (or ERROR with the reason, then exit);
-- master -> agent STEP n: a StepInput is packed in the input segment; the agent runs it and
-  answers DONE n with the SamplerOutput packed in the output segment, or ERROR n;
+- master -> agent STEP n: a StepInput is packed in input segment n % 2; the agent runs it and
+  answers DONE n with the SamplerOutput packed in output segment n % 2, or ERROR n (the
+  master may send STEP n+1 before DONE n arrives: steps run in order);
 - master -> agent QUIT: the agent exits.
 """
 from __future__ import annotations
@@ -49,7 +50,9 @@ def main(argv=None) -> int:
         from llm_serving.model_executor.model_runner import ModelRunner
         runner = ModelRunner(args.model, args.num_blocks, args.block_size, args.checkpoint,
                              args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks)
-        shm_in, shm_out = ch.ShmSegment(name=args.shm_in), ch.ShmSegment(name=args.shm_out)
+        # Step n reads input segment n % 2 and writes output segment n % 2.
+        shm_in = [ch.ShmSegment(name=n) for n in args.shm_in.split(",")]
+        shm_out = [ch.ShmSegment(name=n) for n in args.shm_out.split(",")]
     except Exception as e:   # noqa: BLE001 - reported to the master, which names it
         msg = f"{type(e).__name__}: {e}".encode()
         conn.send_bytes(ch.FRAME.pack(ch.ERROR, -1, len(msg)) + msg)
@@ -64,13 +67,13 @@ def main(argv=None) -> int:
         if kind == ch.QUIT:
             _exit(0)
         try:
-            step = ch.step_from_arrays(ch.unpack(shm_in.buf))
+            step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
             if len(step.input_ids):
                 result = runner.execute(step)
             else:                             # a step that only moves KV blocks
                 runner.move_blocks(step.swap_out, step.swap_in, step.copies)
                 result = None
-            n = ch.pack(shm_out.buf, ch.result_to_arrays(result))
+            n = ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
             conn.send_bytes(ch.FRAME.pack(ch.DONE, step_no, n))
         except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()

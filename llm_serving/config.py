@@ -52,6 +52,9 @@ class EngineArgs:
         "fraction of KV blocks admission keeps free")
     distributed_executor_backend: str = _arg("uni",
         "uni: run the model in this process; mp: in a WorkAgent process")
+    async_scheduling: Optional[bool] = _arg(None,
+        "schedule step N+1 while the model computes step N (default: on with mp, off with "
+        "uni, where nothing runs in parallel)")
     dump_logits: Optional[str] = _arg(None,
         "directory: save the raw logits of every request at dump_logits_every positions")
     dump_logits_every: int = _arg(100,
@@ -106,7 +109,9 @@ class EngineArgs:
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"expected one of {', '.join(allowed)}, "
                                   f"got {getattr(self, key)!r}")
-        for key in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
+            if key == "async_scheduling" and self.async_scheduling is None:
+                continue
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, f"expected true or false, got {getattr(self, key)!r}")
 

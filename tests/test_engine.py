@@ -61,6 +61,10 @@ SETTINGS = {
                                 preemption_mode="swap", swap_space=0.01,
                                 enable_prefix_caching=True),
 }
+# Async scheduling (step N+1 planned while step N runs) must not change outputs either.
+for _name in ("default", "prefix-caching", "chunk-smaller-than-block", "preempt-recompute",
+              "preempt-swap+prefix"):
+    SETTINGS[f"async, {_name}"] = dict(SETTINGS[_name], async_scheduling=True)
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -75,7 +79,7 @@ def test_64_concurrent_requests_match_each_run_alone(tiny_model_dir, alone, name
     stats = llm.engine.get_stats()
     assert stats.num_finished_requests == len(PROMPTS)
     assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
-    if name.startswith("preempt"):
+    if "preempt" in name:
         assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
         if "swap" in name:
             assert stats.num_swap_preemptions > 0
@@ -144,9 +148,55 @@ def test_stop_string_split_across_tokens_stops_and_is_trimmed(tiny_llm):
     assert len(out.token_ids) < len(ids)
 
 
-def test_abort_frees_blocks_in_every_state(tiny_model_dir):
+def _unpredictable_workload(llm):
+    """Requests that end where the engine cannot know in advance (a stop token id, a stop
+    string, EOS), mixed with n > 1, penalties, logprobs and seeds."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    free = [o.outputs[0] for o in llm.generate(PROMPTS[:16], greedy)]
+    prompts, params = [], []
+    for i, out in enumerate(free):
+        k = 3 + i % 7
+        kinds = [
+            SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[out.token_ids[k]]),
+            SamplingParams(temperature=0.0, max_tokens=20, stop=[tok.decode(out.token_ids[k:k + 2])]),
+            SamplingParams(temperature=0.8, seed=i, max_tokens=20, n=2, logprobs=2),
+            SamplingParams(temperature=0.8, seed=i, max_tokens=20, repetition_penalty=1.2,
+                           stop_token_ids=[out.token_ids[k]]),
+        ]
+        prompts.append(PROMPTS[i])
+        params.append(kinds[i % 4])
+    return prompts, params
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_blocks=40, block_size=8, preemption_mode="swap",
+                                            swap_space=0.01, enable_prefix_caching=True)],
+                         ids=["plenty-of-kv", "preempting"])
+def test_async_scheduling_keeps_outputs_when_requests_stop_unpredictably(tiny_model_dir,
+                                                                         tiny_llm, kw):
+    prompts, params = _unpredictable_workload(tiny_llm)
+    results = {}
+    for mode in (False, True):
+        llm = LLM(tiny_model_dir, **{"num_blocks": 256, "block_size": 16, **kw},
+                  async_scheduling=mode)
+        outs = llm.generate(prompts, params)
+        results[mode] = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                           c.cumulative_logprob) for c in o.outputs] for o in outs]
+        stats = llm.engine.get_stats()
+        assert stats.kv_cache_usage == 0.0 and not llm.engine.has_unfinished_requests()
+        assert all(-1 not in c.token_ids for o in outs for c in o.outputs)
+        if kw:
+            assert stats.num_preemptions > 0
+    stopped = [c for r in results[True] for c in r if c[2] == "stop"]
+    assert len(stopped) >= 6          # the workload really stops mid-stream
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_frees_blocks_in_every_state(tiny_model_dir, async_scheduling):
     engine = LLMEngine(EngineArgs(tiny_model_dir, num_blocks=24, block_size=8, max_num_seqs=3,
-                                  preemption_mode="swap", swap_space=0.01))
+                                  preemption_mode="swap", swap_space=0.01,
+                                  async_scheduling=async_scheduling))
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
     ids.append(engine.add_request(PROMPTS[6], SamplingParams(n=2, max_tokens=60)))
@@ -161,7 +211,10 @@ def test_abort_frees_blocks_in_every_state(tiny_model_dir):
             assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
     stats = engine.get_stats()
     assert stats.kv_cache_usage == 0.0 and stats.cpu_cache_usage == 0.0
-    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+    assert engine.block_manager.ref_counts == [0] * 24
+    # A step still running when everything was aborted is collected, and nothing comes of it.
+    assert engine.step() == [] and not engine.has_unfinished_requests()
     assert engine.block_manager.ref_counts == [0] * 24
 
 

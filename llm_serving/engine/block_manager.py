@@ -220,10 +220,13 @@ class BlockManager:
 
     # ---- n > 1 ----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares all of the parent's blocks (copy-on-write on its first write)."""
-        for block in parent.block_table:
+        """The child shares the parent's computed blocks (copy-on-write on its first write).
+        A block the parent holds for a step still running (async scheduling) is not shared:
+        the child would write its own token into the same slot."""
+        shared = parent.block_table[:self._blocks_for(parent.num_computed_tokens)]
+        for block in shared:
             self.ref_counts[block] += 1
-        child.block_table = list(parent.block_table)
+        child.block_table = list(shared)
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.cached_uids = list(parent.cached_uids)

@@ -37,6 +37,7 @@ from llm_serving.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 PromptType = Union[str, dict]
 _EMPTY_PAIRS = np.zeros((0, 2), np.int32)
+_NO_ROWS = np.zeros(0, np.int32)
 _WARM_UP_ID = "__warm_up__"
 
 
@@ -73,6 +74,15 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.status.finished for s in self.seqs)
+
+
+@dataclass
+class _StepInFlight:
+    """A step handed to the model runner and not collected yet."""
+    batch: SchedulerOutput
+    sampled: list[Sequence]        # in sampled-row order
+    pending_at: list[int]          # per sampled row: index of its placeholder, or -1 (a fork)
+    dumps: list[tuple[int, str]]
 
 
 class LLMEngine:
@@ -118,6 +128,9 @@ class LLMEngine:
                                    args.enable_chunked_prefill, args.scheduling_policy,
                                    args.preemption_mode, args.max_waiting_requests,
                                    args.queue_timeout)
+        self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
+                                 else args.distributed_executor_backend == "mp")
+        self._in_flight: Optional[_StepInFlight] = None
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -229,6 +242,7 @@ class LLMEngine:
         if error is not None:
             req.error = error
         for seq in req.seqs:
+            seq.drop_pending()
             if not seq.status.finished:
                 self.scheduler.finish(seq, status)
             if seq.finished_time is None:
@@ -236,23 +250,66 @@ class LLMEngine:
         return self._request_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests are unfinished, or a step is still running on the model."""
+        return bool(self.requests) or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ---- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and start a step; return the outputs of the step that completed.
+
+        Without async scheduling that is the step just started. With it, the step started
+        here runs on the model (a WorkAgent) while this method finishes the previous one
+        (tokens, detokenizing, stop checks, outputs), so the model never waits for the
+        master. Decodes of the new step take their input token from the running step's
+        samples (a placeholder until it is collected), as vLLM's async scheduling does; a
+        sequence that stops on that token had one wasted row, which is discarded.
+        """
+        outputs = []
         batch = self.scheduler.schedule()
-        outputs = [self._fail_timed_out(seq) for seq in batch.timed_out]
-        outputs = [o for o in outputs if o is not None]
+        outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
         if not batch.seqs:
+            if self._in_flight is not None:
+                outputs += self._collect()
             if batch.swap_out:      # a step that only preempted still moves the KV
                 self.runner.move_blocks(_pairs(batch.swap_out), _EMPTY_PAIRS, _EMPTY_PAIRS)
             return outputs
         step_input, sampled, dumps = self._build_step(batch)
-        result = self.runner.execute(step_input)
-        return outputs + self._update(batch, sampled, result, dumps)
+        self.runner.submit(step_input)
+        previous, self._in_flight = self._in_flight, self._start_pending(batch, sampled, dumps)
+        if previous is not None:
+            outputs += self._collect(previous)   # fills in the placeholders the new step read
+        self.scheduler.after_step(batch)
+        if not self.async_scheduling:
+            outputs += self._collect()
+        return outputs
+
+    def _start_pending(self, batch: SchedulerOutput, sampled: list[Sequence],
+                       dumps) -> _StepInFlight:
+        """Give each sequence sampled by the started step a placeholder for its token."""
+        pending_at = []
+        for row, seq in enumerate(sampled):
+            if seq.status is not SequenceStatus.RUNNING:     # a pending n > 1 child
+                pending_at.append(-1)
+                continue
+            pending_at.append(len(seq.output_token_ids))
+            seq.output_token_ids.append(-1)
+            seq.num_pending_tokens += 1
+            seq.pending_row = row
+            seq.finishing = (len(seq.output_token_ids) >= seq.max_tokens
+                             or seq.num_tokens >= self.max_model_len)
+        return _StepInFlight(batch, sampled, pending_at, dumps)
+
+    def _drain(self) -> None:
+        """Collect a step still running, ignoring its result (the requests are failing)."""
+        if self._in_flight is not None:
+            self._in_flight = None
+            try:
+                self.runner.collect()
+            except Exception:   # noqa: BLE001 - the runner failed; its owner restarts it
+                pass
 
     def _build_step(self, batch: SchedulerOutput):
         """The step's StepInput, the sequences that sample (in row order), and the logits dumps
@@ -268,6 +325,13 @@ class LLMEngine:
         ids = np.fromiter(itertools.chain.from_iterable(
             s.token_ids(a, a + k) for s, a, k in zip(batch.seqs, starts, n)),
             np.int32, count=int(qsl[-1]))
+        # Decodes whose input is the running step's sample: the model runner fills it in.
+        pending = [i for i, s in enumerate(batch.seqs) if s.num_pending_tokens]
+        if pending:
+            pending_pos = qsl[1:][pending] - 1
+            pending_src = np.asarray([batch.seqs[i].pending_row for i in pending], np.int32)
+        else:
+            pending_pos = pending_src = _NO_ROWS
         width = max(len(s.block_table) for s in batch.seqs)
         tables = np.zeros((len(n), width), np.int32)
         for row, s in enumerate(batch.seqs):
@@ -275,14 +339,16 @@ class LLMEngine:
         seq_rows = np.repeat(np.arange(len(n)), n)
         slots = tables[seq_rows, positions // bs] * bs + positions % bs
         # A sequence samples when this step reaches the end of its known tokens; the pending
-        # n > 1 children of a sequence finishing its prompt sample from the same row.
+        # n > 1 children of a sequence finishing its prompt sample from the same row (only
+        # then: with async scheduling they are forked after the parent's next step started).
         done = np.flatnonzero(starts + n == totals)
         sampled, sample_rows = [], []
         for i in done:
             seq = batch.seqs[i]
+            children = seq.pending_children if not seq.output_token_ids else ()
             sampled.append(seq)
-            sampled.extend(seq.pending_children)
-            sample_rows.extend([i] * (1 + len(seq.pending_children)))
+            sampled.extend(children)
+            sample_rows.extend([i] * (1 + len(children)))
         self.stats.num_prefill_tokens += int(qsl[-1]) - int(np.count_nonzero(
             (n == 1) & (starts == totals - 1) & (totals > self._prompt_lens(batch.seqs))))
         sampling = SamplingBatch.from_params(
@@ -293,7 +359,8 @@ class LLMEngine:
                          (starts + n).astype(np.int32), np.asarray(sample_rows, np.int32),
                          sampling, swap_out=_pairs(batch.swap_out),
                          swap_in=_pairs(batch.swap_in), copies=_pairs(batch.copies),
-                         dump_rows=np.asarray([r for r, _ in dumps], np.int32))
+                         dump_rows=np.asarray([r for r, _ in dumps], np.int32),
+                         pending_pos=pending_pos.astype(np.int32), pending_src=pending_src)
         return step, sampled, dumps
 
     def _dump_plan(self, sampled: list[Sequence]) -> list[tuple[int, str]]:
@@ -313,23 +380,34 @@ class LLMEngine:
     def _prompt_lens(seqs: list[Sequence]) -> np.ndarray:
         return np.asarray([len(s.prompt_token_ids) for s in seqs], np.int32)
 
-    def _update(self, batch: SchedulerOutput, sampled: list[Sequence],
-                result: Optional[SamplerOutput],
-                dumps: list[tuple[int, str]]) -> list[RequestOutput]:
-        self.scheduler.after_step(batch)
-        if dumps:
+    def _collect(self, fl: Optional[_StepInFlight] = None) -> list[RequestOutput]:
+        """Take the oldest running step's result (``fl``, or the one in flight): fill in its
+        tokens, detokenize, check stops."""
+        if fl is None:
+            fl, self._in_flight = self._in_flight, None
+        result = self.runner.collect()
+        if fl.dumps:
             out_dir = Path(self.args.dump_logits)
             out_dir.mkdir(parents=True, exist_ok=True)
-            for k, (_, name) in enumerate(dumps):
+            for k, (_, name) in enumerate(fl.dumps):
                 np.save(out_dir / name, result.dump_logits[k])
         self.stats.num_steps += 1
         now = time.time()
         touched: dict[str, None] = {}
-        for row, seq in enumerate(sampled):
+        generated = 0
+        for row, seq in enumerate(fl.sampled):
+            if seq.status.finished:         # ended while the step ran (stop, abort, error)
+                continue
+            generated += 1
             if seq.pending_children:
                 self.scheduler.fork(seq)
             token = int(result.token_ids[row])
-            seq.output_token_ids.append(token)
+            at = fl.pending_at[row]
+            if at < 0:
+                seq.output_token_ids.append(token)
+            else:
+                seq.output_token_ids[at] = token
+                seq.num_pending_tokens -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
@@ -338,10 +416,11 @@ class LLMEngine:
             status = self._check_stop(seq, token)
             if status is not None:
                 seq.detokenizer.flush()
+                seq.drop_pending()
                 self.scheduler.finish(seq, status)
                 seq.finished_time = now
             touched[seq.request_id] = None
-        self.stats.num_generation_tokens += len(sampled)
+        self.stats.num_generation_tokens += generated
         outputs = []
         for rid in touched:
             out = self._request_output(self.requests[rid])
@@ -379,7 +458,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
         p = seq.params
-        n_out = len(seq.output_token_ids)
+        n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.stop_reason = None
@@ -390,7 +469,7 @@ class LLMEngine:
             if seq.detokenizer.stop_reason is not None:
                 seq.stop_reason = seq.detokenizer.stop_reason
                 return SequenceStatus.FINISHED_STOPPED
-        if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= seq.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -406,10 +485,11 @@ class LLMEngine:
         for i, s in enumerate(req.seqs):
             text = s.detokenizer.output_text
             t0, c0 = (req.sent_tokens[i], req.sent_text[i]) if delta else (0, 0)
-            req.sent_tokens[i], req.sent_text[i] = len(s.output_token_ids), len(text)
+            known = s.num_output_tokens
+            req.sent_tokens[i], req.sent_text[i] = known, len(text)
             want_lp = s.params.logprobs is not None
             outs.append(CompletionOutput(
-                index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:],
+                index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:known],
                 cumulative_logprob=s.cumulative_logprob if want_lp else None,
                 logprobs=s.output_logprobs[t0:] if want_lp else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
@@ -480,6 +560,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with ``error`` (finish_reason "abort"), freeing all blocks."""
+        self._drain()
         outs = []
         for req in list(self.requests.values()):
             self.stats.num_aborted_requests += 1
@@ -491,6 +572,7 @@ class LLMEngine:
     def restart_runner(self) -> None:
         """Replace a dead model runner (a WorkAgent that died). Call after ``fail_all``: the
         KV cache is gone, so the block pools and the prefix cache start empty."""
+        self._in_flight = None
         try:
             self.runner.shutdown()
         except Exception:   # noqa: BLE001 - it is dead already

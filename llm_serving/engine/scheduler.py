@@ -138,6 +138,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted to make room for another
                 continue
+            if seq.finishing:      # its token from the running step is its last: nothing to do
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
@@ -167,6 +169,8 @@ class Scheduler:
 
     def _swap_in_head(self, out: SchedulerOutput, budget: int) -> bool:
         seq = self.swapped[0]
+        if seq.num_pending_tokens:        # its last token is not known yet: next step
+            return False
         if self._num_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
             return False
         n = min(seq.num_uncomputed_tokens, budget)
@@ -181,6 +185,8 @@ class Scheduler:
     def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> bool:
         bm = self.block_manager
         seq = self.waiting[0]
+        if seq.num_pending_tokens:        # preempted while its step ran: wait for its token
+            return False
         if self._num_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
             return False
         matched = bm.match_prefix(seq)
@@ -218,7 +224,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and self.running:
             head, worst = self.waiting[0], self.running[-1]
-            if worst.priority <= head.priority:
+            if worst.priority <= head.priority or head.num_pending_tokens:
                 return
             matched = bm.match_prefix(head)
             n = min(head.num_tokens - len(matched) * bm.block_size, budget)
@@ -230,9 +236,13 @@ class Scheduler:
 
     # ---- after a step ---------------------------------------------------------------------
     def after_step(self, out: SchedulerOutput) -> None:
-        """The step's tokens are computed: advance the sequences and cache their full blocks."""
+        """The step's tokens are computed (or, with async scheduling, will be before the next
+        step runs): advance the sequences and cache their full blocks. Sequences that ended
+        meanwhile are skipped. The tokens must be known by now (no placeholders)."""
         bm = self.block_manager
         for seq, n in zip(out.seqs, out.num_tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             seq.num_computed_tokens += n
             bm.register_computed(seq)
 

@@ -55,6 +55,11 @@ class Sequence:
         self.block_hashes: list[int] = []         # hash chain of the full blocks' tokens
         self.cached_uids: list[Optional[int]] = []  # prefix-cache entry per registered block
         self.num_cached_tokens = 0                # prompt tokens found in the prefix cache
+        # Async scheduling: output tokens of steps still running on the model are
+        # placeholders (-1) at the end of ``output_token_ids`` until their step is collected.
+        self.num_pending_tokens = 0
+        self.pending_row = -1                     # the latest placeholder's sampled row
+        self.finishing = False                    # its pending token is its last one
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []
         # Results.
@@ -73,6 +78,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens known so far (placeholders of running steps excluded)."""
+        return len(self.output_token_ids) - self.num_pending_tokens
+
+    def drop_pending(self) -> None:
+        """Forget the placeholders of steps still running (the sequence has ended)."""
+        if self.num_pending_tokens:
+            del self.output_token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -111,7 +111,8 @@ def unpack(buf) -> list[Optional[np.ndarray]]:
 # ---- StepInput <-> arrays ----------------------------------------------------------------
 
 _STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc",
-                "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies", "dump_rows")
+                "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies", "dump_rows",
+                "pending_pos", "pending_src")
 _BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seeds", "output_lens",
                  "num_logprobs")
@@ -177,7 +178,8 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
     width = -(-max_model_len // block_size)
     ints = (3 * max_tokens                       # ids, positions, slots
             + max_seqs * width                   # block tables
-            + 4 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows
+            + 6 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows,
+                                                 # pending positions and sources
             + 3 * 2 * num_blocks)                # swap out / in, copies (int32 pairs)
     per_row = 10 * 8 + 2 * max_model_len * 8 + 64 * 8 + 3 * 16   # params, penalties, bans
     headers = 64 * (_ARR.size + _ALIGN)

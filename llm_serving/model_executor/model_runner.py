@@ -5,6 +5,8 @@ same runner serves an in-process engine and a WorkAgent fed through shared memor
 """
 from __future__ import annotations
 
+import collections
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,6 +36,10 @@ class StepInput:
     copies: np.ndarray = field(default_factory=lambda: _NO_PAIRS)     # [K, 2] src, dst
     # Sampled rows whose raw logits are returned too (the accuracy harness, --dump-logits).
     dump_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    # Async scheduling: input_ids[pending_pos[i]] is not known to the master yet; it is the
+    # token the previous step sampled in row pending_src[i].
+    pending_pos: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    pending_src: np.ndarray = field(default_factory=lambda: _NO_ROWS)
 
 
 _NO_PAIRS = np.zeros((0, 2), np.int32)
@@ -70,6 +76,8 @@ class ModelRunner:
         self.host_caches = [self.backend.allocate_host_cache(num_cpu_blocks, block_size)
                             for _ in range(c.num_layers)] if num_cpu_blocks else []
         self.sampler = Sampler(seed=seed, always_chosen_logprob=False)
+        self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
+        self._results: collections.deque = collections.deque()   # submitted, not collected
 
     def move_blocks(self, swap_out: np.ndarray, swap_in: np.ndarray,
                     copies: np.ndarray) -> None:
@@ -102,10 +110,32 @@ class ModelRunner:
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
         self.move_blocks(step.swap_out, step.swap_in, step.copies)
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
+        if len(step.pending_pos):
+            self._fill_pending(step, rows)
         logits = self.forward(step, rows)
         if len(rows) == 0:
+            self._last_tokens = np.zeros(0, np.int32)
             return None
         dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
         out = self.sampler(logits, step.sampling)
         out.dump_logits = dump
+        self._last_tokens = out.token_ids.astype(np.int32)
         return out
+
+    def _fill_pending(self, step: StepInput, rows: np.ndarray) -> None:
+        """Async scheduling: put the previous step's samples where the master had
+        placeholders, in the input ids and at the end of penalized rows' output tokens."""
+        step.input_ids[step.pending_pos] = self._last_tokens[step.pending_src]
+        s = step.sampling
+        if s is not None and s.output_token_ids is not None:
+            for r in np.flatnonzero(s.penalized_rows):
+                out = s.output_token_ids[r]
+                if len(out) and out[-1] < 0:
+                    out[-1] = step.input_ids[rows[r]]
+
+    # The executor interface: in process, a step runs when it is submitted.
+    def submit(self, step: StepInput) -> None:
+        self._results.append(self.execute(step))
+
+    def collect(self) -> Optional[SamplerOutput]:
+        return self._results.popleft()
