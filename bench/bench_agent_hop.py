@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """What serving costs on top of the bare model, at the same batch sizes, in one run:
 - in-process: engine steps with the model in this process ("uni"), LLM.generate;
-- via WorkAgent: the model in a WorkAgent fed through shared memory ("mp");
+- via WorkAgent: the model in a WorkAgent fed through shared memory ("mp"), with the master
+  waiting for each step (sync) and with async scheduling (step N+1 handed over while the
+  agent computes step N, the server's default);
 - served: the real server (start.py) with B concurrent streaming HTTP requests.
 
 Output tokens/s of each, and the loss against in-process. llm-serving lost 38% between its
@@ -85,25 +87,27 @@ def main() -> None:
     model = args.model or ensure_tiny_model(preset="bench")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     res = {}
-    for backend in ("uni", "mp"):
+    for name, backend, overlap in (("uni", "uni", False), ("mp", "mp", False),
+                                   ("async", "mp", True)):
         llm = LLM(model, max_num_seqs=max(batches), num_blocks=4096,
-                  distributed_executor_backend=backend)
+                  distributed_executor_backend=backend, async_scheduling=overlap)
         for b in batches:
-            res[backend, b] = step_time(llm, b, args.tokens)
+            res[name, b] = step_time(llm, b, args.tokens)
         llm.engine.shutdown()
         del llm
     print(f"# master -> WorkAgent hop, {datetime.date.today()}, {platform.node()}, "
           f"{os.cpu_count()} cores\nmodel: {model}\n")
     for b in batches:
         res["http", b] = served_rate(model, b, args.tokens)
-    print("| batch | in-process step | via WorkAgent step | hop | served (HTTP) | "
-          "served vs in-process |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | in-process step | via WorkAgent, sync | hop | via WorkAgent, async "
+          "| vs in-process | served (HTTP) | served vs in-process |")
+    print("|---|---|---|---|---|---|---|---|")
     for b in batches:
-        uni, mp, http = res["uni", b], res["mp", b], res["http", b]
+        uni, mp, overlap, http = res["uni", b], res["mp", b], res["async", b], res["http", b]
         bare = b / uni
         print(f"| {b} | {uni * 1e3:.2f} ms ({bare:.0f} tok/s) | {mp * 1e3:.2f} ms | "
-              f"{(mp - uni) * 1e3:+.2f} ms | {http:.0f} tok/s | {http / bare - 1:+.1%} |")
+              f"{(mp - uni) * 1e3:+.2f} ms | {overlap * 1e3:.2f} ms | {uni / overlap - 1:+.1%} "
+              f"| {http:.0f} tok/s | {http / bare - 1:+.1%} |")
 
 
 if __name__ == "__main__":
