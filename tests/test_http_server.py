@@ -225,19 +225,39 @@ def test_oversized_body_is_refused(server):
     assert r.status_code == 413
 
 
+def _abort_count(server) -> float:
+    return sum(float(line.rsplit(" ", 1)[1])
+               for line in requests.get(server + "/metrics").text.splitlines()
+               if line.startswith('llm_serving:request_success_total{finished_reason="abort"}'))
+
+
 def test_disconnect_storm_frees_everything(server, tiny_llm):
+    """50 streaming requests: half read to the end and must be correct; a quarter hang up
+    after two lines of a long generation, a quarter before the first token. The long ones
+    would run for many seconds unless their hang-up aborts them."""
     ref = {p: greedy(tiny_llm, p, 24).text for p in PROMPTS}
     results, errors = [], []
+    aborts_before = _abort_count(server)
+    host, port = server.rsplit("/", 1)[1].split(":")
 
     def one(i):
         prompt = PROMPTS[i % len(PROMPTS)]
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": 24}}
+        long = i % 2 == 1
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 900 if long else 24}}
         try:
+            if i % 4 == 3:            # send the request, then close before any answer
+                payload = json.dumps(body).encode()
+                with socket.create_connection((host, int(port))) as sock:
+                    sock.sendall(b"POST /models/llama2/generate_stream HTTP/1.1\r\n"
+                                 b"Host: x\r\nContent-Type: application/json\r\n"
+                                 + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                                 + payload)
+                return
             with requests.post(server + "/models/llama2/generate_stream", json=body,
                                stream=True, timeout=60) as r:
                 text = ""
                 for k, line in enumerate(r.iter_lines()):
-                    if i % 2 and k == 2:
+                    if long and k == 2:
                         return                      # hang up mid-stream
                     text += json.loads(line)["data"][0]["generated_text"]
                 results.append(text == ref[prompt])
@@ -261,6 +281,9 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
         time.sleep(0.2)
     assert usage == ["llm_serving:kv_cache_usage_perc 0.0"], usage
     assert "llm_serving:time_to_first_token_seconds_count" in metrics
+    # Counted as vLLM's request_success_total{finished_reason="abort"}: at least every
+    # mid-stream hang-up (one closed before the server read it may never become a request).
+    assert _abort_count(server) - aborts_before >= 12
 
 
 def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):

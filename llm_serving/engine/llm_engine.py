@@ -41,6 +41,13 @@ _NO_ROWS = np.zeros(0, np.int32)
 _WARM_UP_ID = "__warm_up__"
 
 
+def _request_finish_reason(req) -> str:
+    """One reason per request, as vLLM counts them: abort if any sequence was aborted, else
+    stop if any stopped, else length."""
+    reasons = {s.finish_reason for s in req.seqs}
+    return next(r for r in ("abort", "stop", "length") if r in reasons)
+
+
 def _pairs(pairs: list) -> np.ndarray:
     """Block pairs from the scheduler as an int32 [K, 2] array."""
     return np.asarray(pairs, np.int32).reshape(-1, 2) if pairs else _EMPTY_PAIRS
@@ -500,6 +507,9 @@ class LLMEngine:
             metrics = self._metrics(req)
             self._finished_metrics.append(metrics)
             self.stats.num_finished_requests += 1
+            reason = _request_finish_reason(req)
+            by_reason = self.stats.finished_by_reason
+            by_reason[reason] = by_reason.get(reason, 0) + 1
         return RequestOutput(request_id=req.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outs,
                              finished=finished, metrics=metrics,
@@ -592,6 +602,7 @@ class LLMEngine:
         finished since the previous call are handed over once."""
         sch, bm, st = self.scheduler, self.block_manager, self.stats
         snap = EngineStats(**{k: v for k, v in vars(st).items() if k != "finished_requests"})
+        snap.finished_by_reason = dict(st.finished_by_reason)
         snap.num_running = len(sch.running)
         snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)
         snap.num_swapped = len(sch.swapped)

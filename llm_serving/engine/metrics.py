@@ -18,7 +18,8 @@ class EngineStats:
     cpu_cache_usage: float = 0.0    # fraction of the host swap pool in use
     # Counters, since the engine started.
     num_requests: int = 0
-    num_finished_requests: int = 0
+    num_finished_requests: int = 0  # every ending: stop, length and abort (timeouts included)
+    finished_by_reason: dict = field(default_factory=dict)   # finish reason -> requests
     num_aborted_requests: int = 0
     num_timed_out_requests: int = 0
     num_preemptions: int = 0

@@ -24,7 +24,6 @@ _COUNTERS = {
     "generation_tokens": ("num_generation_tokens", "Tokens generated"),
     "prefix_cache_queries": ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("prefix_cache_hits", "Tokens found in the prefix cache"),
-    "request_success": ("num_finished_requests", "Requests finished"),
     "request_aborted": ("num_aborted_requests", "Requests aborted"),
     "request_timeout": ("num_timed_out_requests", "Requests that timed out in the queue"),
 }
@@ -44,6 +43,10 @@ class ServerMetrics:
         self.counters = {name: Counter(P + name, doc, registry=r)
                          for name, (_, doc) in _COUNTERS.items()}
         self._last = {name: 0 for name in _COUNTERS}
+        # vLLM's: every finished request, labelled by why it ended (stop, length, abort).
+        self.success = Counter(P + "request_success", "Requests finished, by finish reason",
+                               ["finished_reason"], registry=r)
+        self._last_success: dict = {}
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token",
@@ -65,6 +68,11 @@ class ServerMetrics:
             if value > self._last[name]:
                 self.counters[name].inc(value - self._last[name])
                 self._last[name] = value
+        for reason, value in s.finished_by_reason.items():
+            last = self._last_success.get(reason, 0)
+            if value > last:
+                self.success.labels(finished_reason=reason).inc(value - last)
+                self._last_success[reason] = value
         for m in s.finished_requests:
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
                                 (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue)):
