@@ -48,8 +48,8 @@ class MultiprocExecutor:
             self.shm_in = ch.ShmSegment(ch.step_channel_bytes(
                 max_num_batched_tokens, max_num_seqs, max_model_len, block_size, num_blocks))
             held.append(self.shm_in)
-            self.shm_out = ch.ShmSegment(ch.result_channel_bytes(max_num_seqs,
-                                                                 dump_vocab=dump_vocab))
+            self.shm_out = ch.ShmSegment(ch.result_channel_bytes(
+                max_num_seqs, dump_vocab=dump_vocab, max_tokens=max_num_batched_tokens))
             held.append(self.shm_out)
             ours, theirs = socket.socketpair()
             held += [ours, theirs]
