@@ -169,6 +169,107 @@ def test_n_logprobs_stop_and_seed(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def _check_echo_logprobs(lp, text, prompt_ids, gen_ids):
+    """OpenAI's logprobs object over the echoed prompt then the completion: the first prompt
+    token has null logprob and top_logprobs, and text_offset indexes the echoed text."""
+    n_prompt = len(prompt_ids)
+    total = n_prompt + len(gen_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == total
+    assert len(lp.text_offset) == total
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(t) for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for tok, off in zip(lp.tokens[1:n_prompt], lp.text_offset[1:n_prompt]):
+        assert text.startswith(tok, off), (tok, off, text)
+    if gen_ids:
+        assert lp.text_offset[n_prompt] == text.index(lp.tokens[n_prompt], len(text) - len(
+            "".join(lp.tokens[n_prompt:])))
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, tiny_llm):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0 or 1, on
+    token-id prompts; and plain echo on text prompts, with n > 1 and several prompts."""
+    tok = tiny_llm.get_tokenizer()
+    prompt = PROMPTS[1]
+    ids = tok.encode(prompt)
+    ref = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=2,
+                                                   prompt_logprobs=2))[0]
+    gen = ref.outputs[0]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                  echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == prompt + gen.text
+    _check_echo_logprobs(c.logprobs, c.text, ids, gen.token_ids)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(
+        [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+        + [e[t].logprob for e, t in zip(gen.logprobs, gen.token_ids)], abs=1e-5)
+    assert c.logprobs.text_offset[len(ids)] == len(prompt)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(gen.token_ids)
+
+    # Token-id prompts, max_tokens 0 (only the prompt) and 1; the text is the decoded prompt.
+    other = tok.encode(PROMPTS[2])
+    for max_tokens in (0, 1):
+        r = client.completions.create(model="tiny", prompt=[ids, other], max_tokens=max_tokens,
+                                      temperature=0, echo=True, logprobs=1)
+        assert len(r.choices) == 2
+        for c, p in zip(r.choices, [ids, other]):
+            text = tok.decode(p)
+            assert c.text.startswith(text) and (max_tokens or c.text == text)
+            got = c.logprobs.token_logprobs
+            assert len(got) == len(p) + max_tokens and got[0] is None
+            _check_echo_logprobs(c.logprobs, c.text, p, [0] * max_tokens)
+            assert c.finish_reason == "length"
+        assert r.usage.completion_tokens == 2 * max_tokens
+    # lm-eval reads the prompt's scores and greedy-ness from these fields.
+    assert got[1:len(other)] == pytest.approx(
+        [e[t].logprob for e, t in zip(tiny_llm.generate(
+            {"prompt_token_ids": other}, SamplingParams(max_tokens=1, prompt_logprobs=1)
+        )[0].prompt_logprobs[1:], other[1:])], abs=1e-5)
+
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=5, n=2,
+                                  temperature=0.8, seed=3, echo=True)
+    assert len(r.choices) == 4
+    for c in r.choices:
+        assert c.text.startswith(PROMPTS[c.index // 2]) and c.logprobs is None
+
+
+def test_streaming_echo_sends_the_prompt_first(client, tiny_llm):
+    prompt = PROMPTS[0]
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                      echo=True, logprobs=1)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                       echo=True, logprobs=1, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(prompt)
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    joined = {f: [v for c in chunks for v in getattr(c.logprobs, f)]
+              for f in ("tokens", "token_logprobs", "text_offset")}
+    for f in ("tokens", "token_logprobs"):
+        assert joined[f] == getattr(whole.choices[0].logprobs, f), f
+    # The prompt's offsets and the completion's start are the same; later generated tokens
+    # are placed as before echo existed (at their chunk's start when streamed).
+    n_prompt = len(tiny_llm.get_tokenizer().encode(prompt))
+    assert joined["text_offset"][:n_prompt + 1] == \
+        whole.choices[0].logprobs.text_offset[:n_prompt + 1]
+    assert joined["text_offset"][n_prompt] == len(prompt)
+    only = list(client.completions.create(model="tiny", prompt=[prompt, prompt], n=2,
+                                          max_tokens=0, echo=True, stream=True))
+    texts = {c.choices[0].index: c.choices[0].text for c in only if c.choices}
+    assert texts == {i: prompt for i in range(4)}
+    assert all(c.choices[0].finish_reason == "length" for c in only if c.choices)
+
+
+def test_suffix_and_max_tokens_0_without_echo_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", suffix="y")
+    assert "suffix" in e.value.message and "not supported" in e.value.message
+    assert e.value.param == "suffix"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert e.value.param == "max_tokens"
+
+
 def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
     body = {"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 12, "do_sample": "False",
                                                  "return_full_text": "True"}}

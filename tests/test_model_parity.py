@@ -118,3 +118,102 @@ def test_mindformers_ckpt_gives_same_logits_as_safetensors(model_dirs, hf_refere
     prompts, ref_logits, _ = hf_reference[name]
     np.testing.assert_allclose(_prefill_logits(llm, [prompts[4]])[0], ref_logits[4], atol=5e-3,
                                rtol=0)
+
+
+# ---- prompt logprobs (SamplingParams.prompt_logprobs) against HF's log_softmax --------------
+
+PROMPT_LP_LENS = [1, 2, 30, 150]
+PROMPT_LP_K = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_logprobs(tiny_model_dir):
+    """The tiny model's prompts and HF's log_softmax over each prompt position."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                              dtype=torch.float32).eval()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 1024, n).tolist() for n in PROMPT_LP_LENS]
+    with torch.no_grad():
+        ref = [torch.log_softmax(model(torch.tensor([p])).logits[0], -1).numpy()
+               for p in prompts]
+    return prompts, ref
+
+
+def _check_prompt_logprobs(out, prompt, ref, k=PROMPT_LP_K):
+    """vLLM's shape (None, then per token its own Logprob and the top-k) and HF's numbers."""
+    pl = out.prompt_logprobs
+    assert len(pl) == len(prompt) and pl[0] is None
+    for i in range(1, len(prompt)):
+        row, tok, entry = ref[i - 1], prompt[i], pl[i]
+        np.testing.assert_allclose(entry[tok].logprob, row[tok], atol=1e-4, rtol=0)
+        assert entry[tok].rank == int(np.count_nonzero(row >= row[tok]))
+        top = np.argsort(-row)[:k]
+        assert list(entry)[0] == tok                          # the prompt token first
+        rest = [t for t in entry if t != tok or entry[t].rank <= k]
+        assert sorted(rest, key=lambda t: entry[t].rank) == top.tolist()
+        np.testing.assert_allclose([entry[t].logprob for t in top], row[top], atol=1e-4, rtol=0)
+        assert len(entry) == k + (tok not in top)
+
+
+@pytest.mark.parametrize("budget", [2048, 24])
+def test_prompt_logprobs_match_hf_log_softmax(tiny_model_dir, tiny_hf_logprobs, budget):
+    """Whole prompts in one step, and (budget 24) split over several prefill chunks that share
+    steps with other requests' decodes; n > 1 and a request without them in the same batch."""
+    from llm_serving import LLM
+    prompts, ref = tiny_hf_logprobs
+    llm = LLM(tiny_model_dir, num_blocks=256, block_size=16, max_num_batched_tokens=budget)
+    params = [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=PROMPT_LP_K),
+              SamplingParams(max_tokens=6, n=2, seed=3, prompt_logprobs=PROMPT_LP_K),
+              SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=PROMPT_LP_K,
+                             logprobs=2)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, out in enumerate(outs):
+        if params[i].prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            _check_prompt_logprobs(out, prompts[i], ref[i])
+    # Only k=0: the prompt token's own logprob.
+    zero = llm.generate({"prompt_token_ids": prompts[2]},
+                        SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert all(len(e) == 1 for e in zero.prompt_logprobs[1:])
+    np.testing.assert_allclose([zero.prompt_logprobs[i][t].logprob
+                                for i, t in enumerate(prompts[2]) if i],
+                               ref[2][np.arange(len(prompts[2]) - 1), prompts[2][1:]],
+                               atol=1e-4, rtol=0)
+
+
+def test_prompt_logprobs_with_prefix_caching_and_preemption(tiny_model_dir, tiny_hf_logprobs):
+    """A request asking for prompt logprobs computes the rows another request cached; one
+    preempted (recompute) in the middle of its chunked prompt keeps what it scored and
+    reuses only those cached blocks."""
+    from llm_serving import LLM
+    from llm_serving.engine.scheduler import SchedulerOutput
+    prompts, ref = tiny_hf_logprobs
+    prompt = {"prompt_token_ids": prompts[3]}
+    llm = LLM(tiny_model_dir, num_blocks=256, block_size=16, max_num_batched_tokens=40,
+              enable_prefix_caching=True)
+    plain = llm.generate(prompt, SamplingParams(max_tokens=2))[0]
+    assert plain.prompt_logprobs is None
+    cached = llm.generate(prompt, SamplingParams(max_tokens=2))[0]
+    assert cached.num_cached_tokens == 144                  # the cache holds the prefix
+    scored = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=PROMPT_LP_K))[0]
+    assert scored.num_cached_tokens == 0                    # ... but these rows are computed
+    _check_prompt_logprobs(scored, prompts[3], ref[3])
+
+    eng = llm.engine
+    eng.block_manager.reset()                               # forget the cached prefix
+    hits = eng.block_manager.prefix_hits
+    rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                 prompt_logprobs=PROMPT_LP_K))
+    seq = eng.requests[rid].seqs[0]
+    eng.step()
+    eng.step()                                              # two 40-token chunks
+    assert len(seq.prompt_logprobs) == 81
+    eng.scheduler._preempt(seq, SchedulerOutput())          # recompute: its KV is dropped
+    assert seq.num_computed_tokens == 0
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    _check_prompt_logprobs(outs[-1], prompts[3], ref[3])
+    assert eng.block_manager.prefix_hits - hits == 80       # it reused the 5 blocks it scored

@@ -24,17 +24,21 @@ def our_segments() -> set[str]:
 
 def workload():
     # Every part of a step crosses the channel: penalties (token lists), min_tokens (banned
-    # ids), logprobs (top-k results), seeds, n > 1, and swap preemption (block moves).
-    return [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+    # ids), logprobs (top-k results), prompt logprobs (the largest k, and k = 0), seeds,
+    # n > 1, and swap preemption (block moves).
+    return [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3,
+                           prompt_logprobs=20),
             SamplingParams(temperature=0.9, seed=5, max_tokens=24, repetition_penalty=1.3,
                            frequency_penalty=0.5, presence_penalty=0.2),
-            SamplingParams(temperature=0.7, seed=9, n=2, max_tokens=24, min_tokens=10),
+            SamplingParams(temperature=0.7, seed=9, n=2, max_tokens=24, min_tokens=10,
+                           prompt_logprobs=0),
             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 3
 
 
 def run(llm):
     outs = llm.generate(PROMPTS, workload())
-    return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+    return [([(c.token_ids, c.cumulative_logprob) for c in o.outputs], o.prompt_logprobs)
+            for o in outs]
 
 
 def test_agent_process_gives_the_same_outputs_and_cleans_up(tiny_model_dir):
@@ -52,6 +56,8 @@ def test_agent_process_gives_the_same_outputs_and_cleans_up(tiny_model_dir):
     got = run(llm)
     assert llm.engine.get_stats().num_swap_preemptions > 0
     assert got == ref
+    assert len(ref[0][1]) == len(llm.get_tokenizer().encode(PROMPTS[0])) and ref[0][1][0] is None
+    assert all(len(e) >= 20 for e in ref[0][1][1:]) and all(len(e) == 1 for e in ref[2][1][1:])
     llm.engine.shutdown()
     assert agent.wait(10) == 0
     assert not mine & our_segments()
@@ -78,3 +84,26 @@ def test_an_agent_that_cannot_load_names_the_reason(tiny_model_dir, tmp_path):
         LLM(tiny_model_dir, num_blocks=64, distributed_executor_backend="mp",
             checkpoint=str(tmp_path / "nothing.ckpt"))
     assert our_segments() == before
+
+
+def test_result_channel_holds_a_step_of_prompt_logprobs_at_the_largest_k():
+    """The result segment is sized from max_num_batched_tokens and the largest k: a step
+    whose every row scores a prompt token with 20 alternatives fits; far more rows do not."""
+    import numpy as np
+    from llm_serving.executor import shm_channel as ch
+    from llm_serving.model_executor.layers.sampler import SamplerOutput
+    seqs, tokens, k = 16, 512, 20
+
+    def result(rows):
+        return SamplerOutput(
+            np.zeros(seqs, np.int64), np.zeros(seqs, np.float32), np.zeros((seqs, k), np.int64),
+            np.zeros((seqs, k), np.float32), np.zeros(seqs, np.int64),
+            prompt_logprobs=np.zeros(rows, np.float32), prompt_ranks=np.zeros(rows, np.int64),
+            prompt_top_token_ids=np.zeros((rows, k), np.int64),
+            prompt_top_logprobs=np.zeros((rows, k), np.float32))
+    buf = bytearray(ch.result_channel_bytes(seqs, max_tokens=tokens))
+    ch.pack(buf, ch.result_to_arrays(result(tokens)))
+    back = ch.result_from_arrays(ch.unpack(buf))
+    assert back.prompt_top_token_ids.shape == (tokens, k)
+    with pytest.raises(ch.ChannelFullError):
+        ch.pack(buf, ch.result_to_arrays(result(tokens + 400)))

@@ -94,8 +94,10 @@ def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
             token_ids=[t for p in parts for t in p.token_ids],
             cumulative_logprob=final.cumulative_logprob, logprobs=logprobs,
             finish_reason=final.finish_reason, stop_reason=final.stop_reason))
+    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None),
+                           None)          # delta outputs carry them once, in the first
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged,
-                         last.finished, last.prompt_logprobs, last.metrics,
+                         last.finished, prompt_logprobs, last.metrics,
                          last.num_cached_tokens, last.error)
 
 

@@ -144,12 +144,17 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the start of the sequence's tokens (not yet taken).
 
-        At least one token is always left to compute, since its logits are needed.
+        At least one token is always left to compute, since its logits are needed. So are
+        the rows whose prompt logprobs are still to be computed: a request that asks for them
+        reuses only the blocks before its first unscored prompt token.
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs
+        scored = seq.prompt_logprobs
+        if scored is not None and len(scored) < len(seq.prompt_token_ids):
+            limit = min(limit, (len(scored) - 1) // bs)
         self._ensure_hashes(seq, limit)
         matched: list[int] = []
         parent_uid = None

@@ -68,7 +68,8 @@ class NewRequest:
 
 class _Request:
     """One request: its n sequences and what has been streamed of each."""
-    __slots__ = ("request_id", "seqs", "kind", "sent_tokens", "sent_text", "error")
+    __slots__ = ("request_id", "seqs", "kind", "sent_tokens", "sent_text", "error",
+                 "sent_prompt_logprobs")
 
     def __init__(self, request_id: str, seqs: list[Sequence], kind: RequestOutputKind):
         self.request_id = request_id
@@ -77,6 +78,7 @@ class _Request:
         self.sent_tokens = [0] * len(seqs)
         self.sent_text = [0] * len(seqs)
         self.error: Optional[str] = None
+        self.sent_prompt_logprobs = False
 
     @property
     def finished(self) -> bool:
@@ -145,6 +147,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._finished_metrics: collections.deque = collections.deque(
             maxlen=_MAX_FINISHED_METRICS)
+        self._token_texts: dict[int, str] = {}      # single-token decodes (at most the vocab)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -225,6 +228,8 @@ class LLMEngine:
             seqs.append(seq)
         # Only the first sequence computes the prompt; the others fork from it.
         seqs[0].pending_children = seqs[1:]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None]
         self.scheduler.add(seqs[0])
         self.requests[new.request_id] = _Request(new.request_id, seqs, params.output_kind)
         self.stats.num_requests += 1
@@ -356,8 +361,10 @@ class LLMEngine:
             sampled.append(seq)
             sampled.extend(children)
             sample_rows.extend([i] * (1 + len(children)))
+        prompt_lens = self._prompt_lens(batch.seqs)
         self.stats.num_prefill_tokens += int(qsl[-1]) - int(np.count_nonzero(
-            (n == 1) & (starts == totals - 1) & (totals > self._prompt_lens(batch.seqs))))
+            (n == 1) & (starts == totals - 1) & (totals > prompt_lens)))
+        prompt_lp = self._plan_prompt_logprobs(batch, starts, n, qsl, prompt_lens)
         sampling = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_token_ids for s in sampled],
             [s.output_token_ids for s in sampled], self.eos_token_ids) if sampled else None
@@ -367,8 +374,34 @@ class LLMEngine:
                          sampling, swap_out=_pairs(batch.swap_out),
                          swap_in=_pairs(batch.swap_in), copies=_pairs(batch.copies),
                          dump_rows=np.asarray([r for r, _ in dumps], np.int32),
-                         pending_pos=pending_pos.astype(np.int32), pending_src=pending_src)
+                         pending_pos=pending_pos.astype(np.int32), pending_src=pending_src,
+                         **prompt_lp)
         return step, sampled, dumps
+
+    @staticmethod
+    def _plan_prompt_logprobs(batch: SchedulerOutput, starts, n, qsl, prompt_lens) -> dict:
+        """The StepInput fields of the prompt rows to score this step, planned in
+        ``batch.prompt_logprobs``. Row p of a sequence that asked for prompt logprobs scores
+        prompt token p + 1; rows scored before (a recompute after preemption) are skipped.
+        Only sequences still in their prompt are looked at."""
+        rows, ids, ks = [], [], []
+        for i in np.flatnonzero(starts < prompt_lens - 1).tolist():
+            seq = batch.seqs[i]
+            scored = seq.prompt_logprobs
+            if scored is None:
+                continue
+            first = max(int(starts[i]), len(scored) - 1)
+            end = min(int(starts[i] + n[i]), int(prompt_lens[i]) - 1)
+            if end <= first:
+                continue
+            batch.prompt_logprobs.append((seq, first + 1, end - first))
+            rows.append(np.arange(first, end, dtype=np.int32) + (qsl[i] - starts[i]))
+            ids.append(np.asarray(seq.prompt_token_ids[first + 1:end + 1], np.int32))
+            ks.append(np.full(end - first, seq.params.prompt_logprobs, np.int32))
+        if not rows:
+            return {}
+        return dict(prompt_lp_rows=np.concatenate(rows), prompt_lp_token_ids=np.concatenate(ids),
+                    prompt_lp_k=np.concatenate(ks))
 
     def _dump_plan(self, sampled: list[Sequence]) -> list[tuple[int, str]]:
         """(sampled row, file name) for the rows whose logits are saved this step. Names come
@@ -398,6 +431,8 @@ class LLMEngine:
             out_dir.mkdir(parents=True, exist_ok=True)
             for k, (_, name) in enumerate(fl.dumps):
                 np.save(out_dir / name, result.dump_logits[k])
+        if fl.batch.prompt_logprobs:
+            self._record_prompt_logprobs(fl.batch.prompt_logprobs, result)
         self.stats.num_steps += 1
         now = time.time()
         touched: dict[str, None] = {}
@@ -463,6 +498,36 @@ class LLMEngine:
                                          self.tokenizer.decode([tid], skip_special_tokens=False))
         seq.output_logprobs.append(entry)
 
+    def _record_prompt_logprobs(self, plan: list, r: SamplerOutput) -> None:
+        """Append the step's prompt logprobs to their sequences: per prompt token, a dict of
+        the token itself, then the top-k by rank (vLLM's shape)."""
+        lps, ranks = r.prompt_logprobs.tolist(), r.prompt_ranks.tolist()
+        top_ids, top_lps = r.prompt_top_token_ids.tolist(), r.prompt_top_logprobs.tolist()
+        text = self._token_text
+        row = 0
+        for seq, first, count in plan:
+            scored, k = seq.prompt_logprobs, seq.params.prompt_logprobs
+            # Rows are planned from what was recorded when the step was built; with async
+            # scheduling a step planned before the previous one was collected may score rows
+            # again (a preempted prompt re-admitted at once): keep the first scores.
+            again = len(scored) - first
+            assert again >= 0, "prompt logprobs must be recorded in order"
+            row += min(again, count)
+            for tid in seq.prompt_token_ids[first + again:first + count]:
+                entry = {tid: Logprob(lps[row], ranks[row], text(tid))}
+                for rank, (t, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), 1):
+                    if t not in entry:
+                        entry[t] = Logprob(lp, rank, text(t))
+                scored.append(entry)
+                row += 1
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
     def _check_stop(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
         p = seq.params
         n_out = seq.num_output_tokens
@@ -501,6 +566,11 @@ class LLMEngine:
                 logprobs=s.output_logprobs[t0:] if want_lp else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         first = req.seqs[0]
+        prompt_lp = first.prompt_logprobs
+        if prompt_lp is not None and (len(prompt_lp) < len(first.prompt_token_ids)
+                                      or (delta and req.sent_prompt_logprobs)):
+            prompt_lp = None          # not all scored yet (an abort), or sent already (delta)
+        req.sent_prompt_logprobs |= prompt_lp is not None
         metrics = None
         if finished:
             del self.requests[req.request_id]
@@ -512,7 +582,7 @@ class LLMEngine:
             by_reason[reason] = by_reason.get(reason, 0) + 1
         return RequestOutput(request_id=req.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outs,
-                             finished=finished, metrics=metrics,
+                             finished=finished, prompt_logprobs=prompt_lp, metrics=metrics,
                              num_cached_tokens=first.num_cached_tokens, error=req.error)
 
     @staticmethod

@@ -42,6 +42,9 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
     preempted: list[Sequence] = field(default_factory=list)
     timed_out: list[Sequence] = field(default_factory=list)
+    # Filled by the engine's step builder: (sequence, first prompt token, count) whose prompt
+    # logprobs this step computes, in the order of StepInput.prompt_lp_rows.
+    prompt_logprobs: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

@@ -63,6 +63,9 @@ class Sequence:
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []
         # Results.
+        # Prompt logprobs (vLLM's shape: None, then one dict per prompt token) when asked:
+        # set on the sequence that computes the prompt, filled as its prefill chunks run.
+        self.prompt_logprobs: Optional[list] = None
         self.output_logprobs: list = []
         self.cumulative_logprob = 0.0
         self.stop_reason = None

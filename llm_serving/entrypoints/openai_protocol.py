@@ -38,7 +38,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -48,14 +49,15 @@ class _SamplingFields(BaseModel):
             top_k=0 if self.top_k is None else self.top_k, min_p=self.min_p, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)     # 0 only with echo (checked by the route)
     logprobs: Optional[int] = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=1)

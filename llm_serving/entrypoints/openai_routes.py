@@ -15,6 +15,7 @@ from llm_serving.entrypoints.api_server import (HTTPError, ServerState, log_requ
                                                 translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
+from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.outputs import RequestOutput
 
 router = APIRouter()
@@ -76,16 +77,20 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             await s.aclose()
 
 
-async def _collect(request: Request, streams, n: int) -> tuple[dict, int]:
+async def _collect(request: Request, streams, n: int,
+                   echo: Optional["_Echo"] = None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
-    tokens. A client that leaves first aborts the requests (HTTPError 499)."""
+    tokens; ``echo`` sees every output. A client that leaves first aborts the requests
+    (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
     async for i, out in stream_or_disconnect(request, _merge(streams)):
         if out.error:
             raise HTTPError(503, out.error, kind="service_unavailable")
         prompt_tokens[i] = len(out.prompt_token_ids)
+        if echo is not None:
+            echo.see(i, out)
         for c in out.outputs:
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
                                                       "finish": None})
@@ -112,8 +117,12 @@ def _sse(obj) -> bytes:
 
 # ---- completions -------------------------------------------------------------------------
 
-def _completion_logprobs(entries, text_offset: int, k: int) -> dict:
+def _completion_logprobs(entries, text_offset: int, k: int, prompt: Optional[dict] = None
+                         ) -> dict:
+    """OpenAI's logprobs object of generated tokens, after the echoed prompt's if given."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if prompt is not None:
+        out = {key: list(v) for key, v in prompt.items()}
     for entry in entries:
         lp = next(iter(entry.values()))          # the chosen token comes first
         text = lp.decoded_token or ""
@@ -125,20 +134,82 @@ def _completion_logprobs(entries, text_offset: int, k: int) -> dict:
     return out
 
 
+class _Echo:
+    """``echo``: each prompt's text, and with ``logprobs`` its tokens' logprobs object (the
+    first token's logprob null), built once per prompt and shared by its n choices."""
+
+    def __init__(self, tokenizer, k: Optional[int], skip_special_tokens: bool):
+        self.tok, self.k, self.skip = tokenizer, k, skip_special_tokens
+        self._outs: dict[int, RequestOutput] = {}   # prompt index -> its first output
+        self._scored: dict[int, list] = {}          # prompt index -> its prompt logprobs
+        self._done: dict[int, tuple[str, Optional[dict]]] = {}
+
+    def see(self, i: int, out: RequestOutput) -> None:
+        """Every output of prompt i (the prompt logprobs come once, in the first)."""
+        self._outs.setdefault(i, out)
+        if out.prompt_logprobs is not None:
+            self._scored.setdefault(i, out.prompt_logprobs)
+
+    def prompt(self, i: int) -> tuple[str, Optional[dict]]:
+        """Prompt i's text (a token-id prompt decoded) and logprobs object (None without
+        logprobs), once an output of it was seen. Text offsets index that text."""
+        if i not in self._done:
+            out = self._outs[i]
+            ids = out.prompt_token_ids
+            text = out.prompt if out.prompt is not None else \
+                self.tok.decode(ids, skip_special_tokens=self.skip)
+            lp = None
+            if self.k is not None:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                      "text_offset": _text_offsets(self.tok, ids, self.skip, len(text))}
+                scored = self._scored.get(i) or [None] * len(ids)
+                for tid, entry in zip(ids, scored):
+                    chosen = entry.get(tid) if entry is not None else None
+                    lp["tokens"].append(chosen.decoded_token if chosen is not None
+                                        else self.tok.decode([tid], skip_special_tokens=False))
+                    lp["token_logprobs"].append(None if chosen is None else chosen.logprob)
+                    lp["top_logprobs"].append(None if entry is None
+                                              else dict(_top(entry, self.k)))
+            self._done[i] = (text, lp)
+        return self._done[i]
+
+
+def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) -> list[int]:
+    """Where each token's text starts in the decoded text of ``ids`` (capped at ``limit``):
+    a skipped special token takes no room, a character split over byte tokens starts where
+    its first token does."""
+    detok = IncrementalDetokenizer(tok, (), skip_special_tokens=skip_special_tokens)
+    offsets, pos = [], 0
+    for tid in ids:
+        offsets.append(min(pos, limit))
+        pos += len(detok.step([tid]))
+    return offsets
+
+
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
-    if req.echo or req.suffix:
-        raise HTTPError(400, "echo and suffix are not supported", param="echo")
+    if req.suffix:
+        raise HTTPError(400, "suffix is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise HTTPError(400, "max_tokens: Input should be greater than or equal to 1 "
+                        "(0 only with echo, to score the prompt)", param="max_tokens")
     p = req.prompt
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         p = [p]
     if not p:
         raise HTTPError(400, "prompt: must not be empty", param="prompt")
     prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in p]
+    # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
+    # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
+    echo_only = req.echo and req.max_tokens == 0
+    echo = _Echo(state.require_engine().tokenizer, req.logprobs,
+                 req.skip_special_tokens) if req.echo else None
     try:
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(
+            1 if echo_only else req.max_tokens, None if echo_only else req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo else None)
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("cmpl")
@@ -160,19 +231,29 @@ async def completions(req: CompletionRequest, request: Request):
                         yield _sse({"error": {"message": out.error, "type": "service_unavailable",
                                               "code": 503}})
                         continue
+                    if echo is not None:
+                        echo.see(i, out)
                     for c in out.outputs:
-                        if not c.text and not c.token_ids and c.finish_reason is None:
-                            continue
                         idx = i * n + c.index
-                        completion_tokens += len(c.token_ids)
+                        text, entries, ntok = (("", [], 0) if echo_only else
+                                               (c.text, c.logprobs or [], len(c.token_ids)))
+                        start = offsets.get(idx, 0)        # where this chunk's text begins
+                        gen_start, prompt_lp = start, None
+                        if echo is not None and idx not in offsets:    # the choice's first chunk
+                            prompt_text, prompt_lp = echo.prompt(i)
+                            text = prompt_text + text
+                            gen_start = len(prompt_text)
+                        elif not text and not ntok and c.finish_reason is None:
+                            continue
+                        completion_tokens += ntok
                         lp = None
-                        if c.logprobs is not None:
-                            lp = _completion_logprobs(c.logprobs, offsets.get(idx, 0),
-                                                      req.logprobs)
-                        offsets[idx] = offsets.get(idx, 0) + len(c.text)
+                        if req.logprobs is not None:
+                            lp = _completion_logprobs(entries, gen_start, req.logprobs,
+                                                      prompt_lp)
+                        offsets[idx] = start + len(text)
                         chunk = {"id": rid, "object": "text_completion", "created": created,
                                  "model": model,
-                                 "choices": [{"index": idx, "text": c.text, "logprobs": lp,
+                                 "choices": [{"index": idx, "text": text, "logprobs": lp,
                                               "finish_reason": _finish_reason(c.finish_reason)}]}
                         if include_usage:
                             chunk["usage"] = None
@@ -188,11 +269,19 @@ async def completions(req: CompletionRequest, request: Request):
                 log_request(rid, sum(prompt_tokens.values()), completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    choices, prompt_tokens = await _collect(request, streams, n)
+    choices, prompt_tokens = await _collect(request, streams, n, echo)
+    for idx, ch in choices.items():
+        prompt_text, prompt_lp = "", None
+        if echo_only:
+            ch.update(text="", ids=0, lp=[])
+        if echo is not None:
+            prompt_text, prompt_lp = echo.prompt(idx // n)
+        ch["logprobs"] = (None if req.logprobs is None else
+                          _completion_logprobs(ch["lp"], len(prompt_text), req.logprobs,
+                                               prompt_lp))
+        ch["text"] = prompt_text + ch["text"]
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": idx, "text": ch["text"],
-                         "logprobs": (_completion_logprobs(ch["lp"], 0, req.logprobs)
-                                      if req.logprobs is not None else None),
+            "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
                          "finish_reason": _finish_reason(ch["finish"])}
                         for idx, ch in choices.items()],
             "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()))}

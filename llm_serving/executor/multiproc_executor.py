@@ -52,7 +52,8 @@ class MultiprocExecutor:
         try:
             in_bytes = ch.step_channel_bytes(max_num_batched_tokens, max_num_seqs, max_model_len,
                                              block_size, num_blocks)
-            out_bytes = ch.result_channel_bytes(max_num_seqs, dump_vocab=dump_vocab)
+            out_bytes = ch.result_channel_bytes(max_num_seqs, dump_vocab=dump_vocab,
+                                                max_tokens=max_num_batched_tokens)
             self.shm_in, self.shm_out = [], []
             for _ in range(2):            # step n uses segment n % 2 in each direction
                 self.shm_in.append(ch.ShmSegment(in_bytes))

@@ -21,6 +21,7 @@ import numpy as np
 
 from llm_serving.model_executor.layers.sampler import SamplerOutput, SamplingBatch
 from llm_serving.model_executor.model_runner import StepInput
+from llm_serving.sampling_params import MAX_LOGPROBS
 
 SHM_PREFIX = "llm_serving_"
 _ALIGN = 64
@@ -112,7 +113,8 @@ def unpack(buf) -> list[Optional[np.ndarray]]:
 
 _STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc",
                 "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies", "dump_rows",
-                "pending_pos", "pending_src")
+                "pending_pos", "pending_src", "prompt_lp_rows", "prompt_lp_token_ids",
+                "prompt_lp_k")
 _BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seeds", "output_lens",
                  "num_logprobs")
@@ -155,7 +157,8 @@ def step_from_arrays(arrays: list[Optional[np.ndarray]]) -> StepInput:
 
 
 _RESULT_FIELDS = ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "ranks",
-                  "dump_logits")
+                  "dump_logits", "prompt_logprobs", "prompt_ranks", "prompt_top_token_ids",
+                  "prompt_top_logprobs")
 
 
 def result_to_arrays(result: Optional[SamplerOutput]) -> list[Optional[np.ndarray]]:
@@ -176,7 +179,7 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
                        num_blocks: int) -> int:
     """An upper bound on one packed StepInput under the engine's limits."""
     width = -(-max_model_len // block_size)
-    ints = (3 * max_tokens                       # ids, positions, slots
+    ints = (6 * max_tokens                       # ids, positions, slots, prompt logprob rows
             + max_seqs * width                   # block tables
             + 6 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows,
                                                  # pending positions and sources
@@ -186,7 +189,11 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
     return 4 * ints + max_seqs * per_row + headers + (1 << 16)
 
 
-def result_channel_bytes(max_seqs: int, max_logprobs: int = 20, dump_vocab: int = 0) -> int:
-    """An upper bound on one packed SamplerOutput; ``dump_vocab`` > 0 when logits are dumped."""
+def result_channel_bytes(max_seqs: int, max_logprobs: int = MAX_LOGPROBS, dump_vocab: int = 0,
+                         max_tokens: int = 0) -> int:
+    """An upper bound on one packed SamplerOutput; ``dump_vocab`` > 0 when logits are dumped;
+    ``max_tokens`` (tokens per step) bounds the prompt logprob rows."""
     per_row = 8 + 4 + 8 + max_logprobs * 12 + 4 * dump_vocab
-    return max_seqs * per_row + 8 * (_ARR.size + _ALIGN) + (1 << 12)
+    per_prompt_row = 4 + 8 + max_logprobs * 12
+    return (max_seqs * per_row + max_tokens * per_prompt_row
+            + len(_RESULT_FIELDS) * (_ARR.size + _ALIGN) + (1 << 12))

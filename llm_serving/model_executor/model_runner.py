@@ -40,10 +40,17 @@ class StepInput:
     # token the previous step sampled in row pending_src[i].
     pending_pos: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     pending_src: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    # Prompt logprobs (SamplingParams.prompt_logprobs): token rows whose logits score the next
+    # prompt token, that token, and how many top alternatives its request asked for.
+    prompt_lp_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)       # int32 [R]
+    prompt_lp_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32 [R]
+    prompt_lp_k: np.ndarray = field(default_factory=lambda: _NO_ROWS)          # int32 [R]
 
 
 _NO_PAIRS = np.zeros((0, 2), np.int32)
 _NO_ROWS = np.zeros(0, np.int32)
+# Prompt logprobs take the logits of this many bytes of rows at a time (bounded memory).
+_PROMPT_LOGITS_BYTES = 64 << 20
 
 
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1):
@@ -96,11 +103,17 @@ class ModelRunner:
 
     def forward(self, step: StepInput, rows: np.ndarray) -> np.ndarray:
         """Run the model on the step and return float32 logits for the given token rows."""
+        return self._logits(self._run(step), rows)
+
+    def _run(self, step: StepInput):
+        """The model's final hidden states for every token row of the step."""
         md = self.backend.prepare(AttentionMetadata(
             step.slot_mapping, step.block_tables, step.query_start_loc, step.seq_lens,
             self.block_size))
         with set_forward_context(ForwardContext(md, self.kv_caches, len(step.input_ids))):
-            hidden = self.model(Tensor(step.input_ids), Tensor(step.positions))
+            return self.model(Tensor(step.input_ids), Tensor(step.positions))
+
+    def _logits(self, hidden, rows: np.ndarray) -> np.ndarray:
         if len(rows) == 0:
             return np.empty((0, self.config.vocab_size), np.float32)
         if len(rows) != hidden.shape[0] or np.any(rows != np.arange(len(rows))):
@@ -112,14 +125,22 @@ class ModelRunner:
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
         if len(step.pending_pos):
             self._fill_pending(step, rows)
-        logits = self.forward(step, rows)
-        if len(rows) == 0:
+        hidden = self._run(step)
+        logits = self._logits(hidden, rows)
+        scores_prompt = len(step.prompt_lp_rows) > 0
+        if len(rows):
+            dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
+            out = self.sampler(logits, step.sampling)
+            out.dump_logits = dump
+            self._last_tokens = out.token_ids.astype(np.int32)
+        else:
             self._last_tokens = np.zeros(0, np.int32)
-            return None
-        dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
-        out = self.sampler(logits, step.sampling)
-        out.dump_logits = dump
-        self._last_tokens = out.token_ids.astype(np.int32)
+            if not scores_prompt:
+                return None
+            # a prefill chunk that samples nothing still scores its prompt
+            out = SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.float32))
+        if scores_prompt:
+            self._prompt_logprobs(hidden, step, out)
         return out
 
     def _fill_pending(self, step: StepInput, rows: np.ndarray) -> None:
@@ -139,3 +160,19 @@ class ModelRunner:
 
     def collect(self) -> Optional[SamplerOutput]:
         return self._results.popleft()
+
+    def _prompt_logprobs(self, hidden, step: StepInput, out: SamplerOutput) -> None:
+        """Score the step's prompt rows (raw log_softmax, as the sampler's logprobs), a few
+        hundred rows' logits at a time."""
+        rows, ids = step.prompt_lp_rows, step.prompt_lp_token_ids.astype(np.int64)
+        k = int(step.prompt_lp_k.max())
+        chunk = max(1, _PROMPT_LOGITS_BYTES // (4 * self.config.vocab_size))
+        parts = []
+        for s in range(0, len(rows), chunk):
+            n = len(rows[s:s + chunk])
+            parts.append(self.sampler.compute_logprobs(self._logits(hidden, rows[s:s + chunk]),
+                                                       ids[s:s + chunk], np.full(n, k, np.int32)))
+        one = len(parts) == 1
+        for name in ("logprobs", "ranks", "top_token_ids", "top_logprobs"):
+            got = [getattr(p, name) for p in parts]
+            setattr(out, "prompt_" + name, got[0] if one else np.concatenate(got))

@@ -196,6 +196,13 @@ class SamplerOutput:
     ranks: Optional[np.ndarray] = None
     # float32 [K, V]: raw logits of the rows the step asked to dump (StepInput.dump_rows).
     dump_logits: Optional[np.ndarray] = None
+    # Prompt logprobs, one row per StepInput.prompt_lp_rows entry (R rows; None when the step
+    # has none): the next prompt token's raw logprob (float32 [R]) and rank (int64 [R]), and
+    # the top-K (int64 / float32 [R, K], K = the largest prompt_lp_k, sorted descending).
+    prompt_logprobs: Optional[np.ndarray] = None
+    prompt_ranks: Optional[np.ndarray] = None
+    prompt_top_token_ids: Optional[np.ndarray] = None
+    prompt_top_logprobs: Optional[np.ndarray] = None
 
 
 # ======================================================================= the sampler
@@ -230,7 +237,7 @@ class Sampler:
         rows = np.flatnonzero(~greedy)
         if rows.size:
             token_ids[rows] = self._sample_random(logits, rows, batch, modified[rows])
-        return self._logprobs(logits, token_ids, batch)
+        return self.compute_logprobs(logits, token_ids, batch.num_logprobs)
 
     # ------------------------------------------------------------------- greedy rows
 
@@ -318,12 +325,16 @@ class Sampler:
 
     # ------------------------------------------------------------------- logprobs
 
-    def _logprobs(self, logits, token_ids, batch) -> SamplerOutput:
+    def compute_logprobs(self, logits: np.ndarray, token_ids: np.ndarray,
+                         num_logprobs: np.ndarray) -> SamplerOutput:
+        """Raw log-probabilities of token_ids [B] under logits [B, V]: the chosen token's for
+        every row (see always_chosen_logprob), ranks and the top-N for rows with
+        num_logprobs [B] >= 0. Also used for prompt logprobs (the model runner)."""
         b, v = logits.shape
-        want = batch.num_logprobs >= 0
+        want = num_logprobs >= 0
         lp = np.full(b, np.nan, np.float32)
         rows = np.arange(b) if self.always_chosen_logprob else np.flatnonzero(want)
-        k = int(min(batch.num_logprobs.max(), v)) if want.any() else -1
+        k = int(min(num_logprobs.max(), v)) if want.any() else -1
         ranks = top_ids = top_lp = None
         if k >= 0:
             ranks = np.zeros(b, np.int64)
