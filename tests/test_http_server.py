@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from llm_serving import SamplingParams
-from llm_serving.executor.shm_channel import SHM_PREFIX
+from llm_serving.executor.shm_channel import segments_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
@@ -83,13 +83,12 @@ def stop_server(proc) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    before = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
     proc, url, line = start_server(tmp_path_factory.mktemp("srv"), tiny_model_dir)
     SERVERS[url] = proc
+    assert len(segments_of(proc.pid)) == 2
     yield url
     assert stop_server(proc) == 0
-    after = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
-    assert after == before, "the server left shared memory behind"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
 @pytest.fixture(scope="module")

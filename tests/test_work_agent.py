@@ -11,7 +11,7 @@ import pytest
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import LLMServingError
 from llm_serving.executor.multiproc_executor import AgentDiedError
-from llm_serving.executor.shm_channel import SHM_PREFIX
+from llm_serving.executor.shm_channel import segments_of
 
 PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
            "Write a haiku about the sea.", "Explain paged attention in one sentence, then "
@@ -19,7 +19,7 @@ PROMPTS = ["Give three tips for staying healthy.", "What is the capital of Franc
 
 
 def our_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
+    return segments_of(os.getpid())
 
 
 def workload():
