@@ -2,6 +2,10 @@
 
 Its input is a plain description of the step (``StepInput``: arrays and small ints), so the
 same runner serves an in-process engine and a WorkAgent fed through shared memory.
+
+Under tensor parallelism each WorkAgent runs one of these on its shard of the model (the
+process's group, ``parallel_state.get_tp_group()``): every rank runs every step and block move,
+and only rank 0 samples.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
 from llm_serving.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
+from llm_serving.model_executor.parallel_state import (check_tensor_parallel, get_tp_group,
+                                                       kv_heads_per_rank)
 
 
 @dataclass
@@ -47,20 +53,26 @@ def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1
     return LlamaForCausalLM(config, backend, tp_rank, tp_size)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * 4
+def kv_bytes_per_block(config: ModelConfig, block_size: int, tp_size: int = 1) -> int:
+    """Bytes of one KV block on one rank (each holds its share of the KV heads)."""
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, num_blocks: int, block_size: int,
                  checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0,
-                 config: Optional[ModelConfig] = None, num_cpu_blocks: int = 0):
-        self.device = init_device(device)
+                 config: Optional[ModelConfig] = None, num_cpu_blocks: int = 0,
+                 device_id: int = 0):
+        self.device = init_device(device, device_id)
         self.config = config or ModelConfig.from_pretrained(model_dir)
         c = self.config
-        self.backend = get_attention_backend(self.device, c.num_heads, c.num_kv_heads,
+        self.tp = tp = get_tp_group()
+        check_tensor_parallel(c, tp.size)
+        self.backend = get_attention_backend(self.device, c.num_heads // tp.size,
+                                             kv_heads_per_rank(c.num_kv_heads, tp.size),
                                              c.head_dim)
-        self.model = build_model(c, self.backend)
+        self.model = build_model(c, self.backend, tp.rank, tp.size)
         self.model.load_weights(iter_weights(model_dir, checkpoint=checkpoint))
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -86,8 +98,9 @@ class ModelRunner:
             for dev in self.kv_caches:
                 b.copy_blocks(dev, copies)
 
-    def forward(self, step: StepInput, rows: np.ndarray) -> np.ndarray:
-        """Run the model on the step and return float32 logits for the given token rows."""
+    def forward(self, step: StepInput, rows: np.ndarray) -> Optional[np.ndarray]:
+        """Run the model on the step and return float32 logits for the given token rows
+        (None on tensor-parallel ranks other than 0)."""
         md = self.backend.prepare(AttentionMetadata(
             step.slot_mapping, step.block_tables, step.query_start_loc, step.seq_lens,
             self.block_size))
@@ -97,13 +110,13 @@ class ModelRunner:
             return np.empty((0, self.config.vocab_size), np.float32)
         if len(rows) != hidden.shape[0] or np.any(rows != np.arange(len(rows))):
             hidden = ops.gather(hidden, Tensor(rows.astype(np.int32)), 0)
-        return self.model.compute_logits(hidden).asnumpy()
+        return self.model.compute_logits(hidden)
 
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
         self.move_blocks(step.swap_out, step.swap_in, step.copies)
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
         logits = self.forward(step, rows)
-        if len(rows) == 0:
+        if len(rows) == 0 or not self.tp.is_driver:
             return None
         dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
         out = self.sampler(logits, step.sampling)
