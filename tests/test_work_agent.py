@@ -75,3 +75,45 @@ def test_an_agent_that_cannot_load_names_the_reason(tiny_model_dir, tmp_path):
         LLM(tiny_model_dir, num_blocks=64, distributed_executor_backend="mp",
             checkpoint=str(tmp_path / "nothing.ckpt"))
     assert our_segments() == before
+
+
+def cpus_allowed(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+
+
+def test_tensor_parallel_agents_match_one_process_and_fall_together(model_dirs):
+    """Two ranks over the MQA / tied / q-k-v-bias variant (its one KV head replicated, the tied
+    embedding and LM head vocab-parallel) give the in-process tokens through swap preemption,
+    penalties, seeds, n > 1 and logprobs, each rank pinned to its core. Then a killed rank
+    fails the next step at once, and shutdown leaves no process and no segment behind."""
+    model = model_dirs["qwen2-mqa-tied"]
+    kw = dict(num_blocks=24, block_size=8, max_num_seqs=8, preemption_mode="swap",
+              swap_space=0.01)
+    ref = run(LLM(model, **kw))
+    pinned = len(os.sched_getaffinity(0)) >= 2
+    llm = LLM(model, tensor_parallel_size=2, cpu_affinity="0|1" if pinned else None, **kw)
+    runner = llm.engine.runner
+    ranks, scheduler = runner.procs, runner.scheduler_proc
+    segments = {runner.shm_in.name, runner.shm_out.name}
+    assert len(ranks) == 2 and scheduler.poll() is None and segments <= our_segments()
+    if pinned:
+        assert [cpus_allowed(p.pid) for p in ranks] == ["0", "1"]
+    got = run(llm)
+    assert llm.engine.get_stats().num_swap_preemptions > 0
+    # Same tokens; log-probabilities equal up to the float summation order of the shards.
+    assert [[c[0] for c in o] for o in got] == [[c[0] for c in o] for o in ref]
+    lp, lp_ref = ([c[1] for o in outs for c in o] for outs in (got, ref))
+    assert [x is None for x in lp] == [x is None for x in lp_ref]
+    assert [x for x in lp if x is not None] == pytest.approx(
+        [x for x in lp_ref if x is not None], abs=1e-3)
+
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(AgentDiedError, match="rank 1"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
+    assert time.monotonic() - t0 < 5
+    assert not runner.is_alive()
+    llm.engine.shutdown()
+    assert all(p.poll() is not None for p in ranks + [scheduler])
+    assert not segments & our_segments()
