@@ -12,6 +12,13 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
   answers DONE n with the SamplerOutput packed in output segment n % 2, or ERROR n (the
   master may send STEP n+1 before DONE n arrives: steps run in order);
 - master -> agent QUIT: the agent exits.
+
+Tensor parallel (``--tp-size N``): the master starts N agents (ranks) and MindSpore's
+collective scheduler (``agents/comm_scheduler.py``), and sets MS_ROLE, MS_SCHED_HOST/PORT,
+MS_WORKER_NUM and MS_NODE_ID. Every rank reads each step from the shared input segment and
+runs it; only rank 0 samples and writes the output segment, the others answer DONE n with an
+empty payload. ``--cpus 0,1`` pins the agent to those cores before MindSpore loads (so
+MindSpore and our kernels' thread pool size themselves to them).
 """
 from __future__ import annotations
 
@@ -36,23 +43,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--device-id", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--cpus", default=None, help="comma-separated cores to pin this agent to")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # The master decides when agents stop (Ctrl-C in a terminal reaches the whole group).
+    # The master decides when agents stop: Ctrl-C in a terminal reaches the whole process
+    # group, and so does SIGTERM from `timeout`, `kill -- -PGID` or a service manager; the
+    # master then drains and sends QUIT. (Left to SIGTERM, the agents died first and the
+    # master restarted them before stopping.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(args.control_fd)
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    if cpus:
+        # Before MindSpore and the kernels load: their thread pools size from the affinity.
+        os.sched_setaffinity(0, cpus)
     import llm_serving  # noqa: F401  (sets the OpenMP policy before MindSpore loads)
     from llm_serving.executor import shm_channel as ch
     try:
+        from llm_serving.model_executor.device import init_device
         from llm_serving.model_executor.model_runner import ModelRunner
+        from llm_serving.model_executor.parallel_state import init_tensor_parallel
+        device_id = args.device_id + args.tp_rank        # rank r: start_device_id + r
+        device = init_device(args.device, device_id)
+        if cpus and device == "CPU":
+            import mindspore as ms
+            ms.device_context.cpu.op_tuning.threads_num(len(cpus))
+        tp = init_tensor_parallel(args.tp_rank, args.tp_size, device)
         runner = ModelRunner(args.model, args.num_blocks, args.block_size, args.checkpoint,
-                             args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks)
-        # Step n reads input segment n % 2 and writes output segment n % 2.
+                             args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks,
+                             device_id=device_id)
+        # Step n reads input segment n % 2; rank 0 writes its result to output segment n % 2.
         shm_in = [ch.ShmSegment(name=n) for n in args.shm_in.split(",")]
-        shm_out = [ch.ShmSegment(name=n) for n in args.shm_out.split(",")]
+        shm_out = ([ch.ShmSegment(name=n) for n in args.shm_out.split(",")] if tp.is_driver
+                   else None)
     except Exception as e:   # noqa: BLE001 - reported to the master, which names it
         msg = f"{type(e).__name__}: {e}".encode()
         conn.send_bytes(ch.FRAME.pack(ch.ERROR, -1, len(msg)) + msg)
@@ -73,7 +101,8 @@ def main(argv=None) -> int:
             else:                             # a step that only moves KV blocks
                 runner.move_blocks(step.swap_out, step.swap_in, step.copies)
                 result = None
-            n = ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
+            n = (ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
+                 if shm_out is not None else 0)
             conn.send_bytes(ch.FRAME.pack(ch.DONE, step_no, n))
         except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()

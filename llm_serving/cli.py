@@ -66,10 +66,8 @@ def server_settings(args) -> tuple:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     kw = dict(cfg.engine_kwargs)
-    if len(cfg.agent_ports) > 1:
-        raise ConfigError("serving_config.agent_ports", "one WorkAgent per port needs tensor "
-                          "parallelism, which is not implemented yet; give one port")
-    # The model runs in a WorkAgent process, as llm-serving's agents did.
+    # The model runs in WorkAgent processes (tensor_parallel_size of them, one per
+    # serving_config.agent_ports entry unless given), as llm-serving's agents did.
     kw.setdefault("distributed_executor_backend", "mp")
     kw["model"] = resolve_model(kw["model"])
     engine_args = EngineArgs(**kw)

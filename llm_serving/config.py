@@ -5,8 +5,9 @@ Every value is checked on construction, and an error names the key.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 from llm_serving.errors import ConfigError
 
@@ -50,8 +51,17 @@ class EngineArgs:
         "seconds a request may wait before it starts; then it fails")
     watermark: float = _arg(0.01,
         "fraction of KV blocks admission keeps free")
-    distributed_executor_backend: str = _arg("uni",
-        "uni: run the model in this process; mp: in a WorkAgent process")
+    distributed_executor_backend: Optional[str] = _arg(None,
+        "uni: run the model in this process; mp: in WorkAgent processes (default: mp with "
+        "tensor_parallel_size > 1 or cpu_affinity, else uni; the server always uses mp)")
+    tensor_parallel_size: int = _arg(1,
+        "WorkAgents (one per device) the model's heads, FFN and vocabulary are split over "
+        "(default: the number of serving_config.agent_ports)")
+    cpu_affinity: Optional[Union[str, list]] = _arg(None,
+        "pin each WorkAgent to cores, ranks separated by '|': '0|1' puts rank 0 on core 0 "
+        "and rank 1 on core 1; '0-3|4-7', '0,2|1,3'; in YAML also a list, one entry per rank")
+    start_device_id: int = _arg(0,
+        "device of WorkAgent rank 0; rank r uses start_device_id + r (Ascend)")
     async_scheduling: Optional[bool] = _arg(None,
         "schedule step N+1 while the model computes step N (default: on with mp, off with "
         "uni, where nothing runs in parallel)")
@@ -103,6 +113,28 @@ class EngineArgs:
         number("swap_space", self.swap_space, 0)
         number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
         number("watermark", self.watermark, 0, high=1)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
+        if (isinstance(self.start_device_id, bool) or not isinstance(self.start_device_id, int)
+                or self.start_device_id < 0):
+            raise ConfigError("start_device_id", f"expected an integer >= 0, got "
+                              f"{self.start_device_id!r}")
+        if self.cpu_affinity is not None:
+            self.cpu_affinity = parse_cpu_affinity(self.cpu_affinity)
+            if len(self.cpu_affinity) != self.tensor_parallel_size:
+                raise ConfigError("cpu_affinity", f"gives {len(self.cpu_affinity)} core set(s) "
+                                  f"for tensor_parallel_size {self.tensor_parallel_size}: give "
+                                  "one per rank, e.g. '0|1' for two")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = (
+                "mp" if self.tensor_parallel_size > 1 or self.cpu_affinity else "uni")
+        elif self.distributed_executor_backend == "uni":
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("distributed_executor_backend", "uni runs one model in this "
+                                  f"process; tensor_parallel_size {self.tensor_parallel_size} "
+                                  "needs mp (one WorkAgent per rank)")
+            if self.cpu_affinity:
+                raise ConfigError("cpu_affinity", "pins WorkAgent processes, and "
+                                  "distributed_executor_backend uni has none (use mp)")
         for key, allowed in (("distributed_executor_backend", ("uni", "mp")),
                              ("preemption_mode", ("recompute", "swap")),
                              ("scheduling_policy", ("fcfs", "priority"))):
@@ -123,3 +155,48 @@ class EngineArgs:
             raise ConfigError(unknown[0], "unknown engine argument; known ones are "
                               + ", ".join(sorted(known)))
         return cls(model=model, **kwargs)
+
+
+def _core_set(text: str) -> list[int]:
+    """'0', '0,2', '0-3' or '0-3,8' -> sorted cores."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ConfigError("cpu_affinity", f"cannot read core set {text!r} (expected e.g. "
+                              "'0', '0,2' or '0-3')")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    if not cores:
+        raise ConfigError("cpu_affinity", f"core set {text!r} is empty")
+    return sorted(cores)
+
+
+def parse_cpu_affinity(value) -> list[list[int]]:
+    """The cores of each rank, from '0|1' / '0-3|4-7' (CLI and YAML) or a YAML list with one
+    entry per rank: a core, a list of cores or a core-set string. Every core must be one this
+    process may run on."""
+    if isinstance(value, str):
+        sets = [_core_set(s) for s in value.split("|")]
+    elif isinstance(value, (list, tuple)) and value:
+        sets = []
+        for entry in value:
+            if isinstance(entry, int) and not isinstance(entry, bool) and entry >= 0:
+                sets.append([entry])
+            elif isinstance(entry, str):
+                sets.append(_core_set(entry))
+            elif (isinstance(entry, (list, tuple)) and entry and all(
+                    isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in entry)):
+                sets.append(sorted(set(entry)))
+            else:
+                raise ConfigError("cpu_affinity", f"cannot read rank entry {entry!r} (expected "
+                                  "a core, a list of cores or a string like '0-3')")
+    else:
+        raise ConfigError("cpu_affinity", f"expected e.g. '0|1' or [[0], [1]], got {value!r}")
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if usable is not None:
+        for cores in sets:
+            bad = [c for c in cores if c not in usable]
+            if bad:
+                raise ConfigError("cpu_affinity", f"core {bad[0]} is not available here (this "
+                                  f"process may run on {sorted(usable)})")
+    return sets

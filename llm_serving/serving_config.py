@@ -7,7 +7,12 @@ llm-serving's knobs that still mean something are mapped to engine arguments:
 - ``pa_config.num_blocks`` / ``block_size`` -> the KV pool;
 - ``model_config.model_name`` -> the served model name;
 - ``serving_config.server_ip`` / ``server_port`` -> where the server listens;
-- ``serving_config.agent_ports`` / ``start_device_id`` -> the WorkAgents.
+- ``serving_config.agent_ports`` -> ``tensor_parallel_size``: one WorkAgent per port (the
+  port numbers themselves are unused: agents are local processes). An explicit
+  ``tensor_parallel_size`` (``llm_serving:`` or ``--tensor-parallel-size``) wins over a single
+  port and must equal the number of ports when there are several;
+- ``serving_config.start_device_id`` -> ``start_device_id`` (agent rank r uses device
+  start_device_id + r).
 
 The ``llm_serving:`` section takes every engine argument by its own name (see EngineArgs),
 and wins over the legacy keys. The legacy keys that have no effect are named, with the reason,
@@ -183,8 +188,17 @@ def load_config(path: Path, overrides: Optional[dict] = None) -> ServingConfig:
     if sc is not None:
         out.host, out.port = sc.server_ip, sc.server_port
         out.agent_ports, out.start_device_id = list(sc.agent_ports), sc.start_device_id
+        kw["start_device_id"] = sc.start_device_id
     kw.update(cfg.llm_serving or {})
     kw.update(overrides or {})
+    if sc is not None and len(sc.agent_ports) > 1:
+        tp = kw.setdefault("tensor_parallel_size", len(sc.agent_ports))
+        if tp != len(sc.agent_ports):
+            key = ("--tensor-parallel-size" if "tensor_parallel_size" in (overrides or {})
+                   else "llm_serving.tensor_parallel_size")
+            raise ConfigError(key, f"{tp!r} conflicts with serving_config.agent_ports, which "
+                              f"lists {len(sc.agent_ports)} ports (one WorkAgent each); make "
+                              "them agree or give one port")
     if "model" not in kw:
         raise ConfigError("llm_serving.model", "missing: the model directory to serve "
                           "(or pass --model)")

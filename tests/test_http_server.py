@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from llm_serving import SamplingParams
-from llm_serving.executor.shm_channel import SHM_PREFIX
+from llm_serving.executor.shm_channel import segments_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
@@ -27,8 +27,9 @@ PROMPTS = ["Give three tips for staying healthy.", "What is the capital of Franc
 SERVERS = {}
 
 
-def agent_pids(pid: int) -> list[int]:
-    """The WorkAgent processes started by server ``pid``."""
+def agent_pids(pid: int, module: str = "agents.work_agent") -> list[int]:
+    """The WorkAgent processes started by server ``pid``, by tensor-parallel rank (or the
+    processes of another ``module``, e.g. agents.comm_scheduler)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -39,9 +40,11 @@ def agent_pids(pid: int) -> list[int]:
                     cmd = f.read()
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == pid and b"agents.work_agent" in cmd:
-                out.append(int(d))
-    return out
+            if ppid == pid and module.encode() in cmd:
+                args = cmd.split(b"\0")
+                rank = int(args[args.index(b"--tp-rank") + 1]) if b"--tp-rank" in args else 0
+                out.append((rank, int(d)))
+    return [p for _, p in sorted(out)]
 
 
 def free_port() -> int:
@@ -50,11 +53,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp_path, model_dir, *extra, section=""):
+def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,)):
     port = free_port()
     cfg = tmp_path / f"server-{port}.yaml"
+    ports = ", ".join(map(str, agent_ports))
     cfg.write_text(f"model_config:\n  model_name: tiny\n  end_token: 2\n  vocab_size: 1024\n"
-                   f"serving_config:\n  agent_ports: [16002]\n  server_port: {port}\n"
+                   f"serving_config:\n  agent_ports: [{ports}]\n  server_port: {port}\n"
                    f"llm_serving:\n  model: {model_dir}\n  num_blocks: 512\n"
                    f"  max_num_seqs: 64\n  max_model_len: 1024\n{section}")
     proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
@@ -83,13 +87,12 @@ def stop_server(proc) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    before = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
     proc, url, line = start_server(tmp_path_factory.mktemp("srv"), tiny_model_dir)
     SERVERS[url] = proc
+    assert len(segments_of(proc.pid)) == 4          # in and out, two steps in flight
     yield url
     assert stop_server(proc) == 0
-    after = {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
-    assert after == before, "the server left shared memory behind"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
 @pytest.fixture(scope="module")
@@ -387,30 +390,59 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
     assert _abort_count(server) - aborts_before >= 12
 
 
-def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
-    agents = agent_pids(SERVERS[server].pid)
-    assert len(agents) == 1
+def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1):
+    """SIGKILL agent ``rank`` during a stream: the request fails naming the model process,
+    /ready is 503 until a new set of agents is up, then the server generates again."""
+    agents = agent_pids(server_pid)
+    assert len(agents) == num_agents
     body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200}}
-    with requests.post(server + "/models/llama2/generate_stream", json=body, stream=True,
+    with requests.post(url + "/models/llama2/generate_stream", json=body, stream=True,
                        timeout=60) as r:
         lines = r.iter_lines()
         next(lines)                                   # the request is running
-        os.kill(agents[0], signal.SIGKILL)
+        os.kill(agents[rank], signal.SIGKILL)
         t0 = time.monotonic()
         rest = [json.loads(line) for line in lines]
         detected = time.monotonic() - t0
     assert detected < 5
     assert "model process failed" in rest[-1]["data"][0]["error"]
-    assert requests.get(server + "/health").status_code == 200
-    deadline = time.monotonic() + 60
-    while requests.get(server + "/ready").status_code != 200:
+    assert requests.get(url + "/health").status_code == 200
+    assert requests.get(url + "/ready").status_code == 503
+    deadline = time.monotonic() + 90
+    while requests.get(url + "/ready").status_code != 200:
         assert time.monotonic() < deadline, "the server did not come back"
         time.sleep(0.2)
-    new_agents = agent_pids(SERVERS[server].pid)
-    assert len(new_agents) == 1 and new_agents != agents
-    r = requests.post(server + "/models/llama2/generate",
+    new_agents = agent_pids(server_pid)
+    assert len(new_agents) == num_agents and not set(new_agents) & set(agents)
+    r = requests.post(url + "/models/llama2/generate",
                       json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8}})
     assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[1], 8).text
+
+
+def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
+    kill_an_agent_and_come_back(server, SERVERS[server].pid, tiny_llm)
+
+
+def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
+    """Two agent_ports: two WorkAgent ranks and MindSpore's scheduler. The server answers as
+    one in-process model; a killed rank 1 takes its group down and a new one comes up; SIGTERM
+    stops every process and leaves no shared memory."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, agent_ports=(16002, 16003))
+    try:
+        assert len(agent_pids(proc.pid)) == 2
+        assert len(agent_pids(proc.pid, "agents.comm_scheduler")) == 1
+        assert len(segments_of(proc.pid)) == 4
+        for prompt in PROMPTS:
+            r = requests.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            assert r.json()["choices"][0]["text"] == greedy(tiny_llm, prompt, 16).text
+        kill_an_agent_and_come_back(url, proc.pid, tiny_llm, rank=1, num_agents=2)
+        children = agent_pids(proc.pid) + agent_pids(proc.pid, "agents.comm_scheduler")
+        assert len(children) == 3
+    finally:
+        assert stop_server(proc) == 0
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+    assert not [p for p in children if os.path.exists(f"/proc/{p}")], "a process outlived it"
 
 
 def test_api_key_guards_every_route_but_health(tmp_path, tiny_model_dir):

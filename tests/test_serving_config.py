@@ -1,6 +1,7 @@
 """llm-serving's YAML files load unchanged; bad ones fail naming the key."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,76 @@ def test_bad_config_names_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert str(e.value).startswith(key + ":"), str(e.value)
+
+
+def _serving_yaml(tmp_path, ports, section=""):
+    p = tmp_path / "tp.yaml"
+    p.write_text(f"serving_config: {{agent_ports: {ports}, server_port: 8835, "
+                 f"start_device_id: 4}}\nllm_serving: {{model: /m{section}}}\n")
+    return p
+
+
+def test_tensor_parallel_size_comes_from_agent_ports_unless_given(tmp_path):
+    from llm_serving.cli import build_parser, server_settings
+    kw = load_config(_serving_yaml(tmp_path, [16002, 16003])).engine_kwargs
+    assert kw["tensor_parallel_size"] == 2 and kw["start_device_id"] == 4
+    kw = load_config(_serving_yaml(tmp_path, [16002])).engine_kwargs
+    assert "tensor_parallel_size" not in kw                 # one port says nothing about tp
+    kw = load_config(_serving_yaml(tmp_path, [16002]), {"tensor_parallel_size": 2}).engine_kwargs
+    assert kw["tensor_parallel_size"] == 2
+    kw = load_config(_serving_yaml(tmp_path, [1, 2], ", tensor_parallel_size: 2")).engine_kwargs
+    assert kw["tensor_parallel_size"] == 2
+    # The server: one WorkAgent per port, in agent processes.
+    args = build_parser().parse_args(["serve", "--config", str(_serving_yaml(tmp_path, [1, 2]))])
+    engine_args = server_settings(args)[0]
+    assert engine_args.tensor_parallel_size == 2
+    assert engine_args.distributed_executor_backend == "mp"
+    assert engine_args.start_device_id == 4
+    core = min(os.sched_getaffinity(0))
+    args = build_parser().parse_args(["serve", "--config", str(_serving_yaml(tmp_path, [1])),
+                                      "--tensor-parallel-size", "2",
+                                      "--cpu-affinity", f"{core}|{core}"])
+    engine_args = server_settings(args)[0]
+    assert (engine_args.tensor_parallel_size, engine_args.cpu_affinity) == (2, [[core], [core]])
+
+
+@pytest.mark.parametrize("section, overrides, key", [
+    (", tensor_parallel_size: 3", None, "llm_serving.tensor_parallel_size"),
+    ("", {"tensor_parallel_size": 1}, "--tensor-parallel-size"),
+])
+def test_tensor_parallel_size_conflicting_with_agent_ports_names_both(tmp_path, section,
+                                                                      overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(_serving_yaml(tmp_path, [1, 2], section), overrides)
+    assert str(e.value).startswith(key + ":") and "serving_config.agent_ports" in str(e.value)
+
+
+def test_offline_tensor_parallel_uses_agents_and_checks_its_knobs():
+    assert EngineArgs(model="/m").distributed_executor_backend == "uni"
+    args = EngineArgs(model="/m", tensor_parallel_size=2)
+    assert args.distributed_executor_backend == "mp" and args.cpu_affinity is None
+    c = min(os.sched_getaffinity(0))
+    assert EngineArgs(model="/m", tensor_parallel_size=2,
+                      cpu_affinity=[[c], str(c)]).cpu_affinity == [[c], [c]]
+    one = EngineArgs(model="/m", cpu_affinity=str(c))   # pinning needs an agent, even for one
+    assert one.distributed_executor_backend == "mp" and one.cpu_affinity == [[c]]
+    for kw, key in [(dict(tensor_parallel_size=0), "tensor_parallel_size"),
+                    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"),
+                     "distributed_executor_backend"),
+                    (dict(cpu_affinity="0", distributed_executor_backend="uni"), "cpu_affinity"),
+                    (dict(tensor_parallel_size=2, cpu_affinity="0"), "cpu_affinity"),
+                    (dict(cpu_affinity="0-x"), "cpu_affinity"),
+                    (dict(cpu_affinity=[[0.5]]), "cpu_affinity"),
+                    (dict(cpu_affinity="4096"), "cpu_affinity"),
+                    (dict(start_device_id=-1), "start_device_id")]:
+        with pytest.raises(ConfigError) as e:
+            EngineArgs(model="/m", **kw)
+        assert e.value.key == key, (kw, str(e.value))
+
+
+def test_a_model_that_cannot_be_split_is_refused_before_any_agent_starts(model_dirs):
+    from llm_serving.executor.multiproc_executor import MultiprocExecutor
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 4 does not divide the "
+                                          "model's 6 attention heads"):
+        MultiprocExecutor(model_dirs["qwen2-mqa-tied"], 16, 16, max_num_batched_tokens=64,
+                          max_num_seqs=4, max_model_len=64, tensor_parallel_size=4)

@@ -11,7 +11,7 @@ import pytest
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import LLMServingError
 from llm_serving.executor.multiproc_executor import AgentDiedError
-from llm_serving.executor.shm_channel import SHM_PREFIX
+from llm_serving.executor.shm_channel import segments_of
 
 PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
            "Write a haiku about the sea.", "Explain paged attention in one sentence, then "
@@ -19,7 +19,7 @@ PROMPTS = ["Give three tips for staying healthy.", "What is the capital of Franc
 
 
 def our_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)}
+    return segments_of(os.getpid())
 
 
 def workload():
@@ -107,3 +107,49 @@ def test_result_channel_holds_a_step_of_prompt_logprobs_at_the_largest_k():
     assert back.prompt_top_token_ids.shape == (tokens, k)
     with pytest.raises(ch.ChannelFullError):
         ch.pack(buf, ch.result_to_arrays(result(tokens + 400)))
+
+
+def cpus_allowed(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+
+
+def test_tensor_parallel_agents_match_one_process_and_fall_together(model_dirs):
+    """Two ranks over the MQA / tied / q-k-v-bias variant (its one KV head replicated, the tied
+    embedding and LM head vocab-parallel) give the in-process tokens through swap preemption,
+    penalties, seeds, n > 1 and logprobs, each rank pinned to its core. Then a killed rank
+    fails the next step at once, and shutdown leaves no process and no segment behind."""
+    model = model_dirs["qwen2-mqa-tied"]
+    kw = dict(num_blocks=24, block_size=8, max_num_seqs=8, preemption_mode="swap",
+              swap_space=0.01)
+    ref = run(LLM(model, **kw))
+    pinned = len(os.sched_getaffinity(0)) >= 2
+    llm = LLM(model, tensor_parallel_size=2, cpu_affinity="0|1" if pinned else None, **kw)
+    runner = llm.engine.runner
+    ranks, scheduler = runner.procs, runner.scheduler_proc
+    segments = {seg.name for seg in runner.shm_in + runner.shm_out}
+    assert len(ranks) == 2 and scheduler.poll() is None and segments <= our_segments()
+    if pinned:
+        assert [cpus_allowed(p.pid) for p in ranks] == ["0", "1"]
+    got = run(llm)
+    assert llm.engine.get_stats().num_swap_preemptions > 0
+    # Same tokens; log-probabilities equal up to the float summation order of the shards.
+    assert [[c[0] for c in o[0]] for o in got] == [[c[0] for c in o[0]] for o in ref]
+    lp, lp_ref = ([c[1] for o in outs for c in o[0]] for outs in (got, ref))
+    assert [x is None for x in lp] == [x is None for x in lp_ref]
+    assert [x for x in lp if x is not None] == pytest.approx(
+        [x for x in lp_ref if x is not None], abs=1e-3)
+    # Prompt logprobs come from the gathered vocabulary shards too: the prompt token's value.
+    plp, plp_ref = ([next(iter(e.values())).logprob for o in outs if o[1] for e in o[1][1:]]
+                    for outs in (got, ref))
+    assert plp and plp == pytest.approx(plp_ref, abs=1e-3)
+
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(AgentDiedError, match="rank 1"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
+    assert time.monotonic() - t0 < 5
+    assert not runner.is_alive()
+    llm.engine.shutdown()
+    assert all(p.poll() is not None for p in ranks + [scheduler])
+    assert not segments & our_segments()

@@ -104,7 +104,7 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ConfigError("max_model_len", f"{self.max_model_len} exceeds the model's "
                               f"max_position_embeddings ({mc.max_position_embeddings})")
-        block_bytes = kv_bytes_per_block(mc, args.block_size)
+        block_bytes = kv_bytes_per_block(mc, args.block_size, args.tensor_parallel_size)
         num_blocks = args.num_blocks or max(1, int(args.kv_cache_space * 2**30) // block_bytes)
         capacity = num_blocks * args.block_size
         if capacity < self.max_model_len and args.max_model_len is None:
@@ -612,10 +612,12 @@ class LLMEngine:
                 max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                 checkpoint=args.checkpoint, device=args.device, seed=args.seed,
                 num_cpu_blocks=num_cpu_blocks,
-                dump_vocab=self.model_config.vocab_size if args.dump_logits else 0)
+                dump_vocab=self.model_config.vocab_size if args.dump_logits else 0,
+                tensor_parallel_size=args.tensor_parallel_size, cpu_affinity=args.cpu_affinity,
+                device_id=args.start_device_id)
         return ModelRunner(args.model, num_blocks, args.block_size, args.checkpoint,
                            args.device, args.seed, config=self.model_config,
-                           num_cpu_blocks=num_cpu_blocks)
+                           num_cpu_blocks=num_cpu_blocks, device_id=args.start_device_id)
 
     def warm_up(self) -> None:
         """Run one small request through every path a first request takes (prefill, decode,

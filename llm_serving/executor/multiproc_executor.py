@@ -1,16 +1,23 @@
-"""Runs the model in a WorkAgent process (``agents/work_agent.py``) instead of in the master.
+"""Runs the model in WorkAgent processes (``agents/work_agent.py``) instead of in the master.
 
 The master keeps the engine: scheduler, block manager, tokenizer. Each step it packs the
-StepInput into an input segment and sends one STEP frame (``submit``); later it waits for
-DONE, checking every second that the agent is still alive, and reads the SamplerOutput
-(``collect``). Two steps may be outstanding, so that the master can hand over step N+1
-while the agent computes step N: steps alternate between two input and two output
-segments, so neither side overwrites what the other still reads. It has the model runner's
-interface (``submit``/``collect``, ``execute``, ``move_blocks``), so the engine does not
-know which it has.
+StepInput once into the shared input segment and sends a STEP frame to every agent
+(``submit``); later it waits for every agent's DONE (``collect``), checking every second that
+all of them are still alive, and reads rank 0's SamplerOutput. Two steps may be outstanding,
+so that the master can hand over step N+1 while the agents compute step N (async
+scheduling): steps alternate between two input and two output segments, so neither side
+overwrites what the other still reads. It has the model runner's interface (``submit``/
+``collect``, ``execute``, ``move_blocks``), so the engine does not know which it has.
 
-A dead agent is detected within a second and raises ``AgentDiedError`` for the step.
-``shutdown()`` (also run at exit) stops the agent and unlinks the shared memory.
+With ``tensor_parallel_size`` N > 1 there are N agents, one per rank (and per device:
+rank r uses device ``device_id + r``), plus MindSpore's collective scheduler process
+(``agents/comm_scheduler.py``) they meet through. Every rank runs every step; rank 0 samples
+and writes the SamplerOutput into the output segment. ``cpu_affinity`` pins rank r to its own
+cores.
+
+Any agent (or the scheduler) dying is detected within a second and raises
+``AgentDiedError``; the executor is then broken and ``shutdown()`` kills all of its processes.
+``shutdown()`` (also run at exit) stops the processes and unlinks the shared memory.
 """
 from __future__ import annotations
 
@@ -22,9 +29,9 @@ import subprocess
 import sys
 import time
 import weakref
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -36,10 +43,23 @@ from llm_serving.model_executor.model_runner import StepInput
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 _EMPTY = np.zeros(0, np.int32)
+# After one rank reports an error, how long the others get to finish the step. A rank that
+# failed before a collective leaves the others waiting in it; then the group is restarted.
+ERROR_GRACE_S = 10.0
 
 
 class AgentDiedError(LLMServingError):
     """A WorkAgent process exited; the step it was running is lost."""
+
+
+class _Procs:
+    """The processes and connections one executor owns (what the finalizer cleans up)."""
+
+    def __init__(self):
+        self.agents: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.scheduler: Optional[subprocess.Popen] = None
+        self.broken = False          # a rank died or the group lost step; don't wait for QUIT
 
 
 class MultiprocExecutor:
@@ -47,8 +67,18 @@ class MultiprocExecutor:
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  checkpoint: Optional[str] = None, device: str = "auto", device_id: int = 0,
                  seed: int = 0, num_cpu_blocks: int = 0, dump_vocab: int = 0,
-                 ready_timeout: float = 300.0):
-        held = []             # freed if starting the agent fails before the finalizer owns them
+                 ready_timeout: float = 300.0, tensor_parallel_size: int = 1,
+                 cpu_affinity: Optional[Sequence[Sequence[int]]] = None):
+        tp = tensor_parallel_size
+        if tp > 1:       # fail before starting anything if the model cannot be split so
+            from llm_serving.model_executor.loader import ModelConfig
+            from llm_serving.model_executor.parallel_state import check_tensor_parallel
+            check_tensor_parallel(ModelConfig.from_pretrained(model_dir), tp)
+        if cpu_affinity is not None and len(cpu_affinity) != tp:
+            raise ValueError(f"cpu_affinity has {len(cpu_affinity)} core sets for {tp} ranks")
+        self.tp_size = tp
+        self._procs = p = _Procs()
+        segments: list[ch.ShmSegment] = []
         try:
             in_bytes = ch.step_channel_bytes(max_num_batched_tokens, max_num_seqs, max_model_len,
                                              block_size, num_blocks)
@@ -57,37 +87,60 @@ class MultiprocExecutor:
             self.shm_in, self.shm_out = [], []
             for _ in range(2):            # step n uses segment n % 2 in each direction
                 self.shm_in.append(ch.ShmSegment(in_bytes))
-                held.append(self.shm_in[-1])
+                segments.append(self.shm_in[-1])
                 self.shm_out.append(ch.ShmSegment(out_bytes))
-                held.append(self.shm_out[-1])
-            ours, theirs = socket.socketpair()
-            held += [ours, theirs]
-            self.proc = self._spawn(theirs, model_dir, num_blocks, block_size, checkpoint,
-                                    device, device_id, seed, num_cpu_blocks)
+                segments.append(self.shm_out[-1])
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+            if tp > 1:
+                # MindSpore's distributed runtime logs a WARNING every few seconds.
+                env.setdefault("GLOG_v", "3")
+                env.update(MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(_free_port()),
+                           MS_WORKER_NUM=str(tp))
+                p.scheduler = subprocess.Popen(
+                    [sys.executable, "-m", "agents.comm_scheduler",
+                     "Ascend" if str(device).lower() in ("ascend", "npu") else "CPU"],
+                    env={**env, "MS_ROLE": "MS_SCHED"}, stdout=subprocess.DEVNULL)
+            for rank in range(tp):
+                ours, theirs = socket.socketpair()
+                try:
+                    cmd = self._command(theirs.fileno(), model_dir, num_blocks, block_size,
+                                        checkpoint, device, device_id, seed, num_cpu_blocks,
+                                        rank, tp, cpu_affinity[rank] if cpu_affinity else None)
+                    rank_env = env if tp == 1 else {**env, "MS_ROLE": "MS_WORKER",
+                                                    "MS_NODE_ID": str(rank)}
+                    p.agents.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()],
+                                                     env=rank_env))
+                except BaseException:
+                    ours.close()
+                    raise
+                finally:
+                    theirs.close()
+                p.conns.append(Connection(ours.detach()))
         except BaseException:
-            for h in held:
-                h.close()
+            p.broken = True
+            _cleanup(p, *segments)
             raise
-        theirs.close()
-        self.conn = Connection(ours.detach())
+        self.proc = p.agents[0]          # rank 0 (the only agent without tensor parallelism)
         self._step_no = 0
         self._outstanding: collections.deque = collections.deque()   # submitted step numbers
         self._closed = False
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
-        self._finalizer = weakref.finalize(self, _cleanup, self.proc, self.conn,
-                                           *self.shm_in, *self.shm_out)
+        self._finalizer = weakref.finalize(self, _cleanup, p, *segments)
         try:
-            kind, _, payload = self._wait(ready_timeout, "loading the model")
+            frames = self._wait_all(ready_timeout, "loading the model")
         except BaseException:
             self.shutdown()
             raise
-        if kind != ch.READY:
+        errors = [f"rank {r}: {payload}" if tp > 1 else payload
+                  for r, (kind, _, payload) in enumerate(frames) if kind != ch.READY]
+        if errors:
             self.shutdown()
-            raise LLMServingError(f"the WorkAgent failed to start: {payload}")
+            raise LLMServingError(f"the WorkAgent failed to start: {'; '.join(errors)}")
 
-    def _spawn(self, theirs: socket.socket, model_dir, num_blocks, block_size, checkpoint, device,
-               device_id, seed, num_cpu_blocks) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "agents.work_agent", "--control-fd", str(theirs.fileno()),
+    def _command(self, fd: int, model_dir, num_blocks, block_size, checkpoint, device,
+                 device_id, seed, num_cpu_blocks, rank, tp, cpus) -> list[str]:
+        cmd = [sys.executable, "-m", "agents.work_agent", "--control-fd", str(fd),
                "--shm-in", ",".join(x.name for x in self.shm_in),
                "--shm-out", ",".join(x.name for x in self.shm_out),
                "--model", model_dir, "--num-blocks", str(num_blocks),
@@ -95,60 +148,120 @@ class MultiprocExecutor:
                "--device", device, "--device-id", str(device_id), "--seed", str(seed)]
         if checkpoint:
             cmd += ["--checkpoint", checkpoint]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        return subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env)
+        if tp > 1:
+            cmd += ["--tp-rank", str(rank), "--tp-size", str(tp)]
+        if cpus:
+            cmd += ["--cpus", ",".join(map(str, cpus))]
+        return cmd
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def is_alive(self) -> bool:
-        return not self._closed and self.proc.poll() is None
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The agents, by rank."""
+        return list(self._procs.agents)
 
-    def _wait(self, timeout: Optional[float], doing: str):
+    @property
+    def scheduler_proc(self) -> Optional[subprocess.Popen]:
+        """MindSpore's collective scheduler (tensor parallel only)."""
+        return self._procs.scheduler
+
+    def is_alive(self) -> bool:
+        return not self._closed and not self._procs.broken and self._dead() is None
+
+    def _dead(self, answered: Sequence[bool] = ()) -> Optional[str]:
+        """Why the group cannot run (an exited agent or scheduler), or None. Agents that have
+        already ``answered`` the current wait are not checked (one that failed to load
+        reports ERROR, then exits)."""
+        p = self._procs
+        for rank, proc in enumerate(p.agents):
+            code = proc.poll()
+            if code is not None and not (rank < len(answered) and answered[rank]):
+                who = f"rank {rank} " if self.tp_size > 1 else ""
+                return f"the WorkAgent {who}(pid {proc.pid}) exited with code {code}"
+        if p.scheduler is not None and p.scheduler.poll() is not None:
+            return (f"the collective scheduler (pid {p.scheduler.pid}) exited with code "
+                    f"{p.scheduler.poll()}")
+        return None
+
+    def _died(self, message: str) -> AgentDiedError:
+        self._procs.broken = True
+        return AgentDiedError(message)
+
+    def _wait_all(self, timeout: Optional[float], doing: str) -> list[tuple]:
+        """One frame from every agent, by rank: (kind, step number, payload), where the
+        payload is the ERROR reason or the DONE size."""
+        p = self._procs
+        frames: list[Optional[tuple]] = [None] * len(p.conns)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.conn.poll(1.0):
-            code = self.proc.poll()
-            if code is not None:
-                raise AgentDiedError(f"the WorkAgent (pid {self.proc.pid}) exited with code "
-                                     f"{code} while {doing}")
+        while any(f is None for f in frames):
+            waiting = [c for c, f in zip(p.conns, frames) if f is None]
+            for conn in wait(waiting, 1.0):
+                rank = p.conns.index(conn)
+                try:
+                    frame = conn.recv_bytes()
+                except (EOFError, OSError):
+                    who = f"rank {rank} " if self.tp_size > 1 else ""
+                    raise self._died(f"the WorkAgent {who}(pid {p.agents[rank].pid}) closed "
+                                     f"its connection while {doing}") from None
+                kind, step_no, n = ch.FRAME.unpack_from(frame)
+                payload = (frame[ch.FRAME.size:].decode(errors="replace") if kind == ch.ERROR
+                           else n)
+                frames[rank] = (kind, step_no, payload)
+                if kind == ch.ERROR and self.tp_size > 1:
+                    grace = time.monotonic() + ERROR_GRACE_S
+                    deadline = grace if deadline is None else min(deadline, grace)
+            if all(f is not None for f in frames):
+                break
+            dead = self._dead([f is not None for f in frames])
+            if dead is not None:
+                raise self._died(f"{dead} while {doing}")
             if deadline is not None and time.monotonic() > deadline:
-                raise AgentDiedError(f"the WorkAgent did not answer within {timeout:.0f} s "
-                                     f"while {doing}")
-        try:
-            frame = self.conn.recv_bytes()
-        except (EOFError, OSError):
-            raise AgentDiedError(f"the WorkAgent (pid {self.proc.pid}) closed its connection "
-                                 f"while {doing}") from None
-        kind, step_no, n = ch.FRAME.unpack_from(frame)
-        payload = frame[ch.FRAME.size:].decode(errors="replace") if kind == ch.ERROR else n
-        return kind, step_no, payload
+                failed = [f for f in frames if f is not None and f[0] == ch.ERROR]
+                late = [r for r, f in enumerate(frames) if f is None]
+                if failed:
+                    raise self._died(f"a WorkAgent failed while {doing}: {failed[0][2]}; "
+                                     f"rank(s) {late} did not finish it")
+                raise self._died(f"the WorkAgent did not answer within {timeout:.0f} s "
+                                 f"while {doing}")
+        return frames
 
     def submit(self, step: StepInput) -> None:
-        """Hand a step to the agent without waiting (at most two outstanding)."""
+        """Hand ``step`` to every agent without waiting (at most two outstanding)."""
         if self._closed:
             raise LLMServingError("the executor is shut down")
+        if self._procs.broken:
+            raise AgentDiedError("a WorkAgent died; the executor must be restarted")
         if len(self._outstanding) >= 2:
             raise LLMServingError("two steps are outstanding already; collect one first")
         self._step_no += 1
         n = ch.pack(self.shm_in[self._step_no % 2].buf, ch.step_to_arrays(step))
-        try:
-            self.conn.send_bytes(ch.FRAME.pack(ch.STEP, self._step_no, n))
-        except OSError:
-            raise AgentDiedError(f"the WorkAgent (pid {self.proc.pid}) is gone (exit code "
-                                 f"{self.proc.poll()}) before step {self._step_no}") from None
+        frame = ch.FRAME.pack(ch.STEP, self._step_no, n)
+        for rank, conn in enumerate(self._procs.conns):
+            try:
+                conn.send_bytes(frame)
+            except OSError:
+                proc = self._procs.agents[rank]
+                raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
+                                 f"{proc.poll()}) before step {self._step_no}") from None
         self._outstanding.append(self._step_no)
 
     def collect(self) -> Optional[SamplerOutput]:
-        """Wait for the oldest outstanding step and return its result."""
-        expected = self._outstanding.popleft()
-        kind, step_no, payload = self._wait(None, f"running step {expected}")
-        if step_no != expected:
-            raise AgentDiedError(f"the WorkAgent answered step {step_no} while step "
-                                 f"{expected} was expected")
-        if kind == ch.ERROR:
-            raise LLMServingError(f"the WorkAgent failed step {step_no}: {payload}")
+        """Wait for the oldest outstanding step on every agent; rank 0's SamplerOutput (None
+        when the step sampled nothing)."""
+        if not self._outstanding:
+            raise LLMServingError("no step is in flight")
+        step_no = self._outstanding.popleft()
+        frames = self._wait_all(None, f"running step {step_no}")
+        if any(f[1] != step_no for f in frames):
+            raise self._died(f"a WorkAgent answered step {[f[1] for f in frames]} while step "
+                             f"{step_no} was expected")
+        errors = [(r, f[2]) for r, f in enumerate(frames) if f[0] == ch.ERROR]
+        if errors:
+            who = f"rank {errors[0][0]} of " if self.tp_size > 1 else ""
+            raise LLMServingError(f"the WorkAgent {who}failed step {step_no}: {errors[0][1]}")
         return ch.result_from_arrays(ch.unpack(self.shm_out[step_no % 2].buf))
 
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
@@ -168,16 +281,36 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _cleanup(proc: subprocess.Popen, conn: Connection, *segments: ch.ShmSegment) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cleanup(p: _Procs, *segments: ch.ShmSegment) -> None:
+    """QUIT every live agent and give them 10 s together (kill at once if the group is
+    broken: a rank may be stuck in a collective), then kill the scheduler, close the
+    connections and unlink the segments."""
     try:
-        if proc.poll() is None:
-            try:
-                conn.send_bytes(ch.FRAME.pack(ch.QUIT, 0, 0))
-                proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
+        if not p.broken:
+            for proc, conn in zip(p.agents, p.conns):
+                if proc.poll() is None:
+                    try:
+                        conn.send_bytes(ch.FRAME.pack(ch.QUIT, 0, 0))
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + 10
+            for proc in p.agents:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for proc in p.agents + ([p.scheduler] if p.scheduler is not None else []):
+            if proc.poll() is None:
                 proc.kill()
-                proc.wait(10)
+            proc.wait(10)
     finally:
-        conn.close()
+        for conn in p.conns:
+            conn.close()
         for seg in segments:
             seg.close()

@@ -12,6 +12,7 @@ same direction, which the protocol never sends before the reader has replied.
 """
 from __future__ import annotations
 
+import os
 import secrets
 import struct
 from multiprocessing import resource_tracker, shared_memory
@@ -24,6 +25,18 @@ from llm_serving.model_executor.model_runner import StepInput
 from llm_serving.sampling_params import MAX_LOGPROBS
 
 SHM_PREFIX = "llm_serving_"
+
+
+def segment_prefix(pid: Optional[int] = None) -> str:
+    """Names of the segments a master process creates start with this (its pid included, so
+    that concurrent servers and test runs can tell their segments apart)."""
+    return f"{SHM_PREFIX}{os.getpid() if pid is None else pid}_"
+
+
+def segments_of(pid: Optional[int] = None) -> set[str]:
+    """The segments in /dev/shm created by master process ``pid`` (default: this one)."""
+    prefix = segment_prefix(pid)
+    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)}
 _ALIGN = 64
 _DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "float64", "bool", "uint8")]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -45,7 +58,7 @@ class ShmSegment:
     def __init__(self, size: int = 0, name: Optional[str] = None):
         if name is None:
             self.shm = shared_memory.SharedMemory(
-                name=f"{SHM_PREFIX}{secrets.token_hex(6)}", create=True, size=size)
+                name=f"{segment_prefix()}{secrets.token_hex(6)}", create=True, size=size)
             self.owner = True
         else:
             self.shm = shared_memory.SharedMemory(name=name)

@@ -2,6 +2,10 @@
 
 Its input is a plain description of the step (``StepInput``: arrays and small ints), so the
 same runner serves an in-process engine and a WorkAgent fed through shared memory.
+
+Under tensor parallelism each WorkAgent runs one of these on its shard of the model (the
+process's group, ``parallel_state.get_tp_group()``): every rank runs every step and block move,
+and only rank 0 samples.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
 from llm_serving.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
+from llm_serving.model_executor.parallel_state import (check_tensor_parallel, get_tp_group,
+                                                       kv_heads_per_rank)
 
 
 @dataclass
@@ -60,20 +66,26 @@ def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1
     return LlamaForCausalLM(config, backend, tp_rank, tp_size)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * 4
+def kv_bytes_per_block(config: ModelConfig, block_size: int, tp_size: int = 1) -> int:
+    """Bytes of one KV block on one rank (each holds its share of the KV heads)."""
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, num_blocks: int, block_size: int,
                  checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0,
-                 config: Optional[ModelConfig] = None, num_cpu_blocks: int = 0):
-        self.device = init_device(device)
+                 config: Optional[ModelConfig] = None, num_cpu_blocks: int = 0,
+                 device_id: int = 0):
+        self.device = init_device(device, device_id)
         self.config = config or ModelConfig.from_pretrained(model_dir)
         c = self.config
-        self.backend = get_attention_backend(self.device, c.num_heads, c.num_kv_heads,
+        self.tp = tp = get_tp_group()
+        check_tensor_parallel(c, tp.size)
+        self.backend = get_attention_backend(self.device, c.num_heads // tp.size,
+                                             kv_heads_per_rank(c.num_kv_heads, tp.size),
                                              c.head_dim)
-        self.model = build_model(c, self.backend)
+        self.model = build_model(c, self.backend, tp.rank, tp.size)
         self.model.load_weights(iter_weights(model_dir, checkpoint=checkpoint))
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -101,8 +113,9 @@ class ModelRunner:
             for dev in self.kv_caches:
                 b.copy_blocks(dev, copies)
 
-    def forward(self, step: StepInput, rows: np.ndarray) -> np.ndarray:
-        """Run the model on the step and return float32 logits for the given token rows."""
+    def forward(self, step: StepInput, rows: np.ndarray) -> Optional[np.ndarray]:
+        """Run the model on the step and return float32 logits for the given token rows
+        (None on tensor-parallel ranks other than 0)."""
         return self._logits(self._run(step), rows)
 
     def _run(self, step: StepInput):
@@ -118,7 +131,7 @@ class ModelRunner:
             return np.empty((0, self.config.vocab_size), np.float32)
         if len(rows) != hidden.shape[0] or np.any(rows != np.arange(len(rows))):
             hidden = ops.gather(hidden, Tensor(rows.astype(np.int32)), 0)
-        return self.model.compute_logits(hidden).asnumpy()
+        return self.model.compute_logits(hidden)
 
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
         self.move_blocks(step.swap_out, step.swap_in, step.copies)
@@ -127,7 +140,10 @@ class ModelRunner:
             self._fill_pending(step, rows)
         hidden = self._run(step)
         logits = self._logits(hidden, rows)
-        scores_prompt = len(step.prompt_lp_rows) > 0
+        # Every rank takes part in the vocab-parallel gathers of the prompt rows' logits.
+        prompt = self._prompt_logprobs(hidden, step) if len(step.prompt_lp_rows) else None
+        if not self.tp.is_driver:
+            return None
         if len(rows):
             dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
             out = self.sampler(logits, step.sampling)
@@ -135,18 +151,21 @@ class ModelRunner:
             self._last_tokens = out.token_ids.astype(np.int32)
         else:
             self._last_tokens = np.zeros(0, np.int32)
-            if not scores_prompt:
+            if prompt is None:
                 return None
             # a prefill chunk that samples nothing still scores its prompt
             out = SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.float32))
-        if scores_prompt:
-            self._prompt_logprobs(hidden, step, out)
+        if prompt is not None:
+            for name, value in prompt.items():
+                setattr(out, name, value)
         return out
 
     def _fill_pending(self, step: StepInput, rows: np.ndarray) -> None:
         """Async scheduling: put the previous step's samples where the master had
         placeholders, in the input ids and at the end of penalized rows' output tokens."""
-        step.input_ids[step.pending_pos] = self._last_tokens[step.pending_src]
+        tokens = (self._last_tokens[step.pending_src] if self.tp.is_driver
+                  else np.zeros(len(step.pending_src), np.int32))
+        step.input_ids[step.pending_pos] = self.tp.broadcast_from_driver(tokens)
         s = step.sampling
         if s is not None and s.output_token_ids is not None:
             for r in np.flatnonzero(s.penalized_rows):
@@ -161,18 +180,20 @@ class ModelRunner:
     def collect(self) -> Optional[SamplerOutput]:
         return self._results.popleft()
 
-    def _prompt_logprobs(self, hidden, step: StepInput, out: SamplerOutput) -> None:
+    def _prompt_logprobs(self, hidden, step: StepInput) -> Optional[dict]:
         """Score the step's prompt rows (raw log_softmax, as the sampler's logprobs), a few
-        hundred rows' logits at a time."""
+        hundred rows' logits at a time: the SamplerOutput's ``prompt_*`` fields (None on
+        tensor-parallel ranks other than 0, which only join the logits' gathers)."""
         rows, ids = step.prompt_lp_rows, step.prompt_lp_token_ids.astype(np.int64)
         k = int(step.prompt_lp_k.max())
         chunk = max(1, _PROMPT_LOGITS_BYTES // (4 * self.config.vocab_size))
         parts = []
         for s in range(0, len(rows), chunk):
-            n = len(rows[s:s + chunk])
-            parts.append(self.sampler.compute_logprobs(self._logits(hidden, rows[s:s + chunk]),
-                                                       ids[s:s + chunk], np.full(n, k, np.int32)))
-        one = len(parts) == 1
-        for name in ("logprobs", "ranks", "top_token_ids", "top_logprobs"):
-            got = [getattr(p, name) for p in parts]
-            setattr(out, "prompt_" + name, got[0] if one else np.concatenate(got))
+            logits = self._logits(hidden, rows[s:s + chunk])
+            if logits is not None:
+                parts.append(self.sampler.compute_logprobs(
+                    logits, ids[s:s + chunk], np.full(len(logits), k, np.int32)))
+        if not parts:
+            return None
+        return {"prompt_" + name: np.concatenate([getattr(p, name) for p in parts])
+                for name in ("logprobs", "ranks", "top_token_ids", "top_logprobs")}

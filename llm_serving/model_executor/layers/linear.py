@@ -18,6 +18,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, row_stride
+from llm_serving.model_executor.parallel_state import get_tp_group
 
 # Rows up to which the C++ kernel runs instead of MindSpore's MatMul. Measured on this
 # project's CPU inside whole model steps (bench/bench_model.py, 97M model; 2026-11-21):
@@ -81,17 +82,31 @@ def _param(shape) -> Parameter:
 
 class Linear(CustomOp):
     """y = x @ W.T (+ b). ``output_sizes`` lists the fused parts' sizes, in order. With
-    ``split_output`` the layer returns one tensor per part (q, k, v of a fused qkv)."""
+    ``split_output`` the layer returns one tensor per part (q, k, v of a fused qkv).
+
+    Tensor parallel (``tp_size`` > 1):
+    - ``parallel="column"``: each rank holds a slice of the output rows (its heads, its part
+      of the FFN); no communication. A part with ``replicas[p]`` = R > 1 (KV heads fewer than
+      ranks) is held whole-head by groups of R ranks: rank r takes slice r // R of size
+      size * R / tp_size;
+    - ``parallel="row"``: each rank holds a slice of the input columns and the partial outputs
+      are summed over the ranks (all-reduce); the bias is added once, after the sum.
+    """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1, parallel: str = "none",
-                 split_output: bool = False):
+                 split_output: bool = False, replicas: list[int] | None = None):
         super().__init__()
+        self.shard_index = [0] * len(output_sizes)
         if parallel == "column":
-            for s in output_sizes:
-                if s % tp_size:
+            replicas = replicas or [1] * len(output_sizes)
+            sizes = []
+            for s, r in zip(output_sizes, replicas):
+                if (s * r) % tp_size:
                     raise ValueError(f"output size {s} is not divisible by tp_size {tp_size}")
-            output_sizes = [s // tp_size for s in output_sizes]
+                sizes.append(s * r // tp_size)
+            self.shard_index = [tp_rank // r for r in replicas]
+            output_sizes = sizes
         elif parallel == "row" and input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
         self.parallel, self.tp_rank, self.tp_size = parallel, tp_rank, tp_size
@@ -104,9 +119,13 @@ class Linear(CustomOp):
         self.split_output = split_output
         self.matmul = ops.MatMul(transpose_b=True)
         self._call = _LinearCall(self.output_sizes if split_output else [out])
+        # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
+        self.reduce = parallel == "row" and tp_size > 1
 
     def forward_native(self, x):
         y = self.matmul(x, self.weight)
+        if self.reduce:
+            y = get_tp_group().all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         if self.split_output:
@@ -116,6 +135,9 @@ class Linear(CustomOp):
     def forward_cpu(self, x):
         if x.shape[0] > CPU_LINEAR_MAX_M:
             return self.forward_native(x)
+        if self.reduce:
+            y = get_tp_group().all_reduce(cpu_linear(x, self.weight, None, self._call))
+            return y + self.bias if self.bias is not None else y
         return cpu_linear(x, self.weight, self.bias, self._call, self.split_output)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
@@ -123,7 +145,8 @@ class Linear(CustomOp):
         """Copy checkpoint tensor ``loaded`` (fused part ``shard``) into host buffer ``host``."""
         size = self.output_sizes[shard]
         if self.parallel == "column":
-            loaded = loaded[self.tp_rank * size:(self.tp_rank + 1) * size]
+            i = self.shard_index[shard]
+            loaded = loaded[i * size:(i + 1) * size]
         elif self.parallel == "row" and not is_bias:
             n = self.input_size
             loaded = loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n]
@@ -135,10 +158,51 @@ class Linear(CustomOp):
 
 
 class VocabEmbedding(CustomOp):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    """The token embedding, also the LM head (tied or not). Vocab-parallel with tp_size > 1:
+    rank r holds rows [r * n, (r + 1) * n) of the vocabulary, n = ceil(vocab / tp_size) (the
+    last rank's tail is zero padding).
+    - embedding: ids outside the rank's rows give zeros, and the ranks' rows are summed
+      (all-reduce);
+    - LM head (``compute_logits``): each rank computes its vocabulary slice of the logits and
+      rank 0 gathers them; the other ranks get None (only rank 0 samples).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.vocab_size = vocab_size
-        self.weight = _param((vocab_size, hidden_size))
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.rows = -(-vocab_size // tp_size)
+        self.start = tp_rank * self.rows
+        self.weight = _param((self.rows, hidden_size))
+        self.logits_matmul = ops.MatMul(transpose_b=True)
 
     def forward_native(self, input_ids):
-        return ops.gather(self.weight, input_ids, 0)
+        if self.tp_size == 1:
+            return ops.gather(self.weight, input_ids, 0)
+        local = input_ids - self.start
+        mine = ops.logical_and(local >= 0, local < self.rows)
+        rows = ops.gather(self.weight, ops.where(mine, local, ops.zeros_like(local)), 0)
+        rows = rows * ops.expand_dims(mine.astype(rows.dtype), -1)
+        return get_tp_group().all_reduce(rows)
+
+    def compute_logits(self, hidden_states):
+        """float32 logits [M, vocab] (on rank 0; None on the other ranks)."""
+        if self._use_cpu and hidden_states.shape[0] <= CPU_LINEAR_MAX_M:
+            logits = cpu_linear(hidden_states, self.weight)
+        else:
+            logits = self.logits_matmul(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits.asnumpy()
+        full = get_tp_group().gather_last_dim(logits)
+        if full is None or full.shape[1] == self.vocab_size:
+            return full
+        return np.ascontiguousarray(full[:, :self.vocab_size])       # drop the padding
+
+    def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
+                      is_bias: bool = False) -> None:
+        """Copy this rank's rows of the checkpoint's [vocab, hidden] tensor into ``host``."""
+        if loaded.shape[1:] != host.shape[1:] or len(loaded) != self.vocab_size:
+            raise ValueError(f"checkpoint tensor of shape {loaded.shape} does not fit "
+                             f"[{self.vocab_size}, {host.shape[1]}]")
+        part = loaded[self.start:self.start + self.rows]
+        host[:len(part)] = part
+        host[len(part):] = 0

@@ -8,16 +8,15 @@ from __future__ import annotations
 from typing import Iterable
 
 import numpy as np
-from mindspore import nn, ops
+from mindspore import nn
 
 from llm_serving.model_executor.attention.backend import AttentionBackend
 from llm_serving.model_executor.attention.layer import Attention
 from llm_serving.model_executor.layers.activation import SiluAndMul
 from llm_serving.model_executor.layers.layernorm import RMSNorm
-from llm_serving.model_executor.layers.custom_op import use_cpu_kernels
-from llm_serving.model_executor.layers.linear import (CPU_LINEAR_MAX_M, Linear, VocabEmbedding,
-                                                      cpu_linear)
+from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
+from llm_serving.model_executor.parallel_state import kv_heads_per_rank
 
 
 class LlamaMLP(nn.Cell):
@@ -39,12 +38,15 @@ class LlamaAttention(nn.Cell):
         super().__init__()
         d = config.head_dim
         self.num_heads = config.num_heads // tp_size
-        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
+        self.num_kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        # KV heads fewer than ranks are replicated: groups of kv_replicas ranks share one.
+        kv_replicas = max(1, tp_size // config.num_kv_heads)
         self.qkv_proj = Linear(
             config.hidden_size,
             [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
-            config.qkv_bias, tp_rank, tp_size, "column", split_output=True)
+            config.qkv_bias, tp_rank, tp_size, "column", split_output=True,
+            replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = Linear(config.num_heads * d, [config.hidden_size], config.o_bias,
                              tp_rank, tp_size, "row")
         self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
@@ -85,7 +87,8 @@ class LlamaDecoderLayer(nn.Cell):
 class LlamaModel(nn.Cell):
     def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp_rank,
+                                           tp_size)
         self.layers = nn.CellList([LlamaDecoderLayer(config, backend, i, tp_rank, tp_size)
                                    for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -116,17 +119,15 @@ class LlamaForCausalLM(nn.Cell):
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.logits_matmul = ops.MatMul(transpose_b=True)
-        self._cpu_logits = use_cpu_kernels()
+            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, tp_rank,
+                                          tp_size)
 
     def construct(self, input_ids, positions):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states):
-        if self._cpu_logits and hidden_states.shape[0] <= CPU_LINEAR_MAX_M:
-            return cpu_linear(hidden_states, self.lm_head.weight)
-        return self.logits_matmul(hidden_states, self.lm_head.weight)
+        """float32 numpy logits [M, vocab] (None on tensor-parallel ranks other than 0)."""
+        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         """Fill parameters from (HF name, array) pairs; every parameter must be covered."""
@@ -154,7 +155,7 @@ class LlamaForCausalLM(nn.Cell):
                 buf = host[target] = np.zeros(param.shape, np.float32)
             filled.setdefault(target, set()).add(shard or 0)
             cell = cells.get(target.rsplit(".", 1)[0])
-            if isinstance(cell, Linear):
+            if isinstance(cell, (Linear, VocabEmbedding)):
                 cell.weight_loader(buf, loaded, shard or 0, target.endswith(".bias"))
             else:
                 if buf.shape != loaded.shape:

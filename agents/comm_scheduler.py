@@ -1,0 +1,35 @@
+"""MindSpore's collective scheduler for a tensor-parallel group of WorkAgents.
+
+The master starts it beside the agents (environment: MS_ROLE=MS_SCHED, MS_SCHED_HOST,
+MS_SCHED_PORT, MS_WORKER_NUM). ``mindspore.communication.init()`` in this role serves the
+cluster's topology until the agents are gone; the master kills it at shutdown. If the master
+itself is killed, the agents exit when their control connection closes and this process
+exits on its own once it sees them time out.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def main() -> int:
+    # The master decides when it stops (it kills it after the agents), as for the agents.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import mindspore as ms
+    from mindspore.communication import init
+    device = sys.argv[1] if len(sys.argv) > 1 else "CPU"
+    ms.set_device(device)
+    init("mccl" if device == "CPU" else "hccl")
+    return 0
+
+
+if __name__ == "__main__":
+    code = 1
+    try:
+        code = main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

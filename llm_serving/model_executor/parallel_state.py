@@ -1,0 +1,121 @@
+"""The tensor-parallel group of this process: one WorkAgent is one rank.
+
+A WorkAgent started with ``--tp-size N > 1`` calls ``init_tensor_parallel`` once, before the
+model is built; MindSpore's collectives then run over ``mccl`` on CPU or HCCL on Ascend.
+Everything else (the in-process runner, a single agent) keeps the trivial group of one rank.
+
+Only the parallel layers (``layers/linear.py``) call the collectives; model code does not.
+Every rank runs every step, so all ranks issue the same collectives in the same order.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Optional
+
+import numpy as np
+from mindspore import Tensor
+
+from llm_serving.errors import ConfigError
+
+
+class TPGroup:
+    def __init__(self, rank: int = 0, size: int = 1):
+        self.rank, self.size = rank, size
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 samples and answers the master with the step's result."""
+        return self.rank == 0
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sum ``t`` over the ranks, in place (every rank gets the sum). Returns ``t``."""
+        if self.size > 1:
+            from mindspore.mint.distributed import all_reduce
+            all_reduce(t)
+        return t
+
+    def broadcast_from_driver(self, ids: np.ndarray) -> np.ndarray:
+        """Rank 0's int32 ``ids`` on every rank (the other ranks pass zeros of the same
+        shape): the previous step's samples, which only rank 0 has, for async scheduling.
+        Sent as float32 through an all-reduce, exact for ids below 2**24."""
+        if self.size == 1:
+            return ids
+        t = Tensor(ids.astype(np.float32))
+        self.all_reduce(t)
+        return t.asnumpy().astype(np.int32)
+
+    def gather_last_dim(self, t: Tensor) -> Optional[np.ndarray]:
+        """Concatenate every rank's ``t`` [M, N] along the last dim on rank 0: [M, size * N]
+        there, None on the other ranks."""
+        if self.size == 1:
+            return t.asnumpy()
+        from mindspore.mint.distributed import gather
+        parts = [np.empty(t.shape, np.float32) for _ in range(self.size)]
+        gather(t, [Tensor.from_numpy(p) for p in parts], dst=0)
+        return np.concatenate(parts, axis=-1) if self.is_driver else None
+
+
+_group = TPGroup()
+
+
+def get_tp_group() -> TPGroup:
+    return _group
+
+
+def init_tensor_parallel(rank: int, size: int, device: str) -> TPGroup:
+    """Join the collective group (the master set MS_ROLE, MS_SCHED_HOST/PORT, MS_WORKER_NUM and
+    MS_NODE_ID in this process's environment and runs the scheduler). Takes a few seconds."""
+    global _group
+    if size > 1:
+        from mindspore.communication import get_group_size, get_rank, init
+        _wait_for_scheduler()
+        init("mccl" if device == "CPU" else "hccl")
+        if (get_rank(), get_group_size()) != (rank, size):
+            raise RuntimeError(f"collective init gave rank {get_rank()} of {get_group_size()}, "
+                               f"expected {rank} of {size}")
+    _group = TPGroup(rank, size)
+    return _group
+
+
+def _wait_for_scheduler(timeout: float = 120.0) -> None:
+    """Wait until the scheduler accepts connections. A worker whose first registration
+    attempt finds no scheduler yet keeps failing to register for tens of seconds (measured:
+    40-75 s with pinned agents, against about 5 s for init when the scheduler is up)."""
+    host, port = os.environ.get("MS_SCHED_HOST"), os.environ.get("MS_SCHED_PORT")
+    if not host or not port:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), 1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the collective scheduler at {host}:{port} did not come "
+                                   f"up within {timeout:.0f} s") from None
+            time.sleep(0.05)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds. With fewer KV heads than ranks they are replicated (as vLLM
+    does): each rank holds one, shared by tp_size / num_kv_heads ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """Raise a ConfigError naming tensor_parallel_size if the model cannot be split that way."""
+    if tp_size == 1:
+        return
+    key = "tensor_parallel_size"
+    if config.num_heads % tp_size:
+        raise ConfigError(key, f"{tp_size} does not divide the model's {config.num_heads} "
+                          "attention heads")
+    kv = config.num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        raise ConfigError(key, f"{tp_size} and the model's {kv} KV heads must divide one "
+                          "another (KV heads are split, or replicated when fewer than ranks)")
+    if config.intermediate_size % tp_size:
+        raise ConfigError(key, f"{tp_size} does not divide the model's intermediate_size "
+                          f"({config.intermediate_size})")
