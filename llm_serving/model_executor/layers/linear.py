@@ -17,8 +17,7 @@ import os
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from llm_serving.model_executor.layers.custom_op import (CustomOp, cpu_layer_ops, row_stride,
-                                                          use_cpu_kernels)
+from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, row_stride
 from llm_serving.model_executor.parallel_state import get_tp_group
 
 # Rows up to which the C++ kernel runs instead of MindSpore's MatMul. Measured on this
