@@ -17,10 +17,9 @@ def main() -> int:
     # The master decides when it stops (it kills it after the agents), as for the agents.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    import mindspore as ms
     from mindspore.communication import init
-    device = sys.argv[1] if len(sys.argv) > 1 else "CPU"
-    ms.set_device(device)
+    from llm_serving.model_executor.device import init_device
+    device = init_device(sys.argv[1] if len(sys.argv) > 1 else "auto")   # as the agents do
     init("mccl" if device == "CPU" else "hccl")
     return 0
 

@@ -23,6 +23,7 @@ MindSpore and our kernels' thread pool size themselves to them).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     if cpus:
         # Before MindSpore and the kernels load: their thread pools size from the affinity.
         os.sched_setaffinity(0, cpus)
-    import llm_serving  # noqa: F401  (sets the OpenMP policy before MindSpore loads)
+    importlib.import_module("llm_serving")   # sets the OpenMP policy before MindSpore loads
     from llm_serving.executor import shm_channel as ch
     try:
         from llm_serving.model_executor.device import init_device
@@ -70,9 +71,15 @@ def main(argv=None) -> int:
         from llm_serving.model_executor.parallel_state import init_tensor_parallel
         device_id = args.device_id + args.tp_rank        # rank r: start_device_id + r
         device = init_device(args.device, device_id)
-        if cpus and device == "CPU":
+        if device == "CPU" and (cpus or args.tp_size > 1):
+            # Pinned: MindSpore's own pool to the agent's cores. Unpinned ranks share the
+            # machine: each gets its share of the cores (else each rank's threads fight the
+            # other ranks' on every core).
             import mindspore as ms
-            ms.device_context.cpu.op_tuning.threads_num(len(cpus))
+            from llm_serving.model_executor.attention import kernels
+            n = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // args.tp_size)
+            ms.device_context.cpu.op_tuning.threads_num(n)
+            kernels.set_num_threads(n)
         tp = init_tensor_parallel(args.tp_rank, args.tp_size, device)
         runner = ModelRunner(args.model, args.num_blocks, args.block_size, args.checkpoint,
                              args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks,

@@ -200,7 +200,7 @@ def bridge_table(args):
         base = r["raw ctypes, precomputed args (kernel)"][1] / L
         for name, (t, t10) in r.items():
             print(f"{name:44s} {b:3d} {t / L:9.1f} {t10 / L:9.1f} {t10 / L - base:9.1f}")
-        del bt, kp, vp
+        bt = kp = vp = None        # free before the next size (closures read them)
 
 
 def interference_table(args):
@@ -248,7 +248,7 @@ def interference_table(args):
             for name in libs:
                 print(f"{name:16s} {b:3d} " + " ".join(
                     f"{r[(name, f)][0]:8.1f} /{r[(name, f)][1]:7.1f}" for f in ("att", "mat", "both")))
-            del bt
+            bt = None              # free before the next size (closures read it)
     finally:
         K._libs[()] = default
 

@@ -34,8 +34,8 @@ def main() -> None:
     weights = [[Tensor(rng.standard_normal((n, k), np.float32) * 0.02) for n, k in shapes]
                for _ in range(args.layers)]
     mm = ops.MatMul(transpose_b=True)
-    print(f"| M | MindSpore MatMul ms | C++ kernel ms | speedup |")
-    print(f"|---|---|---|---|")
+    print("| M | MindSpore MatMul ms | C++ kernel ms | speedup |")
+    print("|---|---|---|---|")
     for m in [int(v) for v in args.ms.split(",")]:
         xs = {k: Tensor(rng.standard_normal((m, k), np.float32)) for k in (h, f)}
         fns = {"cpp": lambda x, w: cpu_linear(x, w), "ms": lambda x, w: mm(x, w)}

@@ -36,26 +36,38 @@ def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
     return best
 
 
-def _busy_seconds() -> tuple[float, float]:
-    """(CPU seconds busy on the whole machine, CPU seconds used by this process) so far."""
+def _busy_seconds(pids=()) -> tuple[float, float]:
+    """(CPU seconds busy on the whole machine, CPU seconds used by this process and by the
+    processes ``pids``) so far."""
     tick = os.sysconf("SC_CLK_TCK")
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     busy = sum(v) - v[3] - v[4]                      # minus idle and iowait
     own = sum(os.times()[:2])
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            own += (int(fields[11]) + int(fields[12])) / tick    # utime, stime
+        except OSError:
+            pass
     return busy / tick, own
 
 
 class OtherLoad:
-    """Average number of cores other processes kept busy while the block ran (Linux)."""
+    """Average number of cores other processes kept busy while the block ran (Linux). The
+    benchmark's own processes are this one and ``pids`` (e.g. its WorkAgents)."""
+
+    def __init__(self, pids=()):
+        self.pids = list(pids)
 
     def __enter__(self):
         self.t = time.perf_counter()
-        self.b = _busy_seconds()
+        self.b = _busy_seconds(self.pids)
         return self
 
     def __exit__(self, *exc):
-        busy, own = _busy_seconds()
+        busy, own = _busy_seconds(self.pids)
         self.cores = max(0.0, (busy - self.b[0]) - (own - self.b[1])) / (
             time.perf_counter() - self.t)
 
@@ -117,7 +129,7 @@ def main() -> None:
         rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
                                 greedy) for _ in range(b)]
         while any(s.num_computed_tokens < len(s.prompt_token_ids)
-                  for r in rids for s in eng.requests[r]):
+                  for r in rids for s in eng.requests[r].seqs):
             eng.step()
         for _ in range(3):
             eng.step()

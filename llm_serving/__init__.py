@@ -10,6 +10,8 @@ from llm_serving.sampling_params import RequestOutputKind, SamplingParams  # noq
 from llm_serving.config import EngineArgs  # noqa: F401
 
 __version__ = "0.1.0"
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLM", "LLMEngine",
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):

@@ -34,7 +34,7 @@ class EngineArgs:
     num_blocks: Optional[int] = _arg(None,
         "KV blocks (llm-serving's pa_config.num_blocks; default from kv_cache_space)")
     kv_cache_space: float = _arg(2.0,
-        "GiB for the KV cache when num_blocks is unset")
+        "GiB for the KV cache when num_blocks is unset (per WorkAgent rank)")
     enable_chunked_prefill: bool = _arg(True,
         "chunk long prefills into the step budget (Dynamic SplitFuse)")
     enable_prefix_caching: bool = _arg(False,
@@ -42,7 +42,7 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute",
         "recompute or swap (to a host pool of swap_space GiB)")
     swap_space: float = _arg(4.0,
-        "GiB of host memory for swapped-out KV blocks")
+        "GiB of host memory for swapped-out KV blocks (per WorkAgent rank)")
     scheduling_policy: str = _arg("fcfs",
         "fcfs, or priority: lower request priority runs first and may preempt")
     max_waiting_requests: int = _arg(1024,

@@ -6,7 +6,6 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from llm_serving import SamplingParams

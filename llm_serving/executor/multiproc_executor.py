@@ -98,8 +98,7 @@ class MultiprocExecutor:
                 env.update(MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(_free_port()),
                            MS_WORKER_NUM=str(tp))
                 p.scheduler = subprocess.Popen(
-                    [sys.executable, "-m", "agents.comm_scheduler",
-                     "Ascend" if str(device).lower() in ("ascend", "npu") else "CPU"],
+                    [sys.executable, "-m", "agents.comm_scheduler", device],
                     env={**env, "MS_ROLE": "MS_SCHED"}, stdout=subprocess.DEVNULL)
             for rank in range(tp):
                 ours, theirs = socket.socketpair()

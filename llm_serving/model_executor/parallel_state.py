@@ -34,6 +34,7 @@ class TPGroup:
         if self.size > 1:
             from mindspore.mint.distributed import all_reduce
             all_reduce(t)
+            _let_comm_threads_run()
         return t
 
     def broadcast_from_driver(self, ids: np.ndarray) -> np.ndarray:
@@ -54,7 +55,17 @@ class TPGroup:
         from mindspore.mint.distributed import gather
         parts = [np.empty(t.shape, np.float32) for _ in range(self.size)]
         gather(t, [Tensor.from_numpy(p) for p in parts], dst=0)
+        _let_comm_threads_run()
         return np.concatenate(parts, axis=-1) if self.is_driver else None
+
+
+def _let_comm_threads_run() -> None:
+    """Give the CPU to mccl's send/receive threads before computing on. A collective can
+    return while its last message still waits in the send thread's queue; an agent pinned to
+    one core then computes the next layer first (the scheduler does not preempt for it), and
+    the peer waits for that message meanwhile. Measured with two agents on one core each: an
+    all-reduce of 768 floats after 1 ms of compute took 1.5 ms, 0.23 ms with this yield."""
+    os.sched_yield()
 
 
 _group = TPGroup()
