@@ -89,9 +89,12 @@ def stop_server(proc) -> int:
 def server(tmp_path_factory, tiny_model_dir):
     proc, url, line = start_server(tmp_path_factory.mktemp("srv"), tiny_model_dir)
     SERVERS[url] = proc
-    assert len(segments_of(proc.pid)) == 4          # in and out, two steps in flight
-    yield url
-    assert stop_server(proc) == 0
+    try:
+        assert len(segments_of(proc.pid)) == 4      # in and out, two steps in flight
+        yield url
+    finally:
+        code = stop_server(proc)
+    assert code == 0
     assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
