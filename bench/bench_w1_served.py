@@ -7,12 +7,16 @@ its reference output's token count capped at 256, greedy, ignore_eos. Cases:
 - tuned (max_num_seqs 128): all at once, and Poisson arrivals at 4 req/s;
 - decode batch 1 (max_num_seqs 1, llm-serving's untuned shape): all at once.
 
+The "offline" case is the same workload through the bare engine in this process
+(LLM.generate, max_num_seqs 128): the served rows' loss against it is the serving overhead
+(HTTP, streaming, the master-agent hop), measured in the same run.
+
 The table compares with the references measured on this machine kind with the same 97 M model
 (../shared/NOTES.md): vLLM's CPU backend 261 output tok/s all at once and TTFT p50/p99
 330/704 ms at 4 req/s; llama.cpp's llama-server 166 tok/s. Those servers cannot run in the
 same process tree here, so their figures come from the notes, not from this run.
 
-    python bench/bench_w1_served.py [--model DIR] [--cases tuned,rate4,batch1]
+    python bench/bench_w1_served.py [--model DIR] [--cases offline,tuned,rate4,batch1]
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_TOKS, VLLM_TTFT = 261.0, (330.0, 704.0)
 LLAMA_CPP_TOKS = 166.0
 CASES = {   # name: (max_num_seqs, request rate)
+    "offline": (128, "inf"),
     "tuned": (128, "inf"),
     "rate4": (128, "4"),
     "batch1": (1, "inf"),
@@ -66,7 +71,28 @@ def run_case(model: str, max_num_seqs: int, rate: str, out: Path) -> dict:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    return json.loads(out.read_text())["summary"]
+    result = json.loads(out.read_text())
+    for rec in result["records"]:
+        if rec["error"] is not None:
+            print(f"failed request: {rec['error']}", file=sys.stderr)
+    return result["summary"]
+
+
+def run_offline(model: str, max_num_seqs: int) -> dict:
+    """W1 through LLM.generate in this process: output tok/s of the bare engine."""
+    import time
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_engine import w1
+    from llm_serving import LLM, SamplingParams
+    llm = LLM(model, max_num_seqs=max_num_seqs, kv_cache_space=4.0)
+    prompts, lens = w1(llm.get_tokenizer(), 200, 256)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.engine.shutdown()
+    return {"output_throughput": n_out / dt, "duration": dt, "failed": 0}
 
 
 def main() -> None:
@@ -80,19 +106,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases.split(","):
             seqs, rate = CASES[name]
-            res[name] = run_case(model, seqs, rate, Path(tmp) / f"{name}.json")
+            res[name] = (run_offline(model, seqs) if name == "offline"
+                         else run_case(model, seqs, rate, Path(tmp) / f"{name}.json"))
     print(f"# W1 served, {datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores\n"
           f"model: {model}\n")
-    print("| case | max_num_seqs | arrivals | duration | output tok/s | vs vLLM (261) | "
-          "vs llama.cpp (166) | TTFT p50 / p99 | TPOT p50 | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | max_num_seqs | arrivals | duration | output tok/s | vs offline | "
+          "vs vLLM (261) | vs llama.cpp (166) | TTFT p50 / p99 | TPOT p50 | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = res.get("offline", {}).get("output_throughput")
     for name, s in res.items():
         seqs, rate = CASES[name]
         toks = s["output_throughput"]
+        vs_base = f"{toks / base - 1:+.1%}" if base and name == "tuned" else ""
+        lat = (f"{s['ttft_ms']['median']:.0f} / {s['ttft_ms']['p99']:.0f} ms | "
+               f"{s['tpot_ms']['median']:.1f} ms" if "ttft_ms" in s else "in process | ")
         print(f"| {name} | {seqs} | {'all at once' if rate == 'inf' else rate + ' req/s'} | "
-              f"{s['duration']:.1f} s | {toks:.1f} | {toks / VLLM_TOKS:.2f}x | "
-              f"{toks / LLAMA_CPP_TOKS:.2f}x | {s['ttft_ms']['median']:.0f} / "
-              f"{s['ttft_ms']['p99']:.0f} ms | {s['tpot_ms']['median']:.1f} ms | {s['failed']} |")
+              f"{s['duration']:.1f} s | {toks:.1f} | {vs_base} | {toks / VLLM_TOKS:.2f}x | "
+              f"{toks / LLAMA_CPP_TOKS:.2f}x | {lat} | {s['failed']} |")
     if "rate4" in res:
         s = res["rate4"]
         print(f"\nAt 4 req/s, TTFT p50/p99 vs vLLM's {VLLM_TTFT[0]:.0f}/{VLLM_TTFT[1]:.0f} ms: "
