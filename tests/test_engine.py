@@ -249,6 +249,31 @@ def test_priority_runs_first(tiny_model_dir):
         LLM(tiny_model_dir, num_blocks=64).generate(PROMPTS[:1], params, priority=[1])
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_better_priority_preempts_a_running_request_without_changing_outputs(
+        tiny_model_dir, tiny_llm, async_scheduling):
+    """A request arriving with a better priority preempts the running one (recompute), also
+    while that one's step is still running under async scheduling; both outputs equal each
+    request run alone."""
+    engine = LLMEngine(EngineArgs(tiny_model_dir, num_blocks=64, max_num_seqs=1,
+                                  scheduling_policy="priority",
+                                  async_scheduling=async_scheduling))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="low", priority=5)
+    outs = {}
+    for _ in range(4):
+        outs.update((o.request_id, o) for o in engine.step())
+    engine.add_request(PROMPTS[1], params, request_id="high", priority=0)
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert engine.get_stats().num_preemptions >= 1
+    assert outs["high"].metrics.first_token_time < outs["low"].metrics.finished_time
+    for rid, prompt in (("low", PROMPTS[0]), ("high", PROMPTS[1])):
+        assert outs[rid].outputs[0].token_ids == \
+            tiny_llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert engine.block_manager.ref_counts == [0] * 64
+
+
 def test_request_metrics_are_filled(tiny_llm):
     out = tiny_llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8,
                                                        ignore_eos=True))[0]
