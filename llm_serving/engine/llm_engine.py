@@ -310,8 +310,6 @@ class LLMEngine:
             seq.output_token_ids.append(-1)
             seq.num_pending_tokens += 1
             seq.pending_row = row
-            seq.finishing = (len(seq.output_token_ids) >= seq.max_tokens
-                             or seq.num_tokens >= self.max_model_len)
         return _StepInFlight(batch, sampled, pending_at, dumps)
 
     def _drain(self) -> None:
@@ -487,15 +485,15 @@ class LLMEngine:
             return
         lp = float(r.logprobs[row])
         seq.cumulative_logprob += lp
+        text = self._token_text
         entry = {token: Logprob(lp, int(r.ranks[row]) if r.ranks is not None else None,
-                                self.tokenizer.decode([token], skip_special_tokens=False))}
+                                text(token))}
         if k > 0 and r.top_token_ids is not None:
             for rank, (tid, tlp) in enumerate(zip(r.top_token_ids[row][:k],
                                                   r.top_logprobs[row][:k]), 1):
                 tid = int(tid)
                 if tid not in entry:
-                    entry[tid] = Logprob(float(tlp), rank,
-                                         self.tokenizer.decode([tid], skip_special_tokens=False))
+                    entry[tid] = Logprob(float(tlp), rank, text(tid))
         seq.output_logprobs.append(entry)
 
     def _record_prompt_logprobs(self, plan: list, r: SamplerOutput) -> None:
@@ -522,6 +520,7 @@ class LLMEngine:
                 row += 1
 
     def _token_text(self, token_id: int) -> str:
+        """A token's own text (special tokens kept), decoded once per token id."""
         text = self._token_texts.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -628,7 +627,7 @@ class LLMEngine:
                          SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY),
                          request_id=rid)
-        while rid in self.requests:
+        while self.has_unfinished_requests():     # a step still in flight included
             self.step()
         self.block_manager.reset()
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0

@@ -59,7 +59,6 @@ class Sequence:
         # placeholders (-1) at the end of ``output_token_ids`` until their step is collected.
         self.num_pending_tokens = 0
         self.pending_row = -1                     # the latest placeholder's sampled row
-        self.finishing = False                    # its pending token is its last one
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []
         # Results.
@@ -81,6 +80,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finishing(self) -> bool:
+        """Its pending token is its last one (max_tokens, which is capped so that the
+        sequence fits max_model_len): nothing more to schedule."""
+        return self.num_pending_tokens > 0 and len(self.output_token_ids) >= self.max_tokens
 
     @property
     def num_output_tokens(self) -> int:

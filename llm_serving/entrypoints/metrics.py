@@ -42,11 +42,10 @@ class ServerMetrics:
                               registry=r)
         self.counters = {name: Counter(P + name, doc, registry=r)
                          for name, (_, doc) in _COUNTERS.items()}
-        self._last = {name: 0 for name in _COUNTERS}
+        self._last: dict = {}            # counter key -> engine count at the last scrape
         # vLLM's: every finished request, labelled by why it ended (stop, length, abort).
         self.success = Counter(P + "request_success", "Requests finished, by finish reason",
                                ["finished_reason"], registry=r)
-        self._last_success: dict = {}
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token",
@@ -64,20 +63,22 @@ class ServerMetrics:
         self.cpu_usage.set(s.cpu_cache_usage)
         self.hit_rate.set(s.prefix_cache_hit_rate)
         for name, (attr, _) in _COUNTERS.items():
-            value = getattr(s, attr)
-            if value > self._last[name]:
-                self.counters[name].inc(value - self._last[name])
-                self._last[name] = value
+            self._advance(name, self.counters[name], getattr(s, attr))
         for reason, value in s.finished_by_reason.items():
-            last = self._last_success.get(reason, 0)
-            if value > last:
-                self.success.labels(finished_reason=reason).inc(value - last)
-                self._last_success[reason] = value
+            self._advance(("success", reason), self.success.labels(finished_reason=reason),
+                          value)
         for m in s.finished_requests:
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
                                 (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue)):
                 if value is not None:
                     hist.observe(value)
+
+    def _advance(self, key, counter, value: int) -> None:
+        """Move a counter on by what the engine counted since the previous scrape."""
+        last = self._last.get(key, 0)
+        if value > last:
+            counter.inc(value - last)
+            self._last[key] = value
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

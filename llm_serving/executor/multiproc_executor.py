@@ -235,8 +235,10 @@ class MultiprocExecutor:
             raise AgentDiedError("a WorkAgent died; the executor must be restarted")
         if len(self._outstanding) >= 2:
             raise LLMServingError("two steps are outstanding already; collect one first")
+        # Numbered only once packed: a step that does not fit must not shift the parity of
+        # the segments while another step is outstanding.
+        n = ch.pack(self.shm_in[(self._step_no + 1) % 2].buf, ch.step_to_arrays(step))
         self._step_no += 1
-        n = ch.pack(self.shm_in[self._step_no % 2].buf, ch.step_to_arrays(step))
         frame = ch.FRAME.pack(ch.STEP, self._step_no, n)
         for rank, conn in enumerate(self._procs.conns):
             try:

@@ -10,7 +10,6 @@ and only rank 0 samples.
 from __future__ import annotations
 
 import collections
-
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -167,7 +166,7 @@ class ModelRunner:
                   else np.zeros(len(step.pending_src), np.int32))
         step.input_ids[step.pending_pos] = self.tp.broadcast_from_driver(tokens)
         s = step.sampling
-        if s is not None and s.output_token_ids is not None:
+        if self.tp.is_driver and s is not None and s.output_token_ids is not None:
             for r in np.flatnonzero(s.penalized_rows):
                 out = s.output_token_ids[r]
                 if len(out) and out[-1] < 0:
