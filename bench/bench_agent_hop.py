@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     from llm_serving import LLM
-    from llm_serving.tiny_model import ensure_tiny_model
+    from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     res = {}

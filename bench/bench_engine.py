@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from llm_serving import LLM, SamplingParams
-    from llm_serving.tiny_model import ensure_tiny_model
+    from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
 
     print(f"# llm_serving engine benchmark, {datetime.date.today()}, {platform.node()}, "

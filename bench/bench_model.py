@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     args = ap.parse_args()
 
-    from llm_serving.tiny_model import PRESETS, make_tiny_model
+    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
     model = args.model
     if model is None:
         home = os.environ.get("LLM_SERVING_HOME", os.path.expanduser("~/.cache/llm_serving"))

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--cases", default="1,1@0,2@0|1,2")
     args = ap.parse_args()
     from llm_serving import SamplingParams
-    from llm_serving.tiny_model import ensure_tiny_model
+    from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.context

@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
-    from llm_serving.tiny_model import ensure_tiny_model
+    from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
     res = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ def find_config(name: str) -> Path:
 
 def resolve_model(model: str) -> str:
     if model.startswith("builtin:"):
-        from llm_serving.tiny_model import ensure_tiny_model
+        from llm_serving.model_executor.tiny_model import ensure_tiny_model
         return ensure_tiny_model()
     return model
 

@@ -21,7 +21,7 @@ MODEL_VARIANTS = {
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    from llm_serving.tiny_model import make_tiny_model
+    from llm_serving.model_executor.tiny_model import make_tiny_model
     root = tmp_path_factory.mktemp("models")
     return {name: make_tiny_model(str(root / name), **kw) for name, kw in MODEL_VARIANTS.items()}
 
@@ -29,7 +29,7 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The built-in default tiny model, built the way start.py builds it."""
-    from llm_serving.tiny_model import make_tiny_model
+    from llm_serving.model_executor.tiny_model import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
 
 

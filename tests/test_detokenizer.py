@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
-from llm_serving.tiny_model import corpus_texts, make_tiny_model
+from llm_serving.model_executor.tiny_model import corpus_texts, make_tiny_model
 from llm_serving.tokenizer import Tokenizer
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -27,9 +27,9 @@ PROMPTS = ["Give three tips for staying healthy.", "What is the capital of Franc
 SERVERS = {}
 
 
-def agent_pids(pid: int, module: str = "agents.work_agent") -> list[int]:
+def agent_pids(pid: int, module: str = "llm_serving.executor.worker") -> list[int]:
     """The WorkAgent processes started by server ``pid``, by tensor-parallel rank (or the
-    processes of another ``module``, e.g. agents.comm_scheduler)."""
+    processes of another ``module``, e.g. llm_serving.executor.comm_scheduler)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -433,14 +433,14 @@ def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
     proc, url, _ = start_server(tmp_path, tiny_model_dir, agent_ports=(16002, 16003))
     try:
         assert len(agent_pids(proc.pid)) == 2
-        assert len(agent_pids(proc.pid, "agents.comm_scheduler")) == 1
+        assert len(agent_pids(proc.pid, "llm_serving.executor.comm_scheduler")) == 1
         assert len(segments_of(proc.pid)) == 4
         for prompt in PROMPTS:
             r = requests.post(url + "/v1/completions", json={
                 "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
             assert r.json()["choices"][0]["text"] == greedy(tiny_llm, prompt, 16).text
         kill_an_agent_and_come_back(url, proc.pid, tiny_llm, rank=1, num_agents=2)
-        children = agent_pids(proc.pid) + agent_pids(proc.pid, "agents.comm_scheduler")
+        children = agent_pids(proc.pid) + agent_pids(proc.pid, "llm_serving.executor.comm_scheduler")
         assert len(children) == 3
     finally:
         assert stop_server(proc) == 0

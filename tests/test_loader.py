@@ -16,7 +16,7 @@ from llm_serving.model_executor.loader import (
     mindformers_to_hf_name,
     save_mindformers_ckpt,
 )
-from llm_serving.tiny_model import make_tiny_model
+from llm_serving.model_executor.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_serving import tiny_model
-from llm_serving.tiny_model import default_model_dir, ensure_tiny_model, make_tiny_model
+from llm_serving.model_executor import tiny_model
+from llm_serving.model_executor.tiny_model import default_model_dir, ensure_tiny_model, make_tiny_model
 
 
 def _files(d):

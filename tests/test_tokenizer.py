@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_serving.errors import ModelLoadError
-from llm_serving.tiny_model import corpus_texts, make_tiny_model
+from llm_serving.model_executor.tiny_model import corpus_texts, make_tiny_model
 from llm_serving.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

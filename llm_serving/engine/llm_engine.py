@@ -27,7 +27,7 @@ from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.scheduler import Scheduler, SchedulerOutput
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.errors import ConfigError
-from llm_serving.model_executor.layers.sampler import SamplerOutput, SamplingBatch
+from llm_serving.sample.sampler import SamplerOutput, SamplingBatch
 from llm_serving.model_executor.loader import ModelConfig
 from llm_serving.model_executor.model_runner import ModelRunner, StepInput, kv_bytes_per_block
 from llm_serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

@@ -1,4 +1,4 @@
-"""Runs the model in WorkAgent processes (``agents/work_agent.py``) instead of in the master.
+"""Runs the model in WorkAgent processes (``llm_serving/executor/worker.py``) instead of in the master.
 
 The master keeps the engine: scheduler, block manager, tokenizer. Each step it packs the
 StepInput once into the shared input segment and sends a STEP frame to every agent
@@ -11,7 +11,7 @@ overwrites what the other still reads. It has the model runner's interface (``su
 
 With ``tensor_parallel_size`` N > 1 there are N agents, one per rank (and per device:
 rank r uses device ``device_id + r``), plus MindSpore's collective scheduler process
-(``agents/comm_scheduler.py``) they meet through. Every rank runs every step; rank 0 samples
+(``llm_serving/executor/comm_scheduler.py``) they meet through. Every rank runs every step; rank 0 samples
 and writes the SamplerOutput into the output segment. ``cpu_affinity`` pins rank r to its own
 cores.
 
@@ -30,18 +30,16 @@ import sys
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from llm_serving.errors import LLMServingError
 from llm_serving.executor import shm_channel as ch
-from llm_serving.model_executor.layers.sampler import SamplerOutput
+from llm_serving.sample.sampler import SamplerOutput
 from llm_serving.model_executor.model_runner import StepInput
 
 logger = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]
 _EMPTY = np.zeros(0, np.int32)
 # After one rank reports an error, how long the others get to finish the step. A rank that
 # failed before a collective leaves the others waiting in it; then the group is restarted.
@@ -91,14 +89,13 @@ class MultiprocExecutor:
                 self.shm_out.append(ch.ShmSegment(out_bytes))
                 segments.append(self.shm_out[-1])
             env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
             if tp > 1:
                 # MindSpore's distributed runtime logs a WARNING every few seconds.
                 env.setdefault("GLOG_v", "3")
                 env.update(MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(_free_port()),
                            MS_WORKER_NUM=str(tp))
                 p.scheduler = subprocess.Popen(
-                    [sys.executable, "-m", "agents.comm_scheduler", device],
+                    [sys.executable, "-m", "llm_serving.executor.comm_scheduler", device],
                     env={**env, "MS_ROLE": "MS_SCHED"}, stdout=subprocess.DEVNULL)
             for rank in range(tp):
                 ours, theirs = socket.socketpair()
@@ -139,7 +136,7 @@ class MultiprocExecutor:
 
     def _command(self, fd: int, model_dir, num_blocks, block_size, checkpoint, device,
                  device_id, seed, num_cpu_blocks, rank, tp, cpus) -> list[str]:
-        cmd = [sys.executable, "-m", "agents.work_agent", "--control-fd", str(fd),
+        cmd = [sys.executable, "-m", "llm_serving.executor.worker", "--control-fd", str(fd),
                "--shm-in", ",".join(x.name for x in self.shm_in),
                "--shm-out", ",".join(x.name for x in self.shm_out),
                "--model", model_dir, "--num-blocks", str(num_blocks),

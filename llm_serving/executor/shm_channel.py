@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from llm_serving.model_executor.layers.sampler import SamplerOutput, SamplingBatch
+from llm_serving.sample.sampler import SamplerOutput, SamplingBatch
 from llm_serving.model_executor.model_runner import StepInput
 from llm_serving.sampling_params import MAX_LOGPROBS
 

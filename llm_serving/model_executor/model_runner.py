@@ -19,7 +19,7 @@ from mindspore import Tensor, ops
 from llm_serving.model_executor.attention.backend import AttentionMetadata, get_attention_backend
 from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
-from llm_serving.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from llm_serving.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
 from llm_serving.model_executor.parallel_state import (check_tensor_parallel, get_tp_group,
                                                        kv_heads_per_rank)

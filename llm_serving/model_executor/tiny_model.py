@@ -1,6 +1,6 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
-``python -m llm_serving.tiny_model --out DIR [--preset tiny|bench] [flags]`` writes a directory that
+``python -m llm_serving.model_executor.tiny_model --out DIR [--preset tiny|bench] [flags]`` writes a directory that
 ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load:
 
 * ``config.json`` (LlamaForCausalLM, or Qwen2ForCausalLM when the q/k/v projections have biases),
@@ -521,7 +521,7 @@ def _bool_flag(value: str) -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m llm_serving.tiny_model",
+        prog="python -m llm_serving.model_executor.tiny_model",
         description="Write a random-weight Llama/Qwen2 model with a trained BPE tokenizer (HF format).",
     )
     parser.add_argument("--out", required=True, help="output directory")

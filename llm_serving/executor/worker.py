@@ -1,0 +1,128 @@
+"""A WorkAgent: one process per device. It loads the model, owns the KV cache, and runs the
+steps the master announces.
+
+Started by the master (``llm_serving.executor.multiproc_executor``) with the control
+connection's file descriptor and the two shared-memory segments' names:
+
+    python -m llm_serving.executor.worker --control-fd N --shm-in A,B --shm-out C,D --model DIR ...
+
+Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
+- agent -> master READY once the model is loaded (or ERROR with the reason, then exit);
+- master -> agent STEP n: a StepInput is packed in input segment n % 2; the agent runs it and
+  answers DONE n with the SamplerOutput packed in output segment n % 2, or ERROR n (the
+  master may send STEP n+1 before DONE n arrives: steps run in order);
+- master -> agent QUIT: the agent exits.
+
+Tensor parallel (``--tp-size N``): the master starts N agents (ranks) and MindSpore's
+collective scheduler (``llm_serving/executor/comm_scheduler.py``), and sets MS_ROLE, MS_SCHED_HOST/PORT,
+MS_WORKER_NUM and MS_NODE_ID. Every rank reads each step from the shared input segment and
+runs it; only rank 0 samples and writes the output segment, the others answer DONE n with an
+empty payload. ``--cpus 0,1`` pins the agent to those cores before MindSpore loads (so
+MindSpore and our kernels' thread pool size themselves to them).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m llm_serving.executor.worker")
+    ap.add_argument("--control-fd", type=int, required=True)
+    ap.add_argument("--shm-in", required=True)
+    ap.add_argument("--shm-out", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--num-blocks", type=int, required=True)
+    ap.add_argument("--block-size", type=int, required=True)
+    ap.add_argument("--num-cpu-blocks", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device-id", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--cpus", default=None, help="comma-separated cores to pin this agent to")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # The master decides when agents stop: Ctrl-C in a terminal reaches the whole process
+    # group, and so does SIGTERM from `timeout`, `kill -- -PGID` or a service manager; the
+    # master then drains and sends QUIT. (Left to SIGTERM, the agents died first and the
+    # master restarted them before stopping.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(args.control_fd)
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    if cpus:
+        # Before MindSpore and the kernels load: their thread pools size from the affinity.
+        os.sched_setaffinity(0, cpus)
+    importlib.import_module("llm_serving")   # sets the OpenMP policy before MindSpore loads
+    from llm_serving.executor import shm_channel as ch
+    try:
+        from llm_serving.model_executor.device import init_device
+        from llm_serving.model_executor.model_runner import ModelRunner
+        from llm_serving.model_executor.parallel_state import init_tensor_parallel
+        device_id = args.device_id + args.tp_rank        # rank r: start_device_id + r
+        device = init_device(args.device, device_id)
+        if device == "CPU" and (cpus or args.tp_size > 1):
+            # Pinned: MindSpore's own pool to the agent's cores. Unpinned ranks share the
+            # machine: each gets its share of the cores (else each rank's threads fight the
+            # other ranks' on every core).
+            import mindspore as ms
+            from llm_serving.model_executor.attention import kernels
+            n = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // args.tp_size)
+            ms.device_context.cpu.op_tuning.threads_num(n)
+            kernels.set_num_threads(n)
+        tp = init_tensor_parallel(args.tp_rank, args.tp_size, device)
+        runner = ModelRunner(args.model, args.num_blocks, args.block_size, args.checkpoint,
+                             args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks,
+                             device_id=device_id)
+        # Step n reads input segment n % 2; rank 0 writes its result to output segment n % 2.
+        shm_in = [ch.ShmSegment(name=n) for n in args.shm_in.split(",")]
+        shm_out = ([ch.ShmSegment(name=n) for n in args.shm_out.split(",")] if tp.is_driver
+                   else None)
+    except Exception as e:   # noqa: BLE001 - reported to the master, which names it
+        msg = f"{type(e).__name__}: {e}".encode()
+        conn.send_bytes(ch.FRAME.pack(ch.ERROR, -1, len(msg)) + msg)
+        return 1
+    conn.send_bytes(ch.FRAME.pack(ch.READY, 0, 0))
+    while True:
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):          # the master is gone
+            _exit(0)
+        kind, step_no, _ = ch.FRAME.unpack_from(frame)
+        if kind == ch.QUIT:
+            _exit(0)
+        try:
+            step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
+            if len(step.input_ids):
+                result = runner.execute(step)
+            else:                             # a step that only moves KV blocks
+                runner.move_blocks(step.swap_out, step.swap_in, step.copies)
+                result = None
+            n = (ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
+                 if shm_out is not None else 0)
+            conn.send_bytes(ch.FRAME.pack(ch.DONE, step_no, n))
+        except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
+            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()
+            conn.send_bytes(ch.FRAME.pack(ch.ERROR, step_no, len(msg)) + msg)
+
+
+def _exit(code: int) -> None:
+    # The master owns the shared memory; skip interpreter teardown (MindSpore's is slow, and
+    # the step arrays still view the segments).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

@@ -1,0 +1,1 @@
+"""Sampling: turning logits into tokens, per request, in one batched pass."""
