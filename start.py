@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Start llm_serving with a config file: ``python start.py --config configs/llama/<name>.yaml``.
 
-With no arguments it uses the built-in tiny default, generating its random-weight model on
-first use. Until the HTTP server lands (issues 4-5), it runs the configured model offline on
-a few prompts and prints the results.
+With no arguments it serves the built-in tiny default, generating its random-weight model on
+first use. ``python start.py --help`` lists every option; it is ``llm-serving serve``.
 """
 from llm_serving.cli import main
 

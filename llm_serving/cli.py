@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
-
-from llm_serving.errors import ConfigError, LLMServingError
+from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
 from llm_serving.serving_config import load_config
 
 DEFAULT_CONFIG = "configs/llama/tiny_llama.yaml"
@@ -80,6 +81,12 @@ def server_settings(args) -> tuple:
 def serve(args) -> None:
     from llm_serving.entrypoints.api_server import run_server
     engine_args, name, host, port = server_settings(args)
+    # Resolved once here (the model's config.json read, the KV pool sized), so a missing
+    # model or an impossible setting fails before anything starts. The engine resolves them
+    # again: give it the sizes decided here (the same values, and no second warning).
+    resolved = engine_args.create_engine_config()
+    engine_args = dataclasses.replace(engine_args, num_blocks=resolved.cache.num_blocks,
+                                      max_model_len=resolved.model.max_model_len)
     # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     run_server(engine_args, name, host, port, api_key=args.api_key,
@@ -99,18 +106,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (also $LLM_SERVING_API_KEY)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: model_config.model_name)")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"],
+                   help="log level; debug also prints the traceback of a start-up error")
     add_engine_arguments(s)
     return parser
 
 
+def remedy(e: Exception) -> Optional[str]:
+    """What the user can do about a known start-up error, or None."""
+    if isinstance(e, ModelLoadError) and "does not exist" in str(e):
+        return ("set llm_serving.model in the config to an HF model directory, or pass "
+                "--model DIR; `python start.py` alone serves the built-in tiny model")
+    return None
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    import logging
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(args)
     except KeyboardInterrupt:
         pass
     except (LLMServingError, ValueError) as e:
+        # A user's error: one line, and what to do about it. The traceback only on request.
+        if args.log_level == "debug":
+            import traceback
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
+        hint = remedy(e)
+        if hint:
+            print(f"  remedy: {hint}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -1,15 +1,36 @@
-"""Engine arguments: one set of knobs for LLM(...), the YAML config and the CLI.
+"""Engine arguments and the engine's configuration.
 
-Names follow vLLM where vLLM has one; ``num_blocks`` comes from llm-serving's pa_config.
-Every value is checked on construction, and an error names the key.
+``EngineArgs`` is the one set of knobs for LLM(...), the YAML config and the CLI: names follow
+vLLM where vLLM has one (``num_blocks`` comes from llm-serving's pa_config), and every value
+is checked on construction, with an error naming the key.
+
+``EngineArgs.create_engine_config()`` resolves them once (the model's config.json read, the
+KV pool sized, defaults that depend on other knobs decided) into a frozen ``EngineConfig`` of
+small parts: model, cache, scheduler, parallel, device, and room for multi-stream and KV
+transfer. Each component takes the part it needs; the WorkAgent gets the whole config as JSON.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from llm_serving.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llm_serving.model_executor.loader import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# The allowed values of the choice knobs (their one home).
+EXECUTOR_BACKENDS = ("uni", "mp")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "ascend", "npu")
 
 
 def _arg(default, help: str):
@@ -94,10 +115,9 @@ class EngineArgs:
         if (not isinstance(self.kv_cache_space, (int, float)) or isinstance(self.kv_cache_space, bool)
                 or self.kv_cache_space <= 0):
             raise ConfigError("kv_cache_space", f"expected GiB > 0, got {self.kv_cache_space!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ConfigError("dtype", "expected one of auto, float32, float16, bfloat16, "
-                              f"got {self.dtype!r}")
-        if str(self.device).lower() not in ("auto", "cpu", "ascend", "npu"):
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if str(self.device).lower() not in DEVICES:
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
         positive("max_waiting_requests", self.max_waiting_requests)
         positive("dump_logits_every", self.dump_logits_every)
@@ -135,9 +155,9 @@ class EngineArgs:
             if self.cpu_affinity:
                 raise ConfigError("cpu_affinity", "pins WorkAgent processes, and "
                                   "distributed_executor_backend uni has none (use mp)")
-        for key, allowed in (("distributed_executor_backend", ("uni", "mp")),
-                             ("preemption_mode", ("recompute", "swap")),
-                             ("scheduling_policy", ("fcfs", "priority"))):
+        for key, allowed in (("distributed_executor_backend", EXECUTOR_BACKENDS),
+                             ("preemption_mode", PREEMPTION_MODES),
+                             ("scheduling_policy", SCHEDULING_POLICIES)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"expected one of {', '.join(allowed)}, "
                                   f"got {getattr(self, key)!r}")
@@ -155,6 +175,195 @@ class EngineArgs:
             raise ConfigError(unknown[0], "unknown engine argument; known ones are "
                               + ", ".join(sorted(known)))
         return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> "EngineConfig":
+        """Resolve the arguments once: read the model's config.json, size the KV pools, and
+        decide the defaults that depend on other knobs. Raises ConfigError naming the key."""
+        from llm_serving.model_executor.loader import ModelConfig
+        hf = ModelConfig.from_pretrained(self.model)
+        check_tensor_parallel(hf, self.tensor_parallel_size)
+        max_len = self.max_model_len or hf.max_position_embeddings
+        if max_len > hf.max_position_embeddings:
+            raise ConfigError("max_model_len", f"{max_len} exceeds the model's "
+                              f"max_position_embeddings ({hf.max_position_embeddings})")
+        block_bytes = kv_bytes_per_block(hf, self.block_size, self.tensor_parallel_size)
+        num_blocks = self.num_blocks or max(1, int(self.kv_cache_space * 2**30) // block_bytes)
+        capacity = num_blocks * self.block_size
+        if capacity < max_len and self.max_model_len is None:
+            logger.warning("max_model_len lowered from %d to %d, what %d KV blocks hold",
+                           max_len, capacity, num_blocks)
+            max_len = capacity
+        if capacity < max_len:
+            raise ConfigError("num_blocks", f"{num_blocks} blocks of {self.block_size} tokens "
+                              f"cannot hold one sequence of max_model_len ({max_len}) tokens; "
+                              "raise num_blocks or lower max_model_len")
+        budget = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill
+                                                 else max_len)
+        if not self.enable_chunked_prefill and budget < max_len:
+            raise ConfigError("max_num_batched_tokens",
+                              f"{budget} is smaller than max_model_len ({max_len}); without "
+                              "chunked prefill a whole prompt must fit in one step")
+        if self.dtype not in ("auto", "float32") and str(self.device).lower() in ("auto", "cpu"):
+            import mindspore as ms
+            if ms.get_context("device_target") == "CPU":
+                raise ConfigError("dtype", f"{self.dtype} is not supported on CPU, which runs "
+                                  "float32 (use auto or float32)")
+        mp = self.distributed_executor_backend == "mp"
+        return EngineConfig(
+            model=ModelSettings(
+                path=self.model, tokenizer=self.tokenizer or self.model,
+                checkpoint=self.checkpoint, dtype=self.dtype, max_model_len=max_len,
+                seed=self.seed, chat_template=self.chat_template, hf=hf),
+            cache=CacheConfig(
+                block_size=self.block_size, num_blocks=num_blocks,
+                num_cpu_blocks=(int(self.swap_space * 2**30) // block_bytes
+                                if self.preemption_mode == "swap" else 0),
+                enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy, preemption_mode=self.preemption_mode,
+                max_waiting=self.max_waiting_requests, queue_timeout=self.queue_timeout,
+                async_scheduling=(self.async_scheduling if self.async_scheduling is not None
+                                  else mp)),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_executor_backend,
+                cpu_affinity=(tuple(tuple(c) for c in self.cpu_affinity)
+                              if self.cpu_affinity else None)),
+            device=DeviceConfig(device=str(self.device).lower(),
+                                start_device_id=self.start_device_id),
+            dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
+                  if self.dump_logits else None))
+
+
+# ---- the resolved configuration ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSettings:
+    path: str                      # model directory (HF layout)
+    tokenizer: str                 # tokenizer directory
+    checkpoint: Optional[str]      # a MindSpore .ckpt to load instead of safetensors
+    dtype: str
+    max_model_len: int             # resolved: the model's, capped by the KV pool
+    seed: int                      # the sampler's seed for requests without their own
+    chat_template: Optional[str]
+    hf: "ModelConfig"              # the architecture, from config.json
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int                # device KV blocks (per rank)
+    num_cpu_blocks: int            # host blocks for swapped-out sequences (0 unless swap)
+    enable_prefix_caching: bool
+    watermark: float               # fraction of blocks admission keeps free
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int    # resolved token budget per step
+    enable_chunked_prefill: bool
+    policy: str                    # SCHEDULING_POLICIES
+    preemption_mode: str           # PREEMPTION_MODES
+    max_waiting: int
+    queue_timeout: Optional[float]
+    async_scheduling: bool         # resolved: on with WorkAgents, off in process
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    backend: str                   # EXECUTOR_BACKENDS: "uni" in process, "mp" WorkAgents
+    cpu_affinity: Optional[tuple]  # per rank, a tuple of cores
+
+    def cores_of(self, rank: int) -> Optional[tuple]:
+        return self.cpu_affinity[rank] if self.cpu_affinity else None
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str                    # auto, cpu, ascend (npu)
+    start_device_id: int           # rank r uses start_device_id + r
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """--dump-logits: raw logits of every request saved at every ``every``-th position."""
+    directory: str
+    every: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSettings
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    dump: Optional[DumpConfig] = None
+    multi_stream: Optional[Any] = None     # room for multi-stream (issue 17)
+    kv_transfer: Optional[Any] = None      # room for KV transfer (PD disaggregation)
+
+    def to_json(self) -> str:
+        """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineConfig":
+        return _from_dict(cls, json.loads(text))
+
+
+def _from_dict(cls, data):
+    """Rebuild a (nested) config dataclass from ``dataclasses.asdict`` output."""
+    import typing
+    from llm_serving.model_executor.loader import ModelConfig
+    hints = typing.get_type_hints(cls, {**globals(), "ModelConfig": ModelConfig})
+    kw = {}
+    for f in fields(cls):
+        value, hint = data.get(f.name), hints[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if value is not None and dataclasses.is_dataclass(base):
+            value = base(**value) if base is ModelConfig else _from_dict(base, value)
+        elif isinstance(value, list):
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        kw[f.name] = value
+    return cls(**kw)
+
+
+# ---- tensor parallelism: what one rank holds -------------------------------------------------
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds. With fewer KV heads than ranks they are replicated (as vLLM
+    does): each rank holds one, shared by tp_size / num_kv_heads ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def kv_bytes_per_block(config: "ModelConfig", block_size: int, tp_size: int = 1) -> int:
+    """Bytes of one KV block on one rank (each holds its share of the KV heads)."""
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
+
+
+def check_tensor_parallel(config: "ModelConfig", tp_size: int) -> None:
+    """Raise a ConfigError naming tensor_parallel_size if the model cannot be split that way."""
+    if tp_size == 1:
+        return
+    key = "tensor_parallel_size"
+    if config.num_heads % tp_size:
+        raise ConfigError(key, f"{tp_size} does not divide the model's {config.num_heads} "
+                          "attention heads")
+    kv = config.num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        raise ConfigError(key, f"{tp_size} and the model's {kv} KV heads must divide one "
+                          "another (KV heads are split, or replicated when fewer than ranks)")
+    if config.intermediate_size % tp_size:
+        raise ConfigError(key, f"{tp_size} does not divide the model's intermediate_size "
+                          f"({config.intermediate_size})")
 
 
 def _core_set(text: str) -> list[int]:

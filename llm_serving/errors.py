@@ -21,6 +21,19 @@ class ModelLoadError(LLMServingError):
 class QueueFullError(LLMServingError):
     """The waiting queue is at its bound; the request was refused without being queued."""
 
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        super().__init__(f"the waiting queue is full ({max_waiting} requests, "
+                         "max_waiting_requests); try again later")
+
+
+class RequestIdInUseError(LLMServingError, ValueError):
+    """A request id that a live request already has."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        super().__init__(f"request id {request_id!r} is already in use")
+
 
 class EngineDeadError(LLMServingError):
     """The engine loop stopped on an error; no request can be served until it is restarted."""

@@ -133,8 +133,8 @@ class ServingConfig:
     def ignored_warning(self) -> Optional[str]:
         if not self.ignored:
             return None
-        return ("config: these llm-serving keys have no effect here: "
-                + "; ".join(f"{k} ({why})" for k, why in self.ignored.items()))
+        return ("config: these llm-serving keys have no effect here:\n"
+                + "\n".join(f"  {k}: {why}" for k, why in self.ignored.items()))
 
 
 def _biggest(value):

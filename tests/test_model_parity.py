@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llm_serving import SamplingParams
+from llm_serving.engine.input_builder import build_step_input
 from conftest import MODEL_VARIANTS
 
 torch = pytest.importorskip("torch")
@@ -62,7 +63,7 @@ def _prefill_logits(llm, prompts):
     try:
         batch = eng.scheduler.schedule()
         assert len(batch.seqs) == len(prompts), "all prompts should prefill in one step"
-        step = eng._build_step(batch)[0]
+        step = build_step_input(batch, eng.config.cache.block_size, set()).step
         logits = eng.runner.forward(step, np.arange(len(step.input_ids)))
     finally:
         for rid in rids:

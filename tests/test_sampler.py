@@ -6,8 +6,8 @@ both that nothing forbidden is ever drawn and that the allowed tokens really are
 import numpy as np
 import pytest
 
-from llm_serving.sample.sampler import (Sampler, SamplerOutput, SamplingBatch,
-                                                       _top_k_top_p_threshold, _top_values)
+from llm_serving.executor.protocol import SamplerOutput, SamplingBatch
+from llm_serving.sample.sampler import Sampler, _top_k_top_p_threshold, _top_values
 from llm_serving.sampling_params import SamplingParams
 
 # 0.999 quantiles of the chi-square distribution (df -> value).

@@ -14,6 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llm_serving.config import CacheConfig, SchedulerConfig
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.scheduler import Scheduler
 from llm_serving.engine.sequence import Sequence, SequenceStatus
@@ -36,12 +37,13 @@ class Sim:
         self.cfg = cfg
         bs = cfg["block_size"]
         self.capacity = cfg["num_blocks"] * bs
-        self.bm = BlockManager(cfg["num_blocks"], bs, cfg["prefix_caching"],
-                               cfg["num_cpu_blocks"], cfg["watermark"])
+        self.bm = BlockManager(CacheConfig(bs, cfg["num_blocks"], cfg["num_cpu_blocks"],
+                                           cfg["prefix_caching"], cfg["watermark"]))
         self.clock = 0.0
-        self.sch = Scheduler(self.bm, cfg["max_num_seqs"], cfg["budget"], cfg["chunked"],
-                             cfg["policy"], cfg["preemption_mode"], cfg["max_waiting"],
-                             cfg["queue_timeout"], clock=lambda: self.clock)
+        self.sch = Scheduler(SchedulerConfig(
+            cfg["max_num_seqs"], cfg["budget"], cfg["chunked"], cfg["policy"],
+            cfg["preemption_mode"], cfg["max_waiting"], cfg["queue_timeout"],
+            async_scheduling=False), self.bm, clock=lambda: self.clock)
         self.kv = np.full((cfg["num_blocks"], bs), -1, np.int64)
         self.host = np.full((max(cfg["num_cpu_blocks"], 1), bs), -1, np.int64)
         self.requests = requests
@@ -243,7 +245,8 @@ def test_priority_request_preempts_a_worse_running_one():
 
 
 def test_prefix_cache_reuses_full_blocks_and_checks_tokens():
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    bm = BlockManager(CacheConfig(block_size=4, num_blocks=8, num_cpu_blocks=0,
+                                  enable_prefix_caching=True, watermark=0.01))
     params = SamplingParams(max_tokens=1)
     a = Sequence("a", 0, None, list(range(10)), params, 1)
     bm.admit(a, bm.match_prefix(a), a.num_tokens, [])

@@ -127,8 +127,8 @@ def test_offline_tensor_parallel_uses_agents_and_checks_its_knobs():
 
 
 def test_a_model_that_cannot_be_split_is_refused_before_any_agent_starts(model_dirs):
-    from llm_serving.executor.multiproc_executor import MultiprocExecutor
     with pytest.raises(ConfigError, match="tensor_parallel_size: 4 does not divide the "
                                           "model's 6 attention heads"):
-        MultiprocExecutor(model_dirs["qwen2-mqa-tied"], 16, 16, max_num_batched_tokens=64,
-                          max_num_seqs=4, max_model_len=64, tensor_parallel_size=4)
+        EngineArgs(model_dirs["qwen2-mqa-tied"], num_blocks=16, block_size=16,
+                   max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
+                   tensor_parallel_size=4).create_engine_config()

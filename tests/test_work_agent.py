@@ -91,7 +91,7 @@ def test_result_channel_holds_a_step_of_prompt_logprobs_at_the_largest_k():
     whose every row scores a prompt token with 20 alternatives fits; far more rows do not."""
     import numpy as np
     from llm_serving.executor import shm_channel as ch
-    from llm_serving.sample.sampler import SamplerOutput
+    from llm_serving.executor.protocol import SamplerOutput
     seqs, tokens, k = 16, 512, 20
 
     def result(rows):

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Optional
 from llm_serving.config import EngineArgs
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.engine.metrics import EngineStats
-from llm_serving.errors import EngineDeadError, QueueFullError
+from llm_serving.errors import EngineDeadError, RequestIdInUseError
 from llm_serving.outputs import CompletionOutput, RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -154,13 +154,10 @@ class AsyncLLMEngine:
         self.check_health()
         self._bind_loop()
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUseError(request_id)
         new = self.engine.process_request(prompt, params, request_id, priority,
                                           strict_length=strict_length)
-        sch = self.engine.scheduler
-        if len(sch.waiting) + self._adds_sent - self._adds_taken >= sch.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({sch.max_waiting} requests, "
-                                 "max_waiting_requests); try again later")
+        self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
         stream = RequestStream(request_id, new.params.output_kind, self.abort)
         self._streams[request_id] = stream
         self._adds_sent += 1

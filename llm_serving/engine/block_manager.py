@@ -24,18 +24,18 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Optional
 
+from llm_serving.config import CacheConfig
 from llm_serving.engine.sequence import Sequence
 
 _ROOT_HASH = 0x6C6C6D5F73657276   # parent hash of block 0
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_cpu_blocks: int = 0, watermark: float = 0.01):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.watermark_blocks = int(watermark * num_blocks)
+    def __init__(self, config: CacheConfig):
+        self.num_blocks = num_blocks = config.num_blocks
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.watermark_blocks = int(config.watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()   # LRU order, oldest first
@@ -47,8 +47,8 @@ class BlockManager:
         self.block_parent_uid: list[Optional[int]] = [None] * num_blocks
         self._next_uid = 1
         # Host pool for swapped-out sequences.
-        self.num_cpu_blocks = num_cpu_blocks
-        self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        self.num_cpu_blocks = config.num_cpu_blocks
+        self.cpu_free: deque[int] = deque(range(config.num_cpu_blocks))
         # Prefix cache counters, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0

@@ -21,16 +21,14 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
+from llm_serving.config import SchedulerConfig
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.errors import QueueFullError
 
 logger = logging.getLogger(__name__)
-
-POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -56,22 +54,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 policy: str = "fcfs", preemption_mode: str = "recompute",
-                 max_waiting: int = 1024, queue_timeout: Optional[float] = None,
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  clock: Callable[[], float] = time.time):
-        assert policy in POLICIES and preemption_mode in PREEMPTION_MODES
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = policy
-        self.preemption_mode = preemption_mode
-        self.max_waiting = max_waiting
-        self.queue_timeout = queue_timeout
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.policy
+        self.preemption_mode = config.preemption_mode
+        self.max_waiting = config.max_waiting
+        self.queue_timeout = config.queue_timeout
         self.clock = clock
-        self._rank = ((lambda s: s.order_key) if policy == "priority"
+        self._rank = ((lambda s: s.order_key) if self.policy == "priority"
                       else (lambda s: s.order_key[1:]))
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -84,18 +78,25 @@ class Scheduler:
         self.num_timeouts = 0
 
     # ---- queues ---------------------------------------------------------------------------
+    def check_room(self, on_the_way: int = 0) -> None:
+        """Raise QueueFullError if the waiting queue (plus ``on_the_way`` requests accepted
+        but not queued yet) is at its bound."""
+        if len(self.waiting) + on_the_way >= self.max_waiting:
+            raise QueueFullError(self.max_waiting)
+
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; refused at once when the waiting queue is full."""
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests, "
-                                 "max_waiting_requests); try again later")
+        self.check_room()
         bisect.insort(self.waiting, seq, key=self._rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def _num_slots(self) -> int:
-        return len(self.running) + self.num_reserved
+    def _has_slots_for(self, seq: Sequence) -> bool:
+        """Room in the batch for ``seq`` and its pending n > 1 children (running sequences
+        and the children reserved for them take slots)."""
+        taken = len(self.running) + self.num_reserved
+        return taken + 1 + len(seq.pending_children) <= self.max_num_seqs
 
     def _enter_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -172,9 +173,9 @@ class Scheduler:
 
     def _swap_in_head(self, out: SchedulerOutput, budget: int) -> bool:
         seq = self.swapped[0]
-        if seq.num_pending_tokens:        # its last token is not known yet: next step
+        if seq.tokens_in_flight:        # its last token is in flight: next step
             return False
-        if self._num_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
+        if not self._has_slots_for(seq):
             return False
         n = min(seq.num_uncomputed_tokens, budget)
         if not self.block_manager.can_swap_in(seq, n, keep_watermark=bool(self.running)):
@@ -188,9 +189,9 @@ class Scheduler:
     def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> bool:
         bm = self.block_manager
         seq = self.waiting[0]
-        if seq.num_pending_tokens:        # preempted while its step ran: wait for its token
+        if seq.tokens_in_flight:        # preempted while its step ran: wait for its token
             return False
-        if self._num_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
+        if not self._has_slots_for(seq):
             return False
         matched = bm.match_prefix(seq)
         n = seq.num_tokens - len(matched) * bm.block_size
@@ -227,12 +228,11 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and self.running:
             head, worst = self.waiting[0], self.running[-1]
-            if worst.priority <= head.priority or head.num_pending_tokens:
+            if worst.priority <= head.priority or head.tokens_in_flight:
                 return
             matched = bm.match_prefix(head)
             n = min(head.num_tokens - len(matched) * bm.block_size, budget)
-            fits = (self._num_slots() + 1 + len(head.pending_children) <= self.max_num_seqs
-                    and bm.can_admit(head, matched, n))
+            fits = self._has_slots_for(head) and bm.can_admit(head, matched, n)
             if fits:
                 return
             self._preempt(worst, out)

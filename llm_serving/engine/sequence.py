@@ -55,10 +55,12 @@ class Sequence:
         self.block_hashes: list[int] = []         # hash chain of the full blocks' tokens
         self.cached_uids: list[Optional[int]] = []  # prefix-cache entry per registered block
         self.num_cached_tokens = 0                # prompt tokens found in the prefix cache
-        # Async scheduling: output tokens of steps still running on the model are
-        # placeholders (-1) at the end of ``output_token_ids`` until their step is collected.
-        self.num_pending_tokens = 0
-        self.pending_row = -1                     # the latest placeholder's sampled row
+        # Async scheduling: tokens sampled for this sequence by steps still running on the
+        # model. They are not known yet and are not in ``output_token_ids``; they count in
+        # ``num_tokens`` (the scheduler plans past them) and the model runner fills the input
+        # of the one in ``in_flight_row`` of the previous step (see ``expect_token``).
+        self.tokens_in_flight = 0
+        self.in_flight_row = -1
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []
         # Results.
@@ -79,31 +81,48 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def finishing(self) -> bool:
-        """Its pending token is its last one (max_tokens, which is capped so that the
-        sequence fits max_model_len): nothing more to schedule."""
-        return self.num_pending_tokens > 0 and len(self.output_token_ids) >= self.max_tokens
+        """Prompt, known output, and the tokens in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.tokens_in_flight
 
     @property
     def num_output_tokens(self) -> int:
-        """Output tokens known so far (placeholders of running steps excluded)."""
-        return len(self.output_token_ids) - self.num_pending_tokens
+        """Output tokens known so far."""
+        return len(self.output_token_ids)
 
-    def drop_pending(self) -> None:
-        """Forget the placeholders of steps still running (the sequence has ended)."""
-        if self.num_pending_tokens:
-            del self.output_token_ids[-self.num_pending_tokens:]
-            self.num_pending_tokens = 0
+    @property
+    def finishing(self) -> bool:
+        """Its token in flight is its last one (max_tokens, which is capped so that the
+        sequence fits max_model_len): nothing more to schedule."""
+        return (self.tokens_in_flight > 0
+                and len(self.output_token_ids) + self.tokens_in_flight >= self.max_tokens)
+
+    # ---- async scheduling: the one owner of tokens in flight ------------------------------
+    def expect_token(self, row: int) -> None:
+        """A step that samples this sequence in ``row`` has started."""
+        self.tokens_in_flight += 1
+        self.in_flight_row = row
+
+    def receive_token(self, token: int) -> None:
+        """The oldest running step's sample for this sequence (or a fork's first token)."""
+        self.output_token_ids.append(token)
+        if self.tokens_in_flight:
+            self.tokens_in_flight -= 1
+
+    def forget_in_flight(self) -> None:
+        """The sequence has ended: the samples of steps still running are discarded."""
+        self.tokens_in_flight = 0
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end); a position in flight reads -1 (the model runner
+        fills it in from the previous step's sample)."""
         p = len(self.prompt_token_ids)
+        known = p + len(self.output_token_ids)
+        if end > known:
+            return self.token_ids(start, known) + [-1] * (end - max(start, known))
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:

@@ -58,7 +58,7 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = chat_template or self.engine.args.chat_template
+        template = chat_template or self.engine.config.model.chat_template
         prompts = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(

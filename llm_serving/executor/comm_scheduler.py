@@ -9,14 +9,13 @@ exits on its own once it sees them time out.
 from __future__ import annotations
 
 import os
-import signal
 import sys
+
+from llm_serving.executor.worker import ignore_stop_signals
 
 
 def main() -> int:
-    # The master decides when it stops (it kills it after the agents), as for the agents.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()     # the master kills it after the agents
     from mindspore.communication import init
     from llm_serving.model_executor.device import init_device
     device = init_device(sys.argv[1] if len(sys.argv) > 1 else "auto")   # as the agents do

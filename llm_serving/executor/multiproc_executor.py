@@ -34,10 +34,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from llm_serving.config import EngineConfig, check_tensor_parallel
 from llm_serving.errors import LLMServingError
 from llm_serving.executor import shm_channel as ch
-from llm_serving.sample.sampler import SamplerOutput
-from llm_serving.model_executor.model_runner import StepInput
+from llm_serving.executor.protocol import SamplerOutput, StepInput
 
 logger = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, np.int32)
@@ -61,27 +61,21 @@ class _Procs:
 
 
 class MultiprocExecutor:
-    def __init__(self, model_dir: str, num_blocks: int, block_size: int, *,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 checkpoint: Optional[str] = None, device: str = "auto", device_id: int = 0,
-                 seed: int = 0, num_cpu_blocks: int = 0, dump_vocab: int = 0,
-                 ready_timeout: float = 300.0, tensor_parallel_size: int = 1,
-                 cpu_affinity: Optional[Sequence[Sequence[int]]] = None):
-        tp = tensor_parallel_size
-        if tp > 1:       # fail before starting anything if the model cannot be split so
-            from llm_serving.model_executor.loader import ModelConfig
-            from llm_serving.model_executor.parallel_state import check_tensor_parallel
-            check_tensor_parallel(ModelConfig.from_pretrained(model_dir), tp)
-        if cpu_affinity is not None and len(cpu_affinity) != tp:
-            raise ValueError(f"cpu_affinity has {len(cpu_affinity)} core sets for {tp} ranks")
+    def __init__(self, config: EngineConfig, ready_timeout: float = 300.0):
+        tp = config.parallel.tensor_parallel_size
+        check_tensor_parallel(config.model.hf, tp)   # before starting anything
         self.tp_size = tp
         self._procs = p = _Procs()
         segments: list[ch.ShmSegment] = []
+        device = config.device.device
         try:
-            in_bytes = ch.step_channel_bytes(max_num_batched_tokens, max_num_seqs, max_model_len,
-                                             block_size, num_blocks)
-            out_bytes = ch.result_channel_bytes(max_num_seqs, dump_vocab=dump_vocab,
-                                                max_tokens=max_num_batched_tokens)
+            s, c = config.scheduler, config.cache
+            in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, s.max_num_seqs,
+                                             config.model.max_model_len, c.block_size,
+                                             c.num_blocks)
+            out_bytes = ch.result_channel_bytes(
+                s.max_num_seqs, dump_vocab=config.model.vocab_size if config.dump else 0,
+                max_tokens=s.max_num_batched_tokens)
             self.shm_in, self.shm_out = [], []
             for _ in range(2):            # step n uses segment n % 2 in each direction
                 self.shm_in.append(ch.ShmSegment(in_bytes))
@@ -97,12 +91,15 @@ class MultiprocExecutor:
                 p.scheduler = subprocess.Popen(
                     [sys.executable, "-m", "llm_serving.executor.comm_scheduler", device],
                     env={**env, "MS_ROLE": "MS_SCHED"}, stdout=subprocess.DEVNULL)
+            config_json = config.to_json()
             for rank in range(tp):
                 ours, theirs = socket.socketpair()
                 try:
-                    cmd = self._command(theirs.fileno(), model_dir, num_blocks, block_size,
-                                        checkpoint, device, device_id, seed, num_cpu_blocks,
-                                        rank, tp, cpu_affinity[rank] if cpu_affinity else None)
+                    cmd = [sys.executable, "-m", "llm_serving.executor.worker",
+                           "--control-fd", str(theirs.fileno()), "--tp-rank", str(rank),
+                           "--shm-in", ",".join(x.name for x in self.shm_in),
+                           "--shm-out", ",".join(x.name for x in self.shm_out),
+                           "--config", config_json]
                     rank_env = env if tp == 1 else {**env, "MS_ROLE": "MS_WORKER",
                                                     "MS_NODE_ID": str(rank)}
                     p.agents.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()],
@@ -133,22 +130,6 @@ class MultiprocExecutor:
         if errors:
             self.shutdown()
             raise LLMServingError(f"the WorkAgent failed to start: {'; '.join(errors)}")
-
-    def _command(self, fd: int, model_dir, num_blocks, block_size, checkpoint, device,
-                 device_id, seed, num_cpu_blocks, rank, tp, cpus) -> list[str]:
-        cmd = [sys.executable, "-m", "llm_serving.executor.worker", "--control-fd", str(fd),
-               "--shm-in", ",".join(x.name for x in self.shm_in),
-               "--shm-out", ",".join(x.name for x in self.shm_out),
-               "--model", model_dir, "--num-blocks", str(num_blocks),
-               "--block-size", str(block_size), "--num-cpu-blocks", str(num_cpu_blocks),
-               "--device", device, "--device-id", str(device_id), "--seed", str(seed)]
-        if checkpoint:
-            cmd += ["--checkpoint", checkpoint]
-        if tp > 1:
-            cmd += ["--tp-rank", str(rank), "--tp-size", str(tp)]
-        if cpus:
-            cmd += ["--cpus", ",".join(map(str, cpus))]
-        return cmd
 
     @property
     def pid(self) -> int:

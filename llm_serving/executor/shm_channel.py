@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from llm_serving.sample.sampler import SamplerOutput, SamplingBatch
-from llm_serving.model_executor.model_runner import StepInput
+from llm_serving.executor.protocol import (SamplerOutput, SamplingBatch, StepInput,
+                                           array_fields, ragged_fields)
 from llm_serving.sampling_params import MAX_LOGPROBS
 
 SHM_PREFIX = "llm_serving_"
@@ -124,14 +124,10 @@ def unpack(buf) -> list[Optional[np.ndarray]]:
 
 # ---- StepInput <-> arrays ----------------------------------------------------------------
 
-_STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc",
-                "seq_lens", "sample_seqs", "swap_out", "swap_in", "copies", "dump_rows",
-                "pending_pos", "pending_src", "prompt_lp_rows", "prompt_lp_token_ids",
-                "prompt_lp_k")
-_BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seeds", "output_lens",
-                 "num_logprobs")
-_RAGGED_FIELDS = ("prompt_token_ids", "output_token_ids", "banned_token_ids")
+# Derived from the protocol's dataclasses: a field added there travels without a change here.
+_STEP_FIELDS = array_fields(StepInput)
+_BATCH_FIELDS = array_fields(SamplingBatch)
+_RAGGED_FIELDS = ragged_fields(SamplingBatch)
 
 
 def _ragged(rows: Optional[list]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
@@ -169,9 +165,7 @@ def step_from_arrays(arrays: list[Optional[np.ndarray]]) -> StepInput:
     return step
 
 
-_RESULT_FIELDS = ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "ranks",
-                  "dump_logits", "prompt_logprobs", "prompt_ranks", "prompt_top_token_ids",
-                  "prompt_top_logprobs")
+_RESULT_FIELDS = array_fields(SamplerOutput)
 
 
 def result_to_arrays(result: Optional[SamplerOutput]) -> list[Optional[np.ndarray]]:

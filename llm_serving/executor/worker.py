@@ -4,7 +4,8 @@ steps the master announces.
 Started by the master (``llm_serving.executor.multiproc_executor``) with the control
 connection's file descriptor and the two shared-memory segments' names:
 
-    python -m llm_serving.executor.worker --control-fd N --shm-in A,B --shm-out C,D --model DIR ...
+    python -m llm_serving.executor.worker --control-fd N --tp-rank R --shm-in A,B --shm-out C,D
+        --config '{...the EngineConfig as JSON...}'
 
 Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
 - agent -> master READY once the model is loaded (or ERROR with the reason, then exit);
@@ -13,12 +14,12 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
   master may send STEP n+1 before DONE n arrives: steps run in order);
 - master -> agent QUIT: the agent exits.
 
-Tensor parallel (``--tp-size N``): the master starts N agents (ranks) and MindSpore's
-collective scheduler (``llm_serving/executor/comm_scheduler.py``), and sets MS_ROLE, MS_SCHED_HOST/PORT,
-MS_WORKER_NUM and MS_NODE_ID. Every rank reads each step from the shared input segment and
+Tensor parallel (``parallel.tensor_parallel_size`` N > 1): the master starts N agents (ranks)
+and MindSpore's collective scheduler (``comm_scheduler.py``), and sets MS_ROLE,
+MS_SCHED_HOST/PORT, MS_WORKER_NUM and MS_NODE_ID. Every rank reads each step from the shared input segment and
 runs it; only rank 0 samples and writes the output segment, the others answer DONE n with an
-empty payload. ``--cpus 0,1`` pins the agent to those cores before MindSpore loads (so
-MindSpore and our kernels' thread pool size themselves to them).
+empty payload. ``parallel.cpu_affinity[rank]`` pins the agent to its cores before MindSpore
+loads (so MindSpore and our kernels' thread pool size themselves to them).
 """
 from __future__ import annotations
 
@@ -31,35 +32,35 @@ import traceback
 from multiprocessing.connection import Connection
 
 
+def ignore_stop_signals() -> None:
+    """The master decides when its helper processes stop: Ctrl-C in a terminal reaches the
+    whole process group, and so does SIGTERM from `timeout`, `kill -- -PGID` or a service
+    manager; the master then drains and sends QUIT (or kills them). Left to SIGTERM, agents
+    died first and the master restarted them before stopping."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m llm_serving.executor.worker")
     ap.add_argument("--control-fd", type=int, required=True)
-    ap.add_argument("--shm-in", required=True)
-    ap.add_argument("--shm-out", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--num-blocks", type=int, required=True)
-    ap.add_argument("--block-size", type=int, required=True)
-    ap.add_argument("--num-cpu-blocks", type=int, default=0)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--device-id", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp-rank", type=int, default=0)
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--cpus", default=None, help="comma-separated cores to pin this agent to")
+    ap.add_argument("--shm-in", required=True, help="the two input segments' names, A,B")
+    ap.add_argument("--shm-out", required=True, help="the two output segments' names, C,D")
+    ap.add_argument("--config", required=True, help="the EngineConfig, as JSON")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # The master decides when agents stop: Ctrl-C in a terminal reaches the whole process
-    # group, and so does SIGTERM from `timeout`, `kill -- -PGID` or a service manager; the
-    # master then drains and sends QUIT. (Left to SIGTERM, the agents died first and the
-    # master restarted them before stopping.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()
     conn = Connection(args.control_fd)
-    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    rank = args.tp_rank
+    # Only the standard library so far: reading the config needs no MindSpore.
+    from llm_serving.config import EngineConfig
+    config = EngineConfig.from_json(args.config)
+    tp_size = config.parallel.tensor_parallel_size
+    cpus = config.parallel.cores_of(rank)
     if cpus:
         # Before MindSpore and the kernels load: their thread pools size from the affinity.
         os.sched_setaffinity(0, cpus)
@@ -69,21 +70,18 @@ def main(argv=None) -> int:
         from llm_serving.model_executor.device import init_device
         from llm_serving.model_executor.model_runner import ModelRunner
         from llm_serving.model_executor.parallel_state import init_tensor_parallel
-        device_id = args.device_id + args.tp_rank        # rank r: start_device_id + r
-        device = init_device(args.device, device_id)
-        if device == "CPU" and (cpus or args.tp_size > 1):
+        device = init_device(config.device.device, config.device.start_device_id + rank)
+        if device == "CPU" and (cpus or tp_size > 1):
             # Pinned: MindSpore's own pool to the agent's cores. Unpinned ranks share the
             # machine: each gets its share of the cores (else each rank's threads fight the
             # other ranks' on every core).
             import mindspore as ms
             from llm_serving.model_executor.attention import kernels
-            n = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // args.tp_size)
+            n = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)) // tp_size)
             ms.device_context.cpu.op_tuning.threads_num(n)
             kernels.set_num_threads(n)
-        tp = init_tensor_parallel(args.tp_rank, args.tp_size, device)
-        runner = ModelRunner(args.model, args.num_blocks, args.block_size, args.checkpoint,
-                             args.device, args.seed, num_cpu_blocks=args.num_cpu_blocks,
-                             device_id=device_id)
+        tp = init_tensor_parallel(rank, tp_size, device)
+        runner = ModelRunner(config)
         # Step n reads input segment n % 2; rank 0 writes its result to output segment n % 2.
         shm_in = [ch.ShmSegment(name=n) for n in args.shm_in.split(",")]
         shm_out = ([ch.ShmSegment(name=n) for n in args.shm_out.split(",")] if tp.is_driver

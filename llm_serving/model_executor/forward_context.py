@@ -1,4 +1,4 @@
-"""The per-step forward context (seed 004).
+"""The per-step forward context: what attention needs that model code should not see.
 
 The model runner sets it around each forward pass; attention layers read their KV cache and
 the batch's attention metadata from it by layer index. Model code never sees block tables,

@@ -10,50 +10,22 @@ and only rank 0 samples.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 from mindspore import Tensor, ops
 
-from llm_serving.model_executor.attention.backend import AttentionMetadata, get_attention_backend
+from llm_serving.config import EngineConfig, check_tensor_parallel, kv_heads_per_rank
+from llm_serving.executor.protocol import SamplerOutput, StepInput
+from llm_serving.model_executor.attention.backend import AttentionMetadata
+from llm_serving.model_executor.attention.selector import get_attention_backend
 from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
-from llm_serving.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
-from llm_serving.model_executor.parallel_state import (check_tensor_parallel, get_tp_group,
-                                                       kv_heads_per_rank)
+from llm_serving.model_executor.parallel_state import get_tp_group
+from llm_serving.sample.sampler import Sampler
 
 
-@dataclass
-class StepInput:
-    input_ids: np.ndarray        # int32 [T]
-    positions: np.ndarray        # int32 [T]
-    slot_mapping: np.ndarray     # int32 [T]
-    block_tables: np.ndarray     # int32 [S, max_blocks]
-    query_start_loc: np.ndarray  # int32 [S + 1]
-    seq_lens: np.ndarray         # int32 [S]
-    sample_seqs: np.ndarray      # int32 [S']: sequences whose last row is sampled this step
-    sampling: Optional[SamplingBatch] = None   # (a sequence may appear more than once: n > 1)
-    # KV block moves done before the forward pass, in this order.
-    swap_out: np.ndarray = field(default_factory=lambda: _NO_PAIRS)   # [K, 2] device, host
-    swap_in: np.ndarray = field(default_factory=lambda: _NO_PAIRS)    # [K, 2] host, device
-    copies: np.ndarray = field(default_factory=lambda: _NO_PAIRS)     # [K, 2] src, dst
-    # Sampled rows whose raw logits are returned too (the accuracy harness, --dump-logits).
-    dump_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    # Async scheduling: input_ids[pending_pos[i]] is not known to the master yet; it is the
-    # token the previous step sampled in row pending_src[i].
-    pending_pos: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    pending_src: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    # Prompt logprobs (SamplingParams.prompt_logprobs): token rows whose logits score the next
-    # prompt token, that token, and how many top alternatives its request asked for.
-    prompt_lp_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)       # int32 [R]
-    prompt_lp_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32 [R]
-    prompt_lp_k: np.ndarray = field(default_factory=lambda: _NO_ROWS)          # int32 [R]
-
-
-_NO_PAIRS = np.zeros((0, 2), np.int32)
-_NO_ROWS = np.zeros(0, np.int32)
 # Prompt logprobs take the logits of this many bytes of rows at a time (bounded memory).
 _PROMPT_LOGITS_BYTES = 64 << 20
 
@@ -65,35 +37,29 @@ def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1
     return LlamaForCausalLM(config, backend, tp_rank, tp_size)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, tp_size: int = 1) -> int:
-    """Bytes of one KV block on one rank (each holds its share of the KV heads)."""
-    kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
-    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
-
-
 class ModelRunner:
-    def __init__(self, model_dir: str, num_blocks: int, block_size: int,
-                 checkpoint: Optional[str] = None, device: str = "auto", seed: int = 0,
-                 config: Optional[ModelConfig] = None, num_cpu_blocks: int = 0,
-                 device_id: int = 0):
-        self.device = init_device(device, device_id)
-        self.config = config or ModelConfig.from_pretrained(model_dir)
-        c = self.config
+    def __init__(self, config: EngineConfig):
+        """Load the model and allocate the KV cache of this process's tensor-parallel rank
+        (its group is set up by ``parallel_state.init_tensor_parallel`` first)."""
+        m, cache = config.model, config.cache
         self.tp = tp = get_tp_group()
+        self.device = init_device(config.device.device, config.device.start_device_id + tp.rank)
+        self.config = c = m.hf
         check_tensor_parallel(c, tp.size)
         self.backend = get_attention_backend(self.device, c.num_heads // tp.size,
                                              kv_heads_per_rank(c.num_kv_heads, tp.size),
                                              c.head_dim)
         self.model = build_model(c, self.backend, tp.rank, tp.size)
-        self.model.load_weights(iter_weights(model_dir, checkpoint=checkpoint))
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.model.load_weights(iter_weights(m.path, checkpoint=m.checkpoint))
+        self.block_size = block_size = cache.block_size
+        self.num_blocks = num_blocks = cache.num_blocks
+        num_cpu_blocks = cache.num_cpu_blocks
         self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size)
                           for _ in range(c.num_layers)]
         # Host block pool for swapped-out sequences (only with preemption_mode="swap").
         self.host_caches = [self.backend.allocate_host_cache(num_cpu_blocks, block_size)
                             for _ in range(c.num_layers)] if num_cpu_blocks else []
-        self.sampler = Sampler(seed=seed, always_chosen_logprob=False)
+        self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
         self._results: collections.deque = collections.deque()   # submitted, not collected
 

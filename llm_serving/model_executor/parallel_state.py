@@ -17,7 +17,6 @@ from typing import Optional
 import numpy as np
 from mindspore import Tensor
 
-from llm_serving.errors import ConfigError
 
 
 class TPGroup:
@@ -107,26 +106,3 @@ def _wait_for_scheduler(timeout: float = 120.0) -> None:
                 raise RuntimeError(f"the collective scheduler at {host}:{port} did not come "
                                    f"up within {timeout:.0f} s") from None
             time.sleep(0.05)
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads each rank holds. With fewer KV heads than ranks they are replicated (as vLLM
-    does): each rank holds one, shared by tp_size / num_kv_heads ranks."""
-    return max(1, num_kv_heads // tp_size)
-
-
-def check_tensor_parallel(config, tp_size: int) -> None:
-    """Raise a ConfigError naming tensor_parallel_size if the model cannot be split that way."""
-    if tp_size == 1:
-        return
-    key = "tensor_parallel_size"
-    if config.num_heads % tp_size:
-        raise ConfigError(key, f"{tp_size} does not divide the model's {config.num_heads} "
-                          "attention heads")
-    kv = config.num_kv_heads
-    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
-        raise ConfigError(key, f"{tp_size} and the model's {kv} KV heads must divide one "
-                          "another (KV heads are split, or replicated when fewer than ranks)")
-    if config.intermediate_size % tp_size:
-        raise ConfigError(key, f"{tp_size} does not divide the model's intermediate_size "
-                          f"({config.intermediate_size})")

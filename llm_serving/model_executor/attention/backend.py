@@ -8,6 +8,8 @@ layer's cache, found in the forward context by layer index.
 A batch is ragged: sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``
 and, after this step, holds ``seq_lens[s]`` tokens of context. New prefills, prefill chunks
 that continue from cached tokens, and decodes (one row) mix freely, with no padding.
+
+Backends are found by device in ``selector.py``; this module imports none of them.
 """
 from __future__ import annotations
 
@@ -77,12 +79,3 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata):
         """q: [T, H*D], k/v: [T, KVH*D]. Write k/v into the cache, return [T, H*D]."""
-
-
-def get_attention_backend(device: str, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
-    if device == "Ascend":
-        from llm_serving.model_executor.attention.ascend import AscendAttentionBackend
-        return AscendAttentionBackend(num_heads, num_kv_heads, head_dim)
-    from llm_serving.model_executor.attention.cpu import CPUAttentionBackend
-    return CPUAttentionBackend(num_heads, num_kv_heads, head_dim)

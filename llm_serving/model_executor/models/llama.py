@@ -1,7 +1,8 @@
 """The Llama family in MindSpore: Llama 2/3 (llama3 rope scaling), GQA/MQA, Qwen2's q/k/v
 bias, tied embeddings. Layers take tensors and return tensors; attention finds its cache and
-metadata in the forward context (seed 004). Decoder layers split into ``forward_attn`` and
-``forward_ffn`` (seed 000) so multi-stream can interleave micro-batches without a rewrite.
+metadata in the forward context (``forward_context.py``). Decoder layers split into
+``forward_attn`` and ``forward_ffn`` so multi-stream can interleave micro-batches without a
+rewrite.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from llm_serving.model_executor.layers.activation import SiluAndMul
 from llm_serving.model_executor.layers.layernorm import RMSNorm
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
-from llm_serving.model_executor.parallel_state import kv_heads_per_rank
+from llm_serving.config import kv_heads_per_rank
 
 
 class LlamaMLP(nn.Cell):

@@ -1,0 +1,119 @@
+"""From the scheduler's plan to the model runner's input: one pure function.
+
+``build_step_input(batch, block_size, eos_token_ids)`` turns a ``SchedulerOutput`` (which
+sequences run, how many tokens each, which KV blocks move) into a ``StepInput``: the ragged
+token ids and positions, each token's KV slot, the block tables, the rows that sample and
+their ``SamplingBatch``, the prompt rows to score (prompt logprobs) and, under async
+scheduling, where the previous step's samples go. It reads the sequences and changes nothing.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llm_serving.engine.scheduler import SchedulerOutput
+from llm_serving.engine.sequence import Sequence
+from llm_serving.executor.protocol import SamplingBatch, StepInput
+
+_EMPTY_PAIRS = np.zeros((0, 2), np.int32)
+_NO_ROWS = np.zeros(0, np.int32)
+
+
+def block_pairs(pairs: list) -> np.ndarray:
+    """Block pairs from the scheduler as an int32 [K, 2] array."""
+    return np.asarray(pairs, np.int32).reshape(-1, 2) if pairs else _EMPTY_PAIRS
+
+
+@dataclass
+class BuiltStep:
+    step: StepInput
+    sampled: list[Sequence]                 # one per sampled row, in row order
+    # (sequence, first prompt token, count) scored this step, in StepInput.prompt_lp_rows order
+    prompt_logprobs: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    num_prefill_tokens: int = 0             # tokens that are not plain decodes
+
+
+def build_step_input(batch: SchedulerOutput, block_size: int,
+                     eos_token_ids: set[int]) -> BuiltStep:
+    seqs = batch.seqs
+    n = np.asarray(batch.num_tokens, np.int32)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
+    totals = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
+    prompt_lens = np.fromiter((len(s.prompt_token_ids) for s in seqs), np.int32, len(seqs))
+    qsl = np.zeros(len(n) + 1, np.int32)
+    np.cumsum(n, out=qsl[1:])
+    positions = np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1] - starts, n)
+    ids = np.fromiter(itertools.chain.from_iterable(
+        s.token_ids(a, a + k) for s, a, k in zip(seqs, starts.tolist(), n.tolist())),
+        np.int32, count=int(qsl[-1]))
+    # Decodes whose input is the running step's sample: the model runner fills it in.
+    in_flight = [i for i, s in enumerate(seqs) if s.tokens_in_flight]
+    if in_flight:
+        pending_pos = (qsl[1:][in_flight] - 1).astype(np.int32)
+        pending_src = np.asarray([seqs[i].in_flight_row for i in in_flight], np.int32)
+    else:
+        pending_pos = pending_src = _NO_ROWS
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.zeros((len(n), width), np.int32)
+    for row, s in enumerate(seqs):
+        tables[row, :len(s.block_table)] = s.block_table
+    seq_rows = np.repeat(np.arange(len(n)), n)
+    slots = tables[seq_rows, positions // block_size] * block_size + positions % block_size
+    # A sequence samples when this step reaches the end of its tokens; the pending n > 1
+    # children of a sequence finishing its prompt sample from the same row (only then: with
+    # async scheduling they are forked after the parent's next step started).
+    sampled, sample_rows = [], []
+    for i in np.flatnonzero(starts + n == totals).tolist():
+        seq = seqs[i]
+        first_sample = not seq.output_token_ids and not seq.tokens_in_flight
+        children = seq.pending_children if first_sample else ()
+        sampled.append(seq)
+        sampled.extend(children)
+        sample_rows.extend([i] * (1 + len(children)))
+    decodes = (n == 1) & (starts == totals - 1) & (totals > prompt_lens)
+    built = BuiltStep(None, sampled, num_prefill_tokens=int(qsl[-1]) - int(decodes.sum()))
+    built.step = StepInput(
+        ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),
+        np.asarray(sample_rows, np.int32),
+        _sampling_batch(sampled, eos_token_ids) if sampled else None,
+        swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
+        copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
+        **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens))
+    return built
+
+
+def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int]) -> SamplingBatch:
+    """Each sampled row's parameters. A penalized row's output tokens end with -1 for each
+    token in flight (the model runner fills the newest in)."""
+    outputs = [s.output_token_ids + [-1] * s.tokens_in_flight if s.tokens_in_flight
+               else s.output_token_ids for s in sampled]
+    return SamplingBatch.from_params([s.params for s in sampled],
+                                     [s.prompt_token_ids for s in sampled], outputs,
+                                     eos_token_ids)
+
+
+def _prompt_logprob_rows(built: BuiltStep, seqs, starts, n, qsl, prompt_lens) -> dict:
+    """The StepInput fields of the prompt rows to score this step, recorded in
+    ``built.prompt_logprobs``. Row p of a sequence that asked for prompt logprobs scores
+    prompt token p + 1; rows scored before (a recompute after preemption) are skipped. Only
+    sequences still in their prompt are looked at."""
+    rows, ids, ks = [], [], []
+    for i in np.flatnonzero(starts < prompt_lens - 1).tolist():
+        seq = seqs[i]
+        scored = seq.prompt_logprobs
+        if scored is None:
+            continue
+        first = max(int(starts[i]), len(scored) - 1)
+        end = min(int(starts[i] + n[i]), int(prompt_lens[i]) - 1)
+        if end <= first:
+            continue
+        built.prompt_logprobs.append((seq, first + 1, end - first))
+        rows.append(np.arange(first, end, dtype=np.int32) + (qsl[i] - starts[i]))
+        ids.append(np.asarray(seq.prompt_token_ids[first + 1:end + 1], np.int32))
+        ks.append(np.full(end - first, seq.params.prompt_logprobs, np.int32))
+    if not rows:
+        return {}
+    return dict(prompt_lp_rows=np.concatenate(rows), prompt_lp_token_ids=np.concatenate(ids),
+                prompt_lp_k=np.concatenate(ks))

@@ -1,0 +1,92 @@
+"""A request as the user gives it -> a checked, tokenized ``NewRequest``.
+
+``InputProcessor.process`` reads no engine state but the configuration, so any thread may call
+it (the async engine checks requests on the event loop, before they reach the engine thread).
+Every error is a ValueError that names what is wrong.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from llm_serving.config import EngineConfig
+from llm_serving.sampling_params import SamplingParams
+from llm_serving.tokenizer import Tokenizer
+
+PromptType = Union[str, dict]
+
+
+@dataclass
+class NewRequest:
+    """A checked, tokenized request, ready to queue."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int           # resolved: what fits in max_model_len
+    priority: int
+    arrival_time: float
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.vocab_size
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.policy = config.scheduler.policy
+        self._ids = itertools.count()
+
+    def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                request_id: Optional[str] = None, priority: int = 0,
+                arrival_time: Optional[float] = None,
+                strict_length: bool = False) -> NewRequest:
+        """``max_tokens`` is lowered to what fits in max_model_len, or with ``strict_length``
+        refused when it does not fit."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) \
+                or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if priority != 0 and self.policy != "priority":
+            raise ValueError("priority is only used with scheduling_policy='priority'")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.max_num_seqs})")
+        text, ids = self._tokenize(prompt)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt: it has {len(ids)} tokens; the maximum model length is "
+                             f"{self.max_model_len}, leaving no room to generate")
+        if strict_length and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is "
+                             f"{params.max_tokens}, more than the maximum model length "
+                             f"({self.max_model_len}) allows")
+        max_tokens = min(params.max_tokens or room, room)
+        return NewRequest(request_id, text, ids, params, max_tokens, priority,
+                          time.time() if arrival_time is None else arrival_time)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt_token_ids'")
+            try:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+            except (TypeError, ValueError):
+                raise ValueError("prompt_token_ids must be a list of integers") from None
+            text = prompt.get("prompt")
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: it is empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
+                            f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: it is empty")
+        return text, ids

@@ -1,0 +1,280 @@
+"""From the model's samples to the user's outputs.
+
+The ``OutputProcessor`` owns the state of every live request (its n sequences and what has
+been streamed of each). After a step it puts each sampled token (and its logprobs) on its
+sequence, detokenizes incrementally, checks the stop conditions (EOS, stop ids, stop strings,
+max_tokens, max_model_len), ends finished sequences through the scheduler (which frees their
+blocks), records the step's prompt logprobs, and returns the ``RequestOutput`` of every
+request that changed, in its output kind (cumulative, delta or final only).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from llm_serving.engine.detokenizer import IncrementalDetokenizer
+from llm_serving.engine.input_processor import NewRequest
+from llm_serving.engine.metrics import EngineStats
+from llm_serving.engine.scheduler import Scheduler
+from llm_serving.engine.sequence import Sequence, SequenceStatus
+from llm_serving.errors import RequestIdInUseError
+from llm_serving.executor.protocol import SamplerOutput
+from llm_serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llm_serving.sampling_params import RequestOutputKind
+from llm_serving.tokenizer import Tokenizer
+
+_MAX_FINISHED_METRICS = 10000
+
+
+class RequestState:
+    """One request: its n sequences and what has been streamed of each."""
+    __slots__ = ("request_id", "seqs", "kind", "sent_tokens", "sent_text", "error",
+                 "sent_prompt_logprobs")
+
+    def __init__(self, request_id: str, seqs: list[Sequence], kind: RequestOutputKind):
+        self.request_id = request_id
+        self.seqs = seqs
+        self.kind = kind
+        self.sent_tokens = [0] * len(seqs)
+        self.sent_text = [0] * len(seqs)
+        self.error: Optional[str] = None
+        self.sent_prompt_logprobs = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    @property
+    def finish_reason(self) -> str:
+        """One reason per request, as vLLM counts them: abort if any sequence was aborted,
+        else stop if any stopped, else length."""
+        reasons = {s.finish_reason for s in self.seqs}
+        return next(r for r in ("abort", "stop", "length") if r in reasons)
+
+
+@dataclass
+class StepInFlight:
+    """A step handed to the model runner and not collected yet: what its rows were."""
+    sampled: list[Sequence]                      # in sampled-row order
+    prompt_logprobs: list[tuple[Sequence, int, int]]
+    dumps: tuple = ()                            # LogitsDumper.plan, when dumping
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self.finished_metrics: collections.deque = collections.deque(
+            maxlen=_MAX_FINISHED_METRICS)
+        self._token_texts: dict[int, str] = {}      # single-token decodes (at most the vocab)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, new: NewRequest, arrival_order: int) -> Sequence:
+        """The request's sequences; returns the first, the one that computes the prompt (the
+        others are its pending children, forked from it once the prompt is done)."""
+        if new.request_id in self.requests:
+            raise RequestIdInUseError(new.request_id)
+        params, ids = new.params, new.prompt_token_ids
+        seqs = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1 and params.seed is not None:
+                p = params.clone()
+                p.seed = params.seed + i
+            seq = Sequence(new.request_id, i, new.prompt, ids, p, new.max_tokens, new.priority,
+                           arrival_order, new.arrival_time)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output)
+            seqs.append(seq)
+        seqs[0].pending_children = seqs[1:]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None]
+        self.requests[new.request_id] = RequestState(new.request_id, seqs, params.output_kind)
+        self.stats.num_requests += 1
+        return seqs[0]
+
+    def end_request(self, request_id: str, status: SequenceStatus,
+                    error: Optional[str] = None) -> Optional[RequestOutput]:
+        """Finish every unfinished sequence of the request with ``status`` (freeing its
+        blocks) and return its last output; None for an unknown request."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if status is SequenceStatus.FINISHED_ABORTED:
+            self.stats.num_aborted_requests += 1
+        elif status is SequenceStatus.FINISHED_TIMEOUT:
+            self.stats.num_timed_out_requests += 1
+        now = time.time()
+        if error is not None:
+            req.error = error
+        for seq in req.seqs:
+            seq.forget_in_flight()
+            if not seq.status.finished:
+                self.scheduler.finish(seq, status)
+            if seq.finished_time is None:
+                seq.finished_time = now
+        return self._request_output(req)
+
+    # ---- after a step ---------------------------------------------------------------------
+    def process(self, fl: StepInFlight, result: Optional[SamplerOutput]) -> list[RequestOutput]:
+        """Put the step's samples on their sequences, detokenize, check stops; the outputs
+        of the requests that changed."""
+        if fl.prompt_logprobs:
+            self._record_prompt_logprobs(fl.prompt_logprobs, result)
+        self.stats.num_steps += 1
+        now = time.time()
+        touched: dict[str, None] = {}
+        generated = 0
+        tokens = result.token_ids.tolist() if fl.sampled else ()
+        for row, seq in enumerate(fl.sampled):
+            if seq.status.finished:         # ended while the step ran (stop, abort, error)
+                continue
+            generated += 1
+            if seq.pending_children:
+                self.scheduler.fork(seq)
+            token = tokens[row]
+            seq.receive_token(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
+                self._record_logprobs(seq, row, token, result)
+            seq.detokenizer.step([token])
+            status = self._check_stop(seq, token)
+            if status is not None:
+                seq.detokenizer.flush()
+                seq.forget_in_flight()
+                self.scheduler.finish(seq, status)
+                seq.finished_time = now
+            touched[seq.request_id] = None
+        self.stats.num_generation_tokens += generated
+        outputs = (self._request_output(self.requests[rid]) for rid in touched)
+        return [o for o in outputs if o is not None]
+
+    def _check_stop(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.stop_reason = None
+                return SequenceStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token in p.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if seq.detokenizer.stop_reason is not None:
+                seq.stop_reason = seq.detokenizer.stop_reason
+                return SequenceStatus.FINISHED_STOPPED
+        if n_out >= seq.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    # ---- logprobs -------------------------------------------------------------------------
+    def _logprob_entry(self, token: int, logprob: float, rank: Optional[int], top_ids,
+                       top_lps) -> dict[int, Logprob]:
+        """vLLM's shape: the token itself, then its top alternatives by rank."""
+        text = self._token_text
+        entry = {token: Logprob(logprob, rank, text(token))}
+        for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), 1):
+            if tid not in entry:
+                entry[tid] = Logprob(tlp, r, text(tid))
+        return entry
+
+    def _record_logprobs(self, seq: Sequence, row: int, token: int, r: SamplerOutput) -> None:
+        k = seq.params.logprobs
+        lp = float(r.logprobs[row])
+        seq.cumulative_logprob += lp
+        top = k > 0 and r.top_token_ids is not None
+        seq.output_logprobs.append(self._logprob_entry(
+            token, lp, int(r.ranks[row]) if r.ranks is not None else None,
+            r.top_token_ids[row][:k].tolist() if top else (),
+            r.top_logprobs[row][:k].tolist() if top else ()))
+
+    def _record_prompt_logprobs(self, plan: list, r: SamplerOutput) -> None:
+        """Append the step's prompt logprobs to their sequences, one dict per prompt token."""
+        lps, ranks = r.prompt_logprobs.tolist(), r.prompt_ranks.tolist()
+        top_ids, top_lps = r.prompt_top_token_ids.tolist(), r.prompt_top_logprobs.tolist()
+        row = 0
+        for seq, first, count in plan:
+            scored, k = seq.prompt_logprobs, seq.params.prompt_logprobs
+            # Rows are planned from what was recorded when the step was built; with async
+            # scheduling a step planned before the previous one was collected may score rows
+            # again (a preempted prompt re-admitted at once): keep the first scores.
+            again = len(scored) - first
+            assert again >= 0, "prompt logprobs must be recorded in order"
+            row += min(again, count)
+            for tid in seq.prompt_token_ids[first + again:first + count]:
+                scored.append(self._logprob_entry(tid, lps[row], ranks[row], top_ids[row][:k],
+                                                  top_lps[row][:k]))
+                row += 1
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text (special tokens kept), decoded once per token id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    # ---- outputs --------------------------------------------------------------------------
+    def _request_output(self, req: RequestState) -> Optional[RequestOutput]:
+        """The request's output in its output kind; None when there is nothing to send."""
+        finished = req.finished
+        if req.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = req.kind is RequestOutputKind.DELTA
+        outs = []
+        for i, s in enumerate(req.seqs):
+            text = s.detokenizer.output_text
+            t0, c0 = (req.sent_tokens[i], req.sent_text[i]) if delta else (0, 0)
+            known = s.num_output_tokens
+            req.sent_tokens[i], req.sent_text[i] = known, len(text)
+            want_lp = s.params.logprobs is not None
+            outs.append(CompletionOutput(
+                index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:known],
+                cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                logprobs=s.output_logprobs[t0:] if want_lp else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        first = req.seqs[0]
+        prompt_lp = first.prompt_logprobs
+        if prompt_lp is not None and (len(prompt_lp) < len(first.prompt_token_ids)
+                                      or (delta and req.sent_prompt_logprobs)):
+            prompt_lp = None          # not all scored yet (an abort), or sent already (delta)
+        req.sent_prompt_logprobs |= prompt_lp is not None
+        metrics = None
+        if finished:
+            del self.requests[req.request_id]
+            metrics = _request_metrics(req)
+            self.finished_metrics.append(metrics)
+            self.stats.num_finished_requests += 1
+            by_reason = self.stats.finished_by_reason
+            by_reason[req.finish_reason] = by_reason.get(req.finish_reason, 0) + 1
+        return RequestOutput(request_id=req.request_id, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=outs,
+                             finished=finished, prompt_logprobs=prompt_lp, metrics=metrics,
+                             num_cached_tokens=first.num_cached_tokens, error=req.error)
+
+
+def _request_metrics(req: RequestState) -> RequestMetrics:
+    first = req.seqs[0]
+    started = first.first_scheduled_time
+    token_times = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+    last_times = [s.last_token_time for s in req.seqs if s.last_token_time is not None]
+    return RequestMetrics(
+        arrival_time=first.arrival_time,
+        last_token_time=max(last_times) if last_times else None,
+        first_scheduled_time=started,
+        first_token_time=min(token_times) if token_times else None,
+        time_in_queue=None if started is None else started - first.arrival_time,
+        finished_time=max((s.finished_time or 0.0) for s in req.seqs) or None,
+        num_prompt_tokens=len(first.prompt_token_ids),
+        num_generation_tokens=max(len(s.output_token_ids) for s in req.seqs),
+        num_cached_tokens=first.num_cached_tokens,
+        num_preemptions=sum(s.num_preemptions for s in req.seqs))
+
