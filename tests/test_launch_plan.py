@@ -1,0 +1,81 @@
+"""The device path without a device: what the master would launch for an Ascend config
+(rank -> device, MindSpore's cluster environment, command lines), shown by
+``start.py --dry-run`` and computed by ``executor/launch_plan.py``, which the multiprocess
+executor also launches from."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llm_serving.config import EngineArgs, EngineConfig
+from llm_serving.executor.launch_plan import plan_launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ascend_yaml(tmp_path, model_dir, ports, start_device_id):
+    """The shipped 7B KBK config, pointed at the tiny model, on Ascend with these ports."""
+    cfg = yaml.safe_load((ROOT / "configs/llama/llama_7b_kbk_pa_dyn.yaml").read_text())
+    cfg["serving_config"].update(agent_ports=ports, start_device_id=start_device_id)
+    cfg["model_config"].update(max_generate_length=1024, seq_length=[1024])
+    cfg["llm_serving"] = {"model": model_dir, "device": "Ascend"}
+    path = tmp_path / "ascend.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_dry_run_prints_the_rank_to_device_map_environment_and_commands(tiny_model_dir,
+                                                                        tmp_path):
+    path = _ascend_yaml(tmp_path, tiny_model_dir, [16002, 16003, 16004, 16005], 4)
+    res = subprocess.run([sys.executable, "start.py", "--config", str(path), "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "device: Ascend; tensor_parallel_size: 4; collectives: hccl" in out
+    # One agent per agent_ports entry, rank r on device start_device_id + r.
+    assert re.findall(r"WorkAgent rank (\d) -> device Ascend:(\d)", out) == [
+        ("0", "4"), ("1", "5"), ("2", "6"), ("3", "7")]
+    blocks = out.split("WorkAgent rank ")[1:]
+    for rank, block in enumerate(blocks):
+        assert f"env MS_NODE_ID={rank}\n" in block and "env MS_ROLE=MS_WORKER\n" in block
+        assert "env MS_WORKER_NUM=4\n" in block
+        assert f"-m llm_serving.executor.worker --control-fd '<control-fd>' --tp-rank {rank} " \
+               in block
+    sched = out.split("collective scheduler\n")[1].split("WorkAgent")[0]
+    assert "env MS_ROLE=MS_SCHED" in sched and "comm_scheduler ascend" in sched
+    # The agents' config says Ascend from device 4; nothing was started.
+    config = EngineConfig.from_json(out.strip().splitlines()[-1].strip())
+    assert (config.device.device, config.device.start_device_id) == ("ascend", 4)
+    assert config.parallel.tensor_parallel_size == 4
+
+
+@pytest.mark.parametrize("device,tp,start", [("ascend", 1, 3), ("ascend", 2, 0), ("cpu", 2, 5)])
+def test_the_plan_matches_what_each_agent_will_select(tiny_model_dir, device, tp, start):
+    """The device the plan names for rank r is the one the agent's own config gives it
+    (start_device_id + r, which the WorkAgent passes to init_device); one rank gets no
+    cluster environment and no scheduler; CPU ranks name no device and use mccl."""
+    config = EngineArgs(model=tiny_model_dir, device=device, tensor_parallel_size=tp,
+                        start_device_id=start, num_blocks=64).create_engine_config()
+    plan = plan_launch(config, "python")
+    assert len(plan.agents) == tp and (plan.scheduler is not None) == (tp > 1)
+    for rank, agent in enumerate(plan.agents):
+        argv = agent.argv
+        sent = EngineConfig.from_json(argv[argv.index("--config") + 1])
+        assert int(argv[argv.index("--tp-rank") + 1]) == rank
+        expected = sent.device.start_device_id + rank if device == "ascend" else None
+        assert agent.device_id == expected
+        env = agent.environment({"PATH": "/bin", "GLOG_v": "1"}, sched_port=1234)
+        if tp == 1:
+            assert not any(k.startswith("MS_") for k in env) and env["GLOG_v"] == "1"
+        else:
+            assert (env["MS_NODE_ID"], env["MS_WORKER_NUM"], env["MS_SCHED_PORT"]) == (
+                str(rank), str(tp), "1234")
+            assert env["GLOG_v"] == "1"           # the user's own setting wins
+    assert plan.comm_backend == (None if tp == 1 else "hccl" if device == "ascend" else "mccl")
+    cmd = plan.agents[0].command(control_fd=9, shm_in="a,b", shm_out="c,d")
+    assert cmd[cmd.index("--control-fd") + 1] == "9" and cmd[cmd.index("--shm-in") + 1] == "a,b"
