@@ -37,6 +37,7 @@ import numpy as np
 from llm_serving.config import EngineConfig, check_tensor_parallel
 from llm_serving.errors import LLMServingError
 from llm_serving.executor import shm_channel as ch
+from llm_serving.executor.launch_plan import plan_launch
 from llm_serving.executor.protocol import SamplerOutput, StepInput
 
 logger = logging.getLogger(__name__)
@@ -82,28 +83,21 @@ class MultiprocExecutor:
                 segments.append(self.shm_in[-1])
                 self.shm_out.append(ch.ShmSegment(out_bytes))
                 segments.append(self.shm_out[-1])
-            env = dict(os.environ)
-            if tp > 1:
-                # MindSpore's distributed runtime logs a WARNING every few seconds.
-                env.setdefault("GLOG_v", "3")
-                env.update(MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(_free_port()),
-                           MS_WORKER_NUM=str(tp))
+            plan = plan_launch(config, sys.executable, _device_target(device))
+            sched_port = _free_port() if plan.scheduler else None
+            if plan.scheduler:
                 p.scheduler = subprocess.Popen(
-                    [sys.executable, "-m", "llm_serving.executor.comm_scheduler", device],
-                    env={**env, "MS_ROLE": "MS_SCHED"}, stdout=subprocess.DEVNULL)
-            config_json = config.to_json()
-            for rank in range(tp):
+                    plan.scheduler.command(), stdout=subprocess.DEVNULL,
+                    env=plan.scheduler.environment(dict(os.environ), sched_port))
+            shm = dict(shm_in=",".join(x.name for x in self.shm_in),
+                       shm_out=",".join(x.name for x in self.shm_out))
+            for agent in plan.agents:
                 ours, theirs = socket.socketpair()
                 try:
-                    cmd = [sys.executable, "-m", "llm_serving.executor.worker",
-                           "--control-fd", str(theirs.fileno()), "--tp-rank", str(rank),
-                           "--shm-in", ",".join(x.name for x in self.shm_in),
-                           "--shm-out", ",".join(x.name for x in self.shm_out),
-                           "--config", config_json]
-                    rank_env = env if tp == 1 else {**env, "MS_ROLE": "MS_WORKER",
-                                                    "MS_NODE_ID": str(rank)}
-                    p.agents.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()],
-                                                     env=rank_env))
+                    p.agents.append(subprocess.Popen(
+                        agent.command(control_fd=theirs.fileno(), **shm),
+                        pass_fds=[theirs.fileno()],
+                        env=agent.environment(dict(os.environ), sched_port)))
                 except BaseException:
                     ours.close()
                     raise
@@ -258,6 +252,14 @@ class MultiprocExecutor:
             return
         self._closed = True
         self._finalizer()
+
+
+def _device_target(device: str):
+    """What "auto" means here: the device MindSpore was built for (as init_device decides)."""
+    if device.lower() != "auto":
+        return None
+    import mindspore as ms
+    return ms.get_context("device_target")
 
 
 def _free_port() -> int:
