@@ -87,6 +87,8 @@ def serve(args) -> None:
     resolved = engine_args.create_engine_config()
     engine_args = dataclasses.replace(engine_args, num_blocks=resolved.cache.num_blocks,
                                       max_model_len=resolved.model.max_model_len)
+    if args.dry_run:    # what would be launched (devices, environment, commands), then exit
+        from llm_serving.executor.launch_plan import print_plan; return print_plan(resolved)  # noqa: E702
     # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     run_server(engine_args, name, host, port, api_key=args.api_key,
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log level; debug also prints the traceback of a start-up error")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the processes that would be launched (rank -> device, "
+                        "environment, command lines) and exit without starting them")
     add_engine_arguments(s)
     return parser
 
