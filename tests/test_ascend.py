@@ -27,13 +27,15 @@ RTOL = 5e-3
 @contextlib.contextmanager
 def ascend_backend_with_standins():
     """The Ascend backend (with the numpy stand-ins for its ops) serves the CPU device while
-    the context is open: backends built inside it are Ascend ones."""
+    the context is open: models built inside it get Ascend attention backends, and their
+    other layers take the MindSpore-op path (``forward_native``) they take on Ascend."""
     from mindspore.ops.operations import nn_ops
     mp = pytest.MonkeyPatch()
     try:
         for name, cls in ascend_ops.STANDINS.items():
             mp.setattr(nn_ops, name, cls)
         mp.setitem(selector.BACKENDS, "CPU", selector.BACKENDS["Ascend"])
+        mp.setenv("LLM_SERVING_NATIVE_OPS", "1")
         ascend_ops.reset_calls()
         yield
     finally:
@@ -48,6 +50,7 @@ def _runners(model_dir, block_size, num_blocks):
     with ascend_backend_with_standins():
         asc = ModelRunner(config)
     assert asc.backend.name == "ascend" and cpu.backend.name == "cpu"
+    assert not asc.model.lm_head._use_cpu and cpu.model.lm_head._use_cpu
     return cpu, asc
 
 
