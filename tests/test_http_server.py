@@ -409,7 +409,8 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1)
         detected = time.monotonic() - t0
     assert detected < 5
     assert "model process failed" in rest[-1]["data"][0]["error"]
-    assert requests.get(url + "/health").status_code == 200
+    assert requests.get(url + "/live").status_code == 200        # the process is up ...
+    assert requests.get(url + "/health").status_code == 503      # ... but cannot serve yet
     assert requests.get(url + "/ready").status_code == 503
     deadline = time.monotonic() + 90
     while requests.get(url + "/ready").status_code != 200:
@@ -446,6 +447,38 @@ def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
         assert stop_server(proc) == 0
     assert not segments_of(proc.pid), "the server left shared memory behind"
     assert not [p for p in children if os.path.exists(f"/proc/{p}")], "a process outlived it"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_while_the_model_loads_is_clean(tmp_path, tiny_model_dir, sig):
+    """SIGTERM or Ctrl-C while the WorkAgent is still loading: the server exits 0 at once,
+    with no traceback, no agent left running and no shared memory left behind."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                             "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not agent_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        agents = agent_pids(proc.pid)
+        assert agents, "the WorkAgent did not start"
+        while time.monotonic() < deadline:          # listening, not ready
+            try:
+                assert requests.get(f"http://127.0.0.1:{port}/live", timeout=1).ok
+                break
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        assert requests.get(f"http://127.0.0.1:{port}/health").status_code == 503
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert not any(os.path.exists(f"/proc/{a}") for a in agents)
+    assert not segments_of(proc.pid)
 
 
 def test_api_key_guards_every_route_but_health(tmp_path, tiny_model_dir):
@@ -497,14 +530,17 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                r = requests.get(url + "/ready", timeout=1)
-                seen.add(r.status_code)
-                if r.status_code == 200:
+                codes = tuple(requests.get(url + path, timeout=1).status_code
+                              for path in ("/ready", "/health", "/v1/models", "/live"))
+                seen.add(codes)
+                if codes[0] == 200:
                     break
             except requests.ConnectionError:
                 pass
             time.sleep(0.05)
-        assert seen == {503, 200}, seen          # not ready while loading, then ready
+        # While loading only /live answers 200; then everything does. A script that waits
+        # for /health (as vLLM's users do) sends its first request once it can be served.
+        assert (503, 503, 503, 200) in seen and (200, 200, 200, 200) in seen, seen
 
         # One running, one waiting: the third is refused at once.
         long = {"prompt": "Tell me a story", "max_tokens": 600, "ignore_eos": True,

@@ -17,9 +17,10 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
-from llm_serving.config import EngineArgs
+from llm_serving.config import EngineArgs, EngineConfig
+from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.engine.metrics import EngineStats
 from llm_serving.errors import EngineDeadError, RequestIdInUseError
@@ -102,11 +103,15 @@ def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
 
 
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs, warm_up: bool = True):
+    """Implements ``EngineClient`` (``engine_client.py``), what the HTTP routes use."""
+
+    def __init__(self, args: Union[EngineArgs, EngineConfig], warm_up: bool = True):
         self.engine = LLMEngine(args)
         if warm_up:
             self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
+        self.limits = EngineLimits.of(self.engine.config,
+                                      getattr(self.engine.runner, "device", None))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Adds handed over but not yet taken, for the queue bound: each count has one writer.
         self._adds_sent = 0                 # event loop thread

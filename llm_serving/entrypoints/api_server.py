@@ -3,7 +3,8 @@
 Routes:
 - llm-serving's own (``llm_serving_routes.py``);
 - the OpenAI-compatible API (``openai_routes.py``);
-- operations (here): ``/health``, ``/ready``, ``/metrics``, ``/version``.
+- operations (here): ``/live`` (the process is up), ``/health`` (requests can be served, as
+  vLLM's), ``/ready`` (the same, and not shutting down), ``/metrics``, ``/version``.
 
 The model loads in a background thread after the server starts listening, so ``/ready``
 answers 503 while loading. The engine's step loop runs on its own thread: no handler waits
@@ -16,10 +17,7 @@ import asyncio
 import logging
 import os
 import threading
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,105 +25,11 @@ from fastapi.responses import JSONResponse, Response
 
 import llm_serving
 from llm_serving.config import EngineArgs
-from llm_serving.errors import EngineDeadError, LLMServingError, QueueFullError
+from llm_serving.entrypoints.http_common import (HTTPError, ServerState, error_response, logger,
+                                                translate_error)
+from llm_serving.errors import LLMServingError
 
-logger = logging.getLogger("llm_serving.server")
 MAX_BODY_BYTES = 4 << 20
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 kind: str = "invalid_request_error", headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.headers = headers or {}
-
-
-@dataclass
-class ServerState:
-    engine_args: EngineArgs
-    served_model_name: str
-    api_key: Optional[str] = None
-    chat_template: Optional[str] = None
-    engine: object = None                 # AsyncLLMEngine once loaded
-    load_error: Optional[str] = None
-    draining: bool = False
-    metrics: object = None
-    started: float = field(default_factory=time.time)
-
-    def model_names(self) -> set[str]:
-        return {self.served_model_name, self.engine_args.model}
-
-    def require_engine(self):
-        if self.engine is None:
-            raise HTTPError(503, self.load_error or "the model is still loading",
-                            kind="service_unavailable", headers={"Retry-After": "5"})
-        if self.draining:
-            raise HTTPError(503, "the server is shutting down", kind="service_unavailable")
-        return self.engine
-
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name not in self.model_names():
-            raise HTTPError(404, f"model {name!r} does not exist; this server serves "
-                            f"{self.served_model_name!r}", param="model",
-                            kind="not_found_error")
-
-
-def error_response(status: int, message: str, param: Optional[str] = None,
-                   kind: str = "invalid_request_error",
-                   headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
-
-
-def translate_error(e: BaseException) -> HTTPError:
-    """Engine and validation errors, as the HTTP error a client should get."""
-    if isinstance(e, HTTPError):
-        return e
-    if isinstance(e, QueueFullError):
-        return HTTPError(503, str(e), kind="service_unavailable", headers={"Retry-After": "1"})
-    if isinstance(e, EngineDeadError):
-        return HTTPError(503, str(e), kind="service_unavailable")
-    if isinstance(e, (ValueError, TypeError)):
-        msg = str(e)
-        return HTTPError(400, msg, param=msg.split(" ", 1)[0] if msg else None)
-    if isinstance(e, LLMServingError):
-        return HTTPError(500, str(e), kind="internal_error")
-    return HTTPError(500, f"internal error: {type(e).__name__}", kind="internal_error")
-
-
-def log_request(rid: str, prompt_tokens: int, completion_tokens: int, t0: float) -> None:
-    """The one access-log line of a request (nothing is logged per token)."""
-    logger.info("request %s: %d prompt + %d completion tokens in %.3f s", rid, prompt_tokens,
-                completion_tokens, time.perf_counter() - t0)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> AsyncIterator:
-    """Items of ``stream``; stops (closing it, which aborts the request) once the client
-    has gone, even while no output is coming."""
-    it = stream.__aiter__()
-    nxt = asyncio.ensure_future(it.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({nxt}, timeout=0.5)
-            if nxt in done:
-                try:
-                    item = nxt.result()
-                except StopAsyncIteration:
-                    return
-                yield item
-                nxt = asyncio.ensure_future(it.__anext__())
-            elif await request.is_disconnected():
-                return
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-        if hasattr(it, "aclose"):
-            await it.aclose()
 
 
 class _BodyLimit:
@@ -160,6 +64,12 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+def _not_serving(state: ServerState) -> str:
+    return state.load_error or ("loading the model" if state.engine is None else
+                                "the engine loop stopped" if state.engine.is_dead else
+                                "restarting the model process")
+
+
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
@@ -168,11 +78,19 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loader = None
         if load and state.engine is None:
-            threading.Thread(target=_load_engine, args=(state,), daemon=True,
-                             name="llm-load").start()
+            loader = threading.Thread(target=_load_engine, args=(state,), daemon=True,
+                                      name="llm-load")
+            loader.start()
         yield
         state.draining = True
+        if loader is not None and loader.is_alive():
+            # Stopped while loading: the agents are killed and the shared memory freed
+            # (within a second) before the process exits.
+            from llm_serving.executor.multiproc_executor import stop_loading
+            stop_loading()
+            await asyncio.get_running_loop().run_in_executor(None, loader.join, 30)
         if state.engine is not None:
             state.engine.shutdown()
 
@@ -201,25 +119,30 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     @app.middleware("http")
     async def _auth_and_log(request: Request, call_next):
         path = request.url.path
-        if state.api_key and path != "/health":
+        if state.api_key and path not in ("/health", "/live"):
             if request.headers.get("authorization") != f"Bearer {state.api_key}":
                 return error_response(401, "missing or wrong API key (Authorization: Bearer)",
                                       kind="authentication_error")
         return await call_next(request)
 
+    @app.get("/live")
+    async def live():
+        """The process is up (it may still be loading the model)."""
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health():
-        if state.engine is not None and state.engine.is_dead:
-            return error_response(503, "the engine loop stopped", kind="service_unavailable")
+        """vLLM's meaning: 200 only when requests can be served (the model is loaded and the
+        WorkAgents are up); 503 while loading, restarting a dead agent, or after the engine
+        loop stopped."""
+        if state.engine is None or not state.engine.is_running:
+            return error_response(503, _not_serving(state), kind="service_unavailable")
         return Response(status_code=200)
 
     @app.get("/ready")
     async def ready():
         if state.engine is None or state.draining or not state.engine.is_running:
-            reason = ("shutting down" if state.draining else state.load_error
-                      or ("loading" if state.engine is None else
-                          "the engine loop stopped" if state.engine.is_dead else
-                          "restarting the model process"))
+            reason = "shutting down" if state.draining else _not_serving(state)
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         return {"ready": True}
 
@@ -245,6 +168,8 @@ def _load_engine(state: ServerState) -> None:
     try:
         state.engine = AsyncLLMEngine(state.engine_args)
     except Exception as e:   # noqa: BLE001 - reported by /ready and every request
+        if state.draining:        # stopped while loading: not an error
+            return
         logger.exception("loading the model failed")
         state.load_error = f"loading the model failed: {e}"
 

@@ -23,8 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llm_serving.entrypoints.api_server import (HTTPError, ServerState, log_request,
-                                                new_request_id, stream_or_disconnect,
+from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
+                                                llm_serving_finish_reason, log_request,
+                                                new_request_id, sse, stream_or_disconnect,
                                                 translate_error)
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -68,14 +69,6 @@ def _params(p: Parameters) -> SamplingParams:
         top_p=p.top_p if sample else 1.0, repetition_penalty=p.repetition_penalty,
         seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens,
         logprobs=p.top_n_tokens if want_lp else None, output_kind=RequestOutputKind.DELTA)
-
-
-def _finish_reason(c, error: Optional[str]) -> Optional[str]:
-    if error:
-        return "timeout" if "queue_timeout" in error else "error"
-    if c.finish_reason == "stop":
-        return "eos" if c.stop_reason is None else "stop_sequence"
-    return c.finish_reason
 
 
 def _token(tid: int, text: str, logprob, special: set) -> dict:
@@ -136,7 +129,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
         texts.append(c.text)
         ids.extend(c.token_ids)
         lps.extend(_chosen_logprobs(c))
-        finish = _finish_reason(c, error)
+        finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason, error)
     if error:
         raise HTTPError(503, error, kind="service_unavailable")
     body = _summary(_token_list(engine.tokenizer, ids, lps), "".join(texts), finish,
@@ -161,7 +154,7 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
             async for out in stream:
                 n_prompt = len(out.prompt_token_ids)
                 c = out.outputs[0]
-                finish = _finish_reason(c, out.error)
+                finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason, out.error)
                 if out.error:
                     yield _line({"details": None, "generated_text": "", "finish_reason": finish,
                                  "error": out.error}, protocol)
@@ -204,8 +197,7 @@ async def generate_either(req: GenerateRequest, request: Request, model: str):
 
 
 def _event(obj) -> Response:
-    return Response(f"data: {json.dumps(obj, ensure_ascii=False)}\r\n\r\n".encode(),
-                    media_type="text/event-stream")
+    return Response(sse(obj, end="\r\n\r\n"), media_type="text/event-stream")
 
 
 @router.get("/serving/get_bs")
@@ -226,16 +218,15 @@ async def get_request_numbers(request: Request):
 @router.get("/serving/get_serverd_model_info")
 async def get_served_model_info(request: Request):
     state: ServerState = request.app.state.server
-    engine = state.require_engine().engine
+    limits = state.require_engine().limits
     return _event({
         "docker_label": None,
-        "max_batch_total_tokens": engine.scheduler.max_num_batched_tokens,
-        "max_concurrent_requests": engine.scheduler.max_num_seqs,
-        "max_input_length": engine.max_model_len - 1,
-        "max_total_tokens": engine.max_model_len,
-        "model_device_type": "CANN" if getattr(engine.runner, "device", "CPU") == "Ascend"
-                             else "CPU",
-        "model_dtype": "float32",
+        "max_batch_total_tokens": limits.max_num_batched_tokens,
+        "max_concurrent_requests": limits.max_num_seqs,
+        "max_input_length": limits.max_model_len - 1,
+        "max_total_tokens": limits.max_model_len,
+        "model_device_type": "CANN" if limits.device == "ascend" else "CPU",
+        "model_dtype": limits.dtype,
         "model_id": state.served_model_name,
         "model_pipeline_tag": "text-generation",
         "version": "2.3",

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from llm_serving.entrypoints.api_server import (HTTPError, ServerState, log_request,
-                                                new_request_id, stream_or_disconnect,
-                                                translate_error)
+from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_request,
+                                                new_request_id, openai_finish_reason, sse,
+                                                stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
@@ -25,14 +24,10 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _finish_reason(reason: Optional[str]) -> Optional[str]:
-    return None if reason is None else ("length" if reason == "length" else "stop")
-
-
 async def _start(state: ServerState, rid: str, prompts: list, params, priority: int):
     """Queue one engine request per prompt; all or none."""
     engine = state.require_engine()
-    bound = engine.engine.scheduler.max_waiting
+    bound = engine.limits.max_waiting
     if len(prompts) > bound:
         raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request exceed the "
                         f"waiting-queue bound (max_waiting_requests={bound})", param="prompt")
@@ -111,8 +106,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(obj) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
 # ---- completions -------------------------------------------------------------------------
@@ -228,7 +221,7 @@ async def completions(req: CompletionRequest, request: Request):
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     if out.error:
-                        yield _sse({"error": {"message": out.error, "type": "service_unavailable",
+                        yield sse({"error": {"message": out.error, "type": "service_unavailable",
                                               "code": 503}})
                         continue
                     if echo is not None:
@@ -254,17 +247,17 @@ async def completions(req: CompletionRequest, request: Request):
                         chunk = {"id": rid, "object": "text_completion", "created": created,
                                  "model": model,
                                  "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                              "finish_reason": _finish_reason(c.finish_reason)}]}
+                                              "finish_reason": openai_finish_reason(c.finish_reason)}]}
                         if include_usage:
                             chunk["usage"] = None
-                        yield _sse(chunk)
+                        yield sse(chunk)
                 if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created,
+                    yield sse({"id": rid, "object": "text_completion", "created": created,
                                 "model": model, "choices": [],
                                 "usage": _usage(sum(prompt_tokens.values()), completion_tokens)})
-                yield b"data: [DONE]\n\n"
+                yield SSE_DONE
             except HTTPError as e:
-                yield _sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+                yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
                 log_request(rid, sum(prompt_tokens.values()), completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -282,7 +275,7 @@ async def completions(req: CompletionRequest, request: Request):
         ch["text"] = prompt_text + ch["text"]
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
-                         "finish_reason": _finish_reason(ch["finish"])}
+                         "finish_reason": openai_finish_reason(ch["finish"])}
                         for idx, ch in choices.items()],
             "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()))}
     log_request(rid, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
@@ -344,7 +337,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                               "finish_reason": finish}]}
             if include_usage:
                 c["usage"] = None
-            return _sse(c)
+            return sse(c)
 
         async def gen():
             completion_tokens, prompt_tokens = 0, len(ids)
@@ -352,7 +345,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             try:
                 async for _, out in _merge(streams):
                     if out.error:
-                        yield _sse({"error": {"message": out.error, "type": "service_unavailable",
+                        yield sse({"error": {"message": out.error, "type": "service_unavailable",
                                               "code": 503}})
                         continue
                     for c in out.outputs:
@@ -364,14 +357,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                         if c.text or lp:
                             yield chunk(c.index, {"content": c.text}, None, lp)
                         if c.finish_reason is not None:
-                            yield chunk(c.index, {}, _finish_reason(c.finish_reason))
+                            yield chunk(c.index, {}, openai_finish_reason(c.finish_reason))
                 if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk",
+                    yield sse({"id": rid, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
                                 "usage": _usage(prompt_tokens, completion_tokens)})
-                yield b"data: [DONE]\n\n"
+                yield SSE_DONE
             except HTTPError as e:
-                yield _sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+                yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
                 log_request(rid, prompt_tokens, completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -383,7 +376,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             "choices": [{"index": idx,
                          "message": {"role": "assistant", "content": ch["text"]},
                          "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
-                         "finish_reason": _finish_reason(ch["finish"])}
+                         "finish_reason": openai_finish_reason(ch["finish"])}
                         for idx, ch in choices.items()],
             "usage": _usage(len(ids), completion_tokens)}
 
@@ -393,8 +386,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 @router.get("/v1/models")
 async def models(request: Request):
     state = _state(request)
-    engine = state.engine
-    max_len = engine.engine.max_model_len if engine is not None else None
+    max_len = state.require_engine().limits.max_model_len     # 503 while loading
     return {"object": "list", "data": [{"id": state.served_model_name, "object": "model",
                                         "created": int(state.started), "owned_by": "llm_serving",
                                         "root": state.engine_args.model,
@@ -417,7 +409,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         raise HTTPError(400, "prompt: give a prompt or messages", param="prompt")
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
 
 
 @router.post("/detokenize")
@@ -425,7 +417,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
     engine = state.require_engine()
-    vocab = engine.engine.model_config.vocab_size
+    vocab = engine.limits.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}",

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
-from llm_serving.executor.worker import ignore_stop_signals
+from llm_serving.executor.worker import exit_with_master, ignore_stop_signals
 
 
 def main() -> int:
-    ignore_stop_signals()     # the master kills it after the agents
+    ignore_stop_signals()     # the master kills it after the agents ...
+    exit_with_master()        # ... or it goes with the master
     from mindspore.communication import init
     from llm_serving.model_executor.device import init_device
     device = init_device(sys.argv[1] if len(sys.argv) > 1 else "auto")   # as the agents do

@@ -27,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -45,6 +46,13 @@ _EMPTY = np.zeros(0, np.int32)
 # After one rank reports an error, how long the others get to finish the step. A rank that
 # failed before a collective leaves the others waiting in it; then the group is restarted.
 ERROR_GRACE_S = 10.0
+_STOP_LOADING = threading.Event()
+
+
+def stop_loading() -> None:
+    """The process is shutting down: executors still waiting for their agents to load give
+    up at once (within a second), kill the agents and free the shared memory."""
+    _STOP_LOADING.set()
 
 
 class AgentDiedError(LLMServingError):
@@ -115,7 +123,7 @@ class MultiprocExecutor:
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
         self._finalizer = weakref.finalize(self, _cleanup, p, *segments)
         try:
-            frames = self._wait_all(ready_timeout, "loading the model")
+            frames = self._wait_all(ready_timeout, "loading the model", loading=True)
         except BaseException:
             self.shutdown()
             raise
@@ -161,7 +169,8 @@ class MultiprocExecutor:
         self._procs.broken = True
         return AgentDiedError(message)
 
-    def _wait_all(self, timeout: Optional[float], doing: str) -> list[tuple]:
+    def _wait_all(self, timeout: Optional[float], doing: str,
+                  loading: bool = False) -> list[tuple]:
         """One frame from every agent, by rank: (kind, step number, payload), where the
         payload is the ERROR reason or the DONE size."""
         p = self._procs
@@ -189,6 +198,8 @@ class MultiprocExecutor:
             dead = self._dead([f is not None for f in frames])
             if dead is not None:
                 raise self._died(f"{dead} while {doing}")
+            if loading and _STOP_LOADING.is_set():
+                raise self._died("stopped while the WorkAgents were loading the model")
             if deadline is not None and time.monotonic() > deadline:
                 failed = [f for f in frames if f is not None and f[0] == ch.ERROR]
                 late = [r for r, f in enumerate(frames) if f is None]

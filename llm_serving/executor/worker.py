@@ -51,9 +51,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def exit_with_master() -> None:
+    """Exit at once if the master dies, whatever this process is doing (loading a model
+    included, when it does not read the control connection): a thread watches the parent."""
+    import threading
+    import time
+    master = os.getppid()
+
+    def watch():
+        while os.getppid() == master:
+            time.sleep(0.5)
+        _exit(0)
+    threading.Thread(target=watch, daemon=True, name="master-watch").start()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     ignore_stop_signals()
+    exit_with_master()
     conn = Connection(args.control_fd)
     rank = args.tp_rank
     # Only the standard library so far: reading the config needs no MindSpore.

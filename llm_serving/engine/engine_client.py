@@ -1,0 +1,66 @@
+"""The engine as the HTTP layer sees it: a small protocol, so that the routes never reach into
+the scheduler, the model runner or the engine's configuration. ``AsyncLLMEngine`` implements
+it (vLLM calls the same idea ``EngineClient``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol, Union
+
+from llm_serving.config import EngineConfig
+from llm_serving.outputs import RequestOutput
+from llm_serving.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llm_serving.engine.metrics import EngineStats
+    from llm_serving.tokenizer import Tokenizer
+
+PromptType = Union[str, dict]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The bounds a route checks or reports (from the resolved EngineConfig)."""
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    vocab_size: int
+    device: str                 # "cpu", "ascend", or "auto" when the master cannot tell
+    dtype: str
+
+    @classmethod
+    def of(cls, config: EngineConfig, device: Optional[str] = None) -> "EngineLimits":
+        device = (device or config.device.device).lower().replace("npu", "ascend")
+        return cls(config.model.max_model_len, config.scheduler.max_num_seqs,
+                   config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
+                   config.model.vocab_size, device,
+                   "float32" if config.model.dtype == "auto" else config.model.dtype)
+
+
+class RequestStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    tokenizer: "Tokenizer"
+    limits: EngineLimits
+
+    @property
+    def is_running(self) -> bool:
+        """Ready to serve: the model is loaded and the step loop is alive."""
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: Optional[SamplingParams] = None, priority: int = 0,
+                          strict_length: bool = False) -> RequestStream:
+        """Queue a request; its outputs come on the stream. Raises ValueError (bad input),
+        QueueFullError, EngineDeadError."""
+
+    def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
+                 request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """vLLM's entry point: the request's outputs; leaving early aborts it."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def get_stats(self) -> "EngineStats": ...

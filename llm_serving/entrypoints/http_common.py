@@ -1,0 +1,145 @@
+"""What the HTTP routes share: the server's state, errors as HTTP answers, streaming helpers
+and the mappings from engine results to each API's words (finish reasons, SSE framing).
+
+The routes (``openai_routes.py``, ``llm_serving_routes.py``) and the app (``api_server.py``)
+import this module; it imports neither, so there is no import circle among them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from llm_serving.config import EngineArgs
+from llm_serving.engine.engine_client import EngineClient
+from llm_serving.errors import EngineDeadError, LLMServingError, QueueFullError
+
+logger = logging.getLogger("llm_serving.server")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 kind: str = "invalid_request_error", headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+
+@dataclass
+class ServerState:
+    engine_args: EngineArgs
+    served_model_name: str
+    api_key: Optional[str] = None
+    chat_template: Optional[str] = None
+    engine: Optional[EngineClient] = None   # the AsyncLLMEngine, once loaded
+    load_error: Optional[str] = None
+    draining: bool = False
+    metrics: object = None
+    started: float = field(default_factory=time.time)
+
+    def model_names(self) -> set[str]:
+        return {self.served_model_name, self.engine_args.model}
+
+    def require_engine(self):
+        if self.engine is None:
+            raise HTTPError(503, self.load_error or "the model is still loading",
+                            kind="service_unavailable", headers={"Retry-After": "5"})
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", kind="service_unavailable")
+        return self.engine
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name not in self.model_names():
+            raise HTTPError(404, f"model {name!r} does not exist; this server serves "
+                            f"{self.served_model_name!r}", param="model",
+                            kind="not_found_error")
+
+
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   kind: str = "invalid_request_error",
+                   headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def translate_error(e: BaseException) -> HTTPError:
+    """Engine and validation errors, as the HTTP error a client should get."""
+    if isinstance(e, HTTPError):
+        return e
+    if isinstance(e, QueueFullError):
+        return HTTPError(503, str(e), kind="service_unavailable", headers={"Retry-After": "1"})
+    if isinstance(e, EngineDeadError):
+        return HTTPError(503, str(e), kind="service_unavailable")
+    if isinstance(e, (ValueError, TypeError)):
+        msg = str(e)
+        return HTTPError(400, msg, param=msg.split(" ", 1)[0] if msg else None)
+    if isinstance(e, LLMServingError):
+        return HTTPError(500, str(e), kind="internal_error")
+    return HTTPError(500, f"internal error: {type(e).__name__}", kind="internal_error")
+
+
+def log_request(rid: str, prompt_tokens: int, completion_tokens: int, t0: float) -> None:
+    """The one access-log line of a request (nothing is logged per token)."""
+    logger.info("request %s: %d prompt + %d completion tokens in %.3f s", rid, prompt_tokens,
+                completion_tokens, time.perf_counter() - t0)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> AsyncIterator:
+    """Items of ``stream``; stops (closing it, which aborts the request) once the client
+    has gone, even while no output is coming."""
+    it = stream.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=0.5)
+            if nxt in done:
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+                nxt = asyncio.ensure_future(it.__anext__())
+            elif await request.is_disconnected():
+                return
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+        if hasattr(it, "aclose"):
+            await it.aclose()
+
+
+# ---- each API's words for the engine's results ---------------------------------------------
+
+def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
+    """OpenAI knows "stop" and "length": an abort (a client gone, a failed step) is "stop"."""
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def llm_serving_finish_reason(reason: Optional[str], stop_reason, error: Optional[str]
+                              ) -> Optional[str]:
+    """llm-serving's (TGI's) words: eos, stop_sequence, length, timeout, error."""
+    if error:
+        return "timeout" if "queue_timeout" in error else "error"
+    if reason == "stop":
+        return "eos" if stop_reason is None else "stop_sequence"
+    return reason
+
+
+def sse(obj, end: str = "\n\n") -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (``end``: llm-serving's routes end
+    theirs with CRLFs)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}{end}".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
