@@ -25,13 +25,15 @@ from collections import OrderedDict, deque
 from typing import Optional
 
 from llm_serving.config import CacheConfig
+from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.sequence import Sequence
 
 _ROOT_HASH = 0x6C6C6D5F73657276   # parent hash of block 0
 
 
 class BlockManager:
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, stats: Optional[EngineStats] = None):
+        self.stats = stats if stats is not None else EngineStats()
         self.num_blocks = num_blocks = config.num_blocks
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -49,9 +51,11 @@ class BlockManager:
         # Host pool for swapped-out sequences.
         self.num_cpu_blocks = config.num_cpu_blocks
         self.cpu_free: deque[int] = deque(range(config.num_cpu_blocks))
-        # Prefix cache counters, in tokens.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
+
+    @property
+    def prefix_hits(self) -> int:
+        """Prompt tokens found in the prefix cache (the counter lives in ``stats``)."""
+        return self.stats.prefix_cache_hits
 
     # ---- pool state -----------------------------------------------------------------------
     @property
@@ -184,8 +188,8 @@ class BlockManager:
         seq.cached_uids = [self.block_uid[b] for b in matched]
         seq.num_computed_tokens = len(matched) * self.block_size
         if self.enable_prefix_caching:
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += seq.num_computed_tokens
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += seq.num_computed_tokens
         self.append(seq, num_new_tokens, copies)
 
     # ---- after a step ---------------------------------------------------------------------

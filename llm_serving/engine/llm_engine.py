@@ -56,7 +56,7 @@ class LLMEngine:
         self.max_model_len = config.model.max_model_len
         self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
         self.runner = create_executor(config)
-        self.block_manager = BlockManager(config.cache)
+        self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
@@ -73,7 +73,8 @@ class LLMEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return self.output_processor.stats
+        """The counters (shared by the scheduler, block manager and output processor)."""
+        return self.block_manager.stats
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -181,9 +182,7 @@ class LLMEngine:
         while self.has_unfinished_requests():     # a step still in flight included
             self.step()
         self.block_manager.reset()
-        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
-        self.scheduler.num_preemptions = self.scheduler.num_swap_preemptions = 0
-        self.output_processor.stats = EngineStats()
+        self.stats.reset()
         self.output_processor.finished_metrics.clear()
 
     def runner_alive(self) -> bool:
@@ -226,10 +225,6 @@ class LLMEngine:
         snap.num_swapped = len(sch.swapped)
         snap.kv_cache_usage = bm.usage
         snap.cpu_cache_usage = bm.cpu_usage
-        snap.num_preemptions = sch.num_preemptions
-        snap.num_swap_preemptions = sch.num_swap_preemptions
-        snap.prefix_cache_queries = bm.prefix_queries
-        snap.prefix_cache_hits = bm.prefix_hits
         snap.finished_requests = list(self.output_processor.finished_metrics)
         self.output_processor.finished_metrics.clear()
         return snap

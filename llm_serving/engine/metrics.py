@@ -1,9 +1,13 @@
 """Engine statistics: a snapshot of the queues and the KV cache, counters since start, and the
 per-request timings of requests finished since the last snapshot, ready to export as metrics.
+
+One ``EngineStats`` object holds every counter. The engine owns it and hands it to the parts
+that count (scheduler: preemptions; block manager: prefix-cache lookups; output processor:
+requests, steps and tokens); ``LLMEngine.get_stats()`` adds the gauges to a copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from llm_serving.outputs import RequestMetrics
 
@@ -31,6 +35,11 @@ class EngineStats:
     prefix_cache_hits: int = 0      # tokens found there
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Every counter and gauge back to zero, in place (the counting parts keep it)."""
+        for f in fields(self):
+            setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

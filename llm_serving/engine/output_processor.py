@@ -69,7 +69,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
-        self.stats = EngineStats()
+        self.stats: EngineStats = scheduler.stats
         self.finished_metrics: collections.deque = collections.deque(
             maxlen=_MAX_FINISHED_METRICS)
         self._token_texts: dict[int, str] = {}      # single-token decodes (at most the vocab)

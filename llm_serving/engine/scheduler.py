@@ -57,6 +57,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  clock: Callable[[], float] = time.time):
         self.block_manager = block_manager
+        self.stats = block_manager.stats        # the one set of counters (engine/metrics.py)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
@@ -72,10 +73,6 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.num_reserved = 0          # pending n > 1 children of running sequences
         self._next_timeout_check = 0.0
-        # Counters, for metrics.
-        self.num_preemptions = 0
-        self.num_swap_preemptions = 0
-        self.num_timeouts = 0
 
     # ---- queues ---------------------------------------------------------------------------
     def check_room(self, on_the_way: int = 0) -> None:
@@ -88,6 +85,14 @@ class Scheduler:
         """Queue a new sequence; refused at once when the waiting queue is full."""
         self.check_room()
         bisect.insort(self.waiting, seq, key=self._rank)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
+    @property
+    def num_swap_preemptions(self) -> int:
+        return self.stats.num_swap_preemptions
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -110,12 +115,12 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._leave_running(seq)
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         if self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
             self.block_manager.swap_out(seq, out.swap_out)
             seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=self._rank)
-            self.num_swap_preemptions += 1
+            self.stats.num_swap_preemptions += 1
             mode = "swap"
         else:   # recompute (also when the host pool is full)
             self.block_manager.free(seq)
@@ -218,7 +223,6 @@ class Scheduler:
         for seq in expired:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED_TIMEOUT
-            self.num_timeouts += 1
             out.timed_out.append(seq)
             logger.info("request %s timed out after %.1f s in the queue",
                         seq.request_id, now - seq.arrival_time)
