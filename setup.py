@@ -27,6 +27,8 @@ setup(
         "uvicorn",
         "prometheus-client",
         "aiohttp",
+        # OpenBLAS with run-time CPU dispatch: one of the GEMMs the CPU linear layers probe.
+        "scipy-openblas32",
     ],
     extras_require={
         "test": [

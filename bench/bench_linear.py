@@ -1,58 +1,88 @@
 #!/usr/bin/env python
-"""Linear layers at decode sizes: the C++ kernel (lls_linear_f32) against MindSpore's
-MatMul(transpose_b=True), on the 97M model's shapes, to find the crossover M.
+"""Linear layers, every GEMM candidate of ``layers/gemm.py`` (OpenBLAS sgemm from our pool, our
+small-M kernel) and MindSpore's MatMul (forceable, not probed) on the 97 M model's shapes, and
+what the start-up probe picks on this CPU. Isolated GEMMs only: whole steps (bench_model.py
+with LLM_SERVING_GEMM=...) decide, since libraries' threads interfere between calls.
 
 Each timing runs the 12 layers' four projections (qkv, o, gate_up, down; 340 MB of distinct
-weights, more than fits in cache) and reports ms per pass, the way a decode step reads them.
+weights, more than fits in cache) and reports ms per pass, the way a step reads them;
+candidates are interleaved, so all see the same machine load.
 
-    python bench/bench_linear.py [--ms 1,2,4,8,16,32,64] [--reps 5]
+    python bench/bench_linear.py [--ms 1,4,16,32,64,128,256] [--reps 5]
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 
 import numpy as np
 
 
+def cpu_line() -> str:
+    model, flags = "?", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    have = [fl for fl in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if fl in flags]
+    return f"{model} ({', '.join(have) or 'no avx2'})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,2,4,8,16,24,32,48,64")
+    ap.add_argument("--ms", default="1,4,16,32,64,128,256")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=12)
     args = ap.parse_args()
 
     import mindspore as ms
-    from mindspore import Tensor, ops
-    ms.set_device("CPU")
+    from mindspore import Tensor
+    from llm_serving.model_executor.device import init_device
+    init_device("cpu")
     ms.runtime.launch_blocking()
-    from llm_serving.model_executor.layers.linear import cpu_linear
+    from llm_serving.model_executor.layers import gemm
+    from llm_serving.model_executor.layers.linear import Linear
 
     h, f = 768, 2048
-    shapes = [(3 * h, h), (h, h), (2 * f, h), (h, f)]
+    shapes = [(h, [3 * h]), (h, [h]), (h, [2 * f]), (f, [h])]
     rng = np.random.default_rng(0)
-    weights = [[Tensor(rng.standard_normal((n, k), np.float32) * 0.02) for n, k in shapes]
-               for _ in range(args.layers)]
-    mm = ops.MatMul(transpose_b=True)
-    print("| M | MindSpore MatMul ms | C++ kernel ms | speedup |")
-    print("|---|---|---|---|")
+    layers = []
+    for _ in range(args.layers):
+        for k, outs in shapes:
+            layer = Linear(k, outs)
+            layer.weight.set_data(Tensor(rng.standard_normal((sum(outs), k), np.float32) * 0.02))
+            layers.append(layer)
+    cands = gemm.available() + ("matmul",)
+    plan = gemm.GemmPlan(None)          # a fresh probe, not the cache
+    print(f"# GEMM candidates, {datetime.date.today()}, {cpu_line()}")
+    print(f"# {args.layers} layers x (qkv, o, gate_up, down), ms per pass; probe: what the "
+          f"start-up probe picks per shape")
+    print("| M | " + " | ".join(f"{c} ms" for c in cands) + " | fastest | probe picks "
+          "(qkv, o, gate_up, down) | probe ms |")
+    print("|---|" + "---|" * (len(cands) + 3))
     for m in [int(v) for v in args.ms.split(",")]:
         xs = {k: Tensor(rng.standard_normal((m, k), np.float32)) for k in (h, f)}
-        fns = {"cpp": lambda x, w: cpu_linear(x, w), "ms": lambda x, w: mm(x, w)}
-        for fn in fns.values():             # warm-up
-            for layer in weights:
-                for w in layer:
-                    fn(xs[w.shape[1]], w)
-        ts = {name: [] for name in fns}
-        for _ in range(args.reps):          # interleaved, so both see the same machine load
-            for name, fn in fns.items():
+        for c in cands:                      # warm-up
+            for layer in layers:
+                layer.gemm(c, xs[layer.input_size])
+        ts = {c: [] for c in cands}
+        for _ in range(args.reps):
+            for c in cands:
                 t = time.perf_counter()
-                for layer in weights:
-                    for w in layer:
-                        fn(xs[w.shape[1]], w).data_ptr()
-                ts[name].append(time.perf_counter() - t)
-        res = {name: np.median(v) * 1e3 for name, v in ts.items()}
-        print(f"| {m} | {res['ms']:.2f} | {res['cpp']:.2f} | {res['ms'] / res['cpp']:.2f}x |")
+                for layer in layers:
+                    y = layer.gemm(c, xs[layer.input_size])
+                y.asnumpy()
+                ts[c].append(time.perf_counter() - t)
+        res = {c: float(np.median(v)) * 1e3 for c, v in ts.items()}
+        t = time.perf_counter()
+        picks = [plan.choose(layers[i], m) for i in range(4)]
+        probe_ms = (time.perf_counter() - t) * 1e3
+        print(f"| {m} | " + " | ".join(f"{res[c]:.1f}" for c in cands)
+              + f" | {min(res, key=res.get)} | {', '.join(picks)} | {probe_ms:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

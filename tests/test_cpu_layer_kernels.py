@@ -172,24 +172,3 @@ def test_elementwise_kernels(lib, rows):
     lib.rotary_embedding_f32(qkv.ctypes.data, qkv.ctypes.data + 4 * nq * d, pos.ctypes.data,
                              cs.ctypes.data, rows, nq, nk, d, qkv.shape[1], qkv.shape[1])
     np.testing.assert_allclose(qkv, want, rtol=1e-5, atol=1e-5)
-
-
-def test_mindspore_linear_layer_paths_agree():
-    """Linear on CPU: the kernel path (small M) and MindSpore's MatMul path agree, for plain
-    and split (fused qkv) outputs."""
-    from mindspore import Tensor
-    from llm_serving.model_executor.device import init_device
-    from llm_serving.model_executor.layers import linear as L
-    init_device("cpu")
-    rng = np.random.default_rng(3)
-    for split in (False, True):
-        layer = L.Linear(64, [48, 16, 16], bias=True, split_output=split)
-        w = rng.standard_normal((80, 64)).astype(np.float32)
-        b = rng.standard_normal(80).astype(np.float32)
-        layer.weight.set_data(Tensor(w))
-        layer.bias.set_data(Tensor(b))
-        for m in (1, 3, L.CPU_LINEAR_MAX_M + 5):
-            x = rng.standard_normal((m, 64)).astype(np.float32)
-            got = layer(Tensor(x))
-            got = np.concatenate([g.asnumpy() for g in got], 1) if split else got.asnumpy()
-            np.testing.assert_allclose(got, reference(x, w, b), rtol=1e-4, atol=1e-4)

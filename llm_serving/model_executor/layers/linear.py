@@ -4,10 +4,9 @@ Fused projections (q/k/v -> qkv, gate/up -> gate_up) and tensor-parallel shards 
 through ``weight_loader``: each layer knows which slice of its parameter a checkpoint tensor
 fills, so a new model adds a name mapping, not a new loader.
 
-On CPU, decode-sized inputs (at most ``CPU_LINEAR_MAX_M`` rows) run through the layer
-kernels' GEMV/small-M kernel (``lls_linear_f32``), which streams the weight once at close to
-memory bandwidth on both cores; larger inputs (prefill) and other devices use MindSpore's
-``MatMul(transpose_b=True)``.
+On CPU each projection's GEMM runs through the implementation measured fastest on this CPU for
+its shape and row count (``gemm.py``: OpenBLAS's sgemm, our small-M kernel or MindSpore's
+MatMul); other devices use MindSpore's ``MatMul(transpose_b=True)``.
 """
 from __future__ import annotations
 
@@ -18,18 +17,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, row_stride
+from llm_serving.model_executor.layers.gemm import gemm_plan, openblas_sgemm
 from llm_serving.model_executor.parallel_state import get_tp_group
-
-# Rows up to which the C++ kernel runs instead of MindSpore's MatMul. Measured on this
-# project's CPU inside whole model steps (bench/bench_model.py, 97M model; 2026-11-21):
-# decode B=64 160-170 ms/step with the kernel vs 141-256 ms (erratic) with MatMul, B=128 297 vs
-# 477-569 ms: MindSpore's matmul threads and the attention kernel's pool contend when they
-# alternate, which an isolated matmul benchmark (bench/bench_linear.py: MatMul ahead from M~32)
-# does not show. Prefill: 256-token prefill even (354 vs 373 ms), 512 tokens MatMul ahead
-# (672 vs 896 ms), 2048 tokens MatMul far ahead (1954 vs 4094 ms). Override with
-# LLM_SERVING_CPU_LINEAR_MAX_M.
-CPU_LINEAR_MAX_M = int(os.environ.get("LLM_SERVING_CPU_LINEAR_MAX_M", "256"))
-
 
 class _LinearCall:
     """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
@@ -49,9 +38,10 @@ class _LinearCall:
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: _LinearCall | None = None,
-               split: bool = False):
-    """x [M, K] @ weight[N, K].T (+ bias) with the C++ kernel. Returns a new Tensor [M, N], or,
-    with ``split``, one contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
+               split: bool = False, impl: str = "kernel"):
+    """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"``) or
+    OpenBLAS's sgemm run from our pool (``impl="openblas"``). Returns a new Tensor [M, N], or, with ``split``, one
+    contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
     m, k = x.shape
     if call is None:
         call = _LinearCall([weight.shape[0]])
@@ -64,16 +54,25 @@ def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: _LinearCall | None = 
     else:
         out = call.out_type(*[base + 4 * o for o in offs[:-1]])
         ld = call.ld_fused
-    rc = cpu_layer_ops().lls_linear_f32(
-        x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
-        bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts, call.c_split,
-        out, ld)
+    args = (x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts,
+            call.c_split, out, ld)
+    lib = cpu_layer_ops()
+    if impl == "kernel":
+        rc = lib.lls_linear_f32(*args)
+    else:
+        rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
     if rc:
-        raise ValueError(f"lls_linear_f32 rejected shapes x {x.shape}, weight {weight.shape}")
+        raise ValueError(f"{impl} linear rejected shapes x {x.shape}, weight {weight.shape}")
     if not split:
         return Tensor.from_numpy(flat.reshape(m, call.n))
     return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
                  for a, b in zip(offs[:-1], offs[1:]))
+
+
+# Column blocks per OpenBLAS call: a few per core, so the pool balances them.
+_BLAS_ITEMS = 4 * max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else (os.cpu_count() or 1))
 
 
 def _param(shape) -> Parameter:
@@ -121,6 +120,10 @@ class Linear(CustomOp):
         self._call = _LinearCall(self.output_sizes if split_output else [out])
         # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
         self.reduce = parallel == "row" and tp_size > 1
+        self.gemm_shape = (out, self.input_size)
+        if self._use_cpu:
+            self._plan = gemm_plan()
+            self._plan.register(self)
 
     def forward_native(self, x):
         y = self.matmul(x, self.weight)
@@ -133,12 +136,22 @@ class Linear(CustomOp):
         return y
 
     def forward_cpu(self, x):
-        if x.shape[0] > CPU_LINEAR_MAX_M:
-            return self.forward_native(x)
+        impl = self._plan.choose(self, x.shape[0])
         if self.reduce:
-            y = get_tp_group().all_reduce(cpu_linear(x, self.weight, None, self._call))
+            y = get_tp_group().all_reduce(self.gemm(impl, x, with_bias=False))
             return y + self.bias if self.bias is not None else y
-        return cpu_linear(x, self.weight, self.bias, self._call, self.split_output)
+        return self.gemm(impl, x)
+
+    def gemm(self, impl: str, x, with_bias: bool = True):
+        """x @ W.T (+ bias), split into parts if the layer splits, with implementation
+        ``impl`` (one of ``gemm.FORCEABLE``); no all-reduce."""
+        bias = self.bias if with_bias else None
+        if impl == "matmul":
+            y = self.matmul(x, self.weight)
+            if bias is not None:
+                y = y + bias
+            return ops.split(y, self.output_sizes, -1) if self.split_output else y
+        return cpu_linear(x, self.weight, bias, self._call, self.split_output, impl)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:
@@ -174,6 +187,10 @@ class VocabEmbedding(CustomOp):
         self.start = tp_rank * self.rows
         self.weight = _param((self.rows, hidden_size))
         self.logits_matmul = ops.MatMul(transpose_b=True)
+        self.gemm_shape = (self.rows, hidden_size)
+        if self._use_cpu:
+            self._plan = gemm_plan()
+            self._plan.register(self)
 
     def forward_native(self, input_ids):
         if self.tp_size == 1:
@@ -186,8 +203,8 @@ class VocabEmbedding(CustomOp):
 
     def compute_logits(self, hidden_states):
         """float32 logits [M, vocab] (on rank 0; None on the other ranks)."""
-        if self._use_cpu and hidden_states.shape[0] <= CPU_LINEAR_MAX_M:
-            logits = cpu_linear(hidden_states, self.weight)
+        if self._use_cpu:
+            logits = self.gemm(self._plan.choose(self, hidden_states.shape[0]), hidden_states)
         else:
             logits = self.logits_matmul(hidden_states, self.weight)
         if self.tp_size == 1:
@@ -196,6 +213,12 @@ class VocabEmbedding(CustomOp):
         if full is None or full.shape[1] == self.vocab_size:
             return full
         return np.ascontiguousarray(full[:, :self.vocab_size])       # drop the padding
+
+    def gemm(self, impl: str, hidden_states):
+        """hidden_states @ weight.T (this rank's logits) with implementation ``impl``."""
+        if impl == "matmul":
+            return self.logits_matmul(hidden_states, self.weight)
+        return cpu_linear(hidden_states, self.weight, impl=impl)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:

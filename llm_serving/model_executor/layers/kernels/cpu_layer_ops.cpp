@@ -221,7 +221,7 @@ void linear_item(void* p, int64_t item) {
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 2; }
+int lls_layer_ops_abi_version() { return 3; }
 
 int lls_layer_ops_vector_width() { return VW; }
 
@@ -253,6 +253,73 @@ int lls_linear_f32(const float* x, int64_t ldx, const float* w, const float* bia
   a.nb = 64;
   const int64_t items = (N + a.nb - 1) / a.nb;
   parallel_for(linear_item, &a, items, M * N * K >= (1 << 18), g_linger_us);
+  return 0;
+}
+
+// The same contract as lls_linear_f32, computed by a BLAS library's single-threaded
+// cblas_sgemm (row-major, 32-bit ints: the scipy-openblas32 build), called on blocks of output
+// columns from our shared pool. The library's own threads stay off (set to 1 by the caller), so
+// its GEMM micro-kernels (dispatched at run time for the CPU) share the cores with our other
+// kernels instead of fighting them. w is [N, K] (the [out, in] layout) and is read in place:
+// y[:, c0:c1] = x @ w[c0:c1].T is a NoTrans x Trans sgemm on a row block of w.
+typedef void (*CblasSgemmFn)(int order, int transa, int transb, int m, int n, int k, float alpha,
+                             const float* a, int lda, const float* b, int ldb, float beta,
+                             float* c, int ldc);
+
+namespace {
+
+struct BlasArgs {
+  LinearArgs a;
+  CblasSgemmFn sgemm;
+};
+
+void blas_item(void* p, int64_t item) {
+  const BlasArgs& b = *static_cast<const BlasArgs*>(p);
+  const LinearArgs& a = b.a;
+  const int64_t c0 = item * a.nb;
+  const int64_t c1 = c0 + a.nb < a.N ? c0 + a.nb : a.N;
+  for (int q = 0; q < a.nparts; ++q) {
+    const int64_t lo = a.split[q] > c0 ? a.split[q] : c0;
+    const int64_t hi = a.split[q + 1] < c1 ? a.split[q + 1] : c1;
+    if (lo >= hi) continue;
+    float* out = a.out[q] + (lo - a.split[q]);
+    b.sgemm(101 /* RowMajor */, 111 /* NoTrans */, 112 /* Trans */, (int)a.M, (int)(hi - lo),
+            (int)a.K, 1.0f, a.x, (int)a.ldx, a.w + lo * a.K, (int)a.K, 0.0f, out, (int)a.ld[q]);
+    if (a.bias)
+      for (int64_t m = 0; m < a.M; ++m) {
+        float* o = out + m * a.ld[q];
+        for (int64_t n = lo; n < hi; ++n) o[n - lo] += a.bias[n];
+      }
+  }
+}
+
+}  // namespace
+
+// ``items``: how many column blocks to split N into (the pool balances them dynamically).
+int lls_linear_blas_f32(CblasSgemmFn sgemm, int64_t items, const float* x, int64_t ldx,
+                        const float* w, const float* bias, int64_t M, int64_t N, int64_t K,
+                        int nparts, const int64_t* split, float* const* out, const int64_t* ld) {
+  if (!sgemm || items < 1 || M < 0 || N < 0 || K < 0 || nparts < 1 || nparts > kMaxParts ||
+      ldx < K || M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || ldx > INT32_MAX)
+    return -1;
+  BlasArgs b;
+  LinearArgs& a = b.a;
+  b.sgemm = sgemm;
+  a.x = x; a.ldx = ldx; a.w = w; a.bias = bias; a.M = M; a.N = N; a.K = K;
+  a.nparts = nparts;
+  for (int p = 0; p <= nparts; ++p) a.split[p] = split[p];
+  if (a.split[0] != 0 || a.split[nparts] != N) return -1;
+  for (int p = 0; p < nparts; ++p) {
+    if (a.split[p + 1] < a.split[p] || ld[p] < a.split[p + 1] - a.split[p] || ld[p] > INT32_MAX)
+      return -1;
+    a.out[p] = out[p];
+    a.ld[p] = ld[p];
+  }
+  if (M == 0 || N == 0) return 0;
+  // Blocks of a multiple of 16 columns (whole SIMD tiles for the library's micro-kernel).
+  a.nb = ((N + items - 1) / items + 15) / 16 * 16;
+  const int64_t n = (N + a.nb - 1) / a.nb;
+  parallel_for(blas_item, &b, n, true, g_linger_us);
   return 0;
 }
 

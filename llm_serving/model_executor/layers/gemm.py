@@ -1,0 +1,234 @@
+"""GEMM for the CPU linear layers, chosen by measurement on the CPU it runs on.
+
+``y = x @ W.T`` with W kept as [out, in] can run through:
+- ``openblas``: OpenBLAS's sgemm (the ``scipy-openblas32`` wheel, micro-kernels dispatched at
+  run time for the CPU), single-threaded, called on column blocks of W from our shared thread
+  pool (``lls_linear_blas_f32``), so it shares the cores with the attention and element-wise
+  kernels instead of fighting them with threads of its own;
+- ``kernel``: our streaming small-M kernel (``lls_linear_f32``): it reads W once at close to
+  memory bandwidth, which wins at a few rows (decode at small batch).
+
+MindSpore's ``MatMul`` (the layers' native path, what Ascend runs) is no candidate on CPU: in
+whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 149 vs 88 ms,
+B=64 302 vs 232 ms, prefill 526 vs 578 tok/s; bench/bench_model.py with LLM_SERVING_GEMM, see
+docs/benchmarks.md), and once its own threads have run they slow the candidates around it,
+which a probe of one GEMM at a time does not see (``LLM_SERVING_GEMM=matmul`` still forces it,
+for benchmarks).
+
+No single one wins every shape, and the winner changes with the CPU. So the first time a layer
+shape (N, K) is used, a short probe times every candidate on the model's own weights of that
+shape (streamed, as a step reads them) at a sweep of row counts (``PROBE_ROWS``) and keeps the
+one with the least total time. Choices are cached in ``$LLM_SERVING_HOME/gemm``
+(``~/.cache/llm_serving/gemm``), one file per CPU model + flags + usable cores + library
+versions, so later starts probe nothing; each tensor-parallel rank probes its own shapes.
+
+Batch invariance: a request's output must not depend on its batch companions, so a row's
+result must not depend on how many rows the GEMM has or where the row sits. Hence one
+implementation per shape for every row count (switching at some M changes the sums' rounding),
+and only implementations whose rows the probe finds bitwise alike across row counts and
+positions (``batch_invariant``). Our kernel is, by construction (each output is one full-K dot
+product in a fixed order). OpenBLAS's sgemm is not on AMD Zen 3 (its micro-kernels for the
+rows past the last full tile, and some positions within a tile, sum in another order), so there
+the kernel serves every shape.
+``LLM_SERVING_GEMM_PER_BUCKET=1`` instead picks among all candidates per (N, K, row bucket):
+faster at both ends (our kernel at a few rows, OpenBLAS above), but outputs then depend on
+the batch (at the last bits, which can flip a sampled token).
+
+``LLM_SERVING_GEMM=openblas|kernel|matmul`` forces one implementation (benchmarks, debugging).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import tempfile
+import time
+import weakref
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+CANDIDATES = ("openblas", "kernel")
+FORCEABLE = CANDIDATES + ("matmul",)
+MAX_BUCKET = 4096
+# Row counts the per-shape probe sweeps: batch-1 decode, small and large decode batches.
+PROBE_ROWS = (1, 16, 64, 256)
+# Work per timed pass of the probe: enough to stream a decode step's weights of one shape at
+# small M, one matrix at large M; the whole probe of a bucket stays in the tens of ms.
+_PROBE_FLOPS = 2e8
+_PROBE_REPS = 2
+
+
+def m_bucket(m: int) -> int:
+    """The probe's row bucket for ``m`` rows: the next power of two (capped at MAX_BUCKET)."""
+    return min(MAX_BUCKET, 1 << max(0, int(m) - 1).bit_length())
+
+
+@lru_cache(maxsize=None)
+def openblas_sgemm() -> int | None:
+    """Address of scipy-openblas32's cblas_sgemm with its own threading off, or None when the
+    wheel is not installed."""
+    try:
+        import scipy_openblas32
+    except ImportError:
+        return None
+    lib = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(),
+                                   f"lib{scipy_openblas32.get_library()}.so"))
+    lib.scipy_openblas_set_num_threads.argtypes = [ctypes.c_int]
+    lib.scipy_openblas_set_num_threads(1)          # our pool runs the blocks
+    return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value
+
+
+def available() -> tuple[str, ...]:
+    return tuple(c for c in CANDIDATES if c != "openblas" or openblas_sgemm() is not None)
+
+
+def _versions() -> str:
+    import mindspore
+    try:
+        import scipy_openblas32
+        ob = scipy_openblas32.__version__
+    except ImportError:
+        ob = "none"
+    from llm_serving.model_executor.layers.custom_op import LAYER_OPS_ABI
+    return f"ms={mindspore.__version__}|openblas={ob}|ops={LAYER_OPS_ABI}"
+
+
+def cache_path() -> Path:
+    from llm_serving.model_executor.cpp_build import _cpu_signature
+    home = os.environ.get("LLM_SERVING_HOME")
+    root = Path(home) if home else Path.home() / ".cache" / "llm_serving"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = f"{_cpu_signature()}|cores={cores}|{_versions()}"
+    return root / "gemm" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
+class GemmPlan:
+    """The chosen candidate per (N, K, M bucket), probed on first use and cached on disk."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self.choices: dict[str, str] = {}
+        self.timings: dict[str, dict[str, float]] = {}
+        self.layers: dict[tuple[int, int], "weakref.WeakSet"] = {}
+        self.forced = os.environ.get("LLM_SERVING_GEMM") or None
+        self.per_bucket = os.environ.get("LLM_SERVING_GEMM_PER_BUCKET") == "1"
+        if self.forced is not None and self.forced not in FORCEABLE:
+            from llm_serving.errors import ConfigError
+            raise ConfigError("LLM_SERVING_GEMM", f"{self.forced!r} is not one of "
+                              f"{', '.join(FORCEABLE)}")
+        if self.forced == "openblas" and openblas_sgemm() is None:
+            from llm_serving.errors import ConfigError
+            raise ConfigError("LLM_SERVING_GEMM", "openblas needs the scipy-openblas32 "
+                              "package (pip install scipy-openblas32)")
+        if path is not None and path.exists():
+            try:
+                data = json.loads(path.read_text())
+                self.choices = {k: v for k, v in data.get("choices", {}).items()
+                                if v in available()}
+            except (OSError, ValueError):
+                self.choices = {}
+
+    def register(self, layer) -> None:
+        """Remember a layer, so a probe of its shape can stream all weights of that shape."""
+        self.layers.setdefault(tuple(layer.gemm_shape), weakref.WeakSet()).add(layer)
+
+    def choose(self, layer, m: int) -> str:
+        """The implementation for ``m`` rows through ``layer``."""
+        if self.forced is not None:
+            return self.forced
+        n, k = layer.gemm_shape
+        key = f"{n},{k},{m_bucket(m)}" if self.per_bucket else f"{n},{k}"
+        choice = self.choices.get(key)
+        if choice is None:
+            choice = self.probe(layer, key, [m_bucket(m)] if self.per_bucket else PROBE_ROWS)
+        return choice
+
+    def probe(self, layer, key: str, rows) -> str:
+        """Time each eligible candidate on the weights of ``layer``'s shape at each of ``rows``
+        rows; keep the one with the least total time for ``key`` and save the plan."""
+        from mindspore import Tensor
+        n, k = layer.gemm_shape
+        cands = [c for c in available()
+                 if self.per_bucket or c == "kernel" or batch_invariant(layer, c)]
+        totals = dict.fromkeys(cands, 0.0)
+        if len(cands) > 1:
+            same = [l for l in self.layers.get((n, k), ()) if l is not layer]
+            rng = np.random.default_rng(0)
+            for m in rows:
+                count = max(1, min(1 + len(same), int(_PROBE_FLOPS // (2.0 * m * n * k))))
+                layers = [layer] + same[:count - 1]
+                x = Tensor(rng.standard_normal((m, k), dtype=np.float32))
+                best = {}
+                for _ in range(_PROBE_REPS):
+                    for c in cands:                    # interleaved: same machine load
+                        t = time.perf_counter()
+                        for layer_ in layers:
+                            y = layer_.gemm(c, x)
+                        (y[0] if isinstance(y, tuple) else y).asnumpy()
+                        dt = (time.perf_counter() - t) / len(layers)
+                        best[c] = min(best.get(c, float("inf")), dt)
+                for c in cands:
+                    totals[c] += best[c]
+        choice = min(totals, key=totals.get)
+        self.choices[key] = choice
+        self.timings[key] = totals
+        self.save()
+        return choice
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {}
+            if self.path.exists():          # another process (rank) may have added shapes
+                try:
+                    merged = json.loads(self.path.read_text()).get("choices", {})
+                except (OSError, ValueError):
+                    merged = {}
+            merged.update(self.choices)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": _versions(), "choices": merged}, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass                            # a read-only home: probe again next start
+
+
+def batch_invariant(layer, impl: str) -> bool:
+    """Whether ``impl`` computes every row of ``layer``'s GEMM bitwise alike whatever the row
+    count and the row's position (checked on a random weight of the layer's shape, split like
+    the layer's outputs: zeros would agree anyway)."""
+    from mindspore import Tensor
+    from llm_serving.model_executor.layers.linear import cpu_linear
+    n, k = layer.gemm_shape
+    rng = np.random.default_rng(1)
+    w = Tensor(rng.standard_normal((n, k), dtype=np.float32))
+    call, split = getattr(layer, "_call", None), getattr(layer, "split_output", False)
+
+    def run(rows):
+        return _rows(cpu_linear(Tensor(np.ascontiguousarray(rows)), w, None, call, split, impl))
+    x = rng.standard_normal((48, k), dtype=np.float32)
+    ref = run(x[:40])
+    return all(np.array_equal(run(x[off:off + m]), ref[off:off + m])
+               for m, off in ((1, 0), (1, 5), (3, 0), (7, 1), (13, 2), (24, 3), (33, 7)))
+
+
+def _rows(y) -> np.ndarray:
+    if isinstance(y, tuple):
+        return np.concatenate([t.asnumpy() for t in y], 1)
+    return y.asnumpy()
+
+
+_plan: GemmPlan | None = None
+
+
+def gemm_plan() -> GemmPlan:
+    """The process's plan (one per process: each WorkAgent / rank has its own)."""
+    global _plan
+    if _plan is None:
+        _plan = GemmPlan(cache_path())
+    return _plan

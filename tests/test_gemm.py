@@ -1,0 +1,113 @@
+"""The CPU linear layers' GEMM candidates (layers/gemm.py): every implementation the start-up
+probe can pick (and MatMul, which LLM_SERVING_GEMM can force) computes x @ W.T (+ bias) like NumPy in float64, within fp32 tolerance, for
+plain, fused-split and LM-head layers; the probe's choice is cached per CPU and reused."""
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from llm_serving.errors import ConfigError
+from llm_serving.model_executor.device import init_device
+from llm_serving.model_executor.layers import gemm
+from llm_serving.model_executor.layers import linear as L
+
+
+def reference(x, w, bias=None):
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    return y if bias is None else y + bias
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu():
+    init_device("cpu")
+
+
+def test_openblas_is_a_candidate():
+    """scipy-openblas32 is a dependency, so the probe always has OpenBLAS to choose."""
+    assert gemm.available() == gemm.CANDIDATES
+
+
+@pytest.mark.parametrize("impl", gemm.FORCEABLE)
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_linear_candidates_match_float64(impl, split):
+    rng = np.random.default_rng(3)
+    layer = L.Linear(96, [48, 16, 16], bias=True, split_output=split)
+    w = rng.standard_normal((80, 96)).astype(np.float32)
+    b = rng.standard_normal(80).astype(np.float32)
+    layer.weight.set_data(Tensor(w))
+    layer.bias.set_data(Tensor(b))
+    for m in (1, 3, 17, 70, 300):
+        x = rng.standard_normal((m, 96)).astype(np.float32)
+        got = layer.gemm(impl, Tensor(x))
+        got = np.concatenate([g.asnumpy() for g in got], 1) if split else got.asnumpy()
+        np.testing.assert_allclose(got, reference(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", gemm.FORCEABLE)
+def test_lm_head_candidates_match_float64(impl):
+    rng = np.random.default_rng(4)
+    head = L.VocabEmbedding(1000, 64)
+    w = rng.standard_normal((1000, 64)).astype(np.float32)
+    head.weight.set_data(Tensor(w))
+    for m in (1, 5, 130):
+        x = rng.standard_normal((m, 64)).astype(np.float32)
+        got = head.gemm(impl, Tensor(x)).asnumpy()
+        np.testing.assert_allclose(got, reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_layer_forward_uses_the_plan_and_matches(monkeypatch, tmp_path):
+    """Layers probe their shape once, compute the right result at any row count, and keep one
+    implementation for every row count (batch invariance); the choice is saved and a new
+    process's plan reuses it without probing."""
+    monkeypatch.delenv("LLM_SERVING_GEMM", raising=False)
+    monkeypatch.delenv("LLM_SERVING_GEMM_PER_BUCKET", raising=False)
+    path = tmp_path / "plan.json"
+    plan = gemm.GemmPlan(path)
+    monkeypatch.setattr(gemm, "_plan", plan)
+    rng = np.random.default_rng(5)
+    layers = [L.Linear(64, [128]) for _ in range(3)]
+    ws = [rng.standard_normal((128, 64)).astype(np.float32) for _ in layers]
+    for layer, w in zip(layers, ws):
+        layer.weight.set_data(Tensor(w))
+    for m in (1, 20, 300):
+        x = rng.standard_normal((m, 64)).astype(np.float32)
+        for layer, w in zip(layers, ws):
+            np.testing.assert_allclose(layer(Tensor(x)).asnumpy(), reference(x, w),
+                                       rtol=1e-4, atol=1e-4)
+    assert list(plan.choices) == ["128,64"]
+    impl = plan.choices["128,64"]
+    assert impl == "kernel" or gemm.batch_invariant(layers[0], impl)
+    again = gemm.GemmPlan(path)
+    assert again.choices == plan.choices
+    assert again.choose(layers[0], 17) == impl and not again.timings
+
+
+def test_kernel_rows_do_not_depend_on_the_batch():
+    """What batch invariance rests on: our kernel gives a row the same bits at any row count
+    and position (OpenBLAS is only used by default where the probe finds the same)."""
+    assert gemm.batch_invariant(L.Linear(768, [256, 64, 64], split_output=True), "kernel")
+    assert gemm.batch_invariant(L.VocabEmbedding(500, 96), "kernel")
+
+
+def test_per_bucket_mode_probes_each_bucket(monkeypatch, tmp_path):
+    monkeypatch.delenv("LLM_SERVING_GEMM", raising=False)
+    monkeypatch.setenv("LLM_SERVING_GEMM_PER_BUCKET", "1")
+    plan = gemm.GemmPlan(tmp_path / "plan.json")
+    monkeypatch.setattr(gemm, "_plan", plan)
+    layer = L.Linear(64, [96])
+    for m in (1, 9):
+        layer(Tensor(np.ones((m, 64), np.float32)))
+    assert set(plan.choices) == {"96,64,1", "96,64,16"}
+    assert set(plan.timings["96,64,16"]) == set(gemm.CANDIDATES)
+
+
+def test_forced_candidate_and_bad_value(monkeypatch):
+    monkeypatch.setenv("LLM_SERVING_GEMM", "matmul")
+    assert gemm.GemmPlan(None).choose(L.Linear(8, [8]), 5) == "matmul"
+    monkeypatch.setenv("LLM_SERVING_GEMM", "mkl")
+    with pytest.raises(ConfigError, match="LLM_SERVING_GEMM"):
+        gemm.GemmPlan(None)
+
+
+def test_buckets():
+    assert [gemm.m_bucket(m) for m in (1, 2, 3, 4, 5, 64, 65, 10**6)] == \
+        [1, 2, 4, 4, 8, 64, 128, gemm.MAX_BUCKET]
