@@ -70,9 +70,11 @@ def free_port() -> int:
 
 
 class Server:
-    """A server process (ours or the peer), up until ``/health`` answers; stopped on exit."""
+    """A server process (ours or the peer), up once ``ready_path`` answers 200 (ours answers
+    /health while the model still loads, /ready after); stopped on exit."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env=None, log=None):
+    def __init__(self, name: str, cmd: list[str], port: int, env=None, log=None,
+                 ready_path: str = "/health"):
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = open(log, "w") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
@@ -83,7 +85,7 @@ class Server:
                 raise RuntimeError(f"{name} exited with code {self.proc.returncode} at start"
                                    + (f" (log: {log})" if log else ""))
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(self.url + ready_path, timeout=5) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -113,7 +115,7 @@ class Server:
 def ours(model: str, extra: list[str], log: str) -> Server:
     port = free_port()
     return Server("ours", [sys.executable, str(ROOT / "start.py"), "--model", model,
-                           "--port", str(port)] + extra, port, log=log)
+                           "--port", str(port)] + extra, port, log=log, ready_path="/ready")
 
 
 def vllm(venv: Path, model: str, log: str) -> Server:
@@ -126,12 +128,14 @@ def vllm(venv: Path, model: str, log: str) -> Server:
                            "--port", str(port)], port, env=env, log=log)
 
 
-def w1_client(url: str, model: str, rate: str, out: Path) -> dict:
-    subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
-                    "--base-url", url, "--dataset-name", "alpaca", "--num-prompts", "200",
-                    "--max-output", "256", "--ignore-eos", "--request-rate", rate,
-                    "--tokenizer", model, "--seed", "0", "--result-file", str(out)],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200) -> dict:
+    run = subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
+                          "--base-url", url, "--dataset-name", "alpaca", "--num-prompts", str(num_prompts),
+                          "--max-output", "256", "--ignore-eos", "--request-rate", rate,
+                          "--tokenizer", model, "--seed", "0", "--result-file", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if run.returncode:
+        raise RuntimeError(f"the client failed against {url}:\n{run.stderr[-3000:]}")
     result = json.loads(out.read_text())
     for rec in result["records"]:
         if rec["error"] is not None:
@@ -190,6 +194,8 @@ def main() -> None:
     ap.add_argument("--peer", choices=("none", "vllm"), default="none")
     ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venv-vllm"))
     ap.add_argument("--server-args", default="", help="extra args for our start.py")
+    ap.add_argument("--num-prompts", type=int, default=200,
+                    help="W1 prompts (200 is W1; fewer for a quick end-to-end check)")
     ap.add_argument("--logs", default=None, help="keep server logs in this directory")
     args = ap.parse_args()
     cases = args.cases.split(",")
@@ -217,7 +223,8 @@ def main() -> None:
                 continue
             if case == "batch1":
                 with ours(model, extra + ["--max-num-seqs", "1"], str(logs / "ours.log")) as s:
-                    row["ours"] = w1_client(s.url, model, rate, tmp / f"{case}-ours.json")
+                    row["ours"] = w1_client(s.url, model, rate, tmp / f"{case}-ours.json",
+                                            args.num_prompts)
                 continue
             peers = ["ours"] + ([] if ours_only or args.peer == "none" else ["vLLM"])
             for who in peers:          # one server at a time: they would share the 2 cores
@@ -226,11 +233,14 @@ def main() -> None:
                 with srv:
                     row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
                                 if case == "bench-serve"
-                                else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json"))
+                                else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
+                                               args.num_prompts))
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
     print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_line()}\n"
-          f"# model: {model}; ours: start.py defaults {' '.join(extra)}\n")
+          f"# model: {model}; ours: start.py defaults {' '.join(extra)}; "
+          f"W1 prompts: {args.num_prompts}; machine load (1-min average) at the end: "
+          f"{os.getloadavg()[0]:.1f}\n")
     print("| case | server | duration | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | failed |")
     print("|---|---|---|---|---|---|---|")
     for case, row in res.items():

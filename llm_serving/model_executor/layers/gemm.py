@@ -49,6 +49,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from mindspore import Tensor
+
+from llm_serving.model_executor.layers.custom_op import cpu_layer_ops, row_stride
 
 CANDIDATES = ("openblas", "kernel")
 FORCEABLE = CANDIDATES + ("matmul",)
@@ -83,6 +86,61 @@ def openblas_sgemm() -> int | None:
 
 def available() -> tuple[str, ...]:
     return tuple(c for c in CANDIDATES if c != "openblas" or openblas_sgemm() is not None)
+
+
+class LinearCall:
+    """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
+    one [M, N] buffer (part p at column offsets[p] of each row), or with ``split`` each part
+    as its own contiguous [M, size] block of one buffer."""
+
+    def __init__(self, sizes):
+        n = len(sizes)
+        self.nparts = n
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.offsets = offsets
+        self.n = offsets[-1]
+        self.c_split = (ctypes.c_int64 * (n + 1))(*offsets)
+        self.ld_split = (ctypes.c_int64 * n)(*sizes)
+        self.ld_fused = (ctypes.c_int64 * n)(*([self.n] * n))
+        self.out_type = ctypes.c_void_p * n
+
+
+def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = None,
+               split: bool = False, impl: str = "kernel"):
+    """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"``) or
+    OpenBLAS's sgemm run from our pool (``impl="openblas"``). Returns a new Tensor [M, N], or,
+    with ``split``, one contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
+    m, k = x.shape
+    if call is None:
+        call = LinearCall([weight.shape[0]])
+    flat = np.empty(m * call.n, np.float32)
+    base = flat.ctypes.data
+    offs = call.offsets
+    if split:
+        out = call.out_type(*[base + 4 * m * o for o in offs[:-1]])
+        ld = call.ld_split
+    else:
+        out = call.out_type(*[base + 4 * o for o in offs[:-1]])
+        ld = call.ld_fused
+    args = (x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts,
+            call.c_split, out, ld)
+    lib = cpu_layer_ops()
+    if impl == "kernel":
+        rc = lib.lls_linear_f32(*args)
+    else:
+        rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
+    if rc:
+        raise ValueError(f"{impl} linear rejected shapes x {x.shape}, weight {weight.shape}")
+    if not split:
+        return Tensor.from_numpy(flat.reshape(m, call.n))
+    return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
+                 for a, b in zip(offs[:-1], offs[1:]))
+
+
+# Column blocks per OpenBLAS call: a few per core, so the pool balances them.
+_BLAS_ITEMS = 4 * max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else (os.cpu_count() or 1))
 
 
 def _versions() -> str:
@@ -149,7 +207,6 @@ class GemmPlan:
     def probe(self, layer, key: str, rows) -> str:
         """Time each eligible candidate on the weights of ``layer``'s shape at each of ``rows``
         rows; keep the one with the least total time for ``key`` and save the plan."""
-        from mindspore import Tensor
         n, k = layer.gemm_shape
         cands = [c for c in available()
                  if self.per_bucket or c == "kernel" or batch_invariant(layer, c)]
@@ -202,8 +259,6 @@ def batch_invariant(layer, impl: str) -> bool:
     """Whether ``impl`` computes every row of ``layer``'s GEMM bitwise alike whatever the row
     count and the row's position (checked on a random weight of the layer's shape, split like
     the layer's outputs: zeros would agree anyway)."""
-    from mindspore import Tensor
-    from llm_serving.model_executor.layers.linear import cpu_linear
     n, k = layer.gemm_shape
     rng = np.random.default_rng(1)
     w = Tensor(rng.standard_normal((n, k), dtype=np.float32))

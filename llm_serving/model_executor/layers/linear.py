@@ -10,70 +10,12 @@ MatMul); other devices use MindSpore's ``MatMul(transpose_b=True)``.
 """
 from __future__ import annotations
 
-import ctypes
-import os
-
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, row_stride
-from llm_serving.model_executor.layers.gemm import gemm_plan, openblas_sgemm
+from llm_serving.model_executor.layers.custom_op import CustomOp
+from llm_serving.model_executor.layers.gemm import LinearCall, cpu_linear, gemm_plan
 from llm_serving.model_executor.parallel_state import get_tp_group
-
-class _LinearCall:
-    """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
-    one [M, N] buffer (part p at column offsets[p] of each row), or with ``split`` each part
-    as its own contiguous [M, size] block of one buffer."""
-
-    def __init__(self, sizes):
-        n = len(sizes)
-        self.nparts = n
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        self.offsets = offsets
-        self.n = offsets[-1]
-        self.c_split = (ctypes.c_int64 * (n + 1))(*offsets)
-        self.ld_split = (ctypes.c_int64 * n)(*sizes)
-        self.ld_fused = (ctypes.c_int64 * n)(*([self.n] * n))
-        self.out_type = ctypes.c_void_p * n
-
-
-def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: _LinearCall | None = None,
-               split: bool = False, impl: str = "kernel"):
-    """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"``) or
-    OpenBLAS's sgemm run from our pool (``impl="openblas"``). Returns a new Tensor [M, N], or, with ``split``, one
-    contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
-    m, k = x.shape
-    if call is None:
-        call = _LinearCall([weight.shape[0]])
-    flat = np.empty(m * call.n, np.float32)
-    base = flat.ctypes.data
-    offs = call.offsets
-    if split:
-        out = call.out_type(*[base + 4 * m * o for o in offs[:-1]])
-        ld = call.ld_split
-    else:
-        out = call.out_type(*[base + 4 * o for o in offs[:-1]])
-        ld = call.ld_fused
-    args = (x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
-            bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts,
-            call.c_split, out, ld)
-    lib = cpu_layer_ops()
-    if impl == "kernel":
-        rc = lib.lls_linear_f32(*args)
-    else:
-        rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
-    if rc:
-        raise ValueError(f"{impl} linear rejected shapes x {x.shape}, weight {weight.shape}")
-    if not split:
-        return Tensor.from_numpy(flat.reshape(m, call.n))
-    return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
-                 for a, b in zip(offs[:-1], offs[1:]))
-
-
-# Column blocks per OpenBLAS call: a few per core, so the pool balances them.
-_BLAS_ITEMS = 4 * max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else (os.cpu_count() or 1))
-
 
 def _param(shape) -> Parameter:
     return Parameter(Tensor(np.zeros(shape, np.float32)), requires_grad=False)
@@ -117,7 +59,7 @@ class Linear(CustomOp):
         self.bias = _param((out,)) if bias else None
         self.split_output = split_output
         self.matmul = ops.MatMul(transpose_b=True)
-        self._call = _LinearCall(self.output_sizes if split_output else [out])
+        self._call = LinearCall(self.output_sizes if split_output else [out])
         # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
         self.reduce = parallel == "row" and tp_size > 1
         self.gemm_shape = (out, self.input_size)
