@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from llm_serving.errors import ConfigError
+from llm_serving.model_executor.multistream.config import MultiStreamConfig
 
 if TYPE_CHECKING:
     from llm_serving.model_executor.loader import ModelConfig
@@ -98,6 +99,12 @@ class EngineArgs:
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,
         "a Jinja chat template overriding the tokenizer's")
+    enable_multi_stream: bool = _arg(False,
+        "split large steps into two micro-batches and overlap one's tensor-parallel "
+        "communication with the other's compute (docs/multistream.md)")
+    multi_stream: Optional[dict] = _arg(None,
+        "multi-stream knobs (the YAML multi_stream: section; on the CLI as JSON): "
+        "min_total_tokens, min_prefill_tokens, max_imbalance, apply_to, overlap")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -161,7 +168,12 @@ class EngineArgs:
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"expected one of {', '.join(allowed)}, "
                                   f"got {getattr(self, key)!r}")
-        for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
+        if not isinstance(self.multi_stream, (dict, type(None))):
+            raise ConfigError("multi_stream", f"expected a mapping of knobs, got "
+                              f"{self.multi_stream!r}")
+        MultiStreamConfig.from_dict(self.multi_stream)      # names a bad knob now
+        for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
+                    "enable_multi_stream"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -233,7 +245,9 @@ class EngineArgs:
             device=DeviceConfig(device=str(self.device).lower(),
                                 start_device_id=self.start_device_id),
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
-                  if self.dump_logits else None))
+                  if self.dump_logits else None),
+            multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
+                          if self.enable_multi_stream else None))
 
 
 # ---- the resolved configuration ------------------------------------------------------------
@@ -306,7 +320,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     dump: Optional[DumpConfig] = None
-    multi_stream: Optional[Any] = None     # room for multi-stream (issue 17)
+    multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
     kv_transfer: Optional[Any] = None      # room for KV transfer (PD disaggregation)
 
     def to_json(self) -> str:
