@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 # The allowed values of the choice knobs (their one home).
 EXECUTOR_BACKENDS = ("uni", "mp")
 PREEMPTION_MODES = ("recompute", "swap")
+CPU_ALLREDUCE = ("shm", "mccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "ascend", "npu")
@@ -82,6 +83,9 @@ class EngineArgs:
     cpu_affinity: Optional[Union[str, list]] = _arg(None,
         "pin each WorkAgent to cores, ranks separated by '|': '0|1' puts rank 0 on core 0 "
         "and rank 1 on core 1; '0-3|4-7', '0,2|1,3'; in YAML also a list, one entry per rank")
+    cpu_allreduce: str = _arg("shm",
+        "how CPU tensor-parallel ranks all-reduce: shm (host shared memory, one machine) or "
+        "mccl (MindSpore's collectives); Ascend always uses HCCL")
     start_device_id: int = _arg(0,
         "device of WorkAgent rank 0; rank r uses start_device_id + r (Ascend)")
     async_scheduling: Optional[bool] = _arg(None,
@@ -164,7 +168,8 @@ class EngineArgs:
                                   "distributed_executor_backend uni has none (use mp)")
         for key, allowed in (("distributed_executor_backend", EXECUTOR_BACKENDS),
                              ("preemption_mode", PREEMPTION_MODES),
-                             ("scheduling_policy", SCHEDULING_POLICIES)):
+                             ("scheduling_policy", SCHEDULING_POLICIES),
+                             ("cpu_allreduce", CPU_ALLREDUCE)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"expected one of {', '.join(allowed)}, "
                                   f"got {getattr(self, key)!r}")
@@ -241,7 +246,8 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_executor_backend,
                 cpu_affinity=(tuple(tuple(c) for c in self.cpu_affinity)
-                              if self.cpu_affinity else None)),
+                              if self.cpu_affinity else None),
+                cpu_allreduce=self.cpu_allreduce),
             device=DeviceConfig(device=str(self.device).lower(),
                                 start_device_id=self.start_device_id),
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
@@ -294,6 +300,7 @@ class ParallelConfig:
     tensor_parallel_size: int
     backend: str                   # EXECUTOR_BACKENDS: "uni" in process, "mp" WorkAgents
     cpu_affinity: Optional[tuple]  # per rank, a tuple of cores
+    cpu_allreduce: str = "shm"     # CPU_ALLREDUCE: shared memory, or MindSpore's mccl
 
     def cores_of(self, rank: int) -> Optional[tuple]:
         return self.cpu_affinity[rank] if self.cpu_affinity else None

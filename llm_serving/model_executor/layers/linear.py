@@ -125,7 +125,10 @@ class Linear(CustomOp):
     def forward_native(self, x):
         y = self.matmul(x, self.weight)
         if self.reduce:
-            y = get_tp_group().all_reduce(y)
+            tp = get_tp_group()
+            if self.bias is not None and tp.deferring:     # as in forward_cpu
+                return tp.all_reduce(y + self.bias if self.tp_rank == 0 else y)
+            y = tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         if self.split_output:
@@ -136,7 +139,12 @@ class Linear(CustomOp):
         if x.shape[0] > CPU_LINEAR_MAX_M:
             return self.forward_native(x)
         if self.reduce:
-            y = get_tp_group().all_reduce(cpu_linear(x, self.weight, None, self._call))
+            tp = get_tp_group()
+            if self.bias is not None and tp.deferring:
+                # The sum lands later (multi-stream): rank 0 adds the bias before it.
+                bias = self.bias if self.tp_rank == 0 else None
+                return tp.all_reduce(cpu_linear(x, self.weight, bias, self._call))
+            y = tp.all_reduce(cpu_linear(x, self.weight, None, self._call))
             return y + self.bias if self.bias is not None else y
         return cpu_linear(x, self.weight, self.bias, self._call, self.split_output)
 
