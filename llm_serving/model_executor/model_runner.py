@@ -115,6 +115,8 @@ class ModelRunner:
             self._fill_pending(step, rows)
         hidden = self._run(step)
         logits = self._logits(hidden, rows)
+        if self.tp.timers is not None:          # bench/bench_multistream.py only
+            self.tp.timers.step_done()
         # Every rank takes part in the vocab-parallel gathers of the prompt rows' logits.
         prompt = self._prompt_logprobs(hidden, step) if len(step.prompt_lp_rows) else None
         if not self.tp.is_driver:

@@ -31,6 +31,7 @@ class TPGroup:
         self.rank, self.size = rank, size
         self.shm = shm              # a ShmAllReduce, or None: MindSpore's collectives
         self._defer = None          # (communicator, handles) inside ``deferred``
+        self.timers = CommTimers.from_env(rank)   # bench only: None unless asked for
 
     @property
     def is_driver(self) -> bool:
@@ -43,12 +44,18 @@ class TPGroup:
             if self._defer is not None:
                 comm, handles = self._defer
                 handles.append(comm.submit(t))
-            elif self.shm is not None:
-                self.shm.all_reduce(t.asnumpy())   # on CPU a view of the tensor's memory
             else:
-                from mindspore.mint.distributed import all_reduce
-                all_reduce(t)
-                _let_comm_threads_run()
+                t0 = time.perf_counter() if self.timers is not None else 0.0
+                if self.shm is not None:
+                    self.shm.all_reduce(t.asnumpy())   # on CPU a view of the tensor's memory
+                else:
+                    from mindspore.mint.distributed import all_reduce
+                    all_reduce(t)
+                    _let_comm_threads_run()
+                if self.timers is not None:
+                    dt = time.perf_counter() - t0
+                    self.timers.comm_s += dt
+                    self.timers.wait_s += dt
         return t
 
     @property
@@ -86,6 +93,27 @@ class TPGroup:
         gather(t, [Tensor.from_numpy(p) for p in parts], dst=0)
         _let_comm_threads_run()
         return np.concatenate(parts, axis=-1) if self.is_driver else None
+
+
+class CommTimers:
+    """Per-phase communication timers for bench/bench_multistream.py, on only when
+    ``LLM_SERVING_COMM_TIMERS`` names a directory: seconds spent in all-reduces (``comm_s``)
+    and seconds the compute thread waited for them (``wait_s``: all of a blocking one, only
+    the exposed part of an overlapped one). Written to ``<dir>/rank<r>.json`` after each step."""
+
+    def __init__(self, path: str):
+        self.path, self.comm_s, self.wait_s, self.steps = path, 0.0, 0.0, 0
+
+    @classmethod
+    def from_env(cls, rank: int) -> Optional["CommTimers"]:
+        d = os.environ.get("LLM_SERVING_COMM_TIMERS")
+        return cls(os.path.join(d, f"rank{rank}.json")) if d else None
+
+    def step_done(self) -> None:
+        import json
+        self.steps += 1
+        with open(self.path, "w") as f:
+            json.dump({"comm_s": self.comm_s, "wait_s": self.wait_s, "steps": self.steps}, f)
 
 
 def _let_comm_threads_run() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -80,6 +81,7 @@ class ThreadOverlap:
             if item is None:
                 return
             tensor, handle = item
+            t0 = time.perf_counter()
             try:
                 if self.tp.shm is not None:
                     self.tp.shm.all_reduce(tensor.asnumpy())
@@ -88,6 +90,8 @@ class ThreadOverlap:
                     all_reduce(tensor)
             except Exception as e:    # noqa: BLE001 - reported to the waiter
                 handle.error = e
+            if self.tp.timers is not None:
+                self.tp.timers.comm_s += time.perf_counter() - t0
             handle.event.set()
 
     def submit(self, tensor) -> _Handle:
@@ -101,8 +105,12 @@ class ThreadOverlap:
             yield handles
 
     def wait(self, handles) -> None:
+        timers = self.tp.timers
+        t0 = time.perf_counter() if timers is not None else 0.0
         for h in handles:
             h.wait()
+        if timers is not None:
+            timers.wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         if self._thread.is_alive():
