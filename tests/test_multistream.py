@@ -226,3 +226,42 @@ def test_server_with_multi_stream_gives_greedy_outputs_and_counts_steps(tmp_path
         assert lines['llm_serving:multistream_steps_total{outcome="split",reason="split"}'] > 0
     finally:
         assert stop_server(proc) == 0
+
+
+# ---- the shared-memory all-reduce ------------------------------------------------------------
+
+def test_shm_allreduce_sums_across_ranks_in_chunks_and_gives_up_on_a_missing_peer():
+    """Three ranks (threads here) all-reduce arrays larger than a slot, many rounds in a row:
+    every rank gets numpy's sum, bit-identical across ranks; alone, a rank gives up within
+    its timeout instead of hanging."""
+    import threading
+    from llm_serving.distributed.shm_allreduce import ShmAllReduce, segment_bytes
+    from llm_serving.executor.shm_channel import ShmSegment
+    size, slot = 3, 4096
+    seg = ShmSegment(segment_bytes(size, slot))
+    try:
+        rng = np.random.default_rng(0)
+        data = [[rng.standard_normal(n).astype(np.float32) for n in (5, 3000, 1024, 7)]
+                for _ in range(size)]
+        out = [[None] * 4 for _ in range(size)]
+
+        def rank(r):
+            ar = ShmAllReduce(seg.name, r, size, slot, timeout=30)
+            for i, x in enumerate(data[r]):
+                out[r][i] = ar.all_reduce(x.copy())
+            ar.close()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i in range(4):
+            want = data[0][i] + data[1][i] + data[2][i]
+            np.testing.assert_allclose(out[0][i], want, rtol=1e-6)
+            assert all(np.array_equal(out[0][i], out[r][i]) for r in range(size))
+        lonely = ShmAllReduce(seg.name, 0, size, slot, timeout=0.3)
+        with pytest.raises(RuntimeError, match="did not arrive"):
+            lonely.all_reduce(np.ones(4, np.float32))
+        lonely.close()
+    finally:
+        seg.close()
