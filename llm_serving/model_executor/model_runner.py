@@ -52,7 +52,8 @@ class ModelRunner:
                                              kv_heads_per_rank(c.num_kv_heads, tp.size),
                                              c.head_dim)
         ms = config.multi_stream
-        ms_mode = ms.mode(tp.size, self.device)[0] if ms is not None else "off"
+        ms_mode = (ms.mode(tp.size, self.device, config.parallel.cpu_allreduce)[0]
+                   if ms is not None else "off")
         if ms_mode != "off":            # multistream/overlap.py: how micro-batches overlap
             from llm_serving.model_executor.multistream.overlap import set_overlap
             set_overlap(ms_mode, self.device)

@@ -62,9 +62,9 @@ class MultiStreamConfig:
                                   + ", ".join(sorted(known)))
         return cls(**data)
 
-    def mode(self, tp_size: int, device: str) -> tuple[str, str]:
+    def mode(self, tp_size: int, device: str, cpu_allreduce: str = "shm") -> tuple[str, str]:
         """(how the split runs: "sequential", "overlapped" or "off", and why), decided once
-        at start-up from the parallel setup."""
+        at start-up from the parallel setup (the master and every agent decide alike)."""
         if self.overlap == "sequential":
             return "sequential", "overlap=sequential (the reference schedule, no overlap)"
         if tp_size < 2:
@@ -74,6 +74,13 @@ class MultiStreamConfig:
                                   "communication to overlap")
             return "off", ("tensor_parallel_size is 1: there is no communication to overlap, "
                            "steps run unsplit")
-        where = ("a second stream for communication" if device.lower() in ("ascend", "npu")
+        ascend = device.lower() in ("ascend", "npu")
+        if not ascend and cpu_allreduce != "shm":
+            if self.overlap == "overlapped":
+                raise ConfigError("multi_stream.overlap", "overlapped on CPU needs "
+                                  "cpu_allreduce=shm (mccl's all-reduce does not overlap)")
+            return "off", ("cpu_allreduce is mccl, whose all-reduce does not overlap on CPU "
+                           "(use cpu_allreduce=shm); steps run unsplit")
+        where = ("a second stream for communication" if ascend
                  else "a communication thread over the shared-memory all-reduce")
         return "overlapped", f"micro-batch communication overlapped with compute ({where})"

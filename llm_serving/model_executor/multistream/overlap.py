@@ -67,6 +67,9 @@ class ThreadOverlap:
     name = "overlapped"
 
     def __init__(self, tp: TPGroup):
+        if tp.shm is None:
+            raise RuntimeError("overlapped multi-stream on CPU needs the shared-memory "
+                               "all-reduce (cpu_allreduce=shm)")
         self.tp = tp
         self._queue: queue.Queue = queue.Queue(MAX_PENDING)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="ms-comm")
@@ -83,11 +86,7 @@ class ThreadOverlap:
             tensor, handle = item
             t0 = time.perf_counter()
             try:
-                if self.tp.shm is not None:
-                    self.tp.shm.all_reduce(tensor.asnumpy())
-                else:                  # mccl from this thread (does not overlap on CPU)
-                    from mindspore.mint.distributed import all_reduce
-                    all_reduce(tensor)
+                self.tp.shm.all_reduce(tensor.asnumpy())    # a view of the tensor on CPU
             except Exception as e:    # noqa: BLE001 - reported to the waiter
                 handle.error = e
             if self.tp.timers is not None:

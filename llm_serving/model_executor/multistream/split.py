@@ -73,7 +73,8 @@ def multi_stream_on_master(config) -> "MultiStreamConfig | None":
     if ms is None:
         log.info("multi-stream: off (enable with --enable-multi-stream)")
         return None
-    mode, why = ms.mode(config.parallel.tensor_parallel_size, config.device.device)
+    mode, why = ms.mode(config.parallel.tensor_parallel_size, config.device.device,
+                        config.parallel.cpu_allreduce)
     if mode == "off":
         log.info("multi-stream: asked for but off: %s", why)
         return None
