@@ -101,6 +101,13 @@ def test_knobs_are_checked_naming_the_key(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="multi_stream.overlap"):
         EngineArgs(tiny_model_dir, enable_multi_stream=True, multi_stream={
             "overlap": "overlapped"}).create_engine_config().multi_stream.mode(1, "cpu")
+    # What runs where: nothing to overlap at TP 1, nothing overlaps under mccl on CPU.
+    auto = MultiStreamConfig()
+    assert [auto.mode(1, "cpu")[0], auto.mode(2, "cpu")[0], auto.mode(2, "cpu", "mccl")[0],
+            auto.mode(2, "ascend", "mccl")[0]] == ["off", "overlapped", "off", "overlapped"]
+    assert MultiStreamConfig(overlap="sequential").mode(1, "cpu")[0] == "sequential"
+    with pytest.raises(ConfigError, match="cpu_allreduce=shm"):
+        MultiStreamConfig(overlap="overlapped").mode(2, "cpu", "mccl")
     from llm_serving.serving_config import load_config
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n"
