@@ -47,9 +47,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=f.metadata.get("help"))
+        elif base is dict:          # a section of knobs, as JSON: '{"min_total_tokens": 64}'
+            group.add_argument(flag, dest=f.name, type=_json_object, default=None,
+                               metavar="JSON", help=f.metadata.get("help"))
         else:
             group.add_argument(flag, dest=f.name, type=base, default=None,
                                metavar=f.name.upper(), help=f.metadata.get("help"))
+
+
+def _json_object(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def cli_engine_overrides(args: argparse.Namespace) -> dict:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from llm_serving.errors import ConfigError
+from llm_serving.model_executor.multistream.config import MultiStreamConfig
 
 if TYPE_CHECKING:
     from llm_serving.model_executor.loader import ModelConfig
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 # The allowed values of the choice knobs (their one home).
 EXECUTOR_BACKENDS = ("uni", "mp")
 PREEMPTION_MODES = ("recompute", "swap")
+CPU_ALLREDUCE = ("shm", "mccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "ascend", "npu")
@@ -81,6 +83,9 @@ class EngineArgs:
     cpu_affinity: Optional[Union[str, list]] = _arg(None,
         "pin each WorkAgent to cores, ranks separated by '|': '0|1' puts rank 0 on core 0 "
         "and rank 1 on core 1; '0-3|4-7', '0,2|1,3'; in YAML also a list, one entry per rank")
+    cpu_allreduce: str = _arg("shm",
+        "how CPU tensor-parallel ranks all-reduce: shm (host shared memory, one machine) or "
+        "mccl (MindSpore's collectives); Ascend always uses HCCL")
     start_device_id: int = _arg(0,
         "device of WorkAgent rank 0; rank r uses start_device_id + r (Ascend)")
     async_scheduling: Optional[bool] = _arg(None,
@@ -98,6 +103,12 @@ class EngineArgs:
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,
         "a Jinja chat template overriding the tokenizer's")
+    enable_multi_stream: bool = _arg(False,
+        "split large steps into two micro-batches and overlap one's tensor-parallel "
+        "communication with the other's compute (docs/multistream.md)")
+    multi_stream: Optional[dict] = _arg(None,
+        "multi-stream knobs (the YAML multi_stream: section; on the CLI as JSON): "
+        "min_total_tokens, min_prefill_tokens, max_imbalance, apply_to, overlap")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -157,11 +168,17 @@ class EngineArgs:
                                   "distributed_executor_backend uni has none (use mp)")
         for key, allowed in (("distributed_executor_backend", EXECUTOR_BACKENDS),
                              ("preemption_mode", PREEMPTION_MODES),
-                             ("scheduling_policy", SCHEDULING_POLICIES)):
+                             ("scheduling_policy", SCHEDULING_POLICIES),
+                             ("cpu_allreduce", CPU_ALLREDUCE)):
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"expected one of {', '.join(allowed)}, "
                                   f"got {getattr(self, key)!r}")
-        for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling"):
+        if not isinstance(self.multi_stream, (dict, type(None))):
+            raise ConfigError("multi_stream", f"expected a mapping of knobs, got "
+                              f"{self.multi_stream!r}")
+        MultiStreamConfig.from_dict(self.multi_stream)      # names a bad knob now
+        for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
+                    "enable_multi_stream"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -229,11 +246,14 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_executor_backend,
                 cpu_affinity=(tuple(tuple(c) for c in self.cpu_affinity)
-                              if self.cpu_affinity else None)),
+                              if self.cpu_affinity else None),
+                cpu_allreduce=self.cpu_allreduce),
             device=DeviceConfig(device=str(self.device).lower(),
                                 start_device_id=self.start_device_id),
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
-                  if self.dump_logits else None))
+                  if self.dump_logits else None),
+            multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
+                          if self.enable_multi_stream else None))
 
 
 # ---- the resolved configuration ------------------------------------------------------------
@@ -280,6 +300,7 @@ class ParallelConfig:
     tensor_parallel_size: int
     backend: str                   # EXECUTOR_BACKENDS: "uni" in process, "mp" WorkAgents
     cpu_affinity: Optional[tuple]  # per rank, a tuple of cores
+    cpu_allreduce: str = "shm"     # CPU_ALLREDUCE: shared memory, or MindSpore's mccl
 
     def cores_of(self, rank: int) -> Optional[tuple]:
         return self.cpu_affinity[rank] if self.cpu_affinity else None
@@ -306,7 +327,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     dump: Optional[DumpConfig] = None
-    multi_stream: Optional[Any] = None     # room for multi-stream (issue 17)
+    multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
     kv_transfer: Optional[Any] = None      # room for KV transfer (PD disaggregation)
 
     def to_json(self) -> str:

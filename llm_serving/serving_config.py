@@ -14,6 +14,9 @@ llm-serving's knobs that still mean something are mapped to engine arguments:
 - ``serving_config.start_device_id`` -> ``start_device_id`` (agent rank r uses device
   start_device_id + r).
 
+The ``multi_stream:`` section sets multi-stream's knobs (``enabled: true`` is
+``--enable-multi-stream``; the other keys are ``MultiStreamConfig``'s).
+
 The ``llm_serving:`` section takes every engine argument by its own name (see EngineArgs),
 and wins over the legacy keys. The legacy keys that have no effect are named, with the reason,
 in one warning. A wrong type, or a missing key that llm-serving required in a section that is
@@ -118,6 +121,7 @@ class ConfigFile(BaseModel):
     warmup_inputs: Optional[dict[str, Any]] = None
     model_path: Optional[dict[str, Any]] = None
     llm_serving: Optional[dict[str, Any]] = None
+    multi_stream: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -189,6 +193,15 @@ def load_config(path: Path, overrides: Optional[dict] = None) -> ServingConfig:
         out.host, out.port = sc.server_ip, sc.server_port
         out.agent_ports, out.start_device_id = list(sc.agent_ports), sc.start_device_id
         kw["start_device_id"] = sc.start_device_id
+    if cfg.multi_stream is not None:
+        knobs = dict(cfg.multi_stream)
+        enabled = knobs.pop("enabled", None)
+        if enabled is not None:
+            if not isinstance(enabled, bool):
+                raise ConfigError("multi_stream.enabled", f"expected true or false, got "
+                                  f"{enabled!r}")
+            kw["enable_multi_stream"] = enabled
+        kw["multi_stream"] = knobs
     kw.update(cfg.llm_serving or {})
     kw.update(overrides or {})
     if sc is not None and len(sc.agent_ports) > 1:

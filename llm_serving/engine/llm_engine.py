@@ -28,6 +28,7 @@ from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
 from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.output_processor import OutputProcessor, StepInFlight
 from llm_serving.engine.scheduler import Scheduler
+from llm_serving.model_executor.multistream.split import multi_stream_on_master, step_split
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
@@ -63,6 +64,7 @@ class LLMEngine:
                                                 self.max_model_len)
         self.dumper = LogitsDumper(config.dump) if config.dump else None
         self.async_scheduling = config.scheduler.async_scheduling
+        self.multi_stream = multi_stream_on_master(config)    # None: steps run unsplit
         self._in_flight: Optional[StepInFlight] = None
         self._arrivals = itertools.count()
 
@@ -128,6 +130,10 @@ class LLMEngine:
         built = build_step_input(batch, self.config.cache.block_size,
                                  self.output_processor.eos_token_ids)
         self.stats.num_prefill_tokens += built.num_prefill_tokens
+        if self.multi_stream is not None:      # decided here, once, for every rank
+            built.step.ms_split, reason = step_split(built.step.query_start_loc,
+                                                     self.multi_stream)
+            self.stats.multistream_steps[reason] = self.stats.multistream_steps.get(reason, 0) + 1
         dumps = self.dumper.plan(built.sampled) if self.dumper else ()
         if dumps:
             built.step.dump_rows = LogitsDumper.rows(dumps)
@@ -220,6 +226,7 @@ class LLMEngine:
         sch, bm, st = self.scheduler, self.block_manager, self.stats
         snap = EngineStats(**{k: v for k, v in vars(st).items() if k != "finished_requests"})
         snap.finished_by_reason = dict(st.finished_by_reason)
+        snap.multistream_steps = dict(st.multistream_steps)
         snap.num_running = len(sch.running)
         snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)
         snap.num_swapped = len(sch.swapped)

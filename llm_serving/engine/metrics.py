@@ -33,6 +33,8 @@ class EngineStats:
     num_generation_tokens: int = 0  # tokens sampled
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # tokens found there
+    # Multi-stream: steps by how they ran ("split", or why not: multistream/split.py).
+    multistream_steps: dict = field(default_factory=dict)
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
 

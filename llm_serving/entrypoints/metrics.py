@@ -46,6 +46,10 @@ class ServerMetrics:
         # vLLM's: every finished request, labelled by why it ended (stop, length, abort).
         self.success = Counter(P + "request_success", "Requests finished, by finish reason",
                                ["finished_reason"], registry=r)
+        # Multi-stream: every step the engine planned with it on, split or not (and why).
+        self.multistream = Counter(P + "multistream_steps", "Steps planned with multi-stream "
+                                   "on, by outcome (split/unsplit) and reason",
+                                   ["outcome", "reason"], registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token",
@@ -67,6 +71,10 @@ class ServerMetrics:
         for reason, value in s.finished_by_reason.items():
             self._advance(("success", reason), self.success.labels(finished_reason=reason),
                           value)
+        for reason, value in s.multistream_steps.items():
+            outcome = "split" if reason == "split" else "unsplit"
+            self._advance(("multistream", reason),
+                          self.multistream.labels(outcome=outcome, reason=reason), value)
         for m in s.finished_requests:
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
                                 (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue)):

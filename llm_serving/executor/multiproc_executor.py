@@ -92,6 +92,7 @@ class MultiprocExecutor:
                 self.shm_out.append(ch.ShmSegment(out_bytes))
                 segments.append(self.shm_out[-1])
             plan = plan_launch(config, sys.executable, _device_target(device))
+            allreduce_env = _shm_allreduce_segment(config, _device_target(device), segments)
             sched_port = _free_port() if plan.scheduler else None
             if plan.scheduler:
                 p.scheduler = subprocess.Popen(
@@ -105,7 +106,8 @@ class MultiprocExecutor:
                     p.agents.append(subprocess.Popen(
                         agent.command(control_fd=theirs.fileno(), **shm),
                         pass_fds=[theirs.fileno()],
-                        env=agent.environment(dict(os.environ), sched_port)))
+                        env={**agent.environment(dict(os.environ), sched_port),
+                             **allreduce_env}))
                 except BaseException:
                     ours.close()
                     raise
@@ -271,6 +273,21 @@ def _device_target(device: str):
         return None
     import mindspore as ms
     return ms.get_context("device_target")
+
+
+def _shm_allreduce_segment(config: EngineConfig, target, segments: list) -> dict:
+    """CPU tensor parallelism all-reduces through a segment this master owns (freed with the
+    others on shutdown or an agent's death): its name for the agents' environment."""
+    from llm_serving.distributed import shm_allreduce as sa
+    tp = config.parallel.tensor_parallel_size
+    cpu = (target or config.device.device).lower() == "cpu"
+    if tp < 2 or not cpu or config.parallel.cpu_allreduce != "shm":
+        return {}
+    slot = sa.slot_bytes_for(config.scheduler.max_num_batched_tokens,
+                             config.model.hf.hidden_size)
+    seg = ch.ShmSegment(sa.segment_bytes(tp, slot))
+    segments.append(seg)
+    return {sa.ENV_NAME: f"{seg.name}:{slot}"}
 
 
 def _free_port() -> int:

@@ -204,6 +204,9 @@ class StepInput:
     prompt_lp_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)       # int32 [R]
     prompt_lp_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32 [R]
     prompt_lp_k: np.ndarray = field(default_factory=lambda: _NO_ROWS)          # int32 [R]
+    # Multi-stream: the first sequence of the second micro-batch, 0 = run unsplit. Decided
+    # once on the master (multistream/split.py) so that every rank splits alike.
+    ms_split: int = 0
 
 
 def array_fields(cls) -> tuple[str, ...]:

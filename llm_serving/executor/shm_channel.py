@@ -190,6 +190,7 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
             + max_seqs * width                   # block tables
             + 6 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows,
                                                  # pending positions and sources
+            + 2                                  # ms_split (one int64)
             + 3 * 2 * num_blocks)                # swap out / in, copies (int32 pairs)
     per_row = 10 * 8 + 2 * max_model_len * 8 + 64 * 8 + 3 * 16   # params, penalties, bans
     headers = 64 * (_ARR.size + _ALIGN)

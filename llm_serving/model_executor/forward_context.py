@@ -18,6 +18,10 @@ class ForwardContext:
     # One entry per attention layer, indexed by Attention.layer_idx.
     kv_caches: list = field(default_factory=list)
     num_tokens: int = 0
+    # Multi-stream: the first sequence of the second micro-batch (0 = unsplit), and the
+    # backend that prepares each micro-batch's metadata (multistream/layers.py).
+    ms_split: int = 0
+    backend: Any = None
 
 
 _forward_context: Optional[ForwardContext] = None

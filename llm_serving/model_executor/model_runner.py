@@ -30,11 +30,13 @@ from llm_serving.sample.sampler import Sampler
 _PROMPT_LOGITS_BYTES = 64 << 20
 
 
-def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1):
+def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1,
+                multistream_config=None):
     # ModelConfig has already rejected architectures outside loader.SUPPORTED_ARCHITECTURES;
     # all of them are Llama-shaped.
     from llm_serving.model_executor.models.llama import LlamaForCausalLM
-    return LlamaForCausalLM(config, backend, tp_rank, tp_size)
+    return LlamaForCausalLM(config, backend, tp_rank, tp_size,
+                            multistream_config=multistream_config)
 
 
 class ModelRunner:
@@ -49,7 +51,14 @@ class ModelRunner:
         self.backend = get_attention_backend(self.device, c.num_heads // tp.size,
                                              kv_heads_per_rank(c.num_kv_heads, tp.size),
                                              c.head_dim)
-        self.model = build_model(c, self.backend, tp.rank, tp.size)
+        ms = config.multi_stream
+        ms_mode = (ms.mode(tp.size, self.device, config.parallel.cpu_allreduce)[0]
+                   if ms is not None else "off")
+        if ms_mode != "off":            # multistream/overlap.py: how micro-batches overlap
+            from llm_serving.model_executor.multistream.overlap import set_overlap
+            set_overlap(ms_mode, self.device)
+        self.model = build_model(c, self.backend, tp.rank, tp.size,
+                                 ms if ms_mode != "off" else None)
         self.model.load_weights(iter_weights(m.path, checkpoint=m.checkpoint))
         self.block_size = block_size = cache.block_size
         self.num_blocks = num_blocks = cache.num_blocks
@@ -88,7 +97,9 @@ class ModelRunner:
         md = self.backend.prepare(AttentionMetadata(
             step.slot_mapping, step.block_tables, step.query_start_loc, step.seq_lens,
             self.block_size))
-        with set_forward_context(ForwardContext(md, self.kv_caches, len(step.input_ids))):
+        split = int(np.ravel(step.ms_split)[0])     # an int in process, an array from shm
+        with set_forward_context(ForwardContext(md, self.kv_caches, len(step.input_ids),
+                                                split, self.backend)):
             return self.model(Tensor(step.input_ids), Tensor(step.positions))
 
     def _logits(self, hidden, rows: np.ndarray) -> np.ndarray:
@@ -105,6 +116,8 @@ class ModelRunner:
             self._fill_pending(step, rows)
         hidden = self._run(step)
         logits = self._logits(hidden, rows)
+        if self.tp.timers is not None:          # bench/bench_multistream.py only
+            self.tp.timers.step_done()
         # Every rank takes part in the vocab-parallel gathers of the prompt rows' logits.
         prompt = self._prompt_logprobs(hidden, step) if len(step.prompt_lp_rows) else None
         if not self.tp.is_driver:

@@ -1,7 +1,13 @@
 """The tensor-parallel group of this process: one WorkAgent is one rank.
 
 A WorkAgent started with ``--tp-size N > 1`` calls ``init_tensor_parallel`` once, before the
-model is built; MindSpore's collectives then run over ``mccl`` on CPU or HCCL on Ascend.
+model is built; MindSpore's collectives then run over ``mccl`` on CPU or HCCL on Ascend. On
+CPU the all-reduces go through a host shared-memory segment instead when the master made one
+(``distributed/shm_allreduce.py``; ``parallel.cpu_allreduce``), an order of magnitude faster.
+
+Multi-stream's overlapped phases (``multistream/overlap.py``) hand the all-reduces to a
+communicator that runs them asynchronously (``deferred``); the phase's caller waits for them
+before the results are read.
 Everything else (the in-process runner, a single agent) keeps the trivial group of one rank.
 
 Only the parallel layers (``layers/linear.py``) call the collectives; model code does not.
@@ -12,7 +18,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import numpy as np
 from mindspore import Tensor
@@ -20,8 +27,11 @@ from mindspore import Tensor
 
 
 class TPGroup:
-    def __init__(self, rank: int = 0, size: int = 1):
+    def __init__(self, rank: int = 0, size: int = 1, shm=None):
         self.rank, self.size = rank, size
+        self.shm = shm              # a ShmAllReduce, or None: MindSpore's collectives
+        self._defer = None          # (communicator, handles) inside ``deferred``
+        self.timers = CommTimers.from_env(rank)   # bench only: None unless asked for
 
     @property
     def is_driver(self) -> bool:
@@ -31,10 +41,37 @@ class TPGroup:
     def all_reduce(self, t: Tensor) -> Tensor:
         """Sum ``t`` over the ranks, in place (every rank gets the sum). Returns ``t``."""
         if self.size > 1:
-            from mindspore.mint.distributed import all_reduce
-            all_reduce(t)
-            _let_comm_threads_run()
+            if self._defer is not None:
+                comm, handles = self._defer
+                handles.append(comm.submit(t))
+            else:
+                t0 = time.perf_counter() if self.timers is not None else 0.0
+                if self.shm is not None:
+                    self.shm.all_reduce(t.asnumpy())   # on CPU a view of the tensor's memory
+                else:
+                    from mindspore.mint.distributed import all_reduce
+                    all_reduce(t)
+                    _let_comm_threads_run()
+                if self.timers is not None:
+                    dt = time.perf_counter() - t0
+                    self.timers.comm_s += dt
+                    self.timers.wait_s += dt
         return t
+
+    @property
+    def deferring(self) -> bool:
+        return self._defer is not None
+
+    @contextmanager
+    def deferred(self, comm, handles: list) -> Iterator[list]:
+        """All-reduces issued inside run through ``comm.submit`` (asynchronously, in issue
+        order): each returns its tensor at once, and holds the sum only once its handle, now
+        in ``handles``, is waited for."""
+        previous, self._defer = self._defer, (comm, handles)
+        try:
+            yield handles
+        finally:
+            self._defer = previous
 
     def broadcast_from_driver(self, ids: np.ndarray) -> np.ndarray:
         """Rank 0's int32 ``ids`` on every rank (the other ranks pass zeros of the same
@@ -56,6 +93,27 @@ class TPGroup:
         gather(t, [Tensor.from_numpy(p) for p in parts], dst=0)
         _let_comm_threads_run()
         return np.concatenate(parts, axis=-1) if self.is_driver else None
+
+
+class CommTimers:
+    """Per-phase communication timers for bench/bench_multistream.py, on only when
+    ``LLM_SERVING_COMM_TIMERS`` names a directory: seconds spent in all-reduces (``comm_s``)
+    and seconds the compute thread waited for them (``wait_s``: all of a blocking one, only
+    the exposed part of an overlapped one). Written to ``<dir>/rank<r>.json`` after each step."""
+
+    def __init__(self, path: str):
+        self.path, self.comm_s, self.wait_s, self.steps = path, 0.0, 0.0, 0
+
+    @classmethod
+    def from_env(cls, rank: int) -> Optional["CommTimers"]:
+        d = os.environ.get("LLM_SERVING_COMM_TIMERS")
+        return cls(os.path.join(d, f"rank{rank}.json")) if d else None
+
+    def step_done(self) -> None:
+        import json
+        self.steps += 1
+        with open(self.path, "w") as f:
+            json.dump({"comm_s": self.comm_s, "wait_s": self.wait_s, "steps": self.steps}, f)
 
 
 def _let_comm_threads_run() -> None:
@@ -85,7 +143,12 @@ def init_tensor_parallel(rank: int, size: int, device: str) -> TPGroup:
         if (get_rank(), get_group_size()) != (rank, size):
             raise RuntimeError(f"collective init gave rank {get_rank()} of {get_group_size()}, "
                                f"expected {rank} of {size}")
-    _group = TPGroup(rank, size)
+    shm = None
+    from llm_serving.distributed.shm_allreduce import ENV_NAME, ShmAllReduce
+    if size > 1 and device == "CPU" and os.environ.get(ENV_NAME):
+        name, _, slot = os.environ[ENV_NAME].partition(":")
+        shm = ShmAllReduce(name, rank, size, int(slot))
+    _group = TPGroup(rank, size, shm)
     return _group
 
 

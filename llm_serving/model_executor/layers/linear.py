@@ -70,7 +70,10 @@ class Linear(CustomOp):
     def forward_native(self, x):
         y = self.matmul(x, self.weight)
         if self.reduce:
-            y = get_tp_group().all_reduce(y)
+            tp = get_tp_group()
+            if self.bias is not None and tp.deferring:     # as in forward_cpu
+                return tp.all_reduce(y + self.bias if self.tp_rank == 0 else y)
+            y = tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         if self.split_output:
@@ -80,7 +83,11 @@ class Linear(CustomOp):
     def forward_cpu(self, x):
         impl = self._plan.choose(self, x.shape[0])
         if self.reduce:
-            y = get_tp_group().all_reduce(self.gemm(impl, x, with_bias=False))
+            tp = get_tp_group()
+            if self.bias is not None and tp.deferring:
+                # The sum lands later (multi-stream): rank 0 adds the bias before it.
+                return tp.all_reduce(self.gemm(impl, x, with_bias=self.tp_rank == 0))
+            y = tp.all_reduce(self.gemm(impl, x, with_bias=False))
             return y + self.bias if self.bias is not None else y
         return self.gemm(impl, x)
 

@@ -1,12 +1,14 @@
 """The Llama family in MindSpore: Llama 2/3 (llama3 rope scaling), GQA/MQA, Qwen2's q/k/v
 bias, tied embeddings. Layers take tensors and return tensors; attention finds its cache and
 metadata in the forward context (``forward_context.py``). Decoder layers split into
-``forward_attn`` and ``forward_ffn`` so multi-stream can interleave micro-batches without a
-rewrite.
+``forward_attn`` and ``forward_ffn``, and the model is enabled for multi-stream by seed 000's
+four steps (docs/multistream.md): the imports, ``SupportsMultiStream`` and a
+``multistream_config`` on the causal LM, the pre/post layers around the decoder loop, and
+``@support_multi_stream`` on the decoder layer. Qwen2 runs through these same classes.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 from mindspore import nn
@@ -18,6 +20,13 @@ from llm_serving.model_executor.layers.layernorm import RMSNorm
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
 from llm_serving.config import kv_heads_per_rank
+# Multi-stream, step 1: the imports.
+from llm_serving.model_executor.multistream.config import MultiStreamConfig
+from llm_serving.model_executor.multistream.decorators import support_multi_stream
+from llm_serving.model_executor.multistream.interfaces import SupportsMultiStream
+from llm_serving.model_executor.multistream.layers import (MultiStreamPostTransformerLayer,
+                                                           MultiStreamPreTransformerLayer)
+from llm_serving.model_executor.multistream.metadata import make_multistream_metadata
 
 
 class LlamaMLP(nn.Cell):
@@ -60,6 +69,15 @@ class LlamaAttention(nn.Cell):
         return self.o_proj(self.attn(q, k, v))
 
 
+# Multi-stream, step 4: forward split into forward_attn / forward_ffn, and the decorator.
+@support_multi_stream(
+    dynamic_arg_ms={
+        "forward": ["positions", "hidden_states", "residual"],
+        "forward_attn": ["positions", "hidden_states", "residual"],
+        "forward_ffn": ["hidden_states", "residual"],
+    },
+    unpacked_arg=set(),      # the KV cache is in the forward context, not an argument
+)
 class LlamaDecoderLayer(nn.Cell):
     def __init__(self, config, backend: AttentionBackend, layer_idx: int, tp_rank=0,
                  tp_size=1):
@@ -86,24 +104,36 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1):
+    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1,
+                 multistream_config: Optional[MultiStreamConfig] = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp_rank,
                                            tp_size)
         self.layers = nn.CellList([LlamaDecoderLayer(config, backend, i, tp_rank, tp_size)
                                    for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Multi-stream, step 3: the metadata and the layers that cut and join micro-batches.
+        self.multistream_metadata = make_multistream_metadata(
+            start_layer=0, end_layer=config.num_layers,
+            causal_lm=getattr(config, "causal_lm", True),
+            multistream_config=multistream_config)
+        self.ms_pre_layer = MultiStreamPreTransformerLayer(self.multistream_metadata)
+        self.ms_post_layer = MultiStreamPostTransformerLayer(self.multistream_metadata)
 
     def construct(self, input_ids, positions):
         hidden_states = self.embed_tokens(input_ids)
         residual = None
+        positions, hidden_states, residual = self.ms_pre_layer(
+            [positions, hidden_states, residual])
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, residual = self.ms_post_layer([hidden_states, residual])
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Cell):
+# Multi-stream, step 2: the causal LM declares it and passes its config to the model.
+class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
     # checkpoint name fragment -> (our parameter fragment, fused part index)
     stacked_params = [
         (".q_proj.", ".qkv_proj.", 0),
@@ -113,10 +143,12 @@ class LlamaForCausalLM(nn.Cell):
         (".up_proj.", ".gate_up_proj.", 1),
     ]
 
-    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1):
+    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1,
+                 multistream_config: Optional[MultiStreamConfig] = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, tp_rank, tp_size)
+        self.model = LlamaModel(config, backend, tp_rank, tp_size,
+                                multistream_config=multistream_config)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Multi-stream at TP=2 on this machine: step times of the 97 M bench model with and without
+micro-batch overlap, and how much all-reduce time the overlap hides, in one run.
+
+    python bench/bench_multistream.py [--batches 16,64,128] [--context 128] [--steps 6]
+                                      [--rounds 3] [--prefill 4x512] [--cases ...]
+
+Steps run synchronously (no async scheduling), so a step's time is its whole forward pass.
+Cases (all two WorkAgents pinned to cores 0 and 1, loaded at once, measured in turns so a
+busy spell on a shared machine hits every case alike):
+- ``mccl``: MindSpore's collectives, multi-stream off (the previous default);
+- ``shm``: the shared-memory all-reduce, multi-stream off;
+- ``shm+seq``: multi-stream's micro-batch schedule, communication blocking (the reference);
+- ``shm+ovl``: multi-stream overlapped (a communication thread).
+Multi-stream cases split every step with two requests or more (thresholds at their minimum),
+so the table shows what splitting costs or gains at each size.
+
+Hidden: 1 - (time the compute thread waited for all-reduces) / (time the all-reduces took),
+from the agents' per-phase timers (``LLM_SERVING_COMM_TIMERS``), rank 0, over the decode
+steps. A blocking all-reduce hides nothing; the embedding's all-reduce always blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+ALWAYS = dict(min_total_tokens=2, min_prefill_tokens=0, max_imbalance=1.0)
+CASES = {
+    "mccl": dict(cpu_allreduce="mccl"),
+    "shm": dict(cpu_allreduce="shm"),
+    "shm+seq": dict(cpu_allreduce="shm", enable_multi_stream=True,
+                    multi_stream=dict(ALWAYS, overlap="sequential")),
+    "shm+ovl": dict(cpu_allreduce="shm", enable_multi_stream=True,
+                    multi_stream=dict(ALWAYS, overlap="overlapped")),
+}
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                 if line.startswith("Model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in out.splitlines()
+                  if line.startswith("Flags")), [])
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(have)})"
+
+
+class Case:
+    def __init__(self, name: str, model: str, max_b: int, max_len: int, budget: int):
+        from llm_serving import LLM
+        self.name = name
+        self.timer_dir = tempfile.mkdtemp(prefix=f"ms-{name.replace('+', '-')}-")
+        os.environ["LLM_SERVING_COMM_TIMERS"] = self.timer_dir     # read by the agents
+        try:
+            self.llm = LLM(model, max_num_seqs=max_b, block_size=16, max_model_len=max_len,
+                           num_blocks=max_b * (max_len // 16 + 1) + 16,
+                           max_num_batched_tokens=budget, tensor_parallel_size=2,
+                           cpu_affinity="0|1", async_scheduling=False, **CASES[name])
+        finally:
+            del os.environ["LLM_SERVING_COMM_TIMERS"]
+        self.times: dict = {}
+        self.hidden: dict = {}
+
+    def timers(self) -> dict:
+        path = os.path.join(self.timer_dir, "rank0.json")
+        if not os.path.exists(path):            # no step has run yet
+            return {"comm_s": 0.0, "wait_s": 0.0, "steps": 0}
+        with open(path) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--batches", default="16,64,128")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefill", default="4x512", help="prompts x tokens in one step")
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    from llm_serving import SamplingParams
+    from llm_serving.model_executor.tiny_model import ensure_tiny_model
+    model = args.model or ensure_tiny_model(preset="bench")
+    batches = [int(b) for b in args.batches.split(",")]
+    n_pre, pre_len = (int(x) for x in args.prefill.split("x"))
+    ctx = args.context
+    max_len = max(ctx, pre_len) + args.rounds * (args.steps + 5) + 64
+    budget = max(n_pre * pre_len, max(batches))
+    cases = [Case(c, model, max(max(batches), n_pre), max_len, budget)
+             for c in args.cases.split(",")]
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10**6)
+
+    def add(eng, n, length):
+        vocab = eng.model_config.vocab_size
+        return [eng.add_request({"prompt_token_ids": rng.integers(3, vocab, length).tolist()},
+                                greedy) for _ in range(n)]
+
+    def measure(c, kind, steps):
+        before = c.timers()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            c.llm.engine.step()
+            times.append(time.perf_counter() - t)
+        after = c.timers()
+        comm = after["comm_s"] - before["comm_s"]
+        wait = after["wait_s"] - before["wait_s"]
+        c.times.setdefault(kind, []).append(float(np.median(times)))
+        c.hidden.setdefault(kind, []).append((comm, wait))
+
+    for _ in range(args.rounds):                   # prefill: n_pre prompts in one step
+        for c in cases:
+            eng = c.llm.engine
+            rids = add(eng, n_pre, pre_len)
+            measure(c, "prefill", 1)
+            for r in rids:
+                eng.abort_request(r)
+            while eng.has_unfinished_requests():
+                eng.step()
+    for b in batches:
+        live = {}
+        for c in cases:
+            eng = c.llm.engine
+            live[c.name] = rids = add(eng, b, ctx)
+            while any(s.num_computed_tokens < len(s.prompt_token_ids)
+                      for r in rids for s in eng.requests[r].seqs):
+                eng.step()
+            for _ in range(2):
+                eng.step()
+        for _ in range(args.rounds):
+            for c in cases:
+                measure(c, b, args.steps)
+        for c in cases:
+            for r in live[c.name]:
+                c.llm.engine.abort_request(r)
+            while c.llm.engine.has_unfinished_requests():
+                c.llm.engine.step()
+    splits = {c.name: c.llm.engine.get_stats().multistream_steps for c in cases}
+    for c in cases:
+        c.llm.engine.shutdown()
+
+    base = cases[0]
+    print(f"# multi-stream at TP=2, {datetime.date.today()}, {cpu_name()}, "
+          f"{os.cpu_count()} cores; agents pinned to cores 0 and 1")
+    print(f"model: {model}; decode at context ~{ctx}; prefill: {n_pre}x{pre_len} tokens in "
+          f"one step; median over {args.rounds} rounds in turns (decode: median of "
+          f"{args.steps} steps per round)")
+    print(f"ratio: time of '{base.name}' / time of the case (> 1 = faster); hidden: share "
+          "of all-reduce time not waited for (rank 0)\n")
+    print("| step | " + " | ".join(f"{c.name} ms | ratio | comm ms/step | hidden"
+                                    for c in cases) + " |")
+    print("|---|" + "---|---|---|---|" * len(cases))
+    for kind in ["prefill"] + batches:
+        row = ["prefill" if kind == "prefill" else f"decode B={kind}"]
+        ref = float(np.median(base.times[kind]))
+        steps = 1 if kind == "prefill" else args.steps
+        for c in cases:
+            dt = float(np.median(c.times[kind]))
+            comm = sum(x for x, _ in c.hidden[kind])
+            wait = sum(y for _, y in c.hidden[kind])
+            hidden = 1 - wait / comm if comm > 0 else 0.0
+            per_step = comm / (steps * len(c.hidden[kind])) * 1e3
+            row += [f"{dt * 1e3:.1f}", f"{ref / dt:.2f}", f"{per_step:.1f}", f"{hidden:.0%}"]
+        print("| " + " | ".join(row) + " |")
+    print(f"\nsteps by split outcome: {splits}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Communication between the tensor-parallel WorkAgents of one host (``shm_allreduce.py``)."""
