@@ -41,8 +41,11 @@ setup(
             "requests",
             "schemathesis",
             "matplotlib",
+            "optuna>=4",
         ],
         "clients": ["matplotlib"],
+        # llm-serving tune: Optuna's TPE sampler and successive-halving pruner, the plot.
+        "tune": ["optuna>=4", "matplotlib"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
 )
