@@ -109,6 +109,11 @@ def run_tune(args) -> int:
     from llm_serving.tune.trial_server import ServerEvaluator, Workload
     from llm_serving.tune.tuned_yaml import header_lines, read_base, write_tuned_yaml
 
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: llm-serving tune needs Optuna: pip install -e '.[tune]'") \
+            from None
     objective = make_objective(args.objective, args.slo)
     if args.num_prompts < 1:
         raise ConfigError("--num-prompts", f"expected a positive integer, got {args.num_prompts}")
