@@ -59,7 +59,8 @@ def free_port() -> int:
 class TrialServer:
     """``start.py --config FILE`` in its own session; ``stop()`` always leaves nothing behind."""
 
-    def __init__(self, config: Path, log: Path, startup_timeout: float):
+    def __init__(self, config: Path, log: Path, startup_timeout: float,
+                 extra_args: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
@@ -67,7 +68,7 @@ class TrialServer:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(
             [sys.executable, str(START_PY), "--config", str(config), "--port", str(self.port),
-             "--log-level", "warning"],
+             "--log-level", "warning", *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
             start_new_session=True)
         try:
