@@ -26,6 +26,7 @@ setup(
         "fastapi",
         "uvicorn",
         "prometheus-client",
+        "llguidance>=1.9,<2",   # structured outputs: a Rust core, no torch
         "aiohttp",
     ],
     extras_require={
@@ -38,6 +39,7 @@ setup(
             "openai",
             "requests",
             "schemathesis",
+            "jsonschema",
             "matplotlib",
         ],
         "clients": ["matplotlib"],

@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 from llm_serving.config import EngineArgs, EngineConfig
 from llm_serving.engine.block_manager import BlockManager
+from llm_serving.engine.constraints import Constraints
 from llm_serving.engine.input_builder import block_pairs, build_step_input
 from llm_serving.engine.input_processor import InputProcessor, NewRequest, PromptType
 from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
@@ -58,7 +59,8 @@ class LLMEngine:
         self.runner = create_executor(config)
         self.block_manager = BlockManager(config.cache)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.constraints = Constraints(self.tokenizer, config.model.vocab_size)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.constraints)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
                                                 self.max_model_len)
         self.dumper = LogitsDumper(config.dump) if config.dump else None
@@ -115,8 +117,13 @@ class LLMEngine:
         """Schedule and start a step; return the outputs of the step that completed (this
         one, or with async scheduling the previous one: decodes of the new step take their
         input token from the running step's sample, which the model runner fills in)."""
+        outputs = []
+        self.constraints.release()
+        if self._in_flight is not None and self.constraints.has_grammar_rows:
+            # A grammar row's mask needs the running step's token: no overlap this step.
+            outputs += self._collect(self._take_in_flight())
         batch = self.scheduler.schedule()
-        outputs = [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
+        outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
         if not batch.seqs:
             if self._in_flight is not None:
                 outputs += self._collect(self._take_in_flight())
@@ -125,7 +132,7 @@ class LLMEngine:
                                         block_pairs(()))
             return outputs
         built = build_step_input(batch, self.config.cache.block_size,
-                                 self.output_processor.eos_token_ids)
+                                 self.output_processor.eos_token_ids, self.constraints)
         self.stats.num_prefill_tokens += built.num_prefill_tokens
         dumps = self.dumper.plan(built.sampled) if self.dumper else ()
         if dumps:
