@@ -113,6 +113,11 @@ class Constraints:
 
     # ---- per step (the engine thread) -----------------------------------------------------
     @property
+    def num_matchers(self) -> int:
+        """Grammar matchers held (one per live constrained sequence)."""
+        return len(self._matchers)
+
+    @property
     def has_grammar_rows(self) -> bool:
         """Some live sequence decodes under a grammar."""
         return bool(self._matchers)

@@ -103,7 +103,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """End the request now, whatever its state, and free its KV blocks and its slot.
         Returns its final output (finish_reason "abort"), or None for an unknown request."""
-        return self.output_processor.end_request(request_id, SequenceStatus.FINISHED_ABORTED)
+        out = self.output_processor.end_request(request_id, SequenceStatus.FINISHED_ABORTED)
+        self.constraints.release()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         """Requests are unfinished, or a step is still running on the model."""
@@ -118,7 +120,6 @@ class LLMEngine:
         one, or with async scheduling the previous one: decodes of the new step take their
         input token from the running step's sample, which the model runner fills in)."""
         outputs = []
-        self.constraints.release()
         if self._in_flight is not None and self.constraints.has_grammar_rows:
             # A grammar row's mask needs the running step's token: no overlap this step.
             outputs += self._collect(self._take_in_flight())
@@ -130,6 +131,7 @@ class LLMEngine:
             if batch.swap_out:      # a step that only preempted still moves the KV
                 self.runner.move_blocks(block_pairs(batch.swap_out), block_pairs(()),
                                         block_pairs(()))
+            self.constraints.release()
             return outputs
         built = build_step_input(batch, self.config.cache.block_size,
                                  self.output_processor.eos_token_ids, self.constraints)
@@ -148,6 +150,7 @@ class LLMEngine:
         self.scheduler.after_step(batch)
         if not self.async_scheduling:
             outputs += self._collect(self._take_in_flight())
+        self.constraints.release()      # the grammar state of sequences that ended
         return outputs
 
     def _take_in_flight(self) -> StepInFlight:
