@@ -19,7 +19,7 @@ from llm_serving.serving_config import load_config
 from llm_serving.tune.objective import make_objective
 from llm_serving.tune.search import Tuner, table
 from llm_serving.tune.space import default_space, engine_kwargs, without_fixed
-from llm_serving.tune.trial_server import TrialFailed, TrialServer
+from llm_serving.tune.trial_server import TrialFailed, TrialServer, TrialTooSlow
 from llm_serving.tune.tuned_yaml import apply_engine_kwargs, read_base, write_tuned_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,26 +43,33 @@ class FakeEvaluator:
 
     def __init__(self):
         self.calls = []      # (trial number, rungs measured)
+        self.limits = []     # (trial number, rung, time limit given, duration it would take)
 
-    def evaluate(self, number, kwargs, rungs, report):
+    def evaluate(self, number, kwargs, rungs, report, time_limit=lambda n: None):
         measured = []
         self.calls.append((number, measured))
         if kwargs["max_num_seqs"] > kwargs["num_blocks"]:
             raise TrialFailed(f"num_blocks {kwargs['num_blocks']} < max_num_seqs")
         for i, n in enumerate(rungs):
+            tput = fake_throughput(kwargs, n)
+            duration = 100.0 * n / max(tput, 1.0)      # the same output tokens per rung
+            limit = time_limit(n)
+            self.limits.append((number, n, limit, duration))
+            if limit is not None and duration > limit:
+                raise TrialTooSlow(f"stopped after {limit:.0f} s on {n} prompts")
             measured.append(n)
-            summary = {"output_throughput": fake_throughput(kwargs, n),
+            summary = {"output_throughput": tput, "duration": duration,
                        "ttft_ms": {"p99": 10.0}, "tpot_ms": {"p99": 1.0}}
             if i < len(rungs) - 1:
                 report(n, summary)
         return summary
 
 
-def run_fake(seed=0, n_trials=40, baseline=None):
+def run_fake(seed=0, n_trials=40, baseline=None, seeds=(), objective="throughput"):
     space = default_space(max_model_len=1024)
     ev = FakeEvaluator()
-    tuner = Tuner(ev, space, {"model": "m"}, make_objective("throughput"), rungs=[4, 16],
-                  budget_s=600, n_trials=n_trials, seed=seed, baseline=baseline,
+    tuner = Tuner(ev, space, {"model": "m"}, make_objective(objective), rungs=[4, 16],
+                  budget_s=600, n_trials=n_trials, seed=seed, baseline=baseline, seeds=seeds,
                   progress=False, log=lambda _: None)
     return tuner.run(), ev, space
 
@@ -89,12 +96,39 @@ def test_search_finds_the_optimum_records_failures_and_prunes():
     # Pruned trials stopped after the first rung; complete ones measured both.
     assert pruned
     calls = dict(ev.calls)
-    assert all(calls[t.number] == [4] for t in pruned)
+    # (by the pruner after the first rung, or stopped inside a rung for running too long)
+    assert all(calls[t.number] == [4] for t in pruned if not t.error)
+    assert all(calls[t.number] in ([], [4]) and "stopped after" in t.error
+               for t in pruned if t.error)
     assert all(calls[t.number] == [4, 16] for t in complete)
     # The engine arguments of a trial are its knobs, the KV pool in blocks of its size.
     for t in complete:
         assert t.kwargs["num_blocks"] == math.ceil(t.params["kv_tokens"] / t.params["block_size"])
     assert table(result, make_objective("throughput"), space).count("\n") == len(result.trials) + 1
+
+
+def test_a_rung_slower_than_the_fastest_is_stopped_and_seeds_run_first():
+    base = {"max_num_seqs": 1, "max_num_batched_tokens": 2048, "block_size": 16,
+            "kv_tokens": 16384, "enable_prefix_caching": False, "async_scheduling": True}
+    good = dict(base, max_num_seqs=64, max_num_batched_tokens=1024)
+    result, ev, _ = run_fake(n_trials=20, baseline=base, seeds=(good,))
+    # The baseline, then the seed, before the sampler's own picks.
+    assert [t.params["max_num_seqs"] for t in result.trials[:2]] == [1, 64]
+    # Nothing had run yet when trial 0 started: no limit. Later, a rung's limit is 1.25x the
+    # fastest run of that rung so far, and a trial that would take longer was stopped there.
+    assert ev.limits[0][2] is None
+    fastest = {}
+    for number, n, limit, duration in ev.limits:
+        if n in fastest:
+            assert limit == pytest.approx(1.25 * fastest[n])
+        if limit is None or duration <= limit:
+            fastest[n] = min(duration, fastest.get(n, float("inf")))
+    slow = [t for t in result.trials if t.error and "stopped after" in t.error]
+    assert slow and all(t.state == "pruned" for t in slow)
+    assert result.best.value == max(t.value for t in result.trials if t.state == "complete")
+    # Latency objectives are not monotone in the run's duration: no limit.
+    _, ev, _ = run_fake(n_trials=6, objective="ttft-p99")
+    assert all(limit is None for _, _, limit, _ in ev.limits)
 
 
 def test_search_is_deterministic_for_a_seed():

@@ -84,7 +84,8 @@ def _max_model_len(kw: dict) -> int:
 
 
 def baseline_params(kw: dict, max_model_len: int) -> dict:
-    """The base config's own settings, as knob values (trial 0 measures them)."""
+    """The base config's own settings, as knob values (trial 0 measures them); with an empty
+    ``kw``, the engine's defaults."""
     block = kw.get("block_size", 16)
     out = {"max_num_seqs": kw.get("max_num_seqs", 256),
            "max_num_batched_tokens": kw.get("max_num_batched_tokens") or (
@@ -150,7 +151,9 @@ def run_tune(args) -> int:
                                     args.startup_timeout)
         tuner = Tuner(evaluator, space, fixed, objective, rungs, args.budget_s, args.n_trials,
                       seed=args.tune_seed, pruning=args.pruning,
-                      baseline=baseline_params(kw, mml), progress=args.progress)
+                      baseline=baseline_params(kw, mml),
+                      seeds=(baseline_params({}, mml),),     # the engine's own defaults
+                      progress=args.progress)
         result = tuner.run()
 
     print()

@@ -32,6 +32,12 @@ class Objective:
     def better(self, a: float, b: float) -> bool:
         return a > b if self.direction == "maximize" else a < b
 
+    @property
+    def worse_when_slower(self) -> bool:
+        """A run over the same requests that takes longer is worse: true of throughput (the
+        output tokens are the same, so tok/s falls with the duration), not of latencies."""
+        return self.name == "throughput"
+
 
 OBJECTIVES = {"throughput": ("maximize", "output tok/s"), "ttft-p99": ("minimize", "ms"),
               "tpot-p99": ("minimize", "ms"), "goodput": ("maximize", "good req/s")}

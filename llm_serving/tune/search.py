@@ -6,7 +6,11 @@ Each trial measures one setting through an *evaluator* (``trial_server.ServerEva
 the real server; tests pass a deterministic fake). The sample is measured in rungs of growing
 size (e.g. 1/4 of the prompts, then all): after a rung the pruner compares the trial with the
 others at that rung and stops the ones in the worse half, so a poor setting costs a quarter of
-a trial. Trial 0 measures the base config's own settings (the baseline).
+a trial. Trial 0 measures the base config's own settings (the baseline); then any other
+known starting points (``seeds``, e.g. the engine's defaults) before the sampler's own picks.
+For throughput, a rung that runs longer than ``slack`` times the fastest run of that rung so
+far cannot win (same requests, same output tokens): it is stopped there and recorded as
+pruned, so a hopeless setting (a decode batch of 1, say) costs little.
 
 A trial whose server does not start, or whose requests fail, is recorded as failed with the
 reason, and the search goes on. Ctrl-C stops the search: the trial under way is dropped (its
@@ -22,7 +26,7 @@ from typing import Any, Callable, Optional
 
 from llm_serving.tune.objective import Objective
 from llm_serving.tune.space import Knob, engine_kwargs, suggest
-from llm_serving.tune.trial_server import TrialFailed
+from llm_serving.tune.trial_server import TrialFailed, TrialTooSlow
 
 PLOT_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_tokens")
 
@@ -62,7 +66,8 @@ class Tuner:
     def __init__(self, evaluator, space: list[Knob], fixed: dict, objective: Objective,
                  rungs: list[int], budget_s: float, n_trials: Optional[int] = None,
                  seed: int = 0, pruning: bool = True, startup_trials: int = 2,
-                 baseline: Optional[dict] = None, progress: bool = True,
+                 baseline: Optional[dict] = None, seeds: tuple = (),
+                 slack: float = 1.25, progress: bool = True,
                  log: Callable[[str], None] = print):
         if not rungs or sorted(rungs) != list(rungs) or rungs[0] < 1:
             raise ValueError(f"rungs must be increasing prompt counts, got {rungs}")
@@ -70,6 +75,8 @@ class Tuner:
         self.objective, self.rungs, self.budget_s = objective, list(rungs), budget_s
         self.n_trials, self.seed, self.pruning = n_trials, seed, pruning
         self.startup_trials, self.baseline = startup_trials, baseline
+        self.seeds, self.slack = tuple(seeds), slack
+        self.fastest: dict[int, float] = {}     # rung (prompts) -> shortest run, seconds
         self.progress, self.log = progress, log
 
     # -- the study ---------------------------------------------------------------------------
@@ -85,9 +92,19 @@ class Tuner:
             pruner = optuna.pruners.NopPruner()
         study = optuna.create_study(direction=self.objective.direction, sampler=sampler,
                                     pruner=pruner)
-        if self.baseline:
-            study.enqueue_trial(self._clamp(self.baseline), skip_if_exists=True)
+        for start in ((self.baseline,) if self.baseline else ()) + self.seeds:
+            study.enqueue_trial(self._clamp(start), skip_if_exists=True)
         return study
+
+    def _time_limit(self, prompts: int) -> Optional[float]:
+        if not self.objective.worse_when_slower or prompts not in self.fastest:
+            return None
+        return self.slack * self.fastest[prompts]
+
+    def _ran(self, prompts: int, summary: dict) -> None:
+        d = summary.get("duration")
+        if d is not None and d < self.fastest.get(prompts, float("inf")):
+            self.fastest[prompts] = float(d)
 
     def _clamp(self, values: dict) -> dict:
         out = {}
@@ -121,14 +138,19 @@ class Tuner:
             def report(n: int, summary: dict) -> None:
                 value = self.objective.value(summary)
                 rec.value, rec.rung, rec.summary = value, n, summary
+                self._ran(n, summary)
                 trial.report(value, n)
                 if trial.number >= self.startup_trials and trial.should_prune():
                     raise optuna.TrialPruned(f"{value:.4g} after {n} prompts")
             try:
-                summary = self.evaluator.evaluate(trial.number, kwargs, self.rungs, report)
+                summary = self.evaluator.evaluate(trial.number, kwargs, self.rungs, report,
+                                                  self._time_limit)
             except optuna.TrialPruned:
                 rec.state = "pruned"
                 raise
+            except TrialTooSlow as e:
+                rec.state, rec.error = "pruned", str(e)
+                raise optuna.TrialPruned(str(e)) from None
             except TrialFailed as e:
                 rec.state, rec.error = "failed", str(e)
                 trial.set_user_attr("error", str(e))
@@ -140,6 +162,7 @@ class Tuner:
                 rec.seconds = time.monotonic() - start
             rec.state, rec.summary, rec.rung = "complete", summary, self.rungs[-1]
             rec.value = self.objective.value(summary)
+            self._ran(self.rungs[-1], summary)
             return rec.value
 
         def after_trial(study, frozen) -> None:

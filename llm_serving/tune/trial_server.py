@@ -32,6 +32,11 @@ class TrialFailed(Exception):
     """The trial's server did not start, or requests failed: recorded with this reason."""
 
 
+class TrialTooSlow(Exception):
+    """A rung ran past its time limit: with the same requests, the trial cannot beat the best
+    one (recorded as pruned, with this reason)."""
+
+
 @dataclass
 class Workload:
     dataset: str                   # an alpaca-style JSON (instruction, input, output)
@@ -147,9 +152,12 @@ def remove_segments(pid: int) -> list[str]:
     return left
 
 
-def run_client(url: str, workload: Workload, num_prompts: int, slo: tuple = ()) -> dict:
+def run_client(url: str, workload: Workload, num_prompts: int, slo: tuple = (),
+               time_limit: Optional[float] = None) -> dict:
     """``clients/benchmark_serving.py`` against ``url`` on the first ``num_prompts`` prompts:
-    its summary, plus the first request error (or None)."""
+    its summary, plus the first request error (or None). Past ``time_limit`` seconds the
+    client is stopped (its requests are cancelled, so the server aborts them) and
+    ``TrialTooSlow`` is raised."""
     from clients import benchmark_serving as bs
     argv = ["--base-url", url, "--dataset-name", "alpaca", "--dataset-path", workload.dataset,
             "--num-prompts", str(num_prompts), "--max-output", str(workload.max_output),
@@ -162,7 +170,11 @@ def run_client(url: str, workload: Workload, num_prompts: int, slo: tuple = ()) 
     if slo:
         argv += ["--goodput", *slo]
     args = bs.parse_args(argv)
-    result = asyncio.run(bs.run(args))
+    try:
+        result = asyncio.run(asyncio.wait_for(bs.run(args), time_limit))
+    except asyncio.TimeoutError:
+        raise TrialTooSlow(f"stopped after {time_limit:.0f} s on {num_prompts} prompts, "
+                           "slower than the best trial") from None
     summary = bs.summarize(args, result)
     summary["first_error"] = next((r["error"] for r in result["records"]
                                    if r["error"] is not None), None)
@@ -172,10 +184,11 @@ def run_client(url: str, workload: Workload, num_prompts: int, slo: tuple = ()) 
 class ServerEvaluator:
     """Measures a trial's engine arguments on the real server.
 
-    ``evaluate(number, kwargs, rungs, report)`` starts one server, runs the client once per
-    rung (a number of prompts, smallest first), calls ``report(prompts, summary)`` after each
-    rung but the last (it raises optuna.TrialPruned to stop the trial), and returns the last
-    rung's summary. The server is stopped whatever happens."""
+    ``evaluate(number, kwargs, rungs, report, time_limit)`` starts one server, runs the client
+    once per rung (a number of prompts, smallest first), calls ``report(prompts, summary)``
+    after each rung but the last (it raises optuna.TrialPruned to stop the trial), and returns
+    the last rung's summary. ``time_limit(prompts)`` gives a rung's limit in seconds, or None;
+    past it the rung stops with ``TrialTooSlow``. The server is stopped whatever happens."""
 
     def __init__(self, base: dict, workload: Workload, workdir: Path, slo: tuple = (),
                  startup_timeout: float = 300.0):
@@ -183,24 +196,25 @@ class ServerEvaluator:
         self.slo, self.startup_timeout = slo, startup_timeout
 
     def evaluate(self, number: int, kwargs: dict, rungs: list[int],
-                 report: Callable[[int, dict], None]) -> dict:
+                 report: Callable[[int, dict], None],
+                 time_limit: Callable[[int], Optional[float]] = lambda n: None) -> dict:
         config = self.workdir / f"trial_{number}.yaml"
         write_tuned_yaml(config, self.base, kwargs, [f"llm-serving tune, trial {number}"])
         server = TrialServer(config, self.workdir / f"trial_{number}.log", self.startup_timeout)
         try:
             summary = None
             for i, n in enumerate(rungs):
-                summary = self._measure(server, n)
+                summary = self._measure(server, n, time_limit(n))
                 if i < len(rungs) - 1:
                     report(n, summary)
             return summary
         finally:
             server.stop()
 
-    def _measure(self, server: TrialServer, n: int) -> dict:
+    def _measure(self, server: TrialServer, n: int, time_limit: Optional[float]) -> dict:
         if server.proc.poll() is not None:
             raise TrialFailed(f"the server died: {server.error_line()}")
-        s = run_client(server.url, self.workload, n, self.slo)
+        s = run_client(server.url, self.workload, n, self.slo, time_limit)
         if s["failed"]:
             raise TrialFailed(f"{s['failed']} of {n} requests failed: {s['first_error']}")
         return s
