@@ -87,7 +87,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefill", default="4x512", help="prompts x tokens in one step")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="step-time cases (empty: skip the step table)")
     ap.add_argument("--served", type=int, default=200, metavar="N",
                     help="also serve W1's first N prompts all at once through start.py at "
                          "TP=2 (shm all-reduce, agents on cores 0 and 1), multi-stream off "
@@ -101,6 +102,9 @@ def main() -> None:
     ctx = args.context
     max_len = max(ctx, pre_len) + args.rounds * (args.steps + 5) + 64
     budget = max(n_pre * pre_len, max(batches))
+    if not args.cases:
+        served_w1(model, args.served)
+        return
     cases = [Case(c, model, max(max(batches), n_pre), max_len, budget)
              for c in args.cases.split(",")]
     rng = np.random.default_rng(0)
