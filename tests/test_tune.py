@@ -20,7 +20,7 @@ from llm_serving.tune.objective import make_objective
 from llm_serving.tune.search import Tuner, table
 from llm_serving.tune.space import default_space, engine_kwargs, without_fixed
 from llm_serving.tune.trial_server import TrialFailed, TrialServer, TrialTooSlow
-from llm_serving.tune.tuned_yaml import apply_engine_kwargs, read_base, write_tuned_yaml
+from llm_serving.tune.tuned_yaml import read_base, write_tuned_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_7B = ROOT / "configs" / "llama" / "llama_7b_kbk_pa_dyn.yaml"

@@ -23,7 +23,7 @@ DEFAULT_DATASET = Path(__file__).resolve().parents[2] / "clients" / "data" / "al
 
 
 def add_tune_parser(sub) -> argparse.ArgumentParser:
-    from llm_serving.cli import DEFAULT_CONFIG, add_engine_arguments
+    from llm_serving.cli_args import DEFAULT_CONFIG, add_engine_arguments
     t = sub.add_parser("tune", help="search batch, token-budget and KV settings on the real "
                        "server and write the best as a config file",
                        description=__doc__,
@@ -76,7 +76,7 @@ def _max_model_len(kw: dict) -> int:
     if kw.get("max_model_len"):
         return int(kw["max_model_len"])
     try:
-        from llm_serving.cli import resolve_model
+        from llm_serving.cli_args import resolve_model
         cfg = json.loads((Path(resolve_model(kw["model"])) / "config.json").read_text())
         return int(cfg.get("max_position_embeddings", 2048))
     except (OSError, ValueError):
@@ -102,7 +102,7 @@ def baseline_params(kw: dict, max_model_len: int) -> dict:
 
 
 def run_tune(args) -> int:
-    from llm_serving.cli import cli_engine_overrides, find_config, resolve_model
+    from llm_serving.cli_args import cli_engine_overrides, find_config, resolve_model
     from llm_serving.serving_config import load_config
     from llm_serving.tune.objective import make_objective
     from llm_serving.tune.search import Tuner, plot, short, table

@@ -1,0 +1,70 @@
+"""The engine's command-line arguments and config-file lookup, shared by every subcommand
+(``serve``, ``tune``, ``proxy``): one flag per EngineArgs field, the overrides they make, where
+a ``--config`` name is found, and what ``--model builtin:`` means."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from llm_serving.errors import ConfigError
+
+DEFAULT_CONFIG = "configs/llama/tiny_llama.yaml"
+
+
+def find_config(name: str) -> Path:
+    """A path, or a bare file name looked up under configs/ (as llm-serving users pass it)."""
+    root = Path(__file__).resolve().parents[1]
+    for candidate in (Path(name), root / name, root / "configs" / name,
+                      *sorted((root / "configs").glob(f"*/{name}"))):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError("--config", f"file {name!r} not found (looked in . and configs/)")
+
+
+def resolve_model(model: str) -> str:
+    if model.startswith("builtin:"):
+        from llm_serving.model_executor.tiny_model import ensure_tiny_model
+        return ensure_tiny_model()
+    return model
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine argument (``--max-num-seqs``, ``--enable-prefix-caching`` ...),
+    generated from EngineArgs so the CLI, the YAML and LLM(...) take the same knobs."""
+    import dataclasses
+    import typing
+    from llm_serving.config import EngineArgs
+    group = parser.add_argument_group("engine arguments (override the config file)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        args = typing.get_args(kind)
+        base = next((a for a in args if a is not type(None)), kind) if args else kind
+        if base is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=f.metadata.get("help"))
+        elif base is dict:          # a section of knobs, as JSON: '{"min_total_tokens": 64}'
+            group.add_argument(flag, dest=f.name, type=_json_object, default=None,
+                               metavar="JSON", help=f.metadata.get("help"))
+        else:
+            group.add_argument(flag, dest=f.name, type=base, default=None,
+                               metavar=f.name.upper(), help=f.metadata.get("help"))
+
+
+def _json_object(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def cli_engine_overrides(args: argparse.Namespace) -> dict:
+    import dataclasses
+    from llm_serving.config import EngineArgs
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+            if getattr(args, f.name, None) is not None}
