@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 
@@ -109,6 +110,11 @@ class EngineArgs:
     multi_stream: Optional[dict] = _arg(None,
         "multi-stream knobs (the YAML multi_stream: section; on the CLI as JSON): "
         "min_total_tokens, min_prefill_tokens, max_imbalance, apply_to, overlap")
+    kv_transfer_config: Optional[dict] = _arg(None,
+        "PD disaggregation (the YAML kv_transfer: section; on the CLI as JSON, vLLM's shape): "
+        "kv_connector (MooncakeConnector, MooncakeStoreConnector), kv_role (kv_producer, "
+        "kv_consumer, kv_both), kv_connector_extra_config, kv_transfer_timeout, "
+        "kv_failure_policy (recompute, fail)")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -177,6 +183,7 @@ class EngineArgs:
             raise ConfigError("multi_stream", f"expected a mapping of knobs, got "
                               f"{self.multi_stream!r}")
         MultiStreamConfig.from_dict(self.multi_stream)      # names a bad knob now
+        KVTransferConfig.from_dict(self.kv_transfer_config)   # names a bad key now
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream"):
             if key == "async_scheduling" and self.async_scheduling is None:
