@@ -31,6 +31,7 @@ setup(
         "fastapi",
         "uvicorn",
         "prometheus-client",
+        "llguidance>=1.9,<2",   # structured outputs: a Rust core, no torch
         "aiohttp",
         # OpenBLAS with run-time CPU dispatch: one of the GEMMs the CPU linear layers probe.
         "scipy-openblas32",
@@ -45,6 +46,7 @@ setup(
             "openai",
             "requests",
             "schemathesis",
+            "jsonschema",
             "matplotlib",
             *PD,
         ],

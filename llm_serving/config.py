@@ -115,6 +115,11 @@ class EngineArgs:
         "kv_connector (MooncakeConnector, MooncakeStoreConnector), kv_role (kv_producer, "
         "kv_consumer, kv_both), kv_connector_extra_config, kv_transfer_timeout, "
         "kv_failure_policy (recompute, fail)")
+    tool_call_parser: Optional[str] = _arg(None,
+        "how tool calls are read from the model's text with tool_choice 'auto': hermes or "
+        "llama3_json (needs enable_auto_tool_choice)")
+    enable_auto_tool_choice: bool = _arg(False,
+        "let the model decide whether to call a tool (tool_choice 'auto', vLLM's flag)")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -124,6 +129,12 @@ class EngineArgs:
                 raise ConfigError(key, f"expected a positive integer, got {value!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", f"expected a model directory path, got {self.model!r}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ConfigError("tool_call_parser", f"expected hermes or llama3_json, got "
+                              f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice", "needs tool_call_parser (hermes or "
+                              "llama3_json) to read the model's tool calls")
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, True)
         positive("max_model_len", self.max_model_len, True)

@@ -8,14 +8,57 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
-from dataclasses import dataclass
-from typing import List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
 
 # Below this temperature a request is decoded greedily (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # The largest `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+
+
+# OpenAI's bound on logit_bias (also its number of entries).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_BAD_WORDS = 100
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one of:
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
+    expression; choice: one of these strings; grammar: a Lark / EBNF grammar (llguidance's
+    dialect, which also reads GBNF).
+    """
+    json: Optional[Union[str, Dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, "
+                             f"grammar, json_object (got {given or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("structured_outputs.json: a JSON schema is an object")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice: a non-empty list of strings")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{k}: a non-empty string")
 
 
 class RequestOutputKind(enum.Enum):
@@ -65,6 +108,12 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string in the text.
     detokenize: produce text at all.
     output_kind: what each streamed output holds (RequestOutputKind; default cumulative).
+    logit_bias: token id -> value added to its logit before sampling ([-100, 100], at most
+        300 entries; OpenAI's).
+    allowed_token_ids: only these ids may be sampled (vLLM's).
+    bad_words: words never generated: a word's last token is banned wherever the tokens
+        before it were just generated (vLLM's; with and without a leading space).
+    structured_outputs: a grammar the output must match (StructuredOutputsParams).
     """
 
     n: int = 1
@@ -88,6 +137,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: Optional[Dict[int, float]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    # Filled by the engine's input processor (the tokenizer's view of bad_words, the
+    # compiled grammar); not part of the user's request.
+    bad_words_token_ids: Optional[List[List[int]]] = field(default=None, repr=False)
+    grammar: Optional[Any] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -126,6 +183,7 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == -1:
             self.top_k = 0
+        self._normalize_constraints()
 
         if self.stop is None:
             self.stop = []
@@ -153,6 +211,58 @@ class SamplingParams:
                 if not _is_int(t) or t < 0:
                     raise ValueError(
                         f"stop_token_ids must be integers >= 0, got {t!r} in it")
+
+    def _normalize_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                                 f"{len(self.logit_bias)}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
+                if tid < 0 or tid >= 2**31 or not _is_number(v) \
+                        or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias: token {k!r} -> {v!r}; ids are >= 0 and "
+                                     f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                bias[tid] = float(v)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids \
+                    or not all(_is_int(t) and 0 <= t < 2**31 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) \
+                    or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got "
+                                 f"{self.bad_words!r}")
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got "
+                                 f"{len(self.bad_words)}")
+            self.bad_words = list(self.bad_words) or None
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a step must build a token mask or bans for this request."""
+        return (self.structured_outputs is not None or self.allowed_token_ids is not None
+                or self.bad_words is not None)
 
     def _verify(self) -> None:
         # Written as `not (ok)` so that NaN fails every range check.

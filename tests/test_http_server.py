@@ -318,6 +318,13 @@ def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
     ("/models/llama2/generate", {"inputs": ""}, 400, "inputs"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_p": 2}}, 400, "top_p"),
     ("/models/other/generate", {"inputs": "x"}, 404, "other"),
+    # Started without --enable-auto-tool-choice: tools with tool_choice "auto" (the default
+    # with tools) cannot be read back, so they are refused (as vLLM).
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "--enable-auto-tool-choice"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {
+        "grammar": {"type": "regex", "value": "(("}}}, 400, "grammar"),
 ])
 def test_bad_input_gets_a_4xx_naming_the_field(server, path, body, status, needle):
     kw = {"data": body} if isinstance(body, str) else {"json": body}

@@ -160,8 +160,17 @@ class AsyncLLMEngine:
         self._bind_loop()
         if request_id in self._streams:
             raise RequestIdInUseError(request_id)
-        new = self.engine.process_request(prompt, params, request_id, priority,
-                                          strict_length=strict_length)
+        if params is not None and params.structured_outputs is not None:
+            # Compiling a grammar can take a while (a large schema; llguidance's view of the
+            # tokenizer, once): not on the event loop.
+            new = await asyncio.to_thread(self.engine.process_request, prompt, params,
+                                          request_id, priority, strict_length=strict_length)
+            self.check_health()
+            if request_id in self._streams:
+                raise RequestIdInUseError(request_id)
+        else:
+            new = self.engine.process_request(prompt, params, request_id, priority,
+                                              strict_length=strict_length)
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
         stream = RequestStream(request_id, new.params.output_kind, self.abort)
         self._streams[request_id] = stream

@@ -36,7 +36,9 @@ class BuiltStep:
 
 
 def build_step_input(batch: SchedulerOutput, block_size: int,
-                     eos_token_ids: set[int]) -> BuiltStep:
+                     eos_token_ids: set[int], constraints=None) -> BuiltStep:
+    """``constraints`` (engine.constraints.Constraints): adds logit_bias, bans and token
+    masks to the sampling batch (it advances the rows' grammar matchers)."""
     seqs = batch.seqs
     n = np.asarray(batch.num_tokens, np.int32)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
@@ -77,21 +79,25 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     built.step = StepInput(
         ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),
         np.asarray(sample_rows, np.int32),
-        _sampling_batch(sampled, eos_token_ids) if sampled else None,
+        _sampling_batch(sampled, eos_token_ids, constraints) if sampled else None,
         swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
         **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens))
     return built
 
 
-def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int]) -> SamplingBatch:
+def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],
+                    constraints=None) -> SamplingBatch:
     """Each sampled row's parameters. A penalized row's output tokens end with -1 for each
     token in flight (the model runner fills the newest in)."""
     outputs = [s.output_token_ids + [-1] * s.tokens_in_flight if s.tokens_in_flight
                else s.output_token_ids for s in sampled]
-    return SamplingBatch.from_params([s.params for s in sampled],
-                                     [s.prompt_token_ids for s in sampled], outputs,
-                                     eos_token_ids)
+    batch = SamplingBatch.from_params([s.params for s in sampled],
+                                      [s.prompt_token_ids for s in sampled], outputs,
+                                      eos_token_ids)
+    if constraints is not None:
+        constraints.apply(batch, sampled)
+    return batch
 
 
 def _prompt_logprob_rows(built: BuiltStep, seqs, starts, n, qsl, prompt_lens) -> dict:

@@ -31,8 +31,9 @@ class NewRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, constraints=None):
         self.tokenizer = tokenizer
+        self.constraints = constraints      # engine.constraints.Constraints
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -56,6 +57,8 @@ class InputProcessor:
             raise ValueError("priority is only used with scheduling_policy='priority'")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.max_num_seqs})")
+        if self.constraints is not None and (params.constrained or params.logit_bias):
+            self.constraints.prepare(params)
         text, ids = self._tokenize(prompt)
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")

@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 from llm_serving.config import EngineArgs, EngineConfig
 from llm_serving.engine.block_manager import BlockManager
+from llm_serving.engine.constraints import Constraints
 from llm_serving.engine.input_builder import block_pairs, build_step_input
 from llm_serving.engine.input_processor import InputProcessor, NewRequest, PromptType
 from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
@@ -59,7 +60,8 @@ class LLMEngine:
         self.runner = create_executor(config)
         self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.constraints = Constraints(self.tokenizer, config.model.vocab_size)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.constraints)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
                                                 self.max_model_len)
         self.dumper = LogitsDumper(config.dump) if config.dump else None
@@ -104,7 +106,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """End the request now, whatever its state, and free its KV blocks and its slot.
         Returns its final output (finish_reason "abort"), or None for an unknown request."""
-        return self.output_processor.end_request(request_id, SequenceStatus.FINISHED_ABORTED)
+        out = self.output_processor.end_request(request_id, SequenceStatus.FINISHED_ABORTED)
+        self.constraints.release()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         """Requests are unfinished, or a step is still running on the model."""
@@ -118,17 +122,22 @@ class LLMEngine:
         """Schedule and start a step; return the outputs of the step that completed (this
         one, or with async scheduling the previous one: decodes of the new step take their
         input token from the running step's sample, which the model runner fills in)."""
+        outputs = []
+        if self._in_flight is not None and self.constraints.has_grammar_rows:
+            # A grammar row's mask needs the running step's token: no overlap this step.
+            outputs += self._collect(self._take_in_flight())
         batch = self.scheduler.schedule()
-        outputs = [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
+        outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
         if not batch.seqs:
             if self._in_flight is not None:
                 outputs += self._collect(self._take_in_flight())
             if batch.swap_out:      # a step that only preempted still moves the KV
                 self.runner.move_blocks(block_pairs(batch.swap_out), block_pairs(()),
                                         block_pairs(()))
+            self.constraints.release()
             return outputs
         built = build_step_input(batch, self.config.cache.block_size,
-                                 self.output_processor.eos_token_ids)
+                                 self.output_processor.eos_token_ids, self.constraints)
         self.stats.num_prefill_tokens += built.num_prefill_tokens
         if self.multi_stream is not None:      # decided here, once, for every rank
             built.step.ms_split, reason = step_split(built.step.query_start_loc,
@@ -148,6 +157,7 @@ class LLMEngine:
         self.scheduler.after_step(batch)
         if not self.async_scheduling:
             outputs += self._collect(self._take_in_flight())
+        self.constraints.release()      # the grammar state of sequences that ended
         return outputs
 
     def _take_in_flight(self) -> StepInFlight:

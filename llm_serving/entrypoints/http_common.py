@@ -79,7 +79,7 @@ def translate_error(e: BaseException) -> HTTPError:
         return HTTPError(503, str(e), kind="service_unavailable")
     if isinstance(e, (ValueError, TypeError)):
         msg = str(e)
-        return HTTPError(400, msg, param=msg.split(" ", 1)[0] if msg else None)
+        return HTTPError(400, msg, param=msg.split(" ", 1)[0].rstrip(":.") if msg else None)
     if isinstance(e, LLMServingError):
         return HTTPError(500, str(e), kind="internal_error")
     return HTTPError(500, f"internal error: {type(e).__name__}", kind="internal_error")

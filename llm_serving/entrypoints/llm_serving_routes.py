@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -27,10 +27,26 @@ from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
                                                 new_request_id, sse, stream_or_disconnect,
                                                 translate_error)
-from llm_serving.sampling_params import RequestOutputKind, SamplingParams
+from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
 
 router = APIRouter()
 DEFAULT_MAX_NEW_TOKENS = 300      # llm-serving's default
+
+
+class Grammar(BaseModel):
+    type: Literal["json", "json_schema", "regex"]
+    value: Union[str, dict[str, Any]]
+
+    def structured(self) -> StructuredOutputsParams:
+        if self.type == "regex":
+            if not isinstance(self.value, str):
+                raise ValueError("grammar: a regex value is a string")
+            return StructuredOutputsParams(regex=self.value)
+        value = self.value
+        if self.type == "json_schema" and isinstance(value, dict) and "schema" in value:
+            value = value["schema"]      # TGI's {"name": ..., "schema": {...}}
+        return StructuredOutputsParams(json=value)
 
 
 class Parameters(BaseModel):
@@ -48,6 +64,8 @@ class Parameters(BaseModel):
     details: bool = False
     decoder_input_details: bool = False
     top_n_tokens: int = Field(0, ge=0, le=20)
+    # TGI's structured output: {"type": "json" | "json_schema" | "regex", "value": ...}.
+    grammar: Optional[Grammar] = None
     # Accepted and ignored, as in llm-serving.
     truncate: Optional[Union[bool, int]] = None
     typical_p: Optional[float] = None
@@ -68,7 +86,8 @@ def _params(p: Parameters) -> SamplingParams:
         temperature=p.temperature if sample else 0.0, top_k=p.top_k if sample else 0,
         top_p=p.top_p if sample else 1.0, repetition_penalty=p.repetition_penalty,
         seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens,
-        logprobs=p.top_n_tokens if want_lp else None, output_kind=RequestOutputKind.DELTA)
+        logprobs=p.top_n_tokens if want_lp else None, output_kind=RequestOutputKind.DELTA,
+        structured_outputs=p.grammar.structured() if p.grammar is not None else None)
 
 
 def _token(tid: int, text: str, logprob, special: set) -> dict:
@@ -94,7 +113,10 @@ async def _start(request: Request, model: str, req: GenerateRequest):
         rid = new_request_id("gen")
         stream = await engine.add_request(rid, req.inputs, params, strict_length=True)
     except Exception as e:
-        raise translate_error(e) from None
+        err = translate_error(e)
+        if err.param == "structured_outputs":     # the grammar did not compile
+            err.param, err.message = "grammar", "grammar" + err.message[len(err.param):]
+        raise err from None
     return state, engine, req, stream
 
 

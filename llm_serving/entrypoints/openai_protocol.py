@@ -1,12 +1,37 @@
 """Request bodies of the OpenAI-compatible API (with vLLM's extra sampling fields), checked by
-pydantic: a wrong type or an out-of-range value is a 400 naming the field and the rule."""
+pydantic: a wrong type or an out-of-range value is a 400 naming the field and the rule.
+
+No field is silently dropped. Every field of OpenAI's spec and of vLLM's extensions is
+declared: honoured, or listed in ``_REFUSED`` with the values we can honour (a request that
+sets it otherwise is a 400 naming it, ``refused_fields``). Fields neither knows are kept in
+``model_extra`` and the route logs one warning naming them, as vLLM does.
+"""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llm_serving.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from llm_serving.sampling_params import (MAX_LOGPROBS, RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
+
+# Fields we declare but cannot honour: the values that mean "not used" (None always does).
+_REFUSED_COMMON = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": (),
+    "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
+    "kv_transfer_params": (), "cache_salt": (), "vllm_xargs": (), "request_id": (),
+    "prompt_logprobs": (), "mm_processor_kwargs": (), "guided_decoding_backend": (
+        "llguidance", "auto", "guidance"),
+    "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
+    "prediction": (), "prompt_cache_key": (),
+}
+_REFUSED_CHAT = {
+    "audio": (), "modalities": (["text"],), "function_call": (), "functions": (),
+    "reasoning_effort": (), "web_search_options": (), "verbosity": (), "documents": (),
+    "continue_final_message": (False,), "echo": (False,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -14,7 +39,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=128)
@@ -37,9 +62,100 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs.
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    # Declared so that they are refused by name (see _REFUSED_COMMON).
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    structural_tag: Any = None
+    kv_transfer_params: Any = None
+    cache_salt: Any = None
+    vllm_xargs: Any = None
+    request_id: Any = None
+    prompt_logprobs: Any = None
+    mm_processor_kwargs: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
+
+    _REFUSED: ClassVar[dict] = _REFUSED_COMMON
+
+    def refused_field(self) -> Optional[str]:
+        """The first field set to a value this server cannot honour (None: all fine)."""
+        for name, ok in self._REFUSED.items():
+            value = getattr(self, name, None)
+            if value is not None and value not in ok:
+                return name
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+    def structured(self) -> Optional[StructuredOutputsParams]:
+        """The one structured-output request among response_format, guided_* and
+        structured_outputs (ValueError naming the field when more than one or bad)."""
+        found = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found["response_format"] = StructuredOutputsParams(json_object=True)
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format: json_schema needs json_schema.schema, "
+                                     "a JSON schema object")
+                found["response_format"] = StructuredOutputsParams(json=schema)
+            elif kind != "text":
+                raise ValueError(f"response_format: type must be text, json_object or "
+                                 f"json_schema, got {kind!r}")
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    found[name] = StructuredOutputsParams(**{key: value})
+                except ValueError as e:
+                    raise ValueError(f"{name}: {str(e).split(': ', 1)[-1]}") from None
+        if self.structured_outputs is not None:
+            try:
+                found["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if len(found) > 1:
+            raise ValueError(f"{sorted(found)[1]}: give only one of "
+                             f"{' and '.join(sorted(found))}")
+        self._structured_field = next(iter(found), None)
+        return next(iter(found.values()), None)
+
+    def structured_field(self) -> Optional[str]:
+        """The request field the structured output came from (after ``structured()``)."""
+        return getattr(self, "_structured_field", None)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None,
+                        structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        if structured is None:
+            structured = self.structured()
         return SamplingParams(
             n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -52,6 +168,9 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA)
 
 
@@ -65,9 +184,33 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template sees it (tool calls' arguments as objects, as
+        Hugging Face templates expect)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                calls.append({**c, "function": fn})
+            m["tool_calls"] = calls
+        return m
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -80,6 +223,27 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionDef(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _NamedFunction(BaseModel):
+    name: str
+
+
+class ToolChoiceFunction(BaseModel):
+    type: Literal["function"] = "function"
+    function: _NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -88,6 +252,24 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ToolChoiceFunction]] = None
+    parallel_tool_calls: bool = True
+    # Declared so that they are refused by name (see _REFUSED_CHAT).
+    audio: Any = None
+    modalities: Any = None
+    function_call: Any = None
+    functions: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    documents: Any = None
+    continue_final_message: Any = None
+    echo: Any = None
+
+    _REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
 
 class TokenizeRequest(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Optional
 
@@ -14,18 +15,34 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
+from llm_serving.entrypoints import tool_calls
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.outputs import RequestOutput
 
 router = APIRouter()
+logger = logging.getLogger("llm_serving.server")
+
+
+def _check_fields(req) -> None:
+    """A field we cannot honour is a 400 naming it; unknown fields are logged once (vLLM)."""
+    name = req.refused_field()
+    if name is not None:
+        raise HTTPError(400, f"{name}: not supported by this server (got "
+                        f"{getattr(req, name)!r})", param=name)
+    unknown = req.unknown_fields()
+    if unknown:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       ", ".join(unknown))
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _start(state: ServerState, rid: str, prompts: list, params, priority: int):
-    """Queue one engine request per prompt; all or none."""
+async def _start(state: ServerState, rid: str, prompts: list, params, priority: int,
+                 grammar_field: Optional[str] = None):
+    """Queue one engine request per prompt; all or none. ``grammar_field``: the request field
+    a grammar error (the engine says "structured_outputs: ...") is about."""
     engine = state.require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
@@ -39,7 +56,11 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
     except Exception as e:
         for s in streams:
             await s.aclose()
-        raise translate_error(e) from None
+        err = translate_error(e)
+        if grammar_field and err.param == "structured_outputs":
+            err.param = grammar_field
+            err.message = grammar_field + err.message[len("structured_outputs"):]
+        raise err from None
     return streams
 
 
@@ -183,6 +204,7 @@ def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) ->
 async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
+    _check_fields(req)
     if req.suffix:
         raise HTTPError(400, "suffix is not supported", param="suffix")
     if req.max_tokens == 0 and not req.echo:
@@ -206,7 +228,7 @@ async def completions(req: CompletionRequest, request: Request):
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("cmpl")
-    streams = await _start(state, rid, prompts, params, req.priority)
+    streams = await _start(state, rid, prompts, params, req.priority, req.structured_field())
     created, model = int(time.time()), state.served_model_name
     n = req.n
     t0 = time.perf_counter()
@@ -305,26 +327,60 @@ def _chat_logprobs(entries, top: int) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
+    _check_fields(req)
     engine = state.require_engine()
+    args = state.engine_args
+    auto_ok = bool(args.enable_auto_tool_choice and args.tool_call_parser)
+    choice = req.tool_choice
+    if req.tools and choice is None:
+        choice = "auto"                      # OpenAI's default with tools (vLLM's too)
+    error = tool_calls.check_tools(req.tools, choice, auto_ok)
+    if error:
+        raise HTTPError(400, error, param=error.split(":", 1)[0])
+    tools = req.tools if req.tools and choice != "none" else None
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        structured = req.structured()
+        forced = tool_calls.forced_grammar(tools, choice, req.parallel_tool_calls) \
+            if tools else None
+        if forced is not None and structured is not None:
+            raise ValueError("tool_choice: a forced tool call cannot be combined with "
+                             "response_format or guided decoding")
+        messages = [m.for_template() for m in req.messages]
         text = engine.tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt,
-            chat_template=req.chat_template or state.chat_template)
+            chat_template=req.chat_template or state.chat_template,
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            **(req.chat_template_kwargs or {}))
     except ValueError as e:
         raise translate_error(e) from None
     except Exception as e:   # noqa: BLE001 - a template error is the request's fault
         raise HTTPError(400, f"messages: the chat template failed: {e}", param="messages")
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
     try:
-        params = req.sampling_params(max_tokens, top if req.logprobs else None)
+        params = req.sampling_params(max_tokens, top if req.logprobs else None,
+                                     structured=forced or structured)
     except ValueError as e:
         raise translate_error(e) from None
+    # How the text becomes tool calls: forced (named / required), parsed (auto), or not.
+    tool_mode = None if not tools else ("forced" if forced is not None else "auto")
+
+    def message_of(text: str) -> tuple[dict, Optional[str]]:
+        """The assistant message of a finished choice and its finish reason override."""
+        if tool_mode == "forced":
+            calls = tool_calls.forced_calls(text, choice)
+            return ({"role": "assistant", "content": None, "tool_calls": calls},
+                    "tool_calls" if choice == "required" and calls else None)
+        if tool_mode == "auto":
+            content, calls = tool_calls.parse_auto(text, args.tool_call_parser)
+            if calls:
+                return ({"role": "assistant", "content": content, "tool_calls": calls},
+                        "tool_calls")
+        return {"role": "assistant", "content": text}, None
     rid = new_request_id("chatcmpl")
     streams = await _start(state, rid, [{"prompt": text, "prompt_token_ids": ids}], params,
-                           req.priority)
+                           req.priority, "tool_choice" if forced else req.structured_field())
     created, model = int(time.time()), state.served_model_name
     t0 = time.perf_counter()
 
@@ -341,7 +397,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
         async def gen():
             completion_tokens, prompt_tokens = 0, len(ids)
-            started = set()
+            started, held = set(), {}
             try:
                 async for _, out in _merge(streams):
                     if out.error:
@@ -352,12 +408,31 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                         if c.index not in started:
                             started.add(c.index)
                             yield chunk(c.index, {"role": "assistant", "content": ""})
+                            if tool_mode == "forced" and choice != "required":
+                                call = tool_calls.new_call(choice.function.name, "")
+                                yield chunk(c.index, {"tool_calls": [{"index": 0, **call}]})
                         completion_tokens += len(c.token_ids)
                         lp = _chat_logprobs(c.logprobs, top) if c.logprobs else None
-                        if c.text or lp:
-                            yield chunk(c.index, {"content": c.text}, None, lp)
+                        if tool_mode is None:
+                            if c.text or lp:
+                                yield chunk(c.index, {"content": c.text}, None, lp)
+                        elif tool_mode == "forced" and choice != "required":
+                            if c.text or lp:   # the arguments, as they come
+                                yield chunk(c.index, {"tool_calls": [{
+                                    "index": 0, "function": {"arguments": c.text}}]}, None, lp)
+                        else:                  # parsed when the choice ends
+                            held[c.index] = held.get(c.index, "") + c.text
                         if c.finish_reason is not None:
-                            yield chunk(c.index, {}, openai_finish_reason(c.finish_reason))
+                            finish = openai_finish_reason(c.finish_reason)
+                            if c.index in held:
+                                msg, override = message_of(held.pop(c.index))
+                                delta = {k: v for k, v in msg.items() if k != "role"}
+                                if "tool_calls" in delta:
+                                    delta["tool_calls"] = [{"index": j, **call} for j, call
+                                                           in enumerate(delta["tool_calls"])]
+                                yield chunk(c.index, delta)
+                                finish = override or finish
+                            yield chunk(c.index, {}, finish)
                 if include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
@@ -372,13 +447,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     choices, _ = await _collect(request, streams, req.n)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(rid, len(ids), completion_tokens, t0)
+    out = []
+    for idx, ch in choices.items():
+        msg, override = message_of(ch["text"])
+        out.append({"index": idx, "message": msg,
+                    "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
+                    "finish_reason": override or openai_finish_reason(ch["finish"])})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": idx,
-                         "message": {"role": "assistant", "content": ch["text"]},
-                         "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
-                         "finish_reason": openai_finish_reason(ch["finish"])}
-                        for idx, ch in choices.items()],
-            "usage": _usage(len(ids), completion_tokens)}
+            "choices": out, "usage": _usage(len(ids), completion_tokens)}
 
 
 # ---- models, tokenizer -------------------------------------------------------------------

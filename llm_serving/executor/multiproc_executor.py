@@ -81,7 +81,7 @@ class MultiprocExecutor:
             s, c = config.scheduler, config.cache
             in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, s.max_num_seqs,
                                              config.model.max_model_len, c.block_size,
-                                             c.num_blocks)
+                                             c.num_blocks, config.model.vocab_size)
             out_bytes = ch.result_channel_bytes(
                 s.max_num_seqs, dump_vocab=config.model.vocab_size if config.dump else 0,
                 max_tokens=s.max_num_batched_tokens)

@@ -46,8 +46,17 @@ class SamplingBatch:
     # Per row; needed only for rows with penalties (other rows may hold empty arrays).
     prompt_token_ids: Optional[List[np.ndarray]] = _ragged()
     output_token_ids: Optional[List[np.ndarray]] = _ragged()
-    # Per row: ids set to -inf this step (min_tokens not reached: EOS + stop_token_ids).
+    # Per row: ids set to -inf this step (min_tokens not reached: EOS + stop_token_ids;
+    # bad_words).
     banned_token_ids: Optional[List[np.ndarray]] = _ragged()
+    # logit_bias, flat over the batch: logits[bias_rows[i], bias_ids[i]] += bias_values[i].
+    bias_rows: Optional[np.ndarray] = None       # int32 [K]
+    bias_ids: Optional[np.ndarray] = None        # int32 [K]
+    bias_values: Optional[np.ndarray] = None     # float32 [K]
+    # Allowed tokens of constrained rows (grammar, allowed_token_ids): row mask_rows[i] may
+    # sample token t only if bit t % 32 of token_bitmask[i, t // 32] is set.
+    mask_rows: Optional[np.ndarray] = None       # int32 [R]
+    token_bitmask: Optional[np.ndarray] = None   # int32 [R, ceil(V / 32)]
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -57,6 +66,16 @@ class SamplingBatch:
         """bool [B]: rows with any of the three penalties."""
         return ((self.repetition_penalty != 1.0) | (self.frequency_penalty != 0.0)
                 | (self.presence_penalty != 0.0))
+
+    @property
+    def constrained_rows(self) -> np.ndarray:
+        """bool [B]: rows with a logit bias or a token mask."""
+        rows = np.zeros(len(self), bool)
+        if self.bias_rows is not None:
+            rows[self.bias_rows] = True
+        if self.mask_rows is not None:
+            rows[self.mask_rows] = True
+        return rows
 
     @property
     def has_penalties(self) -> bool:

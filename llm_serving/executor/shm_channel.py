@@ -183,7 +183,7 @@ def result_from_arrays(arrays: list[Optional[np.ndarray]]) -> Optional[SamplerOu
 
 
 def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block_size: int,
-                       num_blocks: int) -> int:
+                       num_blocks: int, vocab_size: int = 0) -> int:
     """An upper bound on one packed StepInput under the engine's limits."""
     width = -(-max_model_len // block_size)
     ints = (6 * max_tokens                       # ids, positions, slots, prompt logprob rows
@@ -193,6 +193,8 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
             + 2                                  # ms_split (one int64)
             + 3 * 2 * num_blocks)                # swap out / in, copies (int32 pairs)
     per_row = 10 * 8 + 2 * max_model_len * 8 + 64 * 8 + 3 * 16   # params, penalties, bans
+    per_row += 300 * 12 + 4 + 4 * -(-vocab_size // 32) + 2 * 100 * 8
+    # ^ logit_bias (<= 300 entries), the token bitmask, bans of bad_words (<= 100 words x 2)
     headers = 64 * (_ARR.size + _ALIGN)
     return 4 * ints + max_seqs * per_row + headers + (1 << 16)
 

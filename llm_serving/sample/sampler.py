@@ -5,7 +5,9 @@ penalties, seed); nothing is taken per batch. The order follows vLLM:
 
 1. penalties on the logits: repetition (prompt + output tokens: positive logits divided,
    negative multiplied), then frequency (times the count in the output) and presence (once
-   if in the output) subtracted; then banned ids (min_tokens: EOS + stop ids) set to -inf;
+   if in the output) subtracted; logit_bias added; then banned ids (min_tokens: EOS + stop
+   ids, bad_words) and the tokens a row's bitmask leaves out (grammar, allowed_token_ids)
+   set to -inf;
 2. greedy rows (temperature < 1e-5): argmax, ties to the lowest id;
 3. random rows: divide by temperature, keep the top-k, then the top-p nucleus (smallest set
    whose probability reaches top_p, at least one token), then drop tokens below
@@ -72,7 +74,7 @@ class Sampler:
                              f"got shape {logits.shape}")
         logits = np.ascontiguousarray(logits, dtype=np.float32)   # no copy if it already is
         b = logits.shape[0]
-        modified = batch.penalized_rows | batch.banned_rows
+        modified = batch.penalized_rows | batch.banned_rows | batch.constrained_rows
 
         greedy = batch.temperature < SAMPLING_EPS
         token_ids = np.empty(b, np.int64)
@@ -335,10 +337,37 @@ def _apply_penalties_and_bans(x: np.ndarray, rows: np.ndarray, batch: SamplingBa
             ri, ti = np.divmod(flat, v)
             x[ri, ti] -= (freq[ri] * counts + pres[ri]) * scale[ri]
 
+    if batch.bias_rows is not None and batch.bias_rows.size:
+        # Rows of x: where each biased batch row sits in `rows` (absent rows dropped).
+        pos = np.full(len(batch), -1, np.int64)
+        pos[rows] = np.arange(n)
+        ri, ti = pos[batch.bias_rows], batch.bias_ids.astype(np.int64)
+        ok = (ri >= 0) & (ti < v)
+        ri, ti = ri[ok], ti[ok]
+        x[ri, ti] += batch.bias_values[ok] * scale[ri]
+
     if batch.banned_token_ids is not None:
         ri, ti = gather(batch.banned_token_ids, np.ones(n, bool))
         if ri.size:
             x[ri, ti] = -np.inf
+
+    if batch.mask_rows is not None and batch.mask_rows.size:
+        pos = np.full(len(batch), -1, np.int64)
+        pos[batch.mask_rows] = np.arange(batch.mask_rows.size)
+        which = pos[rows]
+        sel = np.flatnonzero(which >= 0)
+        if sel.size:
+            allowed = unpack_bitmask(batch.token_bitmask[which[sel]], v)
+            sub = x[sel]
+            sub[~allowed] = -np.inf
+            x[sel] = sub
+
+
+def unpack_bitmask(bitmask: np.ndarray, v: int) -> np.ndarray:
+    """bool [R, v] from int32 [R, ceil(v / 32)] bitmasks (bit t % 32 of word t // 32)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
+                         bitorder="little")
+    return bits[:, :v].view(np.bool_)
 
 
 def _slab_width(v: int) -> int:

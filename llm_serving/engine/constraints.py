@@ -1,0 +1,220 @@
+"""What a step may sample, per request: ``logit_bias``, ``allowed_token_ids``, ``bad_words``
+and structured outputs (a grammar, on llguidance).
+
+Where each part runs:
+- ``prepare(params)`` (the input processor, any thread): checks ids against the vocabulary,
+  tokenizes the bad words, compiles and validates the grammar, so that a bad schema or regex
+  is a ValueError (HTTP 400) before the request is queued;
+- ``apply(batch, sampled)`` (the input builder, each step): adds the logit_bias entries, the
+  bad-words bans and, for rows with a grammar or allowed_token_ids, one bitmask row (one bit
+  per token) to the step's ``SamplingBatch``; the sampler in the WorkAgent sets the tokens a
+  row leaves out to -inf;
+- the grammar matchers live here, in the master, which sees every sampled token: one per
+  sequence (n > 1 children have their own), advanced lazily over the tokens the sequence
+  gained since the previous step, rebuilt from the output tokens when a sequence has none
+  (a fork) or lost tokens, and dropped when the sequence finishes or is aborted
+  (``release``).
+
+A grammar row's mask needs the previous step's token, so under async scheduling the engine
+collects the running step before it schedules one with a grammar row (``has_grammar_rows``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from llm_serving.executor.protocol import SamplingBatch
+from llm_serving.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llm_serving.engine.sequence import Sequence
+    from llm_serving.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+_EMPTY = np.zeros(0, np.int64)
+# JSON as compact as json.dumps(separators=(",", ":")) with one space allowed after ':' and
+# ',': vLLM's llguidance default lets any whitespace through, which a weak model fills.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def compile_grammar(so: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for a request's structured output (not yet validated)."""
+    import llguidance
+    from llguidance import LLMatcher
+    if so.json is not None:
+        return LLMatcher.grammar_from_json_schema(so.json, defaults=_JSON_OPTIONS)
+    if so.json_object:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if so.regex is not None:
+        return LLMatcher.grammar_from_regex(so.regex)
+    if so.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(so.choice))
+    return llguidance.grammar_from("grammar", so.grammar)
+
+
+class Constraints:
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)
+        self._lltok = None
+        self._executor = None
+        # id(seq) -> [seq, matcher, tokens consumed]
+        self._matchers: dict[int, list] = {}
+
+    # ---- per request (any thread) ---------------------------------------------------------
+    def prepare(self, params: SamplingParams) -> None:
+        v = self.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= v:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the "
+                             f"vocabulary [0, {v})")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= v:
+            raise ValueError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is "
+                             f"not in the vocabulary [0, {v})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            seqs = set()
+            for w in params.bad_words:
+                for text in (w.lstrip(), " " + w.lstrip()):
+                    ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    if ids:
+                        seqs.add(ids)
+            params.bad_words_token_ids = [list(s) for s in sorted(seqs)]
+        if params.structured_outputs is not None and params.grammar is None:
+            params.grammar = self._compile(params.structured_outputs)
+
+    def _compile(self, so: StructuredOutputsParams) -> str:
+        from llguidance import LLMatcher
+        tok = self.lltokenizer()
+        try:
+            grammar = compile_grammar(so)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+        error = LLMatcher.validate_grammar(grammar, tok)
+        if error:
+            raise ValueError(f"structured_outputs: {error}")
+        return grammar
+
+    def lltokenizer(self):
+        """llguidance's view of the tokenizer (built once, ~1 s for a large vocabulary)."""
+        if self._lltok is None:
+            import llguidance
+            backend = getattr(self.tokenizer, "_backend", None)
+            if not hasattr(backend, "tok"):
+                raise ValueError("structured_outputs: needs a model with a tokenizer.json "
+                                 "(this model has a sentencepiece tokenizer.model only)")
+            eos = sorted(self.tokenizer.eos_token_ids)
+            self._lltok = llguidance.LLTokenizer(backend.tok.to_str(), n_vocab=self.vocab_size,
+                                                 eos_token=eos or None)
+            self._executor = llguidance.LLExecutor()
+        return self._lltok
+
+    # ---- per step (the engine thread) -----------------------------------------------------
+    @property
+    def num_matchers(self) -> int:
+        """Grammar matchers held (one per live constrained sequence)."""
+        return len(self._matchers)
+
+    @property
+    def has_grammar_rows(self) -> bool:
+        """Some live sequence decodes under a grammar."""
+        return bool(self._matchers)
+
+    def apply(self, batch: SamplingBatch, sampled: list["Sequence"]) -> None:
+        """Add the step's logit_bias, bans and token bitmask for the sampled rows."""
+        bias_rows, bias_ids, bias_vals, mask_rows, bans = [], [], [], [], {}
+        for row, seq in enumerate(sampled):
+            p = seq.params
+            if p.logit_bias:
+                ids, vals = _bias_arrays(p)
+                bias_rows.append(np.full(ids.size, row, np.int32))
+                bias_ids.append(ids)
+                bias_vals.append(vals)
+            if p.grammar is not None or p.allowed_token_ids is not None:
+                mask_rows.append(row)
+            if p.bad_words_token_ids:
+                banned = _bad_word_bans(p.bad_words_token_ids, seq.output_token_ids)
+                if banned:
+                    bans[row] = banned
+        if bias_rows:
+            batch.bias_rows = np.concatenate(bias_rows)
+            batch.bias_ids = np.concatenate(bias_ids)
+            batch.bias_values = np.concatenate(bias_vals)
+        if bans:
+            old = batch.banned_token_ids or [_EMPTY] * len(batch)
+            batch.banned_token_ids = [
+                np.union1d(old[r], np.fromiter(bans[r], np.int64)) if r in bans else old[r]
+                for r in range(len(batch))]
+        if mask_rows:
+            batch.mask_rows = np.asarray(mask_rows, np.int32)
+            batch.token_bitmask = self._bitmask([sampled[r] for r in mask_rows])
+
+    def _bitmask(self, seqs: list["Sequence"]) -> np.ndarray:
+        from llguidance.numpy import fill_next_token_bitmask_par
+        mask = np.full((len(seqs), self.words), -1, np.int32)
+        todo = []
+        for i, seq in enumerate(seqs):
+            if seq.params.grammar is not None:
+                todo.append((self._matcher(seq), i))
+        if todo:
+            fill_next_token_bitmask_par(self._executor, todo, mask)
+        for i, seq in enumerate(seqs):
+            if seq.params.allowed_token_ids is not None:
+                np.bitwise_and(mask[i], _allowed_mask(seq.params, self.words), out=mask[i])
+        return mask
+
+    def _matcher(self, seq: "Sequence"):
+        """The sequence's matcher, advanced over its new output tokens."""
+        from llguidance import LLMatcher
+        if seq.tokens_in_flight:
+            raise RuntimeError("a grammar row was scheduled while its previous token is in "
+                               "flight")
+        out = seq.output_token_ids
+        entry = self._matchers.get(id(seq))
+        if entry is None or entry[0] is not seq or entry[2] > len(out):
+            entry = [seq, LLMatcher(self.lltokenizer(), seq.params.grammar, log_level=0), 0]
+            self._matchers[id(seq)] = entry
+        m = entry[1]
+        if entry[2] < len(out):
+            if not m.consume_tokens(out[entry[2]:]) and m.is_error():
+                logger.warning("request %s left its grammar: %s", seq.request_id,
+                               m.get_error())
+            entry[2] = len(out)
+        return m
+
+    def release(self) -> None:
+        """Drop the matchers of finished sequences (finished, aborted, timed out)."""
+        if self._matchers:
+            for k in [k for k, e in self._matchers.items() if e[0].status.finished]:
+                del self._matchers[k]
+
+
+def _bias_arrays(p: SamplingParams):
+    cached = getattr(p, "_bias_arrays", None)
+    if cached is None:
+        cached = (np.fromiter(p.logit_bias.keys(), np.int32, len(p.logit_bias)),
+                  np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias)))
+        p._bias_arrays = cached
+    return cached
+
+
+def _allowed_mask(p: SamplingParams, words: int) -> np.ndarray:
+    cached = getattr(p, "_allowed_mask", None)
+    if cached is None:
+        bits = np.zeros(words * 32, np.uint8)
+        bits[np.asarray(p.allowed_token_ids, np.int64)] = 1
+        cached = np.packbits(bits, bitorder="little").view(np.int32)
+        p._allowed_mask = cached
+    return cached
+
+
+def _bad_word_bans(words: list[list[int]], out: list[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output (vLLM's rule)."""
+    banned = []
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (len(out) >= k and out[-k:] == w[:-1]):
+            banned.append(w[-1])
+    return banned
