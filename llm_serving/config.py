@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
@@ -271,7 +271,13 @@ class EngineArgs:
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
                   if self.dump_logits else None),
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
-                          if self.enable_multi_stream else None))
+                          if self.enable_multi_stream else None),
+            kv_transfer=_kv_transfer(self.kv_transfer_config))
+
+
+def _kv_transfer(data) -> Optional[KVTransferConfig]:
+    cfg = KVTransferConfig.from_dict(data)
+    return cfg.with_engine_id() if cfg is not None else None
 
 
 # ---- the resolved configuration ------------------------------------------------------------
@@ -346,7 +352,7 @@ class EngineConfig:
     device: DeviceConfig
     dump: Optional[DumpConfig] = None
     multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
-    kv_transfer: Optional[Any] = None      # room for KV transfer (PD disaggregation)
+    kv_transfer: Optional[KVTransferConfig] = None     # PD disaggregation; None: off
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

@@ -33,10 +33,12 @@ A request is whatever the engine's sequence is, read through a few attributes:
 from __future__ import annotations
 
 import enum
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
+import numpy as np
 from llm_serving.errors import LLMServingError
 
 if TYPE_CHECKING:
@@ -61,10 +63,11 @@ class KVRequest(Protocol):
 @dataclass
 class KVConnectorMetadata:
     """One step's transfer work, from the scheduler side to every worker. Small and
-    JSON-able (it rides in the step input): per request, the parameters of what to load into
-    which local blocks, and what to save (offer, put) from which blocks."""
-    loads: dict = field(default_factory=dict)      # request id -> {..., "local_block_ids"}
-    saves: dict = field(default_factory=dict)      # request id -> {..., "block_ids"}
+    JSON-able (it rides in the step input as bytes, bounded by ``MAX_METADATA_BYTES``): per
+    transfer key, the parameters of what to load into which local blocks, and what to save
+    (offer, put) from which blocks."""
+    loads: dict = field(default_factory=dict)      # key -> {..., "local_block_ids"}
+    saves: dict = field(default_factory=dict)      # key -> {..., "block_ids"}
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)
@@ -76,6 +79,54 @@ class KVConnectorMetadata:
     def from_dict(cls, d: Optional[dict]) -> "KVConnectorMetadata":
         d = d or {}
         return cls(dict(d.get("loads", {})), dict(d.get("saves", {})))
+
+    def to_array(self) -> np.ndarray:
+        """uint8 JSON bytes, for the step input (empty when there is nothing to do)."""
+        if not self:
+            return _NO_BYTES
+        return np.frombuffer(json.dumps(self.to_dict(), separators=(",", ":")).encode(),
+                             np.uint8)
+
+    @classmethod
+    def from_array(cls, a: Optional[np.ndarray]) -> Optional["KVConnectorMetadata"]:
+        if a is None or not len(a):
+            return None
+        return cls.from_dict(json.loads(bytes(a)))
+
+
+# The bound on one step's connector metadata; the scheduler side puts off what does not fit
+# to the next step.
+MAX_METADATA_BYTES = 1 << 20
+_NO_BYTES = np.zeros(0, np.uint8)
+
+
+@dataclass
+class KVConnectorOutput:
+    """What one worker (rank) reports after a step, back to the scheduler side (JSON):
+    transfers it finished sending (the reader is done, or the offer expired: the blocks may
+    be freed), loads that ended (done or failed: the destination blocks are no longer
+    written), loads that failed with the reason (a load that timed out while Mooncake still
+    writes is reported failed first and ended later), and the bytes it received."""
+    sent: list = field(default_factory=list)
+    recved: list = field(default_factory=list)
+    failed: dict = field(default_factory=dict)     # key -> reason
+    bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.sent or self.recved or self.failed or self.bytes)
+
+    def to_bytes(self) -> bytes:
+        if not self:
+            return b""
+        return json.dumps({"sent": list(self.sent), "recved": list(self.recved),
+                           "failed": self.failed, "bytes": self.bytes}).encode()
+
+    @classmethod
+    def from_bytes(cls, b: bytes) -> "KVConnectorOutput":
+        if not b:
+            return cls()
+        d = json.loads(b)
+        return cls(d["sent"], d["recved"], d["failed"], d["bytes"])
 
 
 def num_transfer_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -114,9 +165,25 @@ class KVConnectorBase(ABC):
     def build_connector_meta(self) -> KVConnectorMetadata:
         """This step's loads and saves; the pending ones are handed over and forgotten."""
 
-    def update_connector_output(self, finished_sending: set, finished_recving: set,
-                                failed_recving: dict) -> None:
-        """What every worker reported after a step (already combined across ranks)."""
+    def set_worker_info(self, infos: list) -> None:
+        """Each rank's ``handshake_info()``, once the workers are up (what the producer puts
+        in its kv_transfer_params so that a reader finds its memory)."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """What the workers reported after a step (already combined across ranks)."""
+
+    def load_key(self, request: KVRequest) -> Optional[str]:
+        """The key of the request's load (after ``update_state_after_alloc``)."""
+        return None
+
+    def request_load_done(self, request: KVRequest) -> bool:
+        """The request's load ended (done, failed or abandoned): forget it. True when it was
+        never handed to the workers (so nothing writes into its blocks)."""
+        return False
+
+    def has_pending_meta(self) -> bool:
+        """Metadata is waiting for the next step."""
+        return False
 
     @abstractmethod
     def request_finished(self, request: KVRequest,
@@ -128,6 +195,10 @@ class KVConnectorBase(ABC):
 
     def register_kv_caches(self, kv_caches: list) -> None:
         """The rank's KV cache: per layer a (key, value) pair of arrays."""
+
+    def handshake_info(self) -> dict:
+        """What the scheduler side must know about this rank (JSON-able), sent once."""
+        return {}
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._metadata = metadata
@@ -158,6 +229,21 @@ class KVConnectorBase(ABC):
         """Local blocks whose load failed since the last call (their requests recompute or
         fail, by kv_failure_policy)."""
         return set()
+
+    def get_load_failures(self) -> dict:
+        """Loads that failed since the last call: key -> reason. A failed load still being
+        written into (a timeout) appears in ``get_finished``'s receiving set only later."""
+        return {}
+
+    def take_num_bytes_received(self) -> int:
+        """Bytes loaded since the last call (for /metrics)."""
+        return 0
+
+    def build_connector_output(self) -> KVConnectorOutput:
+        """This step's report to the scheduler side (after the forward)."""
+        sending, recving = self.get_finished(set())
+        return KVConnectorOutput(sorted(sending), sorted(recving), self.get_load_failures(),
+                                 self.take_num_bytes_received())
 
     def shutdown(self) -> None:
         """Free the transfer engine and its registrations."""

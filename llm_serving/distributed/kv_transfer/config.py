@@ -35,7 +35,7 @@ EXTRA_KEYS = {
     "MooncakeStoreConnector": {"master_server_address", "metadata_server", "local_hostname",
                                "protocol", "device_name", "global_segment_size",
                                "local_buffer_size"},
-    "InProcessConnector": {"store_name"},
+    "InProcessConnector": {"load_delay"},
 }
 
 
@@ -116,6 +116,17 @@ class KVTransferConfig:
             raise ConfigError(_key("kv_connector"), "missing: the connector to use, one of "
                               + ", ".join(CONNECTORS))
         return cls(**dict(data))
+
+    def with_engine_id(self) -> "KVTransferConfig":
+        """This config with ``engine_id`` decided (hostname, pid and a random part when not
+        given), so that the master and its agents name the instance alike."""
+        if self.engine_id is not None:
+            return self
+        import dataclasses
+        import os
+        import secrets
+        return dataclasses.replace(
+            self, engine_id=f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}")
 
     def to_dict(self) -> dict:
         return {f.name: (dict(getattr(self, f.name)) if f.name == "kv_connector_extra_config"
