@@ -373,7 +373,9 @@ def _from_dict(cls, data):
         value, hint = data.get(f.name), hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if value is not None and dataclasses.is_dataclass(base):
-            value = base(**value) if base is ModelConfig else _from_dict(base, value)
+            value = (base(**value) if base is ModelConfig
+                     else KVTransferConfig.from_dict(value) if base is KVTransferConfig
+                     else _from_dict(base, value))
         elif isinstance(value, list):
             value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         kw[f.name] = value
