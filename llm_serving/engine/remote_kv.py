@@ -110,7 +110,10 @@ class RemoteKV:
         seq.kv_transfer_params_out = params
         if not delay:
             return False
-        self.held_sends[params["transfer_id"]] = self.bm.detach(seq)
+        blocks = self.bm.detach(seq)
+        k = len(params["remote_block_ids"])
+        self.bm.release_blocks(blocks[k:])        # only the offered blocks are held
+        self.held_sends[params["transfer_id"]] = blocks[:k]
         self.stats.kv_transfers_offered += 1
         return True
 
