@@ -146,3 +146,49 @@ def test_kv_transfer_params_are_refused_without_a_kv_transfer_config(servers):
         "model": "tiny", "prompt": "hi", "max_tokens": 2,
         "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "kv_producer" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def tp2_pair(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("pd-tp2")
+    started = {}
+    try:
+        for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+            started[name] = start_server(tmp, tiny_model_dir, section=kv_section(role),
+                                         agent_ports=(free_port(), free_port()))
+        yield {name: s[1] for name, s in started.items()}
+    finally:
+        codes = {name: stop_server(s[0]) for name, s in started.items()}
+    assert codes == {"P": 0, "D": 0}
+
+
+def test_tensor_parallel_2_on_both_sides_moves_each_ranks_heads(servers, tp2_pair):
+    """Each D rank reads its P rank's KV heads; the answer is the colocated one."""
+    urls = {**tp2_pair, "C": servers["C"]}
+    for prompt in PROMPTS[:2]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}
+        ref = requests.post(urls["C"] + "/v1/completions", json=body, timeout=60).json()
+        rp = requests.post(urls["P"] + "/v1/completions", timeout=60, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        params = rp["kv_transfer_params"]
+        assert params["tp_size"] == 2 and len(params["remote_ranks"]) == 2
+        out = requests.post(urls["D"] + "/v1/completions", timeout=60,
+                            json={**body, "kv_transfer_params": params}).json()
+        r, d = ref["choices"][0], out["choices"][0]
+        assert d["text"] == r["text"]
+        assert d["logprobs"]["token_logprobs"] == pytest.approx(
+            r["logprobs"]["token_logprobs"], abs=1e-5)
+    assert metric(urls["D"], 'kv_transfers_total{outcome="done"}') == 2
+    assert metric(urls["D"], "kv_transfer_recomputes_total") == 0
+    wait_until(lambda: metric(urls["P"], "kv_blocks_held") == 0)
+    # A TP 1 consumer cannot read a TP 2 producer's halves: it computes the prompt itself.
+    rp = requests.post(urls["P"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    before = metric(servers["D"], "kv_transfer_recomputes_total")
+    out = requests.post(servers["D"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": rp["kv_transfer_params"]})
+    assert out.status_code == 200
+    assert metric(servers["D"], "kv_transfer_recomputes_total") == before + 1
