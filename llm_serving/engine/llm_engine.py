@@ -145,7 +145,7 @@ class LLMEngine:
             outputs += self._collect(self._take_in_flight())
         batch = self.scheduler.schedule()
         outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
-        kv_meta = self.remote_kv.metadata_array() if self.remote_kv is not None else None
+        kv_meta = self.remote_kv.metadata_array(batch) if self.remote_kv is not None else None
         if not batch.seqs:
             if self._in_flight is not None:
                 outputs += self._collect(self._take_in_flight())

@@ -23,7 +23,8 @@ import logging
 from collections import defaultdict
 from typing import Optional
 
-from llm_serving.distributed.kv_transfer.base import KVConnectorBase, KVConnectorOutput
+from llm_serving.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorOutput,
+                                                      KVTransferError)
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.sequence import Sequence, SequenceStatus
@@ -58,15 +59,14 @@ class RemoteKV:
 
     # ---- consumer: admission --------------------------------------------------------------
     def wants_load(self, seq: Sequence) -> bool:
-        p = seq.kv_transfer_params
-        return bool(p and p.get("do_remote_prefill") and not seq.kv_remote_done
-                    and seq.index == 0)
+        return (not seq.kv_remote_done and seq.index == 0
+                and self.connector.wants_remote_lookup(seq))
 
     def num_external_tokens(self, seq: Sequence, num_computed: int) -> int:
         """Prompt tokens to load (0: none, and the request computes them itself)."""
         try:
             n, is_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, KVTransferError) as e:
             self._count("failed")
             self.stats.kv_transfer_recomputes += 1
             seq.kv_remote_done = True
@@ -97,10 +97,10 @@ class RemoteKV:
             else:                    # the read may still write: keep them until it ends
                 self.held_loads[key] = self.bm.detach(seq)
             return True
-        p = seq.kv_transfer_params
-        if (not p or not p.get("do_remote_decode") or seq.index != 0
-                or status not in (SequenceStatus.FINISHED_STOPPED,
-                                  SequenceStatus.FINISHED_LENGTH)):
+        if seq.index != 0:
+            return False
+        if status not in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+            self.connector.forget(seq)          # aborted: nothing to offer
             return False
         try:
             delay, params = self.connector.request_finished(seq, list(seq.block_table))
@@ -197,8 +197,9 @@ class RemoteKV:
         self._counts.clear()
         self._failed.clear()
 
-    def metadata_array(self):
-        return self.connector.build_connector_meta().to_array()
+    def metadata_array(self, batch):
+        """This step's connector metadata (``batch``: the scheduler's plan), as bytes."""
+        return self.connector.build_connector_meta(batch).to_array()
 
 
 def build_remote_kv(config, block_manager: BlockManager, worker_info: list
@@ -208,8 +209,9 @@ def build_remote_kv(config, block_manager: BlockManager, worker_info: list
     if kv is None:
         return None
     from llm_serving.distributed.kv_transfer.base import KVConnectorRole
-    from llm_serving.distributed.kv_transfer.factory import create_connector
+    from llm_serving.distributed.kv_transfer.factory import create_connector, kv_model_tag
     tp = config.parallel.tensor_parallel_size
-    conn = create_connector(kv, KVConnectorRole.SCHEDULER, config.cache.block_size, 0, tp)
+    conn = create_connector(kv, KVConnectorRole.SCHEDULER, config.cache.block_size, 0, tp,
+                            kv_model_tag(config))
     conn.set_worker_info(worker_info)
     return RemoteKV(conn, kv, block_manager, tp)

@@ -72,9 +72,11 @@ class ModelRunner:
         self._kv_outputs: list = []
         if config.kv_transfer is not None:
             from llm_serving.distributed.kv_transfer.base import KVConnectorRole
-            from llm_serving.distributed.kv_transfer.factory import create_connector
+            from llm_serving.distributed.kv_transfer.factory import (create_connector,
+                                                                      kv_model_tag)
             self.kv_connector = create_connector(config.kv_transfer, KVConnectorRole.WORKER,
-                                                 block_size, tp.rank, tp.size)
+                                                 block_size, tp.rank, tp.size,
+                                                 kv_model_tag(config))
             self.kv_connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples

@@ -146,6 +146,7 @@ class KVConnectorBase(ABC):
         self.block_size = block_size
         self.rank = rank
         self.tp_size = tp_size
+        self.model_tag = ""             # what the KV depends on (factory.kv_model_tag)
         self._metadata: Optional[KVConnectorMetadata] = None
 
     # ---- scheduler side -------------------------------------------------------------------
@@ -161,9 +162,16 @@ class KVConnectorBase(ABC):
                                  num_external_tokens: int) -> None:
         """The blocks the engine allocated for the request (the remote tokens' first)."""
 
+    def wants_remote_lookup(self, request: KVRequest) -> bool:
+        """Whether to ask ``get_num_new_matched_tokens`` for this waiting request (default:
+        it carries a producer's ``do_remote_prefill`` parameters)."""
+        p = getattr(request, "kv_transfer_params", None)
+        return bool(p and p.get("do_remote_prefill"))
+
     @abstractmethod
-    def build_connector_meta(self) -> KVConnectorMetadata:
-        """This step's loads and saves; the pending ones are handed over and forgotten."""
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's loads and saves; the pending ones are handed over and forgotten.
+        ``scheduler_output``: the step's plan (``seqs`` and ``num_tokens``)."""
 
     def set_worker_info(self, infos: list) -> None:
         """Each rank's ``handshake_info()``, once the workers are up (what the producer puts
@@ -180,6 +188,9 @@ class KVConnectorBase(ABC):
         """The request's load ended (done, failed or abandoned): forget it. True when it was
         never handed to the workers (so nothing writes into its blocks)."""
         return False
+
+    def forget(self, request: KVRequest) -> None:
+        """The request ended without finishing (abort, timeout): drop what is kept on it."""
 
     def has_pending_meta(self) -> bool:
         """Metadata is waiting for the next step."""

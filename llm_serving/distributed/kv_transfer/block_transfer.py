@@ -144,7 +144,7 @@ class BlockTransferScheduler(KVConnectorBase):
 
     # ---- every step -----------------------------------------------------------------------
 
-    def build_connector_meta(self) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output=None) -> KVConnectorMetadata:
         meta, size = KVConnectorMetadata(), 64
         for name, pending in (("saves", self._saves), ("loads", self._loads)):
             for key in list(pending):
