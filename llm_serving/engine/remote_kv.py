@@ -46,7 +46,6 @@ class RemoteKV:
         self.held_loads: dict[str, list[int]] = {}      # load key -> blocks of an ended request
         self.held_sends: dict[str, list[int]] = {}      # transfer id -> blocks offered
         self._counts: dict[str, int] = defaultdict(int)     # ranks that reported a key
-        self._failed: dict[str, str] = {}               # load key -> first failure reason
         # Backstops, should the workers never report a transfer (they time out themselves):
         # when a load is given up, and when an offer's blocks are freed anyway.
         self._load_deadline: dict[str, float] = {}
@@ -136,17 +135,17 @@ class RemoteKV:
         whose KV arrived (into ``waiting``, sorted by ``rank_key``), handle failures. Returns
         the requests to fail (policy ``fail``) with the reason."""
         merged = KVConnectorOutput()
-        now = time.time()
-        if now >= self._next_check and (self._load_deadline or self._send_deadline):
-            self._next_check = now + 0.5
-            self._backstop(now, merged)
-        if not outputs and not merged:
-            return []
         for o in outputs:
             merged.failed.update(o.failed)
             merged.bytes += o.bytes
             merged.sent += self._complete(o.sent)
             merged.recved += self._complete(o.recved)
+        now = time.time()
+        if now >= self._next_check and (self._load_deadline or self._send_deadline):
+            self._next_check = now + 0.5
+            self._backstop(now, merged)      # after the reports: a late report still counts
+        if not merged:
+            return []
         self.connector.update_connector_output(merged)
         self.stats.kv_transfer_bytes += merged.bytes
         for tid in merged.sent:
@@ -156,7 +155,6 @@ class RemoteKV:
         to_fail = []
         for key, reason in merged.failed.items():
             seq = self.loading.pop(key, None)
-            self._failed.setdefault(key, reason)
             if seq is None:
                 continue
             self._count("timeout" if "timed out" in reason else "failed")
@@ -175,7 +173,6 @@ class RemoteKV:
             blocks = self.held_loads.pop(key, None)
             if blocks is not None:
                 self.bm.release_blocks(blocks)
-                self._failed.pop(key, None)
                 continue
             seq = self.loading.pop(key, None)
             if seq is None:
@@ -194,14 +191,14 @@ class RemoteKV:
         """Transfers the workers never reported, past their deadline: a load fails (its
         blocks stay held until reported), an offer's blocks are freed."""
         for key, t in list(self._load_deadline.items()):
-            if key not in self.loading:
+            if key not in self.loading or key in merged.failed or key in merged.recved:
                 del self._load_deadline[key]
             elif now >= t:
                 del self._load_deadline[key]
                 logger.error("KV load %s: no report from the workers in time", key)
                 merged.failed[key] = "KV transfer timed out (no report from the workers)"
         for tid, t in list(self._send_deadline.items()):
-            if tid not in self.held_sends:
+            if tid not in self.held_sends or tid in merged.sent:
                 del self._send_deadline[tid]
             elif now >= t:
                 del self._send_deadline[tid]
@@ -231,7 +228,6 @@ class RemoteKV:
         self._load_deadline.clear()
         self._send_deadline.clear()
         self._counts.clear()
-        self._failed.clear()
 
     def metadata_array(self, batch):
         """This step's connector metadata (``batch``: the scheduler's plan), as bytes."""
