@@ -1,4 +1,5 @@
-"""Command line: ``llm-serving serve --config FILE`` (also what ``start.py`` runs)."""
+"""Command line: ``llm-serving serve --config FILE`` (also what ``start.py`` runs), and
+``llm-serving tune`` (``llm_serving/tune/``)."""
 from __future__ import annotations
 
 import argparse
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")
     add_engine_arguments(s)
+    from llm_serving.tune.cli import add_tune_parser
+    add_tune_parser(sub)
     return parser
 
 
@@ -146,6 +149,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "tune":
+            from llm_serving.tune.cli import run_tune
+            sys.exit(run_tune(args))
         serve(args)
     except KeyboardInterrupt:
         pass

@@ -178,7 +178,10 @@ class Constraints:
             self._matchers[id(seq)] = entry
         m = entry[1]
         if entry[2] < len(out):
-            if not m.consume_tokens(out[entry[2]:]) and m.is_error():
+            was_error = m.is_error()
+            if not m.consume_tokens(out[entry[2]:]) and not was_error:
+                # Only a token the mask allowed is sampled, unless every token was banned
+                # (min_tokens banning the EOS the grammar needs): said once.
                 logger.warning("request %s left its grammar: %s", seq.request_id,
                                m.get_error())
             entry[2] = len(out)
