@@ -223,3 +223,26 @@ def test_a_load_the_workers_never_report_is_given_up_by_the_scheduler(tiny_model
         P.step()
         assert time.monotonic() < deadline
     assert D.get_stats().kv_blocks_held > 0       # the never-ended read keeps its blocks
+
+
+def test_a_request_scoring_its_prompt_computes_it_instead_of_loading(pd, colocated):
+    """Prompt logprobs need every prompt row's logits: such a request never loads KV."""
+    P, D = pd
+    ids = list(range(20, 60))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    colocated.add_request({"prompt_token_ids": ids}, params, request_id="ref-plp")
+    ref = drive(colocated)["ref-plp"]
+    (kv,) = prefill_on_p(P, [ids])
+    loaded = D.get_stats().kv_remote_prefill_tokens
+    D.add_request({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2,
+        kv_transfer_params=kv), request_id="d-plp")
+    out = drive(D, [P])["d-plp"]
+    assert D.get_stats().kv_remote_prefill_tokens == loaded
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert len(out.prompt_logprobs) == len(ids)
+    for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose([v.logprob for v in a.values()],
+                                   [v.logprob for v in b.values()], atol=1e-5)
+    settle(P, D)

@@ -65,7 +65,8 @@ class RemoteKV:
 
     # ---- consumer: admission --------------------------------------------------------------
     def wants_load(self, seq: Sequence) -> bool:
-        return (not seq.kv_remote_done and seq.index == 0
+        """A request that scores its prompt (prompt logprobs) computes every prompt row."""
+        return (not seq.kv_remote_done and seq.index == 0 and seq.prompt_logprobs is None
                 and self.connector.wants_remote_lookup(seq))
 
     def num_external_tokens(self, seq: Sequence, num_computed: int) -> int:
