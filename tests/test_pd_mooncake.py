@@ -1,8 +1,10 @@
 """PD disaggregation between real servers over Mooncake's TransferEngine (MooncakeConnector,
 P2P over TCP on loopback): a producer and a consumer ``start.py`` each, driven by hand with
 ``requests`` (first P with max_tokens 1 and do_remote_decode, then D with P's
-kv_transfer_params), against a colocated server. Needs the ``pd`` extra (CI installs it with
-``.[test]``); it is not skipped when Mooncake is missing."""
+kv_transfer_params), against a colocated server; plus a client leaving during a transfer, on
+one kv_both server whose agent reads from itself (InProcessConnector, with a slow read).
+Needs the ``pd`` extra (CI installs it with ``.[test]``); it is not skipped when Mooncake is
+missing."""
 from __future__ import annotations
 
 import json
@@ -233,3 +235,42 @@ def test_tensor_parallel_2_on_both_sides_moves_each_ranks_heads(servers, tp2_pai
         "kv_transfer_params": rp["kv_transfer_params"]})
     assert out.status_code == 200
     assert metric(servers["D"], "kv_transfer_recomputes_total") == before + 1
+
+
+def test_a_client_that_leaves_during_the_transfer_frees_everything(tmp_path, tiny_model_dir):
+    """One kv_both server reading from itself through the InProcessConnector (its agent holds
+    both sides), each read taking 2 s: the client leaves while its request waits for the
+    KV; the request is aborted, its blocks stay held while the read may still write and are
+    freed when it ends, and the producer's offer when it is read or expires."""
+    import socket
+    import struct
+    section = "kv_transfer: " + json.dumps({
+        "kv_connector": "InProcessConnector", "kv_role": "kv_both", "kv_transfer_timeout": 4,
+        "kv_connector_extra_config": {"load_delay": 2.0}}) + "\n"
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, section=section,
+                                agent_ports=(free_port(),))
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        params = requests.post(url + "/v1/completions", timeout=60, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        ).json()["kv_transfer_params"]
+        host, port = url.rsplit("/", 1)[1].split(":")
+        # (streamed: a non-streaming request whose client resets is not aborted today, a
+        # limit of the HTTP layer noted in the report)
+        payload = json.dumps({**body, "stream": True, "kv_transfer_params": params}).encode()
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(payload)).encode()
+                  + b"\r\n\r\n" + payload)
+        wait_until(lambda: metric(url, "kv_loads_in_flight") == 1, timeout=10)
+        # the client leaves mid-transfer (a reset: a half-close may go unnoticed)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        wait_until(lambda: metric(url, "kv_loads_in_flight") == 0, timeout=10)
+        assert metric(url, 'request_success_total{finished_reason="abort"}') == 1
+        wait_until(lambda: metric(url, "kv_cache_usage_perc") == 0
+                   and metric(url, "kv_blocks_held") == 0, timeout=15)
+        r = requests.post(url + "/v1/completions", json=body, timeout=60)   # still serving
+        assert r.status_code == 200
+    finally:
+        assert stop_server(proc) == 0
