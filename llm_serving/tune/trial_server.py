@@ -134,11 +134,24 @@ class TrialServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            _wait_group_gone(self.proc.pid, 10.0)
             remove_segments(self.proc.pid)
             self._log.close()
         finally:
             if old is not None:
                 signal.signal(signal.SIGINT, old)
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Until no process of the group is left (killed agents are reaped by init a moment
+    after the kill), so a stopped trial has really stopped when this returns."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
 
 
 def remove_segments(pid: int) -> list[str]:
