@@ -1,5 +1,10 @@
 from setuptools import find_packages, setup
 
+# PD disaggregation (KV transfer between instances): Mooncake's transfer engine and store, and
+# the `mooncake_master` command. At run time it needs Debian's libibverbs1, libnl-3-200 and
+# libnl-route-3-200 (installed by .ci/run). On Ascend use mooncake-transfer-engine-npu.
+PD = ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]
+
 setup(
     name="llm_serving",
     version="0.1.0",
@@ -43,7 +48,9 @@ setup(
             "schemathesis",
             "jsonschema",
             "matplotlib",
+            *PD,
         ],
+        "pd": PD,
         "clients": ["matplotlib"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},

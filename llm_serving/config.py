@@ -16,8 +16,9 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
+from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 
@@ -109,6 +110,11 @@ class EngineArgs:
     multi_stream: Optional[dict] = _arg(None,
         "multi-stream knobs (the YAML multi_stream: section; on the CLI as JSON): "
         "min_total_tokens, min_prefill_tokens, max_imbalance, apply_to, overlap")
+    kv_transfer_config: Optional[dict] = _arg(None,
+        "PD disaggregation (the YAML kv_transfer: section; on the CLI as JSON, vLLM's shape): "
+        "kv_connector (MooncakeConnector, MooncakeStoreConnector), kv_role (kv_producer, "
+        "kv_consumer, kv_both), kv_connector_extra_config, kv_transfer_timeout, "
+        "kv_failure_policy (recompute, fail)")
     tool_call_parser: Optional[str] = _arg(None,
         "how tool calls are read from the model's text with tool_choice 'auto': hermes or "
         "llama3_json (needs enable_auto_tool_choice)")
@@ -188,6 +194,7 @@ class EngineArgs:
             raise ConfigError("multi_stream", f"expected a mapping of knobs, got "
                               f"{self.multi_stream!r}")
         MultiStreamConfig.from_dict(self.multi_stream)      # names a bad knob now
+        KVTransferConfig.from_dict(self.kv_transfer_config)   # names a bad key now
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream"):
             if key == "async_scheduling" and self.async_scheduling is None:
@@ -264,7 +271,13 @@ class EngineArgs:
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
                   if self.dump_logits else None),
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
-                          if self.enable_multi_stream else None))
+                          if self.enable_multi_stream else None),
+            kv_transfer=_kv_transfer(self.kv_transfer_config))
+
+
+def _kv_transfer(data) -> Optional[KVTransferConfig]:
+    cfg = KVTransferConfig.from_dict(data)
+    return cfg.with_engine_id() if cfg is not None else None
 
 
 # ---- the resolved configuration ------------------------------------------------------------
@@ -339,7 +352,7 @@ class EngineConfig:
     device: DeviceConfig
     dump: Optional[DumpConfig] = None
     multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
-    kv_transfer: Optional[Any] = None      # room for KV transfer (PD disaggregation)
+    kv_transfer: Optional[KVTransferConfig] = None     # PD disaggregation; None: off
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""
@@ -360,7 +373,9 @@ def _from_dict(cls, data):
         value, hint = data.get(f.name), hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if value is not None and dataclasses.is_dataclass(base):
-            value = base(**value) if base is ModelConfig else _from_dict(base, value)
+            value = (base(**value) if base is ModelConfig
+                     else KVTransferConfig.from_dict(value) if base is KVTransferConfig
+                     else _from_dict(base, value))
         elif isinstance(value, list):
             value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         kw[f.name] = value

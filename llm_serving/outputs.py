@@ -94,3 +94,6 @@ class RequestOutput:
     num_cached_tokens: Optional[int] = None
     # Why the engine ended the request itself (queue timeout, engine error); None otherwise.
     error: Optional[str] = None
+    # PD disaggregation: a producer's offer of the prompt's KV (vLLM's kv_transfer_params,
+    # for the consumer), on the finished output; None otherwise.
+    kv_transfer_params: Optional[dict] = None

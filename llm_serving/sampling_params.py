@@ -141,6 +141,10 @@ class SamplingParams:
     allowed_token_ids: Optional[List[int]] = None
     bad_words: Optional[List[str]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # PD disaggregation (vLLM's): {"do_remote_decode": true} asks a producer to keep the
+    # prompt's KV for a consumer; {"do_remote_prefill": true, ...the producer's answer...}
+    # asks a consumer to load it. The engine refuses it without a kv_transfer config.
+    kv_transfer_params: Optional[Dict[str, Any]] = None
     # Filled by the engine's input processor (the tokenizer's view of bad_words, the
     # compiled grammar); not part of the user's request.
     bad_words_token_ids: Optional[List[List[int]]] = field(default=None, repr=False)
@@ -294,6 +298,10 @@ class SamplingParams:
                 need(0 <= value <= MAX_LOGPROBS,
                      f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
         need("" not in self.stop, "stop must not contain an empty string")
+        if self.kv_transfer_params is not None:
+            need(isinstance(self.kv_transfer_params, dict),
+                 f"kv_transfer_params must be a JSON object, got {self.kv_transfer_params!r}")
+            need(self.n == 1, f"kv_transfer_params: only n = 1 is transferred, got n={self.n}")
         if self.seed is not None:
             need(-(2**63) <= self.seed < 2**63, f"seed must fit in 64 bits, got {self.seed}")
         need(all(t < 2**31 for t in self.stop_token_ids),

@@ -17,6 +17,10 @@ llm-serving's knobs that still mean something are mapped to engine arguments:
 The ``multi_stream:`` section sets multi-stream's knobs (``enabled: true`` is
 ``--enable-multi-stream``; the other keys are ``MultiStreamConfig``'s).
 
+The ``kv_transfer:`` section is PD disaggregation's ``kv_transfer_config`` (vLLM's keys:
+``kv_connector``, ``kv_role``, ``kv_connector_extra_config``; see
+distributed/kv_transfer/config.py), the same as ``--kv-transfer-config '{json}'``.
+
 The ``llm_serving:`` section takes every engine argument by its own name (see EngineArgs),
 and wins over the legacy keys. The legacy keys that have no effect are named, with the reason,
 in one warning. A wrong type, or a missing key that llm-serving required in a section that is
@@ -122,6 +126,7 @@ class ConfigFile(BaseModel):
     model_path: Optional[dict[str, Any]] = None
     llm_serving: Optional[dict[str, Any]] = None
     multi_stream: Optional[dict[str, Any]] = None
+    kv_transfer: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -202,6 +207,8 @@ def load_config(path: Path, overrides: Optional[dict] = None) -> ServingConfig:
                                   f"{enabled!r}")
             kw["enable_multi_stream"] = enabled
         kw["multi_stream"] = knobs
+    if cfg.kv_transfer is not None:
+        kw["kv_transfer_config"] = dict(cfg.kv_transfer)
     kw.update(cfg.llm_serving or {})
     kw.update(overrides or {})
     if sc is not None and len(sc.agent_ports) > 1:

@@ -1,1 +1,2 @@
-"""Communication between the tensor-parallel WorkAgents of one host (``shm_allreduce.py``)."""
+"""Communication between processes: the tensor-parallel WorkAgents of one host
+(``shm_allreduce.py``), and KV transfer between instances (``kv_transfer/``)."""

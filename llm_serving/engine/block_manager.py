@@ -253,6 +253,20 @@ class BlockManager:
         seq.cached_uids = []
         seq.num_computed_tokens = 0
 
+    def detach(self, seq: Sequence) -> list[int]:
+        """Take the sequence's device blocks away from it without freeing them (a KV
+        transfer still reads or writes them); ``release_blocks`` frees them later."""
+        blocks = seq.block_table
+        self.cpu_free.extend(seq.cpu_block_table)
+        seq.block_table, seq.cpu_block_table, seq.cached_uids = [], [], []
+        seq.num_computed_tokens = 0
+        return blocks
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Free blocks taken by ``detach``."""
+        for block in reversed(blocks):
+            self._release(block)
+
     # ---- swap -----------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(seq.block_table) <= len(self.cpu_free)

@@ -38,6 +38,7 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.policy = config.scheduler.policy
+        self.kv_transfer = config.kv_transfer
         self._ids = itertools.count()
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -57,6 +58,8 @@ class InputProcessor:
             raise ValueError("priority is only used with scheduling_policy='priority'")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.max_num_seqs})")
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(params.kv_transfer_params)
         if self.constraints is not None and (params.constrained or params.logit_bias):
             self.constraints.prepare(params)
         text, ids = self._tokenize(prompt)
@@ -73,6 +76,18 @@ class InputProcessor:
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time)
+
+    def _check_kv_transfer(self, p: dict) -> None:
+        kv = self.kv_transfer
+        if kv is None:
+            raise ValueError("kv_transfer_params: this instance has no KV transfer "
+                             "configured (start it with --kv-transfer-config)")
+        if p.get("do_remote_decode") and not kv.is_producer:
+            raise ValueError(f"kv_transfer_params: do_remote_decode needs a kv_producer or "
+                             f"kv_both instance, this one is {kv.kv_role}")
+        if p.get("do_remote_prefill") and not kv.is_consumer:
+            raise ValueError(f"kv_transfer_params: do_remote_prefill needs a kv_consumer or "
+                             f"kv_both instance, this one is {kv.kv_role}")
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Optional, Union
 
+import numpy as np
+
 from llm_serving.config import EngineArgs, EngineConfig
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.constraints import Constraints
@@ -28,15 +30,19 @@ from llm_serving.engine.input_processor import InputProcessor, NewRequest, Promp
 from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
 from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.output_processor import OutputProcessor, StepInFlight
+from llm_serving.engine.remote_kv import build_remote_kv
 from llm_serving.engine.scheduler import Scheduler
 from llm_serving.model_executor.multistream.split import multi_stream_on_master, step_split
 from llm_serving.engine.sequence import Sequence, SequenceStatus
+from llm_serving.executor.protocol import StepInput
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "NewRequest", "PromptType"]
 logger = logging.getLogger(__name__)
+_EMPTY = np.zeros(0, np.int32)
+_KV_POLL_S = 0.002      # between polls of KV transfers when nothing else runs
 
 
 def create_executor(config: EngineConfig):
@@ -69,6 +75,15 @@ class LLMEngine:
         self.multi_stream = multi_stream_on_master(config)    # None: steps run unsplit
         self._in_flight: Optional[StepInFlight] = None
         self._arrivals = itertools.count()
+        self._init_remote_kv()
+
+    def _init_remote_kv(self) -> None:
+        """KV transfer (PD disaggregation), when configured: the scheduler-side connector,
+        told where each rank's KV lives."""
+        info = getattr(self.runner, "kv_connector_info", None)
+        self.remote_kv = build_remote_kv(self.config, self.block_manager,
+                                         info() if info is not None else [])
+        self.scheduler.remote = self.remote_kv
 
     @property
     def requests(self):
@@ -111,8 +126,10 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        """Requests are unfinished, or a step is still running on the model."""
-        return bool(self.requests) or self._in_flight is not None
+        """Requests are unfinished, a step is still running on the model, or KV transfers
+        are in flight (the workers are polled until they end)."""
+        return (bool(self.requests) or self._in_flight is not None
+                or (self.remote_kv is not None and self.remote_kv.busy))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -128,16 +145,20 @@ class LLMEngine:
             outputs += self._collect(self._take_in_flight())
         batch = self.scheduler.schedule()
         outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
+        kv_meta = self.remote_kv.metadata_array(batch) if self.remote_kv is not None else None
         if not batch.seqs:
             if self._in_flight is not None:
                 outputs += self._collect(self._take_in_flight())
-            if batch.swap_out:      # a step that only preempted still moves the KV
-                self.runner.move_blocks(block_pairs(batch.swap_out), block_pairs(()),
-                                        block_pairs(()))
+            if batch.swap_out or (self.remote_kv is not None and self.remote_kv.busy):
+                # a step that only preempted still moves the KV; one that only polls KV
+                # transfers starts and checks them
+                outputs += self._move_and_poll(batch, kv_meta)
             self.constraints.release()
             return outputs
         built = build_step_input(batch, self.config.cache.block_size,
                                  self.output_processor.eos_token_ids, self.constraints)
+        if kv_meta is not None:
+            built.step.kv_meta = kv_meta
         self.stats.num_prefill_tokens += built.num_prefill_tokens
         if self.multi_stream is not None:      # decided here, once, for every rank
             built.step.ms_split, reason = step_split(built.step.query_start_loc,
@@ -160,6 +181,36 @@ class LLMEngine:
         self.constraints.release()      # the grammar state of sequences that ended
         return outputs
 
+    def _move_and_poll(self, batch, kv_meta) -> list[RequestOutput]:
+        """A step with no tokens: block moves and/or KV transfer work only."""
+        step = StepInput(_EMPTY, _EMPTY, _EMPTY, np.zeros((0, 0), np.int32),
+                         np.zeros(1, np.int32), _EMPTY, _EMPTY, None,
+                         swap_out=block_pairs(batch.swap_out))
+        if kv_meta is not None:
+            step.kv_meta = kv_meta
+        self.runner.execute(step)
+        outputs = self._apply_kv_outputs()
+        if not batch.swap_out and not self.requests_ready():
+            time.sleep(_KV_POLL_S)        # only transfers in flight: poll, don't spin
+        return outputs
+
+    def requests_ready(self) -> bool:
+        """Some request can be scheduled (it is waiting, running or swapped)."""
+        return self.scheduler.has_unfinished()
+
+    def _apply_kv_outputs(self) -> list[RequestOutput]:
+        """What the workers reported about KV transfers: blocks to free, requests whose KV
+        arrived, requests whose transfer failed under policy ``fail``."""
+        if self.remote_kv is None:
+            return []
+        sch = self.scheduler
+        failed = self.remote_kv.update(self.runner.take_kv_connector_output(), sch.waiting,
+                                       sch._rank)
+        outs = [self.output_processor.end_request(seq.request_id,
+                                                  SequenceStatus.FINISHED_ABORTED, reason)
+                for seq, reason in failed]
+        return [o for o in outs if o is not None]
+
     def _take_in_flight(self) -> StepInFlight:
         fl, self._in_flight = self._in_flight, None
         return fl
@@ -169,7 +220,7 @@ class LLMEngine:
         result = self.runner.collect()
         if fl.dumps:
             self.dumper.save(fl.dumps, result.dump_logits)
-        return self.output_processor.process(fl, result)
+        return self.output_processor.process(fl, result) + self._apply_kv_outputs()
 
     def _fail_timed_out(self, seq: Sequence) -> Optional[RequestOutput]:
         return self.output_processor.end_request(
@@ -220,8 +271,11 @@ class LLMEngine:
             self.runner.shutdown()
         except Exception:   # noqa: BLE001 - it is dead already
             pass
+        if self.remote_kv is not None:      # the transfers died with the workers
+            self.remote_kv.drop_all()
         self.block_manager.reset()
         self.runner = create_executor(self.config)
+        self._init_remote_kv()
         self.warm_up()
 
     def shutdown(self) -> None:
@@ -236,6 +290,10 @@ class LLMEngine:
         sch, bm, st = self.scheduler, self.block_manager, self.stats
         snap = EngineStats(**{k: v for k, v in vars(st).items() if k != "finished_requests"})
         snap.finished_by_reason = dict(st.finished_by_reason)
+        snap.kv_transfers = dict(st.kv_transfers)
+        if self.remote_kv is not None:
+            snap.kv_blocks_held = self.remote_kv.num_blocks_held
+            snap.kv_loads_in_flight = len(self.remote_kv.loading)
         snap.multistream_steps = dict(st.multistream_steps)
         snap.num_running = len(sch.running)
         snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)

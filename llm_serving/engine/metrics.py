@@ -33,6 +33,16 @@ class EngineStats:
     num_generation_tokens: int = 0  # tokens sampled
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # tokens found there
+    # KV transfer (PD disaggregation): loads by outcome ("done", "failed", "timeout"), prefills
+    # recomputed here after a failed load, offers held for readers, bytes received, prompt
+    # tokens loaded instead of computed; blocks held for transfers and loads in flight (gauges).
+    kv_transfers: dict = field(default_factory=dict)
+    kv_transfer_recomputes: int = 0
+    kv_transfers_offered: int = 0
+    kv_transfer_bytes: int = 0
+    kv_remote_prefill_tokens: int = 0
+    kv_blocks_held: int = 0
+    kv_loads_in_flight: int = 0
     # Multi-stream: steps by how they ran ("split", or why not: multistream/split.py).
     multistream_steps: dict = field(default_factory=dict)
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).

@@ -258,7 +258,9 @@ class OutputProcessor:
         return RequestOutput(request_id=req.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outs,
                              finished=finished, prompt_logprobs=prompt_lp, metrics=metrics,
-                             num_cached_tokens=first.num_cached_tokens, error=req.error)
+                             num_cached_tokens=first.num_cached_tokens, error=req.error,
+                             kv_transfer_params=first.kv_transfer_params_out if finished
+                             else None)
 
 
 def _request_metrics(req: RequestState) -> RequestMetrics:

@@ -72,6 +72,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_reserved = 0          # pending n > 1 children of running sequences
+        # KV transfer (engine/remote_kv.py), set by the engine when configured.
+        self.remote = None
         self._next_timeout_check = 0.0
 
     # ---- queues ---------------------------------------------------------------------------
@@ -196,9 +198,20 @@ class Scheduler:
         seq = self.waiting[0]
         if seq.tokens_in_flight:        # preempted while its step ran: wait for its token
             return False
+        if seq.block_table:             # its remote KV arrived: compute the rest
+            return self._admit_loaded(out, budget, now)
+        matched = bm.match_prefix(seq)
+        if self.remote is not None and self.remote.wants_load(seq):
+            ext = self.remote.num_external_tokens(seq, len(matched) * bm.block_size)
+            if ext > 0:     # blocks for the remote tokens; no batch slot, no token budget
+                if not bm.can_admit(seq, matched, ext, keep_watermark=bool(self.running)):
+                    return False
+                self.waiting.pop(0)
+                bm.admit(seq, matched, ext, out.copies)
+                self.remote.start_load(seq, ext)
+                return True
         if not self._has_slots_for(seq):
             return False
-        matched = bm.match_prefix(seq)
         n = seq.num_tokens - len(matched) * bm.block_size
         if n > budget:
             if not self.enable_chunked_prefill:
@@ -208,6 +221,28 @@ class Scheduler:
             return False
         self.waiting.pop(0)
         bm.admit(seq, matched, n, out.copies)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self._enter_running(seq)
+        out.add(seq, n)
+        return True
+
+    def _admit_loaded(self, out: SchedulerOutput, budget: int, now: float) -> bool:
+        """A request whose prompt KV was loaded from another instance: it holds the blocks
+        of the loaded tokens and computes the rest (at least the last prompt token)."""
+        seq = self.waiting[0]
+        if not self._has_slots_for(seq):
+            return False
+        n = seq.num_uncomputed_tokens
+        if n > budget:
+            if not self.enable_chunked_prefill:
+                return False
+            n = budget
+        if not self.block_manager.can_append(seq, n):
+            return False
+        self.waiting.pop(0)
+        self.block_manager.append(seq, n, out.copies)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -271,5 +306,8 @@ class Scheduler:
             self.swapped.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if self.remote is not None and self.remote.finish(seq, status):
+            seq.status = status         # the blocks stay until the transfer ends
+            return
         seq.status = status
         self.block_manager.free(seq)

@@ -16,6 +16,9 @@ from llm_serving.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # Its prompt's KV is being loaded from another instance (PD disaggregation): it holds
+    # blocks for it, but neither a batch slot nor a place in the waiting queue.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     SWAPPED = "swapped"                 # preempted, KV blocks held in the host pool
     FINISHED_STOPPED = "stop"
@@ -63,6 +66,14 @@ class Sequence:
         self.in_flight_row = -1
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []
+        # KV transfer (PD disaggregation, engine/remote_kv.py): the caller's
+        # kv_transfer_params, the ones returned to it (a producer's offer), the key and token
+        # count of a load in progress, and whether loading is over (done or given up).
+        self.kv_transfer_params: Optional[dict] = params.kv_transfer_params
+        self.kv_transfer_params_out: Optional[dict] = None
+        self.kv_load_key: Optional[str] = None
+        self.kv_external_tokens = 0
+        self.kv_remote_done = False
         # Results.
         # Prompt logprobs (vLLM's shape: None, then one dict per prompt token) when asked:
         # set on the sequence that computes the prompt, filled as its prefill chunks run.

@@ -66,6 +66,8 @@ class Parameters(BaseModel):
     top_n_tokens: int = Field(0, ge=0, le=20)
     # TGI's structured output: {"type": "json" | "json_schema" | "regex", "value": ...}.
     grammar: Optional[Grammar] = None
+    # PD disaggregation (vLLM's kv_transfer_params; refused without a kv_transfer config).
+    kv_transfer_params: Optional[dict[str, Any]] = None
     # Accepted and ignored, as in llm-serving.
     truncate: Optional[Union[bool, int]] = None
     typical_p: Optional[float] = None
@@ -86,6 +88,7 @@ def _params(p: Parameters) -> SamplingParams:
         temperature=p.temperature if sample else 0.0, top_k=p.top_k if sample else 0,
         top_p=p.top_p if sample else 1.0, repetition_penalty=p.repetition_penalty,
         seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens,
+        kv_transfer_params=p.kv_transfer_params,
         logprobs=p.top_n_tokens if want_lp else None, output_kind=RequestOutputKind.DELTA,
         structured_outputs=p.grammar.structured() if p.grammar is not None else None)
 
@@ -143,9 +146,10 @@ def _token_list(tok, ids: list, lps: list) -> list[dict]:
 async def _full(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()
-    texts, ids, lps, finish, error, n_prompt = [], [], [], None, None, 0
+    texts, ids, lps, finish, error, n_prompt, kv = [], [], [], None, None, 0, None
     async for out in stream_or_disconnect(request, stream):
         n_prompt = len(out.prompt_token_ids)
+        kv = out.kv_transfer_params or kv
         c = out.outputs[0]
         error = out.error
         texts.append(c.text)
@@ -156,6 +160,8 @@ async def _full(request: Request, model: str, req: GenerateRequest):
         raise HTTPError(503, error, kind="service_unavailable")
     body = _summary(_token_list(engine.tokenizer, ids, lps), "".join(texts), finish,
                     req.parameters.seed)
+    if kv is not None:
+        body["kv_transfer_params"] = kv
     log_request(stream.request_id, n_prompt, len(ids), t0)
     return Response((json.dumps(body, ensure_ascii=False) + "\n").encode(),
                     media_type="application/json")

@@ -26,6 +26,14 @@ _COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Tokens found in the prefix cache"),
     "request_aborted": ("num_aborted_requests", "Requests aborted"),
     "request_timeout": ("num_timed_out_requests", "Requests that timed out in the queue"),
+    # KV transfer (PD disaggregation)
+    "kv_transfer_recomputes": ("kv_transfer_recomputes", "Prefills computed here after a "
+                               "failed or refused KV load (policy recompute)"),
+    "kv_transfer_bytes": ("kv_transfer_bytes", "KV bytes received from other instances"),
+    "kv_remote_prefill_tokens": ("kv_remote_prefill_tokens", "Prompt tokens whose KV was "
+                                 "loaded from another instance instead of computed"),
+    "kv_transfers_offered": ("kv_transfers_offered", "Prompts whose KV blocks were held for "
+                             "a consumer (producer side)"),
 }
 
 
@@ -50,6 +58,12 @@ class ServerMetrics:
         self.multistream = Counter(P + "multistream_steps", "Steps planned with multi-stream "
                                    "on, by outcome (split/unsplit) and reason",
                                    ["outcome", "reason"], registry=r)
+        self.kv_transfers = Counter(P + "kv_transfers", "KV loads from other instances, by "
+                                    "outcome (done, failed, timeout)", ["outcome"], registry=r)
+        self.kv_blocks_held = Gauge(P + "kv_blocks_held", "KV blocks held for transfers in "
+                                    "flight (deferred release)", registry=r)
+        self.kv_loads = Gauge(P + "kv_loads_in_flight", "Requests waiting for their KV from "
+                              "another instance", registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token",
@@ -75,6 +89,10 @@ class ServerMetrics:
             outcome = "split" if reason == "split" else "unsplit"
             self._advance(("multistream", reason),
                           self.multistream.labels(outcome=outcome, reason=reason), value)
+        for outcome, value in s.kv_transfers.items():
+            self._advance(("kv", outcome), self.kv_transfers.labels(outcome=outcome), value)
+        self.kv_blocks_held.set(s.kv_blocks_held)
+        self.kv_loads.set(s.kv_loads_in_flight)
         for m in s.finished_requests:
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
                                 (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue)):

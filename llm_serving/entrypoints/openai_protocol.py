@@ -21,7 +21,7 @@ _REFUSED_COMMON = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": (),
     "logits_processors": (), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
-    "kv_transfer_params": (), "cache_salt": (), "vllm_xargs": (), "request_id": (),
+    "cache_salt": (), "vllm_xargs": (), "request_id": (),
     "prompt_logprobs": (), "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
@@ -83,7 +83,8 @@ class _SamplingFields(BaseModel):
     guided_whitespace_pattern: Any = None
     guided_decoding_backend: Any = None
     structural_tag: Any = None
-    kv_transfer_params: Any = None
+    # PD disaggregation (vLLM's field; the engine refuses it without a kv_transfer config).
+    kv_transfer_params: Optional[dict[str, Any]] = None
     cache_salt: Any = None
     vllm_xargs: Any = None
     request_id: Any = None
@@ -171,7 +172,7 @@ class _SamplingFields(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, structured_outputs=structured,
-            output_kind=RequestOutputKind.DELTA)
+            kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA)
 
 
 class CompletionRequest(_SamplingFields):

@@ -93,12 +93,13 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             await s.aclose()
 
 
-async def _collect(request: Request, streams, n: int,
-                   echo: Optional["_Echo"] = None) -> tuple[dict, int]:
+async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
+                   extra: Optional[dict] = None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
-    tokens; ``echo`` sees every output. A client that leaves first aborts the requests
-    (HTTPError 499)."""
+    tokens; ``echo`` sees every output; ``extra`` gets the top-level fields the engine
+    returned (a producer's ``kv_transfer_params``). A client that leaves first aborts the
+    requests (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
     async for i, out in stream_or_disconnect(request, _merge(streams)):
@@ -107,6 +108,8 @@ async def _collect(request: Request, streams, n: int,
         prompt_tokens[i] = len(out.prompt_token_ids)
         if echo is not None:
             echo.see(i, out)
+        if extra is not None and out.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = out.kv_transfer_params
         for c in out.outputs:
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
                                                       "finish": None})
@@ -284,7 +287,8 @@ async def completions(req: CompletionRequest, request: Request):
                 log_request(rid, sum(prompt_tokens.values()), completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    choices, prompt_tokens = await _collect(request, streams, n, echo)
+    extra: dict = {}
+    choices, prompt_tokens = await _collect(request, streams, n, echo, extra)
     for idx, ch in choices.items():
         prompt_text, prompt_lp = "", None
         if echo_only:
@@ -299,7 +303,7 @@ async def completions(req: CompletionRequest, request: Request):
             "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
                          "finish_reason": openai_finish_reason(ch["finish"])}
                         for idx, ch in choices.items()],
-            "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()))}
+            "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values())), **extra}
     log_request(rid, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
     return body
 
@@ -444,7 +448,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 log_request(rid, prompt_tokens, completion_tokens, t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    choices, _ = await _collect(request, streams, req.n)
+    extra: dict = {}
+    choices, _ = await _collect(request, streams, req.n, extra=extra)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(rid, len(ids), completion_tokens, t0)
     out = []
@@ -454,7 +459,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                     "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
                     "finish_reason": override or openai_finish_reason(ch["finish"])})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": out, "usage": _usage(len(ids), completion_tokens)}
+            "choices": out, "usage": _usage(len(ids), completion_tokens), **extra}
 
 
 # ---- models, tokenizer -------------------------------------------------------------------

@@ -22,6 +22,7 @@ Any agent (or the scheduler) dying is detected within a second and raises
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import socket
@@ -81,7 +82,8 @@ class MultiprocExecutor:
             s, c = config.scheduler, config.cache
             in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, s.max_num_seqs,
                                              config.model.max_model_len, c.block_size,
-                                             c.num_blocks, config.model.vocab_size)
+                                             c.num_blocks, config.model.vocab_size,
+                                             _kv_meta_bytes(config))
             out_bytes = ch.result_channel_bytes(
                 s.max_num_seqs, dump_vocab=config.model.vocab_size if config.dump else 0,
                 max_tokens=s.max_num_batched_tokens)
@@ -122,6 +124,8 @@ class MultiprocExecutor:
         self._step_no = 0
         self._outstanding: collections.deque = collections.deque()   # submitted step numbers
         self._closed = False
+        self._extras: dict[int, bytes] = {}      # rank -> bytes after its last frame
+        self._kv_outputs: list = []              # connector outputs not taken yet
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
         self._finalizer = weakref.finalize(self, _cleanup, p, *segments)
         try:
@@ -134,6 +138,16 @@ class MultiprocExecutor:
         if errors:
             self.shutdown()
             raise LLMServingError(f"the WorkAgent failed to start: {'; '.join(errors)}")
+        self._kv_info = [json.loads(self._extras.pop(r, b"{}")) for r in range(tp)]
+
+    def kv_connector_info(self) -> list:
+        """Each rank's KV connector handshake (empty dicts without KV transfer)."""
+        return list(self._kv_info)
+
+    def take_kv_connector_output(self) -> list:
+        """The KV connector outputs the ranks reported since the last call."""
+        out, self._kv_outputs = self._kv_outputs, []
+        return out
 
     @property
     def pid(self) -> int:
@@ -191,6 +205,9 @@ class MultiprocExecutor:
                 kind, step_no, n = ch.FRAME.unpack_from(frame)
                 payload = (frame[ch.FRAME.size:].decode(errors="replace") if kind == ch.ERROR
                            else n)
+                if kind != ch.ERROR and len(frame) > ch.FRAME.size:
+                    # READY: the rank's KV connector handshake; DONE: its connector output
+                    self._extras[rank] = bytes(frame[ch.FRAME.size:])
                 frames[rank] = (kind, step_no, payload)
                 if kind == ch.ERROR and self.tp_size > 1:
                     grace = time.monotonic() + ERROR_GRACE_S
@@ -244,6 +261,10 @@ class MultiprocExecutor:
         if any(f[1] != step_no for f in frames):
             raise self._died(f"a WorkAgent answered step {[f[1] for f in frames]} while step "
                              f"{step_no} was expected")
+        if self._extras:
+            from llm_serving.distributed.kv_transfer.base import KVConnectorOutput
+            self._kv_outputs += [KVConnectorOutput.from_bytes(b) for b in self._extras.values()]
+            self._extras.clear()
         errors = [(r, f[2]) for r, f in enumerate(frames) if f[0] == ch.ERROR]
         if errors:
             who = f"rank {errors[0][0]} of " if self.tp_size > 1 else ""
@@ -265,6 +286,13 @@ class MultiprocExecutor:
             return
         self._closed = True
         self._finalizer()
+
+
+def _kv_meta_bytes(config: EngineConfig) -> int:
+    if config.kv_transfer is None:
+        return 0
+    from llm_serving.distributed.kv_transfer.base import MAX_METADATA_BYTES
+    return MAX_METADATA_BYTES
 
 
 def _device_target(device: str):

@@ -23,6 +23,7 @@ _SEED_MASK = (1 << 63) - 1          # seeds are stored as non-negative int64; -1
 _EMPTY_IDS = np.zeros(0, np.int64)
 _NO_PAIRS = np.zeros((0, 2), np.int32)
 _NO_ROWS = np.zeros(0, np.int32)
+_NO_BYTES = np.zeros(0, np.uint8)
 
 
 def _ragged():
@@ -226,6 +227,9 @@ class StepInput:
     # Multi-stream: the first sequence of the second micro-batch, 0 = run unsplit. Decided
     # once on the master (multistream/split.py) so that every rank splits alike.
     ms_split: int = 0
+    # KV transfer (PD disaggregation): the step's connector metadata, uint8 JSON bytes
+    # (KVConnectorMetadata.to_array; empty when there is none), at most MAX_METADATA_BYTES.
+    kv_meta: np.ndarray = field(default_factory=lambda: _NO_BYTES)
 
 
 def array_fields(cls) -> tuple[str, ...]:

@@ -183,7 +183,7 @@ def result_from_arrays(arrays: list[Optional[np.ndarray]]) -> Optional[SamplerOu
 
 
 def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block_size: int,
-                       num_blocks: int, vocab_size: int = 0) -> int:
+                       num_blocks: int, vocab_size: int = 0, kv_meta_bytes: int = 0) -> int:
     """An upper bound on one packed StepInput under the engine's limits."""
     width = -(-max_model_len // block_size)
     ints = (6 * max_tokens                       # ids, positions, slots, prompt logprob rows
@@ -196,7 +196,7 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
     per_row += 300 * 12 + 4 + 4 * -(-vocab_size // 32) + 2 * 100 * 8
     # ^ logit_bias (<= 300 entries), the token bitmask, bans of bad_words (<= 100 words x 2)
     headers = 64 * (_ARR.size + _ALIGN)
-    return 4 * ints + max_seqs * per_row + headers + (1 << 16)
+    return 4 * ints + max_seqs * per_row + headers + kv_meta_bytes + (1 << 16)
 
 
 def result_channel_bytes(max_seqs: int, max_logprobs: int = MAX_LOGPROBS, dump_vocab: int = 0,

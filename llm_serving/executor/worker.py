@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         msg = f"{type(e).__name__}: {e}".encode()
         conn.send_bytes(ch.FRAME.pack(ch.ERROR, -1, len(msg)) + msg)
         return 1
-    conn.send_bytes(ch.FRAME.pack(ch.READY, 0, 0))
+    hello = runner.kv_connector_info_bytes()
+    conn.send_bytes(ch.FRAME.pack(ch.READY, 0, len(hello)) + hello)
     while True:
         try:
             frame = conn.recv_bytes()
@@ -116,14 +117,11 @@ def main(argv=None) -> int:
             _exit(0)
         try:
             step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
-            if len(step.input_ids):
-                result = runner.execute(step)
-            else:                             # a step that only moves KV blocks
-                runner.move_blocks(step.swap_out, step.swap_in, step.copies)
-                result = None
+            result = runner.execute(step)     # (a step with no tokens only moves KV)
             n = (ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
                  if shm_out is not None else 0)
-            conn.send_bytes(ch.FRAME.pack(ch.DONE, step_no, n))
+            # Every rank appends its KV connector output (small JSON; none without PD).
+            conn.send_bytes(ch.FRAME.pack(ch.DONE, step_no, n) + runner.kv_output_bytes())
         except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()
             conn.send_bytes(ch.FRAME.pack(ch.ERROR, step_no, len(msg)) + msg)

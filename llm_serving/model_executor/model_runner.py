@@ -68,6 +68,16 @@ class ModelRunner:
         # Host block pool for swapped-out sequences (only with preemption_mode="swap").
         self.host_caches = [self.backend.allocate_host_cache(num_cpu_blocks, block_size)
                             for _ in range(c.num_layers)] if num_cpu_blocks else []
+        self.kv_connector = None        # KV transfer (PD disaggregation), worker side
+        self._kv_outputs: list = []
+        if config.kv_transfer is not None:
+            from llm_serving.distributed.kv_transfer.base import KVConnectorRole
+            from llm_serving.distributed.kv_transfer.factory import (create_connector,
+                                                                      kv_model_tag)
+            self.kv_connector = create_connector(config.kv_transfer, KVConnectorRole.WORKER,
+                                                 block_size, tp.rank, tp.size,
+                                                 kv_model_tag(config))
+            self.kv_connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
         self._results: collections.deque = collections.deque()   # submitted, not collected
@@ -109,8 +119,60 @@ class ModelRunner:
             hidden = ops.gather(hidden, Tensor(rows.astype(np.int32)), 0)
         return self.model.compute_logits(hidden)
 
+    # ---- KV transfer: seed 001's calls around the forward ---------------------------------
+    def kv_connector_info(self) -> list:
+        """This rank's connector handshake, as a list over ranks (the executor interface)."""
+        return [self.kv_connector.handshake_info()] if self.kv_connector is not None else []
+
+    def kv_connector_info_bytes(self) -> bytes:
+        import json
+        return (json.dumps(self.kv_connector.handshake_info()).encode()
+                if self.kv_connector is not None else b"")
+
+    def take_kv_connector_output(self) -> list:
+        out, self._kv_outputs = self._kv_outputs, []
+        return out
+
+    def kv_output_bytes(self) -> bytes:
+        """The outputs of the steps run since the last call, for the master (one per step;
+        a WorkAgent sends it with each DONE)."""
+        outs = self.take_kv_connector_output()
+        if not outs:
+            return b""
+        merged = outs[0]
+        for o in outs[1:]:
+            merged.sent += o.sent
+            merged.recved += o.recved
+            merged.failed.update(o.failed)
+            merged.bytes += o.bytes
+        return merged.to_bytes()
+
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
         self.move_blocks(step.swap_out, step.swap_in, step.copies)
+        conn = self.kv_connector
+        if conn is None:
+            return self._execute(step)
+        from llm_serving.distributed.kv_transfer.base import KVConnectorMetadata
+        conn.bind_connector_metadata(KVConnectorMetadata.from_array(step.kv_meta)
+                                     or KVConnectorMetadata())
+        try:
+            # Before the forward: start this step's loads (they fill blocks of requests
+            # waiting for them, not of this batch, so nothing waits on them here).
+            conn.recv_kv_caches_and_hidden_states(self.model, step, self.kv_caches)
+            result, hidden = self._execute(step, with_hidden=True)
+            # After it: offers/saves of this step, then what finished.
+            conn.send_kv_caches_and_hidden_states(self.model, step, self.kv_caches, hidden)
+            conn.wait_for_save()
+            out = conn.build_connector_output()
+            if out:
+                self._kv_outputs.append(out)
+        finally:
+            conn.clear_connector_metadata()
+        return result
+
+    def _execute(self, step: StepInput, with_hidden: bool = False):
+        if not len(step.input_ids):          # a step that only moves KV blocks
+            return (None, None) if with_hidden else None
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
         if len(step.pending_pos):
             self._fill_pending(step, rows)
@@ -121,7 +183,7 @@ class ModelRunner:
         # Every rank takes part in the vocab-parallel gathers of the prompt rows' logits.
         prompt = self._prompt_logprobs(hidden, step) if len(step.prompt_lp_rows) else None
         if not self.tp.is_driver:
-            return None
+            return (None, hidden) if with_hidden else None
         if len(rows):
             dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
             out = self.sampler(logits, step.sampling)
@@ -130,13 +192,13 @@ class ModelRunner:
         else:
             self._last_tokens = np.zeros(0, np.int32)
             if prompt is None:
-                return None
+                return (None, hidden) if with_hidden else None
             # a prefill chunk that samples nothing still scores its prompt
             out = SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.float32))
         if prompt is not None:
             for name, value in prompt.items():
                 setattr(out, name, value)
-        return out
+        return (out, hidden) if with_hidden else out
 
     def _fill_pending(self, step: StepInput, rows: np.ndarray) -> None:
         """Async scheduling: put the previous step's samples where the master had

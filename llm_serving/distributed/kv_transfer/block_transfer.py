@@ -1,0 +1,159 @@
+"""The scheduler side shared by the connectors that move whole blocks from a producer to a
+consumer (InProcessConnector, MooncakeConnector): the bookkeeping of the KV connector API
+around two transport-specific hooks.
+
+Producer: a request that asked ``do_remote_decode`` and finished keeps its first
+``num_transfer_blocks`` blocks; ``_offer`` makes the parameters a reader needs (the
+connector's own, plus ``transfer_id``, ``remote_block_ids``, ``expires_at``,
+``prefix_hash``, ``tp_size``), and the step's metadata tells the workers to hold them
+("saves"). The workers report the transfer as sent once the reader is done or the offer
+expired; the engine then frees the blocks.
+
+Consumer: a request with ``do_remote_prefill`` and the producer's parameters matches
+``num_transfer_blocks`` full blocks of its prompt (minus what its own prefix cache has),
+gets blocks allocated, and the step's metadata tells the workers to read them ("loads").
+
+Both sides check that they agree: the same block count and the same prefix hash of the
+transferred tokens (block_hash.py, deterministic across processes), else the consumer
+computes the prefill itself.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from typing import Optional, Sequence
+
+from llm_serving.distributed.kv_transfer.base import (MAX_METADATA_BYTES, KVConnectorBase,
+                                                      KVConnectorMetadata, KVRequest,
+                                                      num_transfer_blocks)
+from llm_serving.distributed.kv_transfer.block_hash import block_hashes
+
+logger = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+def prefix_hash(token_ids: Sequence[int], block_size: int, num_blocks: int) -> str:
+    """The hash of the first ``num_blocks`` full blocks ("" for none)."""
+    hashes = block_hashes(token_ids, block_size, num_blocks=num_blocks)
+    return hashes[-1] if hashes else ""
+
+
+def params_of(request: KVRequest) -> dict:
+    return getattr(request, "kv_transfer_params", None) or {}
+
+
+class BlockTransferScheduler(KVConnectorBase):
+    """Scheduler-side half of a block-moving connector; subclasses give ``_offer`` (and
+    their worker half)."""
+
+    engine_id: str = ""
+
+    def _init_scheduler_side(self) -> None:
+        self.engine_id = self.config.engine_id or f"{os.uname().nodename}-{os.getpid()}"
+        self._loads: dict = {}       # key -> load entry, not yet handed to the workers
+        self._saves: dict = {}       # transfer id -> save entry, not yet handed over
+        self._load_keys: dict = {}   # request id -> key of its load in progress
+
+    # ---- consumer -------------------------------------------------------------------------
+
+    def remote_blocks(self, request: KVRequest) -> int:
+        """Full blocks the producer offers for this request (0: none, or they disagree)."""
+        p = params_of(request)
+        if not p.get("do_remote_prefill") or "remote_block_ids" not in p:
+            return 0
+        k = num_transfer_blocks(len(request.prompt_token_ids), self.block_size)
+        ids = p.get("remote_block_ids")
+        if not isinstance(ids, list) or len(ids) != k:
+            raise ValueError(f"the producer offers {len(ids) if isinstance(ids, list) else ids}"
+                             f" blocks, this prompt has {k} to transfer")
+        if int(p.get("tp_size", 1)) != self.tp_size:
+            raise ValueError(f"the producer runs tensor_parallel_size {p.get('tp_size')}, "
+                             f"this instance {self.tp_size}")
+        if p.get("prefix_hash", "") != prefix_hash(request.prompt_token_ids, self.block_size, k):
+            raise ValueError("the producer's prompt differs from this one (prefix hash)")
+        return k
+
+    def get_num_new_matched_tokens(self, request: KVRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        k = self.remote_blocks(request)
+        n = k * self.block_size - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        p = params_of(request)
+        first = len(block_ids) - -(-num_external_tokens // self.block_size)
+        n = num_external_tokens // self.block_size
+        local = [int(b) for b in block_ids[first:first + n]]
+        key = f"{request.request_id}#{next(_ids)}"
+        self._load_keys[request.request_id] = key
+        self._loads[key] = {"params": self._load_params(p),
+                            "remote_block_ids": [int(b) for b in
+                                                 p["remote_block_ids"][first:first + n]],
+                            "local_block_ids": local,
+                            "timeout": float(self.config.kv_transfer_timeout)}
+
+    def _load_params(self, p: dict) -> dict:
+        """What the workers need of the producer's parameters (default: all of them)."""
+        return p
+
+    def load_key(self, request: KVRequest) -> Optional[str]:
+        return self._load_keys.get(request.request_id)
+
+    def request_load_done(self, request: KVRequest) -> bool:
+        key = self._load_keys.pop(request.request_id, None)
+        return self._loads.pop(key, None) is not None
+
+    # ---- producer -------------------------------------------------------------------------
+
+    def request_finished(self, request: KVRequest,
+                         block_ids: Sequence[int]) -> tuple[bool, Optional[dict]]:
+        if not params_of(request).get("do_remote_decode"):
+            return False, None
+        k = num_transfer_blocks(len(request.prompt_token_ids), self.block_size)
+        tid = f"{self.engine_id}-{request.request_id}-{next(_ids)}"
+        params = {"do_remote_prefill": True, "do_remote_decode": False,
+                  "remote_engine_id": self.engine_id,
+                  "remote_request_id": request.request_id, "transfer_id": tid,
+                  "tp_size": self.tp_size,
+                  "prefix_hash": prefix_hash(request.prompt_token_ids, self.block_size, k)}
+        if k == 0 or len(block_ids) < k:          # nothing to move: the consumer computes all
+            params.update(remote_block_ids=[], expires_at=time.time())
+            return False, params
+        params.update(self._offer(tid, list(block_ids[:k])))
+        params["remote_block_ids"] = [int(b) for b in block_ids[:k]]
+        self._saves[tid] = {"expires_at": params["expires_at"],
+                            **{key: params[key] for key in self._save_keys() if key in params}}
+        return True, params
+
+    def _offer(self, transfer_id: str, block_ids: list) -> dict:
+        """The transport's parameters for a reader; must include ``expires_at``."""
+        return {"expires_at": time.time() + float(self.config.kv_transfer_timeout)}
+
+    def _save_keys(self) -> tuple:
+        """Which of the offer's parameters the producer's workers need."""
+        return ("remote_block_ids",)
+
+    def transfer_sent(self, transfer_id: str) -> None:
+        """The workers freed the transfer (read or expired)."""
+
+    # ---- every step -----------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output=None) -> KVConnectorMetadata:
+        meta, size = KVConnectorMetadata(), 64
+        for name, pending in (("saves", self._saves), ("loads", self._loads)):
+            for key in list(pending):
+                entry_size = len(json.dumps(pending[key])) + len(key) + 8
+                if size + entry_size > MAX_METADATA_BYTES:     # the rest goes next step
+                    return meta
+                getattr(meta, name)[key] = pending.pop(key)
+                size += entry_size
+        return meta
+
+    def has_pending_meta(self) -> bool:
+        return bool(self._loads or self._saves)

@@ -1,0 +1,37 @@
+"""Builds the connector a ``KVTransferConfig`` names, in one role (scheduler or worker)."""
+from __future__ import annotations
+
+import importlib
+
+from llm_serving.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from llm_serving.distributed.kv_transfer.config import KVTransferConfig
+
+# kv_connector -> (module, class); modules are imported only when used (Mooncake's are heavy).
+_CLASSES = {
+    "InProcessConnector": ("llm_serving.distributed.kv_transfer.in_process",
+                           "InProcessConnector"),
+    "MooncakeConnector": ("llm_serving.distributed.kv_transfer.mooncake_connector",
+                          "MooncakeConnector"),
+    "MooncakeStoreConnector": ("llm_serving.distributed.kv_transfer.mooncake_store_connector",
+                               "MooncakeStoreConnector"),
+}
+
+
+def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int,
+                     rank: int = 0, tp_size: int = 1, model_tag: str = "") -> KVConnectorBase:
+    module, name = _CLASSES[config.kv_connector]
+    cls = getattr(importlib.import_module(module), name)
+    conn = cls(config, role, block_size, rank, tp_size)
+    conn.model_tag = model_tag
+    return conn
+
+
+def kv_model_tag(engine_config) -> str:
+    """What a KV block's content depends on besides its tokens (the pool's key salt): the
+    model (its directory's name and shape), dtype, block size and tensor-parallel split."""
+    import os
+    m, hf = engine_config.model, engine_config.model.hf
+    return (f"{os.path.basename(os.path.normpath(m.path))}|L{hf.num_layers}|H{hf.hidden_size}"
+            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{m.dtype}"
+            f"|bs{engine_config.cache.block_size}"
+            f"|tp{engine_config.parallel.tensor_parallel_size}")

@@ -1,0 +1,263 @@
+"""P2P KV transfer on Mooncake's TransferEngine: the consumer reads the producer's blocks.
+
+Each rank starts one TransferEngine in ``P2PHANDSHAKE`` mode (no metadata server: peers are
+named ``host:rpc_port`` and exchange their segment descriptors on first contact), over TCP on
+CPU (RDMA, or the Ascend build, on devices), and registers its KV arrays.
+
+Producer (prefill side): ``describe`` is what a reader needs once (the engine's address, the
+KV layout, where the notification slots are). Per finished prompt, ``SlotPool.offer`` (on the
+scheduler side) gives a transfer id, the block ids, a notification slot, a one-time token and
+``expires_at``; ``expect`` tells the rank to watch that slot. ``poll_sent`` reports the
+transfers whose reader said it is done, and those that expired unread: only then may the
+blocks be freed.
+
+Consumer (decode side): ``start_read`` submits one batched asynchronous read of every array's
+block runs (``batch_transfer_async_read``); ``poll_reads`` reports reads that finished, failed
+(peer gone, bad status) or passed their deadline. A read that timed out may still be writing
+into its destination blocks, so it is reported once more, as released, when Mooncake resolves
+it; the blocks must not be reused before. After a good read the consumer writes the token into
+the producer's notification slot (an 8-byte ``transfer_sync_write``), which is how the
+producer learns it may free the blocks; no other channel is needed.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from llm_serving.distributed.kv_transfer.base import KVTransferError
+from llm_serving.distributed.kv_transfer.layout import KVLayout, regions
+
+logger = logging.getLogger(__name__)
+
+_PENDING, _DONE, _FAILED = 0, 1, -1       # TransferEngine.transfer_check_status
+
+
+def import_transfer_engine():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:      # the package, or its Debian runtime libraries, are missing
+        raise KVTransferError(f"Mooncake's transfer engine cannot be loaded ({e}); install "
+                              "it with pip install -e \".[pd]\" and the Debian packages "
+                              "libibverbs1 libnl-3-200 libnl-route-3-200") from None
+    return TransferEngine
+
+
+@dataclass
+class _Held:
+    slot: int
+    token: int
+    expires_at: float
+
+
+@dataclass
+class _Read:
+    batch_id: int
+    deadline: float
+    peer: str
+    notify_addr: int
+    token: int
+    timed_out: bool = field(default=False)
+
+
+class MooncakeP2PTransport:
+    """One rank's TransferEngine with its KV arrays registered; producer and consumer calls."""
+
+    def __init__(self, kv_caches, hostname: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "", max_transfers: int = 4096):
+        TransferEngine = import_transfer_engine()
+        self.layout = KVLayout.from_kv_caches(kv_caches)
+        self._kv_caches = kv_caches                    # keep the registered memory alive
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise KVTransferError(f"Mooncake TransferEngine.initialize({hostname!r}, "
+                                  f"P2PHANDSHAKE, {protocol!r}) failed ({rc})")
+        # Notification slots: readers write a transfer's token into its slot when done.
+        self._notify = np.zeros(max_transfers, np.int64)
+        # What this side writes from (one word per read in flight; slot = read's index).
+        self._outbox = np.zeros(max_transfers, np.int64)
+        addrs = [*self.layout.base_addrs, self._notify.ctypes.data, self._outbox.ctypes.data]
+        sizes = [self.layout.array_bytes] * len(self.layout.base_addrs) + [
+            self._notify.nbytes, self._outbox.nbytes]
+        rc = self.engine.batch_register_memory(addrs, sizes)
+        if rc != 0:
+            raise KVTransferError(f"Mooncake could not register the KV memory ({rc})")
+        self.session = f"{hostname}:{self.engine.get_rpc_port()}"
+        self._held: dict[str, _Held] = {}
+        self._reads: dict[str, _Read] = {}
+        self._free_out = list(range(max_transfers - 1, -1, -1))
+        self._out_slot: dict[str, int] = {}
+
+    # ---- producer ------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """What a reader needs to know about this rank once (JSON-able)."""
+        return {"engine": self.session, "layout": self.layout.to_dict(),
+                "notify_base": int(self._notify.ctypes.data),
+                "num_slots": len(self._notify)}
+
+    def expect(self, transfer_id: str, slot: int, token: int, expires_at: float) -> None:
+        """A reader will fetch this transfer's blocks and then write ``token`` into
+        notification ``slot`` (the caller picks both: see ``offer``); until then, or until
+        ``expires_at``, the blocks stay allocated."""
+        if transfer_id in self._held:
+            raise KVTransferError(f"transfer {transfer_id!r} is already held")
+        if not 0 <= slot < len(self._notify):
+            raise KVTransferError(f"notification slot {slot} out of range")
+        # The slot is not cleared here: a fast reader may have written its token already
+        # (the parameters reach it before this step runs). Tokens are random, so a stale
+        # value left by an earlier transfer never matches.
+        self._held[transfer_id] = _Held(slot, token, expires_at)
+
+    def poll_sent(self, now: Optional[float] = None) -> tuple[list[str], list[str]]:
+        """(transfers the reader finished, transfers that expired unread): both released."""
+        if not self._held:
+            return [], []
+        now = time.time() if now is None else now
+        done, expired = [], []
+        for tid, h in self._held.items():
+            if self._notify[h.slot] == h.token:
+                done.append(tid)
+            elif now >= h.expires_at:
+                expired.append(tid)
+        for tid in done + expired:
+            self._held.pop(tid)
+        if expired:
+            logger.warning("KV transfer(s) %s expired unread; their blocks are freed", expired)
+        return done, expired
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    # ---- consumer ------------------------------------------------------------------------
+
+    def start_read(self, transfer_id: str, params: dict, local_block_ids,
+                   timeout: float) -> None:
+        """Submit the read of a producer's blocks into ``local_block_ids``. ``params``: the
+        producer rank's ``describe()`` as "remote", and the transfer's "remote_block_ids",
+        "slot", "token", "expires_at" (see ``offer``). Raises KVTransferError if it cannot
+        even start."""
+        if transfer_id in self._reads:
+            raise KVTransferError(f"transfer {transfer_id!r} is already being read")
+        try:
+            desc = params["remote"]
+            remote = KVLayout.from_dict(desc["layout"])
+            remote_blocks = params["remote_block_ids"]
+            peer, slot = str(desc["engine"]), int(params["slot"])
+            if not 0 <= slot < int(desc["num_slots"]):
+                raise ValueError(f"slot {slot} out of range")
+            notify_addr = int(desc["notify_base"]) + 8 * slot
+            token, expires_at = int(params["token"]), float(params["expires_at"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError(f"kv_transfer_params are incomplete or malformed ({e!r})") \
+                from None
+        if len(remote_blocks) != len(local_block_ids):
+            raise KVTransferError(f"the producer offers {len(remote_blocks)} blocks, this "
+                                  f"side allocated {len(local_block_ids)}")
+        now = time.time()
+        deadline = min(now + timeout, expires_at)
+        if deadline <= now:
+            raise KVTransferError(f"transfer {transfer_id!r} expired before it was read")
+        try:
+            local, remote_addrs, lengths = regions(self.layout, remote, local_block_ids,
+                                                   remote_blocks)
+        except ValueError as e:
+            raise KVTransferError(str(e)) from None
+        if not self._free_out:
+            raise KVTransferError(f"{len(self._outbox)} reads already in flight (the bound)")
+        batch_id = self.engine.batch_transfer_async_read(peer, local, remote_addrs, lengths)
+        if not batch_id or batch_id < 0:
+            raise KVTransferError(f"Mooncake refused the read from {peer} ({batch_id})")
+        self._out_slot[transfer_id] = self._free_out.pop()
+        self._reads[transfer_id] = _Read(batch_id, deadline, peer, notify_addr, token)
+
+    def poll_reads(self, now: Optional[float] = None
+                   ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+        """(reads done, reads failed with the reason, timed-out reads now resolved). The
+        destination blocks of a done or failed read are free to use, except a read that
+        timed out: its blocks only once it appears in the third list."""
+        if not self._reads:
+            return [], [], []
+        now = time.time() if now is None else now
+        done, failed, released = [], [], []
+        for tid, r in list(self._reads.items()):
+            status = self.engine.transfer_check_status(r.batch_id)
+            if r.timed_out:
+                if status != _PENDING:
+                    released.append(tid)
+                    self._forget(tid)
+                continue
+            if status == _DONE:
+                done.append(tid)
+                self._notify_peer(tid, r)
+                self._forget(tid)
+            elif status == _FAILED or status not in (_PENDING, _DONE):
+                failed.append((tid, f"Mooncake read from {r.peer} failed (status {status}): "
+                                    "the producer is gone or refused it"))
+                self._forget(tid)
+            elif now >= r.deadline:
+                failed.append((tid, f"KV transfer from {r.peer} timed out"))
+                r.timed_out = True
+        return done, failed, released
+
+    def _notify_peer(self, tid: str, r: _Read) -> None:
+        slot = self._out_slot[tid]
+        self._outbox[slot] = r.token
+        rc = self.engine.transfer_sync_write(r.peer, int(self._outbox.ctypes.data + 8 * slot),
+                                             r.notify_addr, 8)
+        if rc != 0:       # the producer frees the blocks at expiry instead
+            logger.warning("could not tell %s that transfer %s is done (%s)", r.peer, tid, rc)
+
+    def _forget(self, tid: str) -> None:
+        self._reads.pop(tid)
+        self._free_out.append(self._out_slot.pop(tid))
+
+    @property
+    def num_reading(self) -> int:
+        return len(self._reads)
+
+    def wait_read(self, transfer_id: str, poll: float = 0.0005) -> None:
+        """Block until one read ends; raise KVTransferError if it failed or timed out."""
+        while True:
+            done, failed, _ = self.poll_reads()
+            if transfer_id in done:
+                return
+            for tid, why in failed:
+                if tid == transfer_id:
+                    raise KVTransferError(why)
+            if transfer_id not in self._reads:
+                raise KVTransferError(f"no read {transfer_id!r} in flight")
+            time.sleep(poll)
+
+
+class SlotPool:
+    """Notification slots of one producer and the tokens that prove a reader is done: the
+    producer's scheduler side hands them out (so it can return the transfer parameters at
+    once), its workers watch them. Bounded: ``offer`` fails when every slot is taken."""
+
+    def __init__(self, num_slots: int = 4096):
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: dict[str, int] = {}
+
+    def offer(self, transfer_id: str, block_ids, timeout: float) -> dict:
+        if not self._free:
+            raise KVTransferError(f"{len(self._used)} transfers are already held (the bound)")
+        slot = self._free.pop()
+        self._used[transfer_id] = slot
+        return {"transfer_id": transfer_id, "remote_block_ids": [int(b) for b in block_ids],
+                "slot": slot, "token": secrets.randbits(62) + 1,
+                "expires_at": time.time() + timeout}
+
+    def release(self, transfer_id: str) -> None:
+        slot = self._used.pop(transfer_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._used)

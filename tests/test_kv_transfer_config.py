@@ -1,0 +1,79 @@
+"""PD disaggregation's configuration: vLLM's --kv-transfer-config shape, the kv_transfer: YAML
+section, and errors that name the key."""
+from __future__ import annotations
+
+import pytest
+
+from llm_serving.cli import build_parser, cli_engine_overrides
+from llm_serving.config import EngineArgs
+from llm_serving.distributed.kv_transfer.config import KVTransferConfig
+from llm_serving.errors import ConfigError
+from llm_serving.serving_config import load_config
+
+
+def test_vllm_shaped_json_from_the_flag_and_the_yaml_section_give_the_same_config(tmp_path):
+    text = ('{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_consumer", '
+            '"kv_connector_extra_config": {"master_server_address": "127.0.0.1:50051"}}')
+    args = build_parser().parse_args(["serve", "--kv-transfer-config", text])
+    flag = cli_engine_overrides(args)["kv_transfer_config"]
+    p = tmp_path / "c.yaml"
+    p.write_text("llm_serving: {model: /m}\nkv_transfer:\n  kv_connector: MooncakeStoreConnector\n"
+                 "  kv_role: kv_consumer\n  kv_connector_extra_config:\n"
+                 "    master_server_address: 127.0.0.1:50051\n")
+    yaml_kw = load_config(p).engine_kwargs
+    assert yaml_kw["kv_transfer_config"] == flag
+    cfg = KVTransferConfig.from_dict(EngineArgs(**yaml_kw).kv_transfer_config)
+    assert (cfg.kv_connector, cfg.kv_role, cfg.is_producer, cfg.is_consumer) == (
+        "MooncakeStoreConnector", "kv_consumer", False, True)
+    assert cfg.extra("master_server_address") == "127.0.0.1:50051"
+    # our defaults: a bounded transfer, and the decode side recomputes on failure
+    assert (cfg.kv_transfer_timeout, cfg.kv_failure_policy) == (30.0, "recompute")
+    # the flag wins over the file
+    over = load_config(p, {"kv_transfer_config": {"kv_connector": "MooncakeConnector"}})
+    assert over.engine_kwargs["kv_transfer_config"] == {"kv_connector": "MooncakeConnector"}
+
+
+def test_p2p_needs_no_extra_config_and_round_trips():
+    cfg = KVTransferConfig.from_dict({"kv_connector": "MooncakeConnector",
+                                      "kv_role": "kv_producer"})
+    assert cfg.is_producer and not cfg.is_consumer
+    assert KVTransferConfig.from_dict(cfg.to_dict()) == cfg
+    assert KVTransferConfig.from_dict(None) is None
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"kv_role": "kv_producer"}, "kv_transfer.kv_connector"),
+    ({"kv_connector": "NixlConnector"}, "kv_transfer.kv_connector"),
+    ({"kv_connector": "MooncakeConnector", "kv_role": "producer"}, "kv_transfer.kv_role"),
+    ({"kv_connector": "MooncakeConnector", "kv_rol": "kv_producer"}, "kv_transfer.kv_rol"),
+    ({"kv_connector": "MooncakeConnector", "kv_transfer_timeout": 0},
+     "kv_transfer.kv_transfer_timeout"),
+    ({"kv_connector": "MooncakeConnector", "kv_failure_policy": "retry"},
+     "kv_transfer.kv_failure_policy"),
+    ({"kv_connector": "MooncakeConnector", "kv_connector_extra_config": [1]},
+     "kv_transfer.kv_connector_extra_config"),
+    ({"kv_connector": "MooncakeConnector", "kv_connector_extra_config": {"mastr": "x"}},
+     "kv_transfer.kv_connector_extra_config.mastr"),
+    ({"kv_connector": "MooncakeStoreConnector"},
+     "kv_transfer.kv_connector_extra_config.master_server_address"),
+    ({"kv_connector": "MooncakeStoreConnector",
+      "kv_connector_extra_config": {"master_server_address": "localhost"}},
+     "kv_transfer.kv_connector_extra_config.master_server_address"),
+])
+def test_a_bad_key_is_named(data, key):
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(model="/m", kv_transfer_config=data)
+    assert str(e.value).startswith(key + ":"), str(e.value)
+
+
+def test_a_bad_yaml_section_is_named_before_anything_starts(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("llm_serving: {model: /m}\nkv_transfer: {kv_connector: MooncakeConnector, "
+                 "kv_role: kv_decoder}\n")
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(**load_config(p).engine_kwargs)
+    assert str(e.value).startswith("kv_transfer.kv_role:")
+    p.write_text("llm_serving: {model: /m}\nkv_transfer: [1, 2]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value).startswith("kv_transfer")

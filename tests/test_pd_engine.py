@@ -1,0 +1,198 @@
+"""PD disaggregation inside one process: a producer engine and a consumer engine joined by the
+InProcessConnector (the same engine paths as the Mooncake connectors), against one colocated
+engine. Greedy outputs through P then D must be the colocated ones, blocks must come back,
+and a transfer that times out, fails or is aborted must never hang or leak."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from llm_serving.config import EngineArgs
+from llm_serving.engine.llm_engine import LLMEngine
+from llm_serving.engine.sequence import SequenceStatus
+from llm_serving.sampling_params import SamplingParams
+
+BS = 8
+
+
+def _engine(model, role=None, eid=None, **kv):
+    cfg = None
+    if role is not None:
+        cfg = {"kv_connector": "InProcessConnector", "kv_role": role, "engine_id": eid, **kv}
+    return LLMEngine(EngineArgs(model, num_blocks=96, block_size=BS, kv_transfer_config=cfg))
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir):
+    return _engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir):
+    return (_engine(tiny_model_dir, "kv_producer", "P", kv_transfer_timeout=5),
+            _engine(tiny_model_dir, "kv_consumer", "D", kv_transfer_timeout=5))
+
+
+def drive(main, others=(), timeout=30.0) -> dict:
+    """Step ``main`` until its requests are done (stepping ``others`` with work too); the final
+    outputs by request id. Fails on a hang."""
+    finals, deadline = {}, time.monotonic() + timeout
+    while main.get_num_unfinished_requests():
+        for o in main.step():
+            if o.finished:
+                finals[o.request_id] = o
+        for e in others:
+            if e.has_unfinished_requests():
+                e.step()
+        assert time.monotonic() < deadline, "the engines hung"
+    return finals
+
+
+def settle(*engines, timeout=10.0) -> None:
+    """Step until no engine has work (transfers included)."""
+    deadline = time.monotonic() + timeout
+    while any(e.has_unfinished_requests() for e in engines):
+        for e in engines:
+            if e.has_unfinished_requests():
+                e.step()
+        assert time.monotonic() < deadline, "transfers never ended"
+
+
+def greedy(max_tokens, kv=None, logprobs=None):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          logprobs=logprobs, kv_transfer_params=kv)
+
+
+def prefill_on_p(P, prompts):
+    for i, ids in enumerate(prompts):
+        P.add_request({"prompt_token_ids": ids}, greedy(1, {"do_remote_decode": True}),
+                      request_id=f"p{i}")
+    outs = drive(P)
+    return [outs[f"p{i}"].kv_transfer_params for i in range(len(prompts))]
+
+
+PROMPTS = [list(range(3, 3 + n)) for n in (37, 16, 5, 61)]   # k blocks + r, exact, < 1 block
+
+
+def test_p_then_d_is_token_identical_to_colocated_with_logprobs_within_1e_5(pd, colocated):
+    P, D = pd
+    for i, ids in enumerate(PROMPTS):
+        colocated.add_request({"prompt_token_ids": ids}, greedy(12, logprobs=3),
+                              request_id=f"c{i}")
+    ref = drive(colocated)
+    params = prefill_on_p(P, PROMPTS)
+    # Full blocks only, the last prompt token always left to the consumer.
+    assert [len(p["remote_block_ids"]) for p in params] == [4, 1, 0, 7]
+    assert P.block_manager.num_free_blocks == 96 - 12      # deferred release: held for D
+    before = D.stats.num_prefill_tokens
+    for i, ids in enumerate(PROMPTS):
+        D.add_request({"prompt_token_ids": ids}, greedy(12, params[i], logprobs=3),
+                      request_id=f"d{i}")
+    outs = drive(D, [P])
+    for i in range(len(PROMPTS)):
+        r, d = ref[f"c{i}"].outputs[0], outs[f"d{i}"].outputs[0]
+        assert d.token_ids == r.token_ids
+        for er, ed in zip(r.logprobs, d.logprobs):
+            assert er.keys() == ed.keys()
+            np.testing.assert_allclose([v.logprob for v in ed.values()],
+                                       [v.logprob for v in er.values()], atol=1e-5)
+    st = D.get_stats()
+    assert st.kv_transfers == {"done": 3}         # the short prompt had nothing to move
+    assert st.kv_remote_prefill_tokens == 8 * (4 + 1 + 7)
+    # D computed only what was not transferred (one token per prompt at least).
+    assert D.stats.num_prefill_tokens - before == sum(map(len, PROMPTS)) - 8 * 12
+    assert st.kv_transfer_bytes > 0
+    settle(P, D)
+    assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
+
+
+def test_an_unread_offer_is_released_after_the_timeout(tiny_model_dir):
+    P = _engine(tiny_model_dir, "kv_producer", "P-expire", kv_transfer_timeout=0.5)
+    (params,) = prefill_on_p(P, [list(range(40))])
+    assert P.block_manager.usage > 0 and P.has_unfinished_requests()
+    t0 = time.monotonic()
+    settle(P)
+    assert 0.3 < time.monotonic() - t0 < 5
+    assert P.block_manager.usage == 0.0
+    assert P.get_stats().kv_blocks_held == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_transfer_forced_to_time_out_follows_the_policy(tiny_model_dir, colocated, policy):
+    P = _engine(tiny_model_dir, "kv_producer", f"P-{policy}", kv_transfer_timeout=5)
+    D = _engine(tiny_model_dir, "kv_consumer", f"D-{policy}", kv_transfer_timeout=0.3,
+                kv_failure_policy=policy, kv_connector_extra_config={"load_delay": 2.0})
+    ids = list(range(7, 50))
+    colocated.add_request({"prompt_token_ids": ids}, greedy(6), request_id="ref")
+    ref = drive(colocated)["ref"].outputs[0].token_ids
+    (params,) = prefill_on_p(P, [ids])
+    # A second request with no transfer is not held up by the one waiting for its KV.
+    D.add_request({"prompt_token_ids": ids}, greedy(6, params), request_id="slow")
+    D.add_request({"prompt_token_ids": [5, 6, 7]}, greedy(3), request_id="other")
+    t0 = time.monotonic()
+    outs = drive(D, [P])
+    assert time.monotonic() - t0 < 2.0                 # the timeout, not the 2 s delay
+    assert outs["other"].outputs[0].finish_reason == "length"
+    st = D.get_stats()
+    assert st.kv_transfers == {"timeout": 1}
+    if policy == "recompute":
+        assert outs["slow"].outputs[0].token_ids == ref and outs["slow"].error is None
+        assert st.kv_transfer_recomputes == 1
+    else:
+        assert outs["slow"].outputs[0].finish_reason == "abort"
+        assert "KV transfer failed" in outs["slow"].error and "timed out" in outs["slow"].error
+        assert st.kv_transfer_recomputes == 0
+    settle(P, D)             # P's offer expires unread; D's failed read ended
+    assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
+
+
+def test_abort_during_the_transfer_frees_blocks_on_both_sides(tiny_model_dir):
+    P = _engine(tiny_model_dir, "kv_producer", "P-abort", kv_transfer_timeout=1.0)
+    D = _engine(tiny_model_dir, "kv_consumer", "D-abort", kv_transfer_timeout=1.0,
+                kv_connector_extra_config={"load_delay": 0.3})
+    (params,) = prefill_on_p(P, [list(range(50))])
+    D.add_request({"prompt_token_ids": list(range(50))}, greedy(4, params), request_id="d")
+    D.step()
+    D.step()
+    seq = D.requests["d"].seqs[0]
+    assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
+    assert D.scheduler.running == [] and D.scheduler.waiting == []   # no slot, no queue
+    held = D.block_manager.usage
+    assert held > 0
+    out = D.abort_request("d")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert D.block_manager.usage == held         # the read may still write: kept
+    settle(P, D)
+    assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
+
+
+def test_a_different_prompt_is_not_loaded_but_computed(pd, colocated):
+    P, D = pd
+    (params,) = prefill_on_p(P, [list(range(10, 60))])
+    other = list(range(11, 61))
+    colocated.add_request({"prompt_token_ids": other}, greedy(5), request_id="ref2")
+    ref = drive(colocated)["ref2"].outputs[0].token_ids
+    before = D.get_stats()
+    D.add_request({"prompt_token_ids": other}, greedy(5, params), request_id="mismatch")
+    out = drive(D, [P])["mismatch"]
+    assert out.outputs[0].token_ids == ref
+    after = D.get_stats()
+    assert after.kv_transfer_recomputes == before.kv_transfer_recomputes + 1
+    assert after.kv_remote_prefill_tokens == before.kv_remote_prefill_tokens
+    settle(P, D)
+
+
+def test_kv_transfer_params_are_refused_by_name_where_they_cannot_work(pd, colocated):
+    P, D = pd
+    with pytest.raises(ValueError, match="^kv_transfer_params: this instance has no KV"):
+        colocated.add_request("hi", greedy(2, {"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="^kv_transfer_params: do_remote_decode needs"):
+        D.add_request("hi", greedy(2, {"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="^kv_transfer_params: do_remote_prefill needs"):
+        P.add_request("hi", greedy(2, {"do_remote_prefill": True}))
+    with pytest.raises(ValueError, match="kv_transfer_params: only n = 1"):
+        SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
+    with pytest.raises(ValueError, match="kv_transfer_params must be a JSON object"):
+        SamplingParams(kv_transfer_params=[1])

@@ -1,0 +1,194 @@
+"""PD disaggregation between real servers over Mooncake's TransferEngine (MooncakeConnector,
+P2P over TCP on loopback): a producer and a consumer ``start.py`` each, driven by hand with
+``requests`` (first P with max_tokens 1 and do_remote_decode, then D with P's
+kv_transfer_params), against a colocated server. Needs the ``pd`` extra (CI installs it with
+``.[test]``); it is not skipped when Mooncake is missing."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import requests
+
+from test_http_server import free_port, start_server, stop_server
+
+PROMPTS = ["Give three tips for staying healthy, then explain each of them in a few words.",
+           "What is the capital of France? Answer with the city and one fact about it.",
+           "Hi"]
+
+
+def kv_section(role, **extra):
+    cfg = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_transfer_timeout": 5,
+           **extra}
+    return "kv_transfer: " + json.dumps(cfg) + "\n"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("pd")
+    started = {}
+    try:
+        for name, section in (("P", kv_section("kv_producer")), ("D", kv_section("kv_consumer")),
+                              ("C", "")):
+            started[name] = start_server(tmp, tiny_model_dir, section=section,
+                                         agent_ports=(free_port(),))
+        yield {name: s[1] for name, s in started.items()}
+    finally:
+        codes = {name: stop_server(s[0]) for name, s in started.items()}
+    assert codes == {"P": 0, "D": 0, "C": 0}
+
+
+def metric(url, name) -> float:
+    text = requests.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^llm_serving:{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_until(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.1)
+
+
+def p_then_d(urls, route, body, p_fields, ask):
+    """First P (its max-tokens field 1, do_remote_decode), then D with P's params."""
+    rp = requests.post(urls["P"] + route, json={**body, **p_fields, "stream": False,
+                                                **ask({"do_remote_decode": True})}, timeout=60)
+    assert rp.status_code == 200, rp.text
+    params = rp.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["tp_size"] == 1
+    rd = requests.post(urls["D"] + route, json={**body, **ask(params)}, timeout=60)
+    assert rd.status_code == 200, rd.text
+    return params, rd.json()
+
+
+def top_level(kv):
+    return {"kv_transfer_params": kv}
+
+
+def test_completions_through_p_then_d_match_colocated(servers):
+    done0 = metric(servers["D"], 'kv_transfers_total{outcome="done"}')
+    moved = 0
+    for prompt in PROMPTS:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}
+        ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
+        params, out = p_then_d(servers, "/v1/completions", body, {"max_tokens": 1}, top_level)
+        moved += bool(params["remote_block_ids"])
+        r, d = ref["choices"][0], out["choices"][0]
+        assert d["text"] == r["text"]
+        assert d["logprobs"]["tokens"] == r["logprobs"]["tokens"]
+        assert d["logprobs"]["token_logprobs"] == pytest.approx(
+            r["logprobs"]["token_logprobs"], abs=1e-5)
+    assert moved == 2                                # "Hi" has no full block to move
+    assert metric(servers["D"], 'kv_transfers_total{outcome="done"}') == done0 + moved
+    assert metric(servers["D"], "kv_remote_prefill_tokens_total") > 0
+    # The producer held the blocks until D read them; then both pools are empty again.
+    wait_until(lambda: metric(servers["P"], "kv_blocks_held") == 0
+               and metric(servers["P"], "kv_cache_usage_perc") == 0)
+    assert metric(servers["D"], "kv_cache_usage_perc") == 0
+
+
+def test_chat_and_the_generate_route_through_p_then_d(servers):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "max_tokens": 10, "temperature": 0}
+    ref = requests.post(servers["C"] + "/v1/chat/completions", json=body, timeout=60).json()
+    _, out = p_then_d(servers, "/v1/chat/completions", body,
+                      {"max_tokens": 1, "max_completion_tokens": 1}, top_level)
+    assert out["choices"][0]["message"] == ref["choices"][0]["message"]
+
+    body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 10, "do_sample": False}}
+    ref = requests.post(servers["C"] + "/models/llama2/generate", json=body, timeout=60).json()
+
+    def in_parameters(kv):
+        return {"parameters": {**body["parameters"], "kv_transfer_params": kv}}
+    rp = requests.post(servers["P"] + "/models/llama2/generate", timeout=60, json={
+        **body, "parameters": {"max_new_tokens": 1, "do_sample": False,
+                               "kv_transfer_params": {"do_remote_decode": True}}})
+    assert rp.status_code == 200, rp.text
+    kv = rp.json()["kv_transfer_params"]
+    rd = requests.post(servers["D"] + "/models/llama2/generate", json={
+        **body, **in_parameters(kv)}, timeout=60)
+    assert rd.json()["generated_text"] == ref["generated_text"]
+
+
+def test_a_producer_that_is_gone_makes_the_consumer_recompute(servers):
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
+    rp = requests.post(servers["P"] + "/v1/completions", timeout=60, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = rp["kv_transfer_params"]
+    dead = f"127.0.0.1:{free_port()}"                 # nobody listens there
+    params["remote_ranks"] = [{**r, "engine": dead} for r in params["remote_ranks"]]
+    before = metric(servers["D"], "kv_transfer_recomputes_total")
+    t0 = time.monotonic()
+    out = requests.post(servers["D"] + "/v1/completions",
+                        json={**body, "kv_transfer_params": params}, timeout=60).json()
+    assert time.monotonic() - t0 < 10                  # within the 5 s transfer timeout
+    assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert metric(servers["D"], "kv_transfer_recomputes_total") == before + 1
+    # The unread offer is freed when it expires.
+    wait_until(lambda: metric(servers["P"], "kv_blocks_held") == 0, timeout=15)
+    assert metric(servers["D"], "kv_cache_usage_perc") == 0
+
+
+def test_kv_transfer_params_are_refused_without_a_kv_transfer_config(servers):
+    r = requests.post(servers["C"] + "/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params"
+    r = requests.post(servers["D"] + "/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "kv_producer" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def tp2_pair(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("pd-tp2")
+    started = {}
+    try:
+        for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+            started[name] = start_server(tmp, tiny_model_dir, section=kv_section(role),
+                                         agent_ports=(free_port(), free_port()))
+        yield {name: s[1] for name, s in started.items()}
+    finally:
+        codes = {name: stop_server(s[0]) for name, s in started.items()}
+    assert codes == {"P": 0, "D": 0}
+
+
+def test_tensor_parallel_2_on_both_sides_moves_each_ranks_heads(servers, tp2_pair):
+    """Each D rank reads its P rank's KV heads; the answer is the colocated one."""
+    urls = {**tp2_pair, "C": servers["C"]}
+    for prompt in PROMPTS[:2]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}
+        ref = requests.post(urls["C"] + "/v1/completions", json=body, timeout=60).json()
+        rp = requests.post(urls["P"] + "/v1/completions", timeout=60, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        params = rp["kv_transfer_params"]
+        assert params["tp_size"] == 2 and len(params["remote_ranks"]) == 2
+        out = requests.post(urls["D"] + "/v1/completions", timeout=60,
+                            json={**body, "kv_transfer_params": params}).json()
+        r, d = ref["choices"][0], out["choices"][0]
+        assert d["text"] == r["text"]
+        assert d["logprobs"]["token_logprobs"] == pytest.approx(
+            r["logprobs"]["token_logprobs"], abs=1e-5)
+    assert metric(urls["D"], 'kv_transfers_total{outcome="done"}') == 2
+    assert metric(urls["D"], "kv_transfer_recomputes_total") == 0
+    wait_until(lambda: metric(urls["P"], "kv_blocks_held") == 0)
+    # A TP 1 consumer cannot read a TP 2 producer's halves: it computes the prompt itself.
+    rp = requests.post(urls["P"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    before = metric(servers["D"], "kv_transfer_recomputes_total")
+    out = requests.post(servers["D"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": rp["kv_transfer_params"]})
+    assert out.status_code == 200
+    assert metric(servers["D"], "kv_transfer_recomputes_total") == before + 1
