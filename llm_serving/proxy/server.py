@@ -241,7 +241,9 @@ class Proxy:
             self.metrics.requests.labels("failed").inc()
             logger.warning("%s: %s", path, e.message)
             return _error(e.status, e.message, e.param, e.kind)
-        self.metrics.requests.labels("ok" if resp.status_code < 400 else "upstream_error").inc()
+        if not isinstance(resp, StreamingResponse):      # a stream counts itself as it ends
+            self.metrics.requests.labels("ok" if resp.status_code < 400
+                                         else "upstream_error").inc()
         return resp
 
     async def _generate(self, request: Request, path: str, body: dict) -> Response:
@@ -300,6 +302,7 @@ class Proxy:
     async def _relay(self, inst: Instance, resp: httpx.Response, path: str, body: dict):
         """D's stream, chunk by chunk. Ended by the client (Starlette cancels it), by D's
         end, or by D failing (an error event in the stream's own shape)."""
+        outcome = "client_gone"
         try:
             chunks = resp.aiter_raw()
             while True:
@@ -313,18 +316,22 @@ class Proxy:
                     if not nxt.done():
                         nxt.cancel()
                 if nxt not in done:
+                    outcome = "failed"
                     yield _stream_error(path, body, f"decode instance {inst.url} stopped "
                                         f"answering ({inst.reason})")
                     return
                 try:
                     yield nxt.result()
                 except StopAsyncIteration:
+                    outcome = "ok"
                     return
                 except httpx.HTTPError as e:
+                    outcome = "failed"
                     yield _stream_error(path, body, f"decode instance {inst.url} failed "
                                         f"mid-stream: {type(e).__name__}: {e}")
                     return
         finally:
+            self.metrics.requests.labels(outcome).inc()
             inst.inflight -= 1
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
