@@ -1,11 +1,12 @@
 """The instances behind the proxy: which are up, and which one takes the next request.
 
 Each instance is checked with ``GET /health`` (200 only when it can serve) every
-``interval`` seconds, each check bounded by a timeout. One that fails the check, or whose
-connection is refused during a request, leaves the rotation until a check passes again. An
-instance that stops answering at all (connection refused, check timed out) also has its
-``down`` event set, so the requests waiting on it end at once with a clear error instead
-of waiting for their read timeout.
+``interval`` seconds, each check bounded by a timeout. One that answers anything but 200,
+or whose connection is refused (at a check or a request), leaves the rotation until a check
+passes again. A check that times out may only mean a busy instance: it counts as a failure
+after ``TIMEOUTS_GONE`` in a row. An instance that is gone (connection refused, or that many
+timeouts) also has its ``down`` event set, so the requests waiting on it end at once with a
+clear error instead of waiting for their read timeout.
 
 Policies: ``round-robin`` (in turn, over the healthy ones) and ``least-loaded`` (fewest
 requests in flight through this proxy; ties in turn).
@@ -21,6 +22,7 @@ from typing import Iterable, Optional
 
 logger = logging.getLogger("llm_serving.proxy")
 POLICIES = ("round-robin", "least-loaded")
+TIMEOUTS_GONE = 3
 
 
 @dataclass(eq=False)
@@ -31,6 +33,7 @@ class Instance:
     reason: str = "not checked yet"
     inflight: int = 0
     checked_at: float = 0.0
+    timeouts: int = 0           # health checks timed out in a row
     down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def mark_up(self) -> None:
@@ -86,10 +89,14 @@ async def check(client, inst: Instance, timeout: float) -> None:
     try:
         r = await client.get(inst.url + "/health", timeout=timeout)
     except httpx.TimeoutException:
-        inst.mark_unhealthy(f"/health did not answer within {timeout:g} s", gone=True)
+        inst.timeouts += 1
+        if inst.timeouts >= TIMEOUTS_GONE or not inst.healthy:
+            inst.mark_unhealthy(f"/health did not answer within {timeout:g} s, "
+                                f"{inst.timeouts} times in a row", gone=True)
     except httpx.HTTPError as e:
         inst.mark_unhealthy(f"unreachable ({type(e).__name__}: {e})", gone=True)
     else:
+        inst.timeouts = 0
         if r.status_code == 200:
             inst.mark_up()
         else:

@@ -138,7 +138,7 @@ class Proxy:
 
     @property
     def _check_timeout(self) -> float:
-        return max(1.0, min(5.0, self.health_interval))
+        return max(2.0, min(5.0, 2 * self.health_interval))
 
     # ---- waiting on an upstream -----------------------------------------------------------
 
