@@ -182,6 +182,11 @@ class Proxy:
             inst.inflight += 1
             try:
                 resp = await self._wait(request, inst, self.client.send(req, stream=True))
+            except httpx.PoolTimeout:
+                inst.inflight -= 1
+                raise ProxyError(503, f"all {self.max_connections} connections to the "
+                                 "instances are busy (--max-connections)",
+                                 kind="service_unavailable") from None
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 inst.inflight -= 1
                 inst.mark_unhealthy(f"connection failed ({type(e).__name__})", gone=True)
