@@ -228,3 +228,37 @@ def test_a_decode_instance_killed_mid_run(pd):
         r = requests.post(proxy + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
     pools_empty(u["P"], u["D"])
+
+
+def test_the_first_d_hook_on_a_consumer(pd):
+    """D given remote_prefill_url asks that P itself; an unreachable P is recomputed (D's
+    kv_failure_policy) and counted; a bad URL, or an instance without kv_transfer, is a 400
+    naming kv_transfer_params."""
+    u = pd["urls"]
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    ref = requests.post(u["C"] + "/v1/completions", json=body, timeout=60).json()
+    done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
+    failed0 = metric(u["D"], 'kv_transfers_total{outcome="failed"}')
+    recomputes0 = metric(u["D"], "kv_transfer_recomputes_total")
+
+    def ask(url):
+        return requests.post(u["D"] + "/v1/completions", timeout=60, json={
+            **body, "kv_transfer_params": {"do_remote_prefill": True,
+                                           "remote_prefill_url": url}})
+    r = ask(u["P"])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert metric(u["D"], 'kv_transfers_total{outcome="done"}') == done0 + 1
+    t0 = time.monotonic()
+    r = ask(f"http://127.0.0.1:{free_port()}")          # nobody listens there
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert time.monotonic() - t0 < 10
+    assert metric(u["D"], 'kv_transfers_total{outcome="failed"}') == failed0 + 1
+    assert metric(u["D"], "kv_transfer_recomputes_total") == recomputes0 + 1
+    r = ask("file:///etc/passwd")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    r = requests.post(u["C"] + "/v1/completions", timeout=60, json={
+        **body, "kv_transfer_params": {"do_remote_prefill": True,
+                                       "remote_prefill_url": u["P"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    pools_empty(u["P"], u["D"])
