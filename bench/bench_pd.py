@@ -243,6 +243,9 @@ def main() -> None:
     ap.add_argument("--connectors", default="MooncakeConnector,MooncakeStoreConnector")
     ap.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
     args = ap.parse_args()
+    # SIGTERM (or a background job's interrupt) stops the servers this started, as Ctrl-C does.
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     if os.cpu_count() < 2:
         ap.error("needs 2 cores (P and D are pinned to cores 0 and 1)")
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
