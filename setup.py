@@ -49,10 +49,13 @@ setup(
             "schemathesis",
             "jsonschema",
             "matplotlib",
+            "optuna>=4",
             *PD,
         ],
         "pd": PD,
         "clients": ["matplotlib"],
+        # llm-serving tune: Optuna's TPE sampler and successive-halving pruner, the plot.
+        "tune": ["optuna>=4", "matplotlib"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
 )

@@ -29,6 +29,8 @@ import platform
 import subprocess
 import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 
@@ -86,6 +88,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefill", default="4x512", help="prompts x tokens in one step")
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--served", type=int, default=200, metavar="N",
+                    help="also serve W1's first N prompts all at once through start.py at "
+                         "TP=2 (shm all-reduce, agents on cores 0 and 1), multi-stream off "
+                         "and on with its default thresholds (0: skip)")
     args = ap.parse_args()
     from llm_serving import SamplingParams
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
@@ -173,6 +179,36 @@ def main() -> None:
             row += [f"{dt * 1e3:.1f}", f"{ref / dt:.2f}", f"{per_step:.1f}", f"{hidden:.0%}"]
         print("| " + " | ".join(row) + " |")
     print(f"\nsteps by split outcome: {splits}")
+    if args.served:
+        served_w1(model, args.served)
+
+
+def served_w1(model: str, num_prompts: int) -> None:
+    """W1 through the real server at TP=2, multi-stream off then on (one server at a time)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_w1_served import ours, w1_client
+    base = ["--tensor-parallel-size", "2", "--cpu-affinity", "0|1", "--cpu-allreduce", "shm"]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("off", base), ("on", base + ["--enable-multi-stream"])):
+            with ours(model, extra, os.path.join(tmp, f"{name}.log")) as srv:
+                rows[name] = w1_client(srv.url, model, "inf",
+                                       Path(tmp) / f"w1-{name}.json", num_prompts)
+                with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+                    rows[name]["split"] = sum(
+                        float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                        if line.startswith("llm_serving:multistream_steps_total")
+                        and 'outcome="split"' in line)
+    print(f"\n# served W1 ({num_prompts} prompts, all at once), TP=2 shm, "
+          f"load (1-min) at the end {os.getloadavg()[0]:.1f}\n")
+    print("| multi-stream | output tok/s | ratio | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+          "split steps | failed |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['toks']:.1f} | {r['toks'] / rows['off']['toks']:.2f} | "
+              f"{r['ttft']:.0f} / {r['ttft99']:.0f} | {r['tpot']:.1f} / {r['tpot99']:.1f} | "
+              f"{r['split']:.0f} | {r['failed']} |")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200
     s = result["summary"]
     return {"toks": s["output_throughput"], "ttft": s["ttft_ms"]["median"],
             "ttft99": s["ttft_ms"]["p99"], "tpot": s["tpot_ms"]["median"],
-            "dur": s["duration"], "failed": s["failed"]}
+            "tpot99": s["tpot_ms"]["p99"], "dur": s["duration"], "failed": s["failed"]}
 
 
 def vllm_bench_serve(venv: Path, url: str, model: str, tmp: Path, name: str) -> dict:

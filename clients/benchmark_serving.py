@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--result-file", default=None, help="JSON output (default: none)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (when a caller such as llm-serving tune shows its own)")
     return ap.parse_args(argv)
 
 
@@ -175,7 +177,7 @@ async def run(args) -> dict:
         gaps = arrival_gaps(len(data), args.request_rate, args.burstiness,
                             np.random.default_rng(args.seed))
         sem = asyncio.Semaphore(args.max_concurrency or len(data))
-        bar = tqdm(total=len(data), desc="requests", unit="req")
+        bar = tqdm(total=len(data), desc="requests", unit="req", disable=args.no_progress)
         t_start = time.perf_counter()
 
         async def one(prompt, n):

@@ -1,4 +1,5 @@
-"""Command line: ``llm-serving serve --config FILE`` (also what ``start.py`` runs)."""
+"""Command line: ``llm-serving serve --config FILE`` (also what ``start.py`` runs), and
+``llm-serving tune`` (``llm_serving/tune/``)."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "environment, command lines) and exit without starting them")
     add_engine_arguments(s)
     add_proxy_parser(sub)
+    from llm_serving.tune.cli import add_tune_parser
+    add_tune_parser(sub)
     return parser
 
 
@@ -178,9 +181,11 @@ def main(argv=None) -> None:
         if args.command == "proxy":
             from llm_serving.proxy.server import run_proxy
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-            run_proxy(args)
-        else:
-            serve(args)
+            return run_proxy(args)
+        if args.command == "tune":
+            from llm_serving.tune.cli import run_tune
+            sys.exit(run_tune(args))
+        serve(args)
     except KeyboardInterrupt:
         pass
     except (LLMServingError, ValueError) as e:

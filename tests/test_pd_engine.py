@@ -196,3 +196,30 @@ def test_kv_transfer_params_are_refused_by_name_where_they_cannot_work(pd, coloc
         SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
     with pytest.raises(ValueError, match="kv_transfer_params must be a JSON object"):
         SamplingParams(kv_transfer_params=[1])
+
+
+def test_a_load_the_workers_never_report_is_given_up_by_the_scheduler(tiny_model_dir,
+                                                                      colocated, monkeypatch):
+    """The backstop: should a worker never answer for a load, the request still recomputes
+    (kv_transfer_timeout + a grace), and an offer nobody reports is freed after expiry."""
+    from llm_serving.engine import remote_kv
+    monkeypatch.setattr(remote_kv, "BACKSTOP_GRACE_S", 0.2)
+    P = _engine(tiny_model_dir, "kv_producer", "P-silent", kv_transfer_timeout=0.5)
+    D = _engine(tiny_model_dir, "kv_consumer", "D-silent", kv_transfer_timeout=0.5)
+    D.runner.kv_connector._poll_reads = lambda now: None      # a read that never ends
+    P.runner.kv_connector._poll_sent = lambda now: None       # an offer never reported
+    ids = list(range(9, 44))
+    colocated.add_request({"prompt_token_ids": ids}, greedy(5), request_id="ref3")
+    ref = drive(colocated)["ref3"].outputs[0].token_ids
+    (params,) = prefill_on_p(P, [ids])
+    D.add_request({"prompt_token_ids": ids}, greedy(5, params), request_id="d")
+    t0 = time.monotonic()
+    out = drive(D, [P], timeout=10)["d"]
+    assert 0.6 < time.monotonic() - t0 < 5
+    assert out.outputs[0].token_ids == ref
+    assert D.get_stats().kv_transfer_recomputes == 1
+    deadline = time.monotonic() + 5
+    while P.block_manager.usage > 0:
+        P.step()
+        assert time.monotonic() < deadline
+    assert D.get_stats().kv_blocks_held > 0       # the never-ended read keeps its blocks

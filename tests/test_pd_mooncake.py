@@ -136,6 +136,47 @@ def test_a_producer_that_is_gone_makes_the_consumer_recompute(servers):
     assert metric(servers["D"], "kv_cache_usage_perc") == 0
 
 
+def test_a_hung_producer_times_out_without_stalling_the_consumer(servers):
+    """A producer that accepts connections and never answers (a stopped process, a
+    half-dead host): Mooncake's handshake blocks for about a minute. The consumer's step
+    loop does not: the request recomputes after the 5 s timeout, others are served meanwhile."""
+    import socket
+    import threading
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(hole.accept()) for _ in range(16)],
+                     daemon=True).start()
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
+    params = requests.post(servers["P"] + "/v1/completions", timeout=60, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    ).json()["kv_transfer_params"]
+    engine = f"127.0.0.1:{hole.getsockname()[1]}"
+    params["remote_ranks"] = [{**r, "engine": engine} for r in params["remote_ranks"]]
+    result = {}
+
+    def slow():
+        t = time.monotonic()
+        result["out"] = requests.post(servers["D"] + "/v1/completions", timeout=60, json={
+            **body, "kv_transfer_params": params}).json()
+        result["s"] = time.monotonic() - t
+    th = threading.Thread(target=slow)
+    th.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()          # another request is not held up by the hung transfer
+    quick = requests.post(servers["D"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "Hi", "max_tokens": 2}).json()
+    assert quick["choices"][0]["finish_reason"] and time.monotonic() - t0 < 4
+    th.join(30)
+    assert 4 < result["s"] < 12
+    assert result["out"]["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert metric(servers["D"], 'kv_transfers_total{outcome="timeout"}') >= 1
+    hole.close()
+
+
 def test_kv_transfer_params_are_refused_without_a_kv_transfer_config(servers):
     r = requests.post(servers["C"] + "/v1/completions", timeout=30, json={
         "model": "tiny", "prompt": "hi", "max_tokens": 2,

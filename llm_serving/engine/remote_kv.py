@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -30,6 +31,7 @@ from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+BACKSTOP_GRACE_S = 10.0      # beyond kv_transfer_timeout / expires_at (the workers' own)
 
 
 class RemoteKV:
@@ -44,7 +46,11 @@ class RemoteKV:
         self.held_loads: dict[str, list[int]] = {}      # load key -> blocks of an ended request
         self.held_sends: dict[str, list[int]] = {}      # transfer id -> blocks offered
         self._counts: dict[str, int] = defaultdict(int)     # ranks that reported a key
-        self._failed: dict[str, str] = {}               # load key -> first failure reason
+        # Backstops, should the workers never report a transfer (they time out themselves):
+        # when a load is given up, and when an offer's blocks are freed anyway.
+        self._load_deadline: dict[str, float] = {}
+        self._send_deadline: dict[str, float] = {}
+        self._next_check = 0.0
 
     # ---- state ----------------------------------------------------------------------------
     @property
@@ -84,6 +90,8 @@ class RemoteKV:
         seq.kv_load_key, seq.kv_external_tokens = key, num_external
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
         self.loading[key] = seq
+        self._load_deadline[key] = (time.time() + float(self.config.kv_transfer_timeout)
+                                    + BACKSTOP_GRACE_S)
 
     # ---- producer and abort: a sequence ends ----------------------------------------------
     def finish(self, seq: Sequence, status: SequenceStatus) -> bool:
@@ -114,6 +122,9 @@ class RemoteKV:
         k = len(params["remote_block_ids"])
         self.bm.release_blocks(blocks[k:])        # only the offered blocks are held
         self.held_sends[params["transfer_id"]] = blocks[:k]
+        # A reader stops reading at expires_at; past it (and a grace) the blocks are free.
+        self._send_deadline[params["transfer_id"]] = (float(params["expires_at"])
+                                                      + BACKSTOP_GRACE_S)
         self.stats.kv_transfers_offered += 1
         return True
 
@@ -123,14 +134,18 @@ class RemoteKV:
         """Apply the workers' reports: free the blocks of finished sends, requeue requests
         whose KV arrived (into ``waiting``, sorted by ``rank_key``), handle failures. Returns
         the requests to fail (policy ``fail``) with the reason."""
-        if not outputs:
-            return []
         merged = KVConnectorOutput()
         for o in outputs:
             merged.failed.update(o.failed)
             merged.bytes += o.bytes
             merged.sent += self._complete(o.sent)
             merged.recved += self._complete(o.recved)
+        now = time.time()
+        if now >= self._next_check and (self._load_deadline or self._send_deadline):
+            self._next_check = now + 0.5
+            self._backstop(now, merged)      # after the reports: a late report still counts
+        if not merged:
+            return []
         self.connector.update_connector_output(merged)
         self.stats.kv_transfer_bytes += merged.bytes
         for tid in merged.sent:
@@ -140,7 +155,6 @@ class RemoteKV:
         to_fail = []
         for key, reason in merged.failed.items():
             seq = self.loading.pop(key, None)
-            self._failed.setdefault(key, reason)
             if seq is None:
                 continue
             self._count("timeout" if "timed out" in reason else "failed")
@@ -159,7 +173,6 @@ class RemoteKV:
             blocks = self.held_loads.pop(key, None)
             if blocks is not None:
                 self.bm.release_blocks(blocks)
-                self._failed.pop(key, None)
                 continue
             seq = self.loading.pop(key, None)
             if seq is None:
@@ -173,6 +186,24 @@ class RemoteKV:
             seq.status = SequenceStatus.WAITING
             bisect.insort(waiting, seq, key=rank_key)
         return to_fail
+
+    def _backstop(self, now: float, merged: KVConnectorOutput) -> None:
+        """Transfers the workers never reported, past their deadline: a load fails (its
+        blocks stay held until reported), an offer's blocks are freed."""
+        for key, t in list(self._load_deadline.items()):
+            if key not in self.loading or key in merged.failed or key in merged.recved:
+                del self._load_deadline[key]
+            elif now >= t:
+                del self._load_deadline[key]
+                logger.error("KV load %s: no report from the workers in time", key)
+                merged.failed[key] = "KV transfer timed out (no report from the workers)"
+        for tid, t in list(self._send_deadline.items()):
+            if tid not in self.held_sends or tid in merged.sent:
+                del self._send_deadline[tid]
+            elif now >= t:
+                del self._send_deadline[tid]
+                logger.error("KV offer %s: no report from the workers; freeing its blocks", tid)
+                self.bm.release_blocks(self.held_sends.pop(tid))
 
     def _complete(self, keys) -> list[str]:
         """The keys every rank has now reported."""
@@ -194,8 +225,9 @@ class RemoteKV:
             self.bm.release_blocks(blocks)
         self.held_sends.clear()
         self.held_loads.clear()
+        self._load_deadline.clear()
+        self._send_deadline.clear()
         self._counts.clear()
-        self._failed.clear()
 
     def metadata_array(self, batch):
         """This step's connector metadata (``batch``: the scheduler's plan), as bytes."""

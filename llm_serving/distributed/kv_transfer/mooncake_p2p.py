@@ -12,7 +12,9 @@ transfers whose reader said it is done, and those that expired unread: only then
 blocks be freed.
 
 Consumer (decode side): ``start_read`` submits one batched asynchronous read of every array's
-block runs (``batch_transfer_async_read``); ``poll_reads`` reports reads that finished, failed
+block runs (``batch_transfer_async_read``, from a small thread pool: the first contact with a
+peer does a handshake that blocks for about a minute when the peer accepts and stays silent,
+and the step loop must not); ``poll_reads`` reports reads that finished, failed
 (peer gone, bad status) or passed their deadline. A read that timed out may still be writing
 into its destination blocks, so it is reported once more, as released, when Mooncake resolves
 it; the blocks must not be reused before. After a good read the consumer writes the token into
@@ -21,9 +23,11 @@ producer learns it may free the blocks; no other channel is needed.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,7 +60,7 @@ class _Held:
 
 @dataclass
 class _Read:
-    batch_id: int
+    submitted: Future          # -> Mooncake's batch id (submitting may block: handshake)
     deadline: float
     peer: str
     notify_addr: int
@@ -91,7 +95,9 @@ class MooncakeP2PTransport:
         self._held: dict[str, _Held] = {}
         self._reads: dict[str, _Read] = {}
         self._free_out = list(range(max_transfers - 1, -1, -1))
+        self._returned_out: collections.deque = collections.deque()   # from the pool threads
         self._out_slot: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-p2p")
 
     # ---- producer ------------------------------------------------------------------------
 
@@ -171,11 +177,12 @@ class MooncakeP2PTransport:
             raise KVTransferError(str(e)) from None
         if not self._free_out:
             raise KVTransferError(f"{len(self._outbox)} reads already in flight (the bound)")
-        batch_id = self.engine.batch_transfer_async_read(peer, local, remote_addrs, lengths)
-        if not batch_id or batch_id < 0:
-            raise KVTransferError(f"Mooncake refused the read from {peer} ({batch_id})")
+        # Submitting does the first contact's handshake, which blocks while the peer does
+        # not answer (about a minute when it accepts and stays silent): off the step thread.
+        submitted = self._pool.submit(self.engine.batch_transfer_async_read, peer, local,
+                                      remote_addrs, lengths)
         self._out_slot[transfer_id] = self._free_out.pop()
-        self._reads[transfer_id] = _Read(batch_id, deadline, peer, notify_addr, token)
+        self._reads[transfer_id] = _Read(submitted, deadline, peer, notify_addr, token)
 
     def poll_reads(self, now: Optional[float] = None
                    ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
@@ -187,7 +194,12 @@ class MooncakeP2PTransport:
         now = time.time() if now is None else now
         done, failed, released = [], [], []
         for tid, r in list(self._reads.items()):
-            status = self.engine.transfer_check_status(r.batch_id)
+            if not r.submitted.done():
+                status = _PENDING
+            else:
+                batch_id = r.submitted.result()
+                status = (_FAILED if not batch_id or batch_id < 0
+                          else self.engine.transfer_check_status(batch_id))
             if r.timed_out:
                 if status != _PENDING:
                     released.append(tid)
@@ -207,16 +219,29 @@ class MooncakeP2PTransport:
         return done, failed, released
 
     def _notify_peer(self, tid: str, r: _Read) -> None:
-        slot = self._out_slot[tid]
+        """Write the token into the producer's slot, off the step thread (a producer that
+        died meanwhile would block the write); the outbox word is reused once it is sent."""
+        slot = self._out_slot.pop(tid)
         self._outbox[slot] = r.token
-        rc = self.engine.transfer_sync_write(r.peer, int(self._outbox.ctypes.data + 8 * slot),
-                                             r.notify_addr, 8)
-        if rc != 0:       # the producer frees the blocks at expiry instead
-            logger.warning("could not tell %s that transfer %s is done (%s)", r.peer, tid, rc)
+
+        def write():
+            try:
+                rc = self.engine.transfer_sync_write(
+                    r.peer, int(self._outbox.ctypes.data + 8 * slot), r.notify_addr, 8)
+                if rc != 0:       # the producer frees the blocks at expiry instead
+                    logger.warning("could not tell %s that transfer %s is done (%s)",
+                                   r.peer, tid, rc)
+            finally:
+                self._returned_out.append(slot)
+        self._pool.submit(write)
 
     def _forget(self, tid: str) -> None:
         self._reads.pop(tid)
-        self._free_out.append(self._out_slot.pop(tid))
+        slot = self._out_slot.pop(tid, None)
+        if slot is not None:
+            self._free_out.append(slot)
+        while self._returned_out:       # words whose notification was sent
+            self._free_out.append(self._returned_out.popleft())
 
     @property
     def num_reading(self) -> int:

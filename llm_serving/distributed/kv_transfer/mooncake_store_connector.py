@@ -134,6 +134,8 @@ class MooncakeStoreConnector(KVConnectorBase):
         if self.config.is_producer and scheduler_output is not None:
             bs = self.block_size
             for seq, n in zip(scheduler_output.seqs, scheduler_output.num_tokens):
+                if seq.num_computed_tokens >= len(seq.prompt_token_ids) or seq.index:
+                    continue            # a decode (or a forked child): no prompt block to put
                 hashes = self._key_hashes(seq)
                 done = self._saved.get(seq.request_id, 0)
                 full = min((seq.num_computed_tokens + n) // bs, len(hashes))
