@@ -188,8 +188,11 @@ class Proxy:
                                  "instances are busy (--max-connections)",
                                  kind="service_unavailable") from None
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # Refused: the instance is gone (its requests in flight end too). A connect
+                # timeout may be a busy host: out of rotation until a check passes.
                 inst.inflight -= 1
-                inst.mark_unhealthy(f"connection failed ({type(e).__name__})", gone=True)
+                inst.mark_unhealthy(f"connection failed ({type(e).__name__})",
+                                    gone=isinstance(e, httpx.ConnectError))
                 continue
             except httpx.TimeoutException:
                 inst.inflight -= 1
