@@ -177,8 +177,10 @@ def test_a_prefill_instance_killed_mid_run(pd):
     # or the proxy sent them to D without P's params.
     fallbacks = sum(proxy_metric(p, "prefill_fallbacks_total") for p in proxies.values())
     assert metric(u["D"], "kv_transfer_recomputes_total") - fallbacks0 + fallbacks >= 1
-    for proxy in proxies.values():
-        assert requests.get(proxy + "/health", timeout=10).status_code == 503
+    for proxy in proxies.values():     # out of rotation by the next health check (0.5 s)
+        wait_until(lambda: requests.get(proxy + "/health", timeout=10).status_code == 503,
+                   timeout=10)
+        assert proxy_metric(proxy, "instance_up", role="prefill", url=px) == 0
     pools_empty(u["D"])
 
 
