@@ -33,6 +33,7 @@ setup(
         "prometheus-client",
         "llguidance>=1.9,<2",   # structured outputs: a Rust core, no torch
         "aiohttp",
+        "httpx2",               # the PD proxy's and the consumer's async HTTP client
         # OpenBLAS with run-time CPU dispatch: one of the GEMMs the CPU linear layers probe.
         "scipy-openblas32",
     ],

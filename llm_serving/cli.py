@@ -70,9 +70,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")
     add_engine_arguments(s)
+    add_proxy_parser(sub)
     from llm_serving.tune.cli import add_tune_parser
     add_tune_parser(sub)
     return parser
+
+
+def add_proxy_parser(sub) -> None:
+    p = sub.add_parser("proxy", help="PD disaggregation: one endpoint in front of prefill and "
+                       "decode instances (docs/pd_disaggregation.md)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill (kv_producer) instances, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode (kv_consumer) instances")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--order", choices=["p-first", "d-first"], default="p-first",
+                   help="p-first: the proxy asks P, then D with P's kv_transfer_params; "
+                        "d-first: D asks P itself (remote_prefill_url)")
+    p.add_argument("--policy", choices=["round-robin", "least-loaded"], default="round-robin",
+                   help="how an instance of each role is chosen (least-loaded: fewest "
+                        "requests in flight through this proxy)")
+    p.add_argument("--on-prefill-failure", choices=["recompute", "fail"], default="recompute",
+                   help="P unreachable or failing mid-request (p-first), or no P up: D "
+                        "computes the prompt itself, or the client gets an error")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds an instance may take to send the next bytes of an answer")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between /health checks of every instance")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="bound on the connections to the instances (all together)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
 
 
 def remedy(e: Exception) -> Optional[str]:
@@ -89,6 +118,10 @@ def main(argv=None) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "proxy":
+            from llm_serving.proxy.server import run_proxy
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            return run_proxy(args)
         if args.command == "tune":
             from llm_serving.tune.cli import run_tune
             sys.exit(run_tune(args))

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
                                                 new_request_id, sse, stream_or_disconnect,
@@ -111,6 +112,7 @@ async def _start(request: Request, model: str, req: GenerateRequest):
                         f"{state.served_model_name!r} (also reachable as 'llama2')",
                         param="model", kind="not_found_error")
     engine = state.require_engine()
+    await remote_prefill.resolve(request, req.parameters)   # first D, then P: ask P now
     try:
         params = _params(req.parameters)
         rid = new_request_id("gen")

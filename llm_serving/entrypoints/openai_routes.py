@@ -15,7 +15,7 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
-from llm_serving.entrypoints import tool_calls
+from llm_serving.entrypoints import remote_prefill, tool_calls
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.outputs import RequestOutput
 
@@ -208,6 +208,7 @@ async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
     _check_fields(req)
+    await remote_prefill.resolve(request, req)      # first D, then P: ask P now
     if req.suffix:
         raise HTTPError(400, "suffix is not supported", param="suffix")
     if req.max_tokens == 0 and not req.echo:
@@ -332,6 +333,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
     _check_fields(req)
+    await remote_prefill.resolve(request, req)      # first D, then P: ask P now
     engine = state.require_engine()
     args = state.engine_args
     auto_ok = bool(args.enable_auto_tool_choice and args.tool_call_parser)

@@ -1,0 +1,266 @@
+"""End to end: ``llm-serving proxy`` in front of real ``start.py`` instances, a producer and
+a consumer over MooncakeConnector, against one colocated instance, in both orders (p-first:
+the proxy asks P then D; d-first: D's server asks P). Real clients (``openai``, ``requests``).
+Faults: a P killed mid-run, a D killed mid-run, clients disconnecting during transfers; in
+every case each request completes or fails with a clear error, nothing hangs, and the KV
+pools go back to 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from test_http_server import agent_pids, free_port, start_server, stop_server
+from test_pd_mooncake import kv_section, metric, wait_until
+from test_pd_proxy_routing import Procs
+from test_pd_proxy_routing import metric as proxy_metric
+
+PROMPTS = ["Give three tips for staying healthy, then explain each of them in a few words.",
+           "What is the capital of France? Answer with the city and one fact about it.",
+           "Hi"]
+LONG = " ".join(["Summarize the following notes about the history of the river valley."] * 20)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny_model_dir):
+    """P, D and a colocated C; a p-first and a d-first proxy over P and D."""
+    tmp = tmp_path_factory.mktemp("pd-proxy")
+    started, procs = {}, Procs()
+    try:
+        for name, section in (("P", kv_section("kv_producer")), ("D", kv_section("kv_consumer")),
+                              ("C", "")):
+            started[name] = start_server(tmp, tiny_model_dir, section=section,
+                                         agent_ports=(free_port(),))
+        urls = {name: s[1] for name, s in started.items()}
+        for order in ("p-first", "d-first"):
+            urls[order] = procs.proxy([urls["P"]], [urls["D"]], "--order", order)[1]
+        yield {"urls": urls, "tmp": tmp, "model": tiny_model_dir, "procs": procs}
+    finally:
+        procs.close()
+        codes = {name: stop_server(s[0]) for name, s in started.items()}
+    assert codes == {"P": 0, "D": 0, "C": 0}
+
+
+def pools_empty(*urls):
+    """Every instance's KV pool back to 0 and nothing held for a transfer."""
+    wait_until(lambda: all(metric(u, "kv_blocks_held") == 0
+                           and metric(u, "kv_cache_usage_perc") == 0 for u in urls),
+               timeout=20)
+
+
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+def test_greedy_outputs_through_the_proxy_match_colocated(pd, order):
+    u = pd["urls"]
+    proxy = openai.OpenAI(base_url=u[order] + "/v1", api_key="none")
+    colo = openai.OpenAI(base_url=u["C"] + "/v1", api_key="none")
+    done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
+    recomputes0 = metric(u["D"], "kv_transfer_recomputes_total")
+    for prompt in PROMPTS:
+        kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+        ref, out = colo.completions.create(**kw).choices[0], \
+            proxy.completions.create(**kw).choices[0]
+        assert out.text == ref.text
+        assert out.logprobs.tokens == ref.logprobs.tokens
+        assert out.logprobs.token_logprobs == pytest.approx(ref.logprobs.token_logprobs,
+                                                            abs=1e-5)
+        streamed = "".join(c.choices[0].text for c in proxy.completions.create(
+            **kw, stream=True) if c.choices)
+        assert streamed == ref.text
+    # Two prompts of each pass had full blocks to move, twice (plain and streamed).
+    assert metric(u["D"], 'kv_transfers_total{outcome="done"}') == done0 + 4
+    assert metric(u["D"], "kv_transfer_recomputes_total") == recomputes0
+
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    ref = colo.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                       temperature=0)
+    out = proxy.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                        temperature=0)
+    assert out.choices[0].message.content == ref.choices[0].message.content
+
+    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 10, "details": True}}
+    ref = requests.post(u["C"] + "/models/llama2/generate", json=body, timeout=60).json()
+    out = requests.post(u[order] + "/models/llama2/generate", json=body, timeout=60).json()
+    assert out["generated_text"] == ref["generated_text"]
+    lines = requests.post(u[order] + "/models/llama2/generate_stream", json=body,
+                          timeout=60).text.splitlines()
+    assert "".join(json.loads(x)["data"][0]["generated_text"] for x in lines) == \
+        ref["generated_text"]
+    pools_empty(u["P"], u["D"])
+
+
+def test_clients_disconnecting_during_transfers_leak_nothing(pd):
+    u = pd["urls"]
+    for order in ("p-first", "d-first"):
+        for i in range(4):
+            body = {"model": "tiny", "prompt": f"{i} {LONG}", "max_tokens": 50,
+                    "stream": i % 2 == 0, "ignore_eos": True}
+            try:      # gone during P's prefill, D's load or the first tokens
+                requests.post(u[order] + "/v1/completions", json=body, timeout=0.05 + 0.1 * i)
+            except requests.Timeout:
+                pass
+    pools_empty(u["P"], u["D"])
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    assert requests.post(u["p-first"] + "/v1/completions", json=body, timeout=60).json()[
+        "choices"][0]["text"] == requests.post(u["C"] + "/v1/completions", json=body,
+                                              timeout=60).json()["choices"][0]["text"]
+
+
+def kill_server(proc) -> None:
+    """SIGKILL a server and its WorkAgents (a machine or container gone)."""
+    agents = agent_pids(proc.pid)
+    proc.kill()
+    for pid in agents:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
+def run_concurrently(calls, during=None, delay=1.0):
+    """Runs the calls at once (each returns a result or raises); ``during`` after ``delay``."""
+    results = [None] * len(calls)
+
+    def run(i, call):
+        t0 = time.monotonic()
+        try:
+            results[i] = (call(), time.monotonic() - t0)
+        except Exception as e:      # noqa: BLE001 - reported to the test
+            results[i] = (e, time.monotonic() - t0)
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    if during is not None:
+        time.sleep(delay)
+        during()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    return results
+
+
+def test_a_prefill_instance_killed_mid_run(pd):
+    """Requests in flight through a P that dies are computed by D (both orders: the proxy's
+    --on-prefill-failure recompute, D's kv_failure_policy recompute): every answer is the
+    colocated one; the dead P leaves the rotation; nothing leaks on D."""
+    u, procs = pd["urls"], pd["procs"]
+    proc, px = start_server(pd["tmp"], pd["model"], section=kv_section("kv_producer"),
+                            agent_ports=(free_port(),))[:2]
+    try:
+        proxies = {order: procs.proxy([px], [u["D"]], "--order", order)[1]
+                   for order in ("p-first", "d-first")}
+        bodies = [{"model": "tiny", "prompt": f"{i} {LONG}", "max_tokens": 16,
+                   "temperature": 0, "ignore_eos": True} for i in range(6)]
+        refs = [requests.post(u["C"] + "/v1/completions", json=b, timeout=60).json()
+                for b in bodies]
+        calls = [lambda b=b, o=o: requests.post(proxies[o] + "/v1/completions", json=b,
+                                                timeout=80)
+                 for b in bodies for o in proxies]
+        fallbacks0 = metric(u["D"], "kv_transfer_recomputes_total")
+        results = run_concurrently(calls, during=lambda: kill_server(proc), delay=0.3)
+    finally:
+        if proc.poll() is None:
+            kill_server(proc)
+    for (r, took), ref in zip(results, [x for x in refs for _ in proxies]):
+        assert not isinstance(r, Exception), r
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert took < 60
+    # P died with work in flight: D computed some prompts (its hook or its failed read),
+    # or the proxy sent them to D without P's params.
+    fallbacks = sum(proxy_metric(p, "prefill_fallbacks_total") for p in proxies.values())
+    assert metric(u["D"], "kv_transfer_recomputes_total") - fallbacks0 + fallbacks >= 1
+    for proxy in proxies.values():     # out of rotation by the next health check (0.5 s)
+        wait_until(lambda: requests.get(proxy + "/health", timeout=10).status_code == 503,
+                   timeout=10)
+        assert proxy_metric(proxy, "instance_up", role="prefill", url=px) == 0
+    pools_empty(u["D"])
+
+
+def test_a_decode_instance_killed_mid_run(pd):
+    """Requests on a D that dies fail with a clear error (502, or an error event in a
+    stream) and none hangs; the others are served by the live D; P frees the blocks it
+    held for the dead D after kv_transfer_timeout."""
+    u, procs = pd["urls"], pd["procs"]
+    proc, dx = start_server(pd["tmp"], pd["model"], section=kv_section("kv_consumer"),
+                            agent_ports=(free_port(),))[:2]
+    try:
+        proxy = procs.proxy([u["P"]], [dx, u["D"]])[1]
+        client = openai.OpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0,
+                               timeout=80)
+
+        started = threading.Semaphore(0)
+
+        def stream(i):
+            chunks = client.completions.create(model="tiny", prompt=f"{i} {PROMPTS[0]}",
+                                               max_tokens=900, stream=True,
+                                               extra_body={"ignore_eos": True})
+            text = []
+            for c in chunks:
+                if not text:
+                    started.release()
+                text.append(c.choices[0].text if c.choices else "")
+            return "".join(text)
+
+        def kill_when_all_stream():
+            for _ in range(6):
+                started.acquire(timeout=30)
+            kill_server(proc)
+        results = run_concurrently([lambda i=i: stream(i) for i in range(6)],
+                                   during=kill_when_all_stream, delay=0)
+    finally:
+        if proc.poll() is None:
+            kill_server(proc)
+    failed = [r for r, _ in results if isinstance(r, Exception)]
+    served = [r for r, _ in results if not isinstance(r, Exception)]
+    assert failed and served          # round-robin: half were on the dead D
+    for e in failed:                  # the openai client raises on an error event
+        assert dx in str(e), e
+    assert all(took < 60 for _, took in results)
+    # The proxy serves on with the live D; P's offers to the dead D expire (5 s).
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    for _ in range(2):
+        r = requests.post(proxy + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    pools_empty(u["P"], u["D"])
+
+
+def test_the_first_d_hook_on_a_consumer(pd):
+    """D given remote_prefill_url asks that P itself; an unreachable P is recomputed (D's
+    kv_failure_policy) and counted; a bad URL, or an instance without kv_transfer, is a 400
+    naming kv_transfer_params."""
+    u = pd["urls"]
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    ref = requests.post(u["C"] + "/v1/completions", json=body, timeout=60).json()
+    done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
+    failed0 = metric(u["D"], 'kv_transfers_total{outcome="failed"}')
+    recomputes0 = metric(u["D"], "kv_transfer_recomputes_total")
+
+    def ask(url):
+        return requests.post(u["D"] + "/v1/completions", timeout=60, json={
+            **body, "kv_transfer_params": {"do_remote_prefill": True,
+                                           "remote_prefill_url": url}})
+    r = ask(u["P"])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert metric(u["D"], 'kv_transfers_total{outcome="done"}') == done0 + 1
+    t0 = time.monotonic()
+    r = ask(f"http://127.0.0.1:{free_port()}")          # nobody listens there
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert time.monotonic() - t0 < 10
+    assert metric(u["D"], 'kv_transfers_total{outcome="failed"}') == failed0 + 1
+    assert metric(u["D"], "kv_transfer_recomputes_total") == recomputes0 + 1
+    r = ask("file:///etc/passwd")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    r = requests.post(u["C"] + "/v1/completions", timeout=60, json={
+        **body, "kv_transfer_params": {"do_remote_prefill": True,
+                                       "remote_prefill_url": u["P"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    pools_empty(u["P"], u["D"])
