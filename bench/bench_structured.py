@@ -5,8 +5,8 @@ under async scheduling (the server's default) and synchronous scheduling.
 Two engines on the 97 M bench model (vocab 8000), each with its model in a WorkAgent as the
 server runs it: one with async scheduling, one without. For each batch size B, B requests
 decode for ``--steps`` steps, unconstrained and then each under a JSON schema (a list of 48
-integers, so that every row stays constrained throughout), in turns on the same engines.
-Printed per decode step (medians):
+integers, so that every row stays constrained throughout), in turns on the same engines,
+``--rounds`` times interleaved. Printed per decode step (medians over all the rounds' steps):
 - the step's wall time (the engine's step period), plain and constrained, and the overhead;
 - grammar (master): advancing each row's matcher over its new token and filling its bitmask
   row (``Constraints.apply`` and ``deferred_bitmask``). Under async scheduling it runs while
@@ -14,7 +14,7 @@ Printed per decode step (medians):
   sampling), so it costs the step only where it is longer than the forward; synchronously it
   adds to the step.
 
-    python bench/bench_structured.py [--batches 1,16,64] [--steps 24]
+    python bench/bench_structured.py [--batches 1,16,64] [--steps 12] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class Timer:
             setattr(self.cls, name, orig)
 
 
-def run(llm, b: int, steps: int, constrained: bool):
-    """(step ms, grammar ms): medians over the decode steps of B requests."""
+def run(llm, b: int, steps: int, constrained: bool) -> list[tuple[float, float]]:
+    """(step ms, grammar ms) of each decode step of B requests."""
     from llm_serving import SamplingParams
     from llm_serving.engine.constraints import Constraints
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -93,14 +93,18 @@ def run(llm, b: int, steps: int, constrained: bool):
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
             engine.step()
-    decode = times[3:]
-    return tuple(statistics.median(s[k] for s in decode) * 1e3 for k in range(2))
+    return [(t * 1e3, g * 1e3) for t, g in times[3:]]
+
+
+def median(samples, k: int) -> float:
+    return statistics.median(s[k] for s in samples)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--steps", type=int, default=24, help="decode steps measured per run")
+    ap.add_argument("--steps", type=int, default=12, help="decode steps measured per run")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, interleaved")
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     from llm_serving import LLM
@@ -118,12 +122,17 @@ def main() -> None:
               "| grammar (master) | grammar vs plain step |")
         print("|---|---|---|---|---|---|---|")
         for b in batches:
-            for mode, llm in engines.items():
-                plain = run(llm, b, args.steps, False)
-                cons = run(llm, b, args.steps, True)
-                print(f"| {b} | {mode} | {plain[0]:.1f} ms | {cons[0]:.1f} ms | "
-                      f"{cons[0] / plain[0] - 1:+.1%} | {cons[1]:.2f} ms | "
-                      f"{cons[1] / plain[0]:.1%} |", flush=True)
+            got = {(mode, c): [] for mode in engines for c in (False, True)}
+            for _ in range(args.rounds):      # interleaved: a shared machine's load drifts
+                for mode, llm in engines.items():
+                    for c in (False, True):
+                        got[mode, c] += run(llm, b, args.steps, c)
+            for mode in engines:
+                plain, cons = median(got[mode, False], 0), median(got[mode, True], 0)
+                grammar = median(got[mode, True], 1)
+                print(f"| {b} | {mode} | {plain:.1f} ms | {cons:.1f} ms | "
+                      f"{cons / plain - 1:+.1%} | {grammar:.2f} ms | {grammar / plain:.1%} |",
+                      flush=True)
     finally:
         for llm in engines.values():
             llm.engine.shutdown()
