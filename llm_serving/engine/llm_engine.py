@@ -142,7 +142,7 @@ class LLMEngine:
             built.step.ms_split, reason = step_split(built.step.query_start_loc,
                                                      self.multi_stream)
             self.stats.multistream_steps[reason] = self.stats.multistream_steps.get(reason, 0) + 1
-        if self.constraints.mask_deferred:     # its grammar rows need the running step's tokens
+        if built.sampled and self.constraints.mask_deferred:   # rows need the running step's tokens
             built.step.mask_after_forward = 1
         dumps = self.dumper.plan(built.sampled) if self.dumper else ()
         if dumps:
