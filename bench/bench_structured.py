@@ -12,7 +12,10 @@ integers, so that every row stays constrained throughout), in turns on the same 
   row (``Constraints.apply`` and ``deferred_bitmask``). Under async scheduling it runs while
   the step's forward runs (the mask is sent after the forward starts and waited for before
   sampling), so it costs the step only where it is longer than the forward; synchronously it
-  adds to the step.
+  adds to the step;
+- mask sent after (async): from the end of step N (its result collected) to step N+1's mask
+  sent (step N processed, matchers advanced, bitmask filled). Step N+1's forward started when
+  step N ended, so while this is shorter than a forward, the agent never waits for a mask.
 
     python bench/bench_structured.py [--batches 1,16,64] [--steps 12] [--rounds 3]
 """
@@ -68,8 +71,9 @@ class Timer:
             setattr(self.cls, name, orig)
 
 
-def run(llm, b: int, steps: int, constrained: bool) -> list[tuple[float, float]]:
-    """(step ms, grammar ms) of each decode step of B requests."""
+def run(llm, b: int, steps: int, constrained: bool) -> list[tuple[float, float, float]]:
+    """(step ms, grammar ms, mask ms) of each decode step of B requests; mask: from the
+    previous step's end (collected) to this step's mask sent (0 when sent with the step)."""
     from llm_serving import SamplingParams
     from llm_serving.engine.constraints import Constraints
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -81,19 +85,27 @@ def run(llm, b: int, steps: int, constrained: bool) -> list[tuple[float, float]]
                                              ignore_eos=True, structured_outputs=so))
            for i in range(b)]
     timer = Timer(Constraints, "apply", "deferred_bitmask")
+    marks = {}                         # when the last step was collected / its mask sent
+    runner = engine.runner
+    collect, send_mask = runner.collect, runner.send_mask
+    runner.collect = lambda: (collect(), marks.__setitem__("done", time.perf_counter()))[0]
+    runner.send_mask = lambda m: (send_mask(m), marks.__setitem__("mask", time.perf_counter()))[0]
     times = []
     try:
         for _ in range(steps + 3):       # the prefill, the first decodes, then the measured
+            marks.clear()
             t = time.perf_counter()
             engine.step()
-            times.append((time.perf_counter() - t, timer.take()))
+            late = marks["mask"] - marks["done"] if "mask" in marks else 0.0
+            times.append((time.perf_counter() - t, timer.take(), late))
     finally:
         timer.restore()
+        del runner.collect, runner.send_mask
         for rid in ids:
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
             engine.step()
-    return [(t * 1e3, g * 1e3) for t, g in times[3:]]
+    return [(t * 1e3, g * 1e3, m * 1e3) for t, g, m in times[3:]]
 
 
 def median(samples, k: int) -> float:
@@ -119,8 +131,8 @@ def main() -> None:
         print(f"# bench_structured, {datetime.date.today()}, {_cpu()}, "
               f"load {os.getloadavg()[0]:.1f}")
         print("| B | scheduling | decode step, plain | constrained | overhead "
-              "| grammar (master) | grammar vs plain step |")
-        print("|---|---|---|---|---|---|---|")
+              "| grammar (master) | grammar vs plain step | mask sent after |")
+        print("|---|---|---|---|---|---|---|---|")
         for b in batches:
             got = {(mode, c): [] for mode in engines for c in (False, True)}
             for _ in range(args.rounds):      # interleaved: a shared machine's load drifts
@@ -129,10 +141,10 @@ def main() -> None:
                         got[mode, c] += run(llm, b, args.steps, c)
             for mode in engines:
                 plain, cons = median(got[mode, False], 0), median(got[mode, True], 0)
-                grammar = median(got[mode, True], 1)
+                grammar, late = median(got[mode, True], 1), median(got[mode, True], 2)
                 print(f"| {b} | {mode} | {plain:.1f} ms | {cons:.1f} ms | "
-                      f"{cons / plain - 1:+.1%} | {grammar:.2f} ms | {grammar / plain:.1%} |",
-                      flush=True)
+                      f"{cons / plain - 1:+.1%} | {grammar:.2f} ms | {grammar / plain:.1%} | "
+                      + (f"{late:.1f} ms |" if mode == "async" else "- |"), flush=True)
     finally:
         for llm in engines.values():
             llm.engine.shutdown()
