@@ -1,26 +1,29 @@
 #!/usr/bin/env python
-"""Structured outputs: what a grammar costs per decode step, with every request constrained.
+"""Structured outputs: what a grammar costs per decode step, with every request constrained,
+under async scheduling (the server's default) and synchronous scheduling.
 
-For each batch size B, B requests decode on the 97 M bench model (vocab 8000, in-process
-runner) twice: unconstrained, then each under a JSON schema (a list of 48 integers, so that
-every row stays constrained for the whole run). Printed per decode step (medians of the
-decode phase):
-- the step's wall time, plain and constrained;
+Two engines on the 97 M bench model (vocab 8000), each with its model in a WorkAgent as the
+server runs it: one with async scheduling, one without. For each batch size B, B requests
+decode for ``--steps`` steps, unconstrained and then each under a JSON schema (a list of 48
+integers, so that every row stays constrained throughout), in turns on the same engines,
+``--rounds`` times interleaved. Printed per decode step (medians over all the rounds' steps):
+- the step's wall time (the engine's step period), plain and constrained, and the overhead;
 - grammar (master): advancing each row's matcher over its new token and filling its bitmask
-  row (``Constraints.apply``);
-- mask (sampler): the extra time the sampler spends with bitmasks (unpacking and applying
-  them), as the difference of its time per step in the two runs;
-- both, as a share of the plain decode step (the issue's target: < 10% at B = 64).
+  row (``Constraints.apply`` and ``deferred_bitmask``). Under async scheduling it runs while
+  the step's forward runs (the mask is sent after the forward starts and waited for before
+  sampling), so it costs the step only where it is longer than the forward; synchronously it
+  adds to the step;
+- mask sent after (async): from the end of step N (its result collected) to step N+1's mask
+  sent (step N processed, matchers advanced, bitmask filled). Step N+1's forward started when
+  step N ended, so while this is shorter than a forward, the agent never waits for a mask.
 
-Not included: under async scheduling (the server) a grammar row's mask needs the previous
-step's token, so the master's work is not hidden behind the model's (see docs/openai.md).
-
-    python bench/bench_structured.py [--batches 1,16,64] [--tokens 48]
+    python bench/bench_structured.py [--batches 1,16,64] [--steps 12] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -30,9 +33,7 @@ def _cpu() -> str:
     name, flags = platform.processor(), set()
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and not name:
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("model name"):
+            if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
@@ -44,79 +45,109 @@ def _cpu() -> str:
 
 
 class Timer:
-    """Accumulates the time spent in one method, per engine step."""
+    """Accumulates the time spent in some methods, per engine step."""
 
-    def __init__(self, cls, name: str):
-        self.cls, self.name, self.orig = cls, name, getattr(cls, name)
+    def __init__(self, cls, *names: str):
+        self.cls, self.orig = cls, {n: getattr(cls, n) for n in names}
         self.total = 0.0
-        timer = self
+        for name, orig in self.orig.items():
+            setattr(cls, name, self._wrap(orig))
 
+    def _wrap(self, orig):
         def wrapped(*a, **kw):
             t = time.perf_counter()
             try:
-                return timer.orig(*a, **kw)
+                return orig(*a, **kw)
             finally:
-                timer.total += time.perf_counter() - t
-        setattr(cls, name, wrapped)
+                self.total += time.perf_counter() - t
+        return wrapped
 
     def take(self) -> float:
         t, self.total = self.total, 0.0
         return t
 
     def restore(self) -> None:
-        setattr(self.cls, self.name, self.orig)
+        for name, orig in self.orig.items():
+            setattr(self.cls, name, orig)
 
 
-def run(llm, b: int, tokens: int, constrained: bool):
+def run(llm, b: int, steps: int, constrained: bool) -> list[tuple[float, float, float]]:
+    """(step ms, grammar ms, mask ms) of each decode step of B requests; mask: from the
+    previous step's end (collected) to this step's mask sent (0 when sent with the step)."""
     from llm_serving import SamplingParams
+    from llm_serving.engine.constraints import Constraints
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
-              "minItems": tokens, "maxItems": tokens}
+              "minItems": 48, "maxItems": 48}
     so = {"json": schema} if constrained else None
     engine = llm.engine
-    for i in range(b):
-        engine.add_request({"prompt_token_ids": [1 + (i * 7 + j) % 500 for j in range(32)]},
-                           SamplingParams(temperature=1.0, seed=i, max_tokens=4 * tokens,
-                                          ignore_eos=not constrained, structured_outputs=so))
-    from llm_serving.engine.constraints import Constraints
-    from llm_serving.sample.sampler import Sampler
-    t_apply, t_sample = Timer(Constraints, "apply"), Timer(Sampler, "__call__")
-    steps = []
+    ids = [engine.add_request({"prompt_token_ids": [1 + (i * 7 + j) % 500 for j in range(32)]},
+                              SamplingParams(temperature=1.0, seed=i, max_tokens=400,
+                                             ignore_eos=True, structured_outputs=so))
+           for i in range(b)]
+    timer = Timer(Constraints, "apply", "deferred_bitmask")
+    marks = {}                         # when the last step was collected / its mask sent
+    runner = engine.runner
+    collect, send_mask = runner.collect, runner.send_mask
+    runner.collect = lambda: (collect(), marks.__setitem__("done", time.perf_counter()))[0]
+    runner.send_mask = lambda m: (send_mask(m), marks.__setitem__("mask", time.perf_counter()))[0]
+    times = []
     try:
-        while engine.has_unfinished_requests():
+        for _ in range(steps + 3):       # the prefill, the first decodes, then the measured
+            marks.clear()
             t = time.perf_counter()
             engine.step()
-            steps.append((time.perf_counter() - t, t_apply.take(), t_sample.take()))
+            late = marks["mask"] - marks["done"] if "mask" in marks else 0.0
+            times.append((time.perf_counter() - t, timer.take(), late))
     finally:
-        t_apply.restore()
-        t_sample.restore()
-    # Decode steps with the whole batch: after the prefill, before any request ends.
-    decode = steps[2:max(3, len(steps) // 2)]
-    return tuple(statistics.median(s[k] for s in decode) * 1e3 for k in range(3))
+        timer.restore()
+        del runner.collect, runner.send_mask
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return [(t * 1e3, g * 1e3, m * 1e3) for t, g, m in times[3:]]
+
+
+def median(samples, k: int) -> float:
+    return statistics.median(s[k] for s in samples)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--tokens", type=int, default=48, help="integers in each output")
+    ap.add_argument("--steps", type=int, default=12, help="decode steps measured per run")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, interleaved")
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     from llm_serving import LLM
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
     batches = [int(x) for x in args.batches.split(",")]
-    llm = LLM(model, max_num_seqs=max(batches), distributed_executor_backend="uni")
-    run(llm, 2, 4, True)                 # warm up: kernels, llguidance's tokenizer
-    print(f"# bench_structured, {datetime.date.today()}, {_cpu()}")
-    print("| B | decode step, plain | constrained | grammar (master) | mask (sampler) "
-          "| grammar + mask vs plain step |")
-    print("|---|---|---|---|---|---|")
-    for b in batches:
-        plain = run(llm, b, args.tokens, False)
-        cons = run(llm, b, args.tokens, True)
-        mask = max(cons[2] - plain[2], 0.0)
-        share = (cons[1] + mask) / plain[0]
-        print(f"| {b} | {plain[0]:.1f} ms | {cons[0]:.1f} ms | {cons[1]:.2f} ms | "
-              f"{mask:.2f} ms | {share:.1%} |")
+    engines = {mode: LLM(model, max_num_seqs=max(batches), distributed_executor_backend="mp",
+                         async_scheduling=mode == "async") for mode in ("async", "sync")}
+    try:
+        for llm in engines.values():
+            run(llm, 2, 4, True)            # warm up: kernels, llguidance's tokenizer
+        print(f"# bench_structured, {datetime.date.today()}, {_cpu()}, "
+              f"load {os.getloadavg()[0]:.1f}")
+        print("| B | scheduling | decode step, plain | constrained | overhead "
+              "| grammar (master) | grammar vs plain step | mask sent after |")
+        print("|---|---|---|---|---|---|---|---|")
+        for b in batches:
+            got = {(mode, c): [] for mode in engines for c in (False, True)}
+            for _ in range(args.rounds):      # interleaved: a shared machine's load drifts
+                for mode, llm in engines.items():
+                    for c in (False, True):
+                        got[mode, c] += run(llm, b, args.steps, c)
+            for mode in engines:
+                plain, cons = median(got[mode, False], 0), median(got[mode, True], 0)
+                grammar, late = median(got[mode, True], 1), median(got[mode, True], 2)
+                print(f"| {b} | {mode} | {plain:.1f} ms | {cons:.1f} ms | "
+                      f"{cons / plain - 1:+.1%} | {grammar:.2f} ms | {grammar / plain:.1%} | "
+                      + (f"{late:.1f} ms |" if mode == "async" else "- |"), flush=True)
+    finally:
+        for llm in engines.values():
+            llm.engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -127,3 +127,112 @@ def test_sampler_applies_bias_bans_and_bitmask_like_the_reference():
         lse = np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
         np.testing.assert_allclose(out.logprobs, logits[np.arange(b), out.token_ids] - lse,
                                    rtol=1e-5, atol=1e-5)
+
+
+# ---- async scheduling: the mask of step N+1 is sent while its forward runs ------------------
+
+def _mixed_requests():
+    """Constrained and unconstrained requests in one batch: JSON schema (n = 2), regex,
+    choice, bad words whose bans depend on the previous token (with allowed_token_ids, and
+    with logit_bias only), plain seeded and greedy rows, and one long request to abort. Token
+    85 is "q" in the tiny tokenizer: the bad word "qq" bans 85 right after 85."""
+    so = dict
+    return [
+        SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=80,
+                       structured_outputs=so(json=SCHEMA)),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=40,
+                       structured_outputs=so(regex="[a-z]{2,6}( [0-9]{1,3}){3}")),
+        SamplingParams(temperature=0.0, max_tokens=20,
+                       structured_outputs=so(choice=["red", "green", "blue"])),
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=30, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True,
+                       allowed_token_ids=[85, 86], bad_words=["qq"]),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True,
+                       logit_bias={85: 100, 86: 100}, bad_words=["qq"]),
+        SamplingParams(temperature=1.0, seed=6, max_tokens=200, ignore_eos=True,
+                       structured_outputs=so(regex="[a-z ]*")),
+    ]
+
+
+def _drive(engine, abort_at: int):
+    """Run the mixed workload to the end, aborting the last request after ``abort_at``
+    steps; the final outputs by request id."""
+    prompts = PROMPTS + PROMPTS[:2]
+    for i, p in enumerate(_mixed_requests()):
+        engine.add_request(prompts[i], p, request_id=f"r{i}")
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+        if steps == abort_at:
+            finals["r7"] = engine.abort_request("r7")
+    assert engine.constraints.num_matchers == 0
+    assert engine.get_stats().kv_cache_usage == 0.0
+    return {rid: [(c.token_ids, c.cumulative_logprob, c.finish_reason, c.text)
+                  for c in o.outputs] for rid, o in finals.items()}
+
+
+@pytest.mark.parametrize("backend, tp", [("uni", 1), ("mp", 1), ("mp", 2)],
+                         ids=["in-process", "agent", "tp2"])
+def test_async_masks_give_the_outputs_of_synchronous_scheduling(tiny_model_dir, backend, tp):
+    """Under async scheduling, a step with grammar rows is no longer waited for: its mask
+    follows after its forward. A mixed batch (n > 1, preemption, an abort) gives token for
+    token what synchronous scheduling gives, in process, through the WorkAgent, and with two
+    tensor-parallel agents (only rank 0 samples and waits for the mask)."""
+    ref = _drive(LLMEngine(EngineArgs(tiny_model_dir, num_blocks=256, block_size=16,
+                                      async_scheduling=False)), abort_at=12)
+    engine = LLMEngine(EngineArgs(tiny_model_dir, num_blocks=24, block_size=8, max_num_seqs=8,
+                                  async_scheduling=True, distributed_executor_backend=backend,
+                                  tensor_parallel_size=tp))
+    sent = []
+    send_mask = engine.runner.send_mask
+    engine.runner.send_mask = lambda mask: (sent.append(mask is not None), send_mask(mask))[1]
+    try:
+        got = _drive(engine, abort_at=12)
+        assert engine.get_stats().num_preemptions > 0
+        _mask_failure_is_recovered(engine)
+    finally:
+        engine.shutdown()
+    assert sum(sent) > 20          # masks really went after the forward, most steps
+    partial = got.pop("r7"), ref.pop("r7")
+    # Token for token; logprobs to rounding (tensor parallelism sums in another order).
+    assert {r: [(t, f, x) for t, _, f, x in c] for r, c in got.items()} == \
+        {r: [(t, f, x) for t, _, f, x in c] for r, c in ref.items()}
+    assert {r: [lp for _, lp, _, _ in c] for r, c in got.items()} == \
+        {r: pytest.approx([lp for _, lp, _, _ in c], rel=1e-5) for r, c in ref.items()}
+    # The aborted request: what each run had generated is a prefix of the other's.
+    (a, _, ra, _), (b, _, rb, _) = partial[0][0], partial[1][0]
+    assert ra == rb == "abort" and a[:len(b)] == b[:len(a)]
+    assert [len(got[r]) for r in ("r0", "r3")] == [2, 2]
+    for _, _, reason, text in got["r0"]:
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert got["r1"][0][2] == "stop" and len(got["r1"][0][3].split()) == 4
+    assert got["r2"][0][3] in ("red", "green", "blue")
+    for rid in ("r5", "r6"):        # "qq" never generated, though 85 and 86 are all it picks
+        toks = got[rid][0][0]
+        assert set(toks) <= {85, 86} and 85 in toks
+        assert all(not (x == 85 and y == 85) for x, y in zip(toks, toks[1:]))
+
+
+def _mask_failure_is_recovered(engine):
+    """A master that fails between a step's submit and its mask (here: the grammar raising)
+    fails the requests; the step is collected unmasked rather than left waiting, and the
+    runner serves the next request."""
+    def broken():
+        raise RuntimeError("grammar failed")
+    p = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"regex": "[a-z]+"})
+    engine.add_request("Hello", p, request_id="broken")
+    engine.constraints.deferred_bitmask = broken
+    with pytest.raises(RuntimeError, match="grammar failed"):
+        for _ in range(10):
+            engine.step()
+    del engine.constraints.deferred_bitmask
+    [out] = engine.fail_all("the step failed")
+    assert out.finished and not engine.has_unfinished_requests()
+    engine.add_request("Hello", p, request_id="after")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].text.isalpha()

@@ -277,6 +277,76 @@ def test_auto_tool_choice_reads_hermes_calls(client):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def _stream_events(stream):
+    """A streamed choice 0 as events in order: ("content", text), ("name", index, name),
+    ("args", index, text), ("finish", reason)."""
+    events = []
+    for chunk in stream:
+        for d in chunk.choices:
+            if d.delta.content:
+                events.append(("content", d.delta.content))
+            for tc in d.delta.tool_calls or ():
+                if tc.function and tc.function.name:
+                    assert tc.id and tc.type == "function"
+                    events.append(("name", tc.index, tc.function.name))
+                if tc.function and tc.function.arguments:
+                    events.append(("args", tc.index, tc.function.arguments))
+            if d.finish_reason:
+                events.append(("finish", d.finish_reason))
+    return events
+
+
+def _calls_of(events) -> dict:
+    """index -> (name, arguments text), from the events; a name comes before its arguments."""
+    calls = {}
+    for e in events:
+        if e[0] == "name":
+            assert e[1] not in calls
+            calls[e[1]] = [e[2], ""]
+        elif e[0] == "args":
+            calls[e[1]][1] += e[2]
+    return {i: tuple(c) for i, c in calls.items()}
+
+
+def test_required_tool_calls_stream_name_then_arguments(client):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(2):
+        kw = dict(model="tiny", messages=MSG, max_tokens=200, temperature=1, seed=seed,
+                  tools=[WEATHER, TIME], tool_choice="required")
+        events = _stream_events(client.chat.completions.create(stream=True, **kw))
+        calls = _calls_of(events)
+        assert calls and events[-1] == ("finish", "tool_calls")
+        assert not [e for e in events if e[0] == "content"]
+        # The arguments come in pieces, and the stream says what the whole answer says.
+        assert len([e for e in events if e[0] == "args"]) > len(calls)
+        whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == \
+            [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))]
+        for name, args in calls.values():
+            jsonschema.validate(json.loads(args), schemas[name])
+
+
+def test_auto_tool_calls_stream_content_then_the_call(client):
+    call = ('Sure, let me see. <tool_call>{"name": "get_weather", "arguments": {"city": '
+            '"Paris", "days": 2}}</tool_call>')
+    events = _stream_events(client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=200, tools=[WEATHER], tool_choice="auto",
+        stream=True, extra_body={"guided_choice": [call]}))
+    kinds = [e[0] for e in events]
+    # The content before the call comes as it is generated, in several pieces, before it.
+    assert kinds.index("name") > 1 and kinds[:kinds.index("name")] == ["content"] * \
+        kinds.index("name") and "content" not in kinds[kinds.index("name"):]
+    assert "".join(e[1] for e in events if e[0] == "content") == "Sure, let me see. "
+    assert _calls_of(events) == {0: ("get_weather", '{"city": "Paris", "days": 2}')}
+    assert kinds.count("args") > 1 and events[-1] == ("finish", "tool_calls")
+    # Plain text with tools streams as content, as it comes, and equals the whole answer.
+    kw = dict(model="tiny", messages=MSG, max_tokens=12, tools=[WEATHER], temperature=0)
+    events = _stream_events(client.chat.completions.create(stream=True, **kw))
+    assert {e[0] for e in events} == {"content", "finish"} and len(events) > 3
+    assert "".join(e[1] for e in events if e[0] == "content") == \
+        client.chat.completions.create(**kw).choices[0].message.content
+
+
 def test_the_chat_template_receives_the_tools(server, client):
     template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                 "{% if tools %}{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}"

@@ -11,7 +11,9 @@ One step is schedule -> build input -> execute -> process output:
   finished sequences' blocks and makes the ``RequestOutput``s.
 
 With async scheduling (on with WorkAgents) the step started here runs on the model while this
-method processes the previous one, so the model never waits for the master.
+method processes the previous one, so the model never waits for the master. A step with grammar
+rows is started with a placeholder token mask; the mask follows once the previous step's tokens
+are processed, and the model waits for it only before sampling.
 """
 from __future__ import annotations
 
@@ -140,9 +142,6 @@ class LLMEngine:
         one, or with async scheduling the previous one: decodes of the new step take their
         input token from the running step's sample, which the model runner fills in)."""
         outputs = []
-        if self._in_flight is not None and self.constraints.has_grammar_rows:
-            # A grammar row's mask needs the running step's token: no overlap this step.
-            outputs += self._collect(self._take_in_flight())
         batch = self.scheduler.schedule()
         outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
         kv_meta = self.remote_kv.metadata_array(batch) if self.remote_kv is not None else None
@@ -164,6 +163,8 @@ class LLMEngine:
             built.step.ms_split, reason = step_split(built.step.query_start_loc,
                                                      self.multi_stream)
             self.stats.multistream_steps[reason] = self.stats.multistream_steps.get(reason, 0) + 1
+        if built.sampled and self.constraints.mask_deferred:   # rows need the running step's tokens
+            built.step.mask_after_forward = 1
         dumps = self.dumper.plan(built.sampled) if self.dumper else ()
         if dumps:
             built.step.dump_rows = LogitsDumper.rows(dumps)
@@ -175,6 +176,9 @@ class LLMEngine:
                 seq.expect_token(row)
         if previous is not None:
             outputs += self._collect(previous)    # the samples the new step's decodes read
+        if built.step.mask_after_forward:
+            # The new step's forward is running: its mask, from the tokens just processed.
+            self.runner.send_mask(self.constraints.deferred_bitmask())
         self.scheduler.after_step(batch)
         if not self.async_scheduling:
             outputs += self._collect(self._take_in_flight())

@@ -403,7 +403,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
         async def gen():
             completion_tokens, prompt_tokens = 0, len(ids)
-            started, held = set(), {}
+            started, calls = set(), {}
+            parsed = tool_mode == "auto" or choice == "required"
             try:
                 async for _, out in _merge(streams):
                     if out.error:
@@ -417,26 +418,31 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             if tool_mode == "forced" and choice != "required":
                                 call = tool_calls.new_call(choice.function.name, "")
                                 yield chunk(c.index, {"tool_calls": [{"index": 0, **call}]})
+                            elif parsed:
+                                calls[c.index] = tool_calls.CallStream(
+                                    "required" if choice == "required" else args.tool_call_parser)
                         completion_tokens += len(c.token_ids)
                         lp = _chat_logprobs(c.logprobs, top) if c.logprobs else None
                         if tool_mode is None:
                             if c.text or lp:
                                 yield chunk(c.index, {"content": c.text}, None, lp)
-                        elif tool_mode == "forced" and choice != "required":
-                            if c.text or lp:   # the arguments, as they come
+                        elif not parsed:
+                            if c.text or lp:   # the named function's arguments, as they come
                                 yield chunk(c.index, {"tool_calls": [{
                                     "index": 0, "function": {"arguments": c.text}}]}, None, lp)
-                        else:                  # parsed when the choice ends
-                            held[c.index] = held.get(c.index, "") + c.text
+                        else:   # content before the calls, then each call, as they come
+                            deltas = calls[c.index].feed(c.text)
+                            if lp and not deltas:
+                                deltas = [{}]
+                            for k, delta in enumerate(deltas):
+                                yield chunk(c.index, delta, None, lp if k == 0 else None)
                         if c.finish_reason is not None:
                             finish = openai_finish_reason(c.finish_reason)
-                            if c.index in held:
-                                msg, override = message_of(held.pop(c.index))
-                                delta = {k: v for k, v in msg.items() if k != "role"}
-                                if "tool_calls" in delta:
-                                    delta["tool_calls"] = [{"index": j, **call} for j, call
-                                                           in enumerate(delta["tool_calls"])]
-                                yield chunk(c.index, delta)
+                            if parsed:
+                                st = calls.pop(c.index)
+                                msg, override = message_of(st.text)
+                                for delta in st.finish(msg.get("tool_calls") or []):
+                                    yield chunk(c.index, delta)
                                 finish = override or finish
                             yield chunk(c.index, {}, finish)
                 if include_usage:

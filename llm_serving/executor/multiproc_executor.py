@@ -6,7 +6,9 @@ StepInput once into the shared input segment and sends a STEP frame to every age
 all of them are still alive, and reads rank 0's SamplerOutput. Two steps may be outstanding,
 so that the master can hand over step N+1 while the agents compute step N (async
 scheduling): steps alternate between two input and two output segments, so neither side
-overwrites what the other still reads. It has the model runner's interface (``submit``/
+overwrites what the other still reads. A step whose token bitmask needs the previous step's
+samples (grammar rows) is submitted with a placeholder; ``send_mask`` writes the bitmask into
+its input segment while the agents run its forward, and a MASK frame tells rank 0 to sample. It has the model runner's interface (``submit``/
 ``collect``, ``execute``, ``move_blocks``), so the engine does not know which it has.
 
 With ``tensor_parallel_size`` N > 1 there are N agents, one per rank (and per device:
@@ -123,6 +125,7 @@ class MultiprocExecutor:
         self.proc = p.agents[0]          # rank 0 (the only agent without tensor parallelism)
         self._step_no = 0
         self._outstanding: collections.deque = collections.deque()   # submitted step numbers
+        self._mask_owed: Optional[tuple] = None    # (step number, its bitmask in shm)
         self._closed = False
         self._extras: dict[int, bytes] = {}      # rank -> bytes after its last frame
         self._kv_outputs: list = []              # connector outputs not taken yet
@@ -239,8 +242,13 @@ class MultiprocExecutor:
             raise LLMServingError("two steps are outstanding already; collect one first")
         # Numbered only once packed: a step that does not fit must not shift the parity of
         # the segments while another step is outstanding.
-        n = ch.pack(self.shm_in[(self._step_no + 1) % 2].buf, ch.step_to_arrays(step))
+        if self._mask_owed is not None:
+            raise LLMServingError(f"step {self._mask_owed[0]}'s token mask was never sent")
+        buf = self.shm_in[(self._step_no + 1) % 2].buf
+        n = ch.pack(buf, ch.step_to_arrays(step))
         self._step_no += 1
+        if int(step.mask_after_forward):
+            self._mask_owed = (self._step_no, ch.bitmask_view(buf))
         frame = ch.FRAME.pack(ch.STEP, self._step_no, n)
         for rank, conn in enumerate(self._procs.conns):
             try:
@@ -251,12 +259,31 @@ class MultiprocExecutor:
                                  f"{proc.poll()}) before step {self._step_no}") from None
         self._outstanding.append(self._step_no)
 
+    def send_mask(self, bitmask: Optional[np.ndarray]) -> None:
+        """The token bitmask of the step submitted last (with ``mask_after_forward``): written
+        into its input segment, then announced to rank 0, which waits for it before sampling.
+        None sends the placeholder (every token allowed: a step whose result is dropped)."""
+        if self._mask_owed is None:
+            raise LLMServingError("no submitted step waits for a token mask")
+        step_no, view = self._mask_owed
+        self._mask_owed = None
+        if bitmask is not None:
+            view[...] = bitmask
+        try:
+            self._procs.conns[0].send_bytes(ch.FRAME.pack(ch.MASK, step_no, 0))
+        except OSError:
+            proc = self._procs.agents[0]
+            raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
+                             f"{proc.poll()}) before step {step_no}'s token mask") from None
+
     def collect(self) -> Optional[SamplerOutput]:
         """Wait for the oldest outstanding step on every agent; rank 0's SamplerOutput (None
         when the step sampled nothing)."""
         if not self._outstanding:
             raise LLMServingError("no step is in flight")
         step_no = self._outstanding.popleft()
+        if self._mask_owed is not None and self._mask_owed[0] == step_no:
+            self.send_mask(None)     # collected unmasked (an engine failing its requests)
         frames = self._wait_all(None, f"running step {step_no}")
         if any(f[1] != step_no for f in frames):
             raise self._died(f"a WorkAgent answered step {[f[1] for f in frames]} while step "

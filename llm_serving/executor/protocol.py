@@ -54,8 +54,10 @@ class SamplingBatch:
     bias_rows: Optional[np.ndarray] = None       # int32 [K]
     bias_ids: Optional[np.ndarray] = None        # int32 [K]
     bias_values: Optional[np.ndarray] = None     # float32 [K]
-    # Allowed tokens of constrained rows (grammar, allowed_token_ids): row mask_rows[i] may
-    # sample token t only if bit t % 32 of token_bitmask[i, t // 32] is set.
+    # Allowed tokens of constrained rows (grammar, allowed_token_ids, bad_words that depend
+    # on a token in flight): row mask_rows[i] may sample token t only if bit t % 32 of
+    # token_bitmask[i, t // 32] is set. With StepInput.mask_after_forward the bitmask is a
+    # placeholder until the master sends it (the step's forward runs meanwhile).
     mask_rows: Optional[np.ndarray] = None       # int32 [R]
     token_bitmask: Optional[np.ndarray] = None   # int32 [R, ceil(V / 32)]
 
@@ -230,6 +232,10 @@ class StepInput:
     # KV transfer (PD disaggregation): the step's connector metadata, uint8 JSON bytes
     # (KVConnectorMetadata.to_array; empty when there is none), at most MAX_METADATA_BYTES.
     kv_meta: np.ndarray = field(default_factory=lambda: _NO_BYTES)
+    # Async scheduling with grammar rows: 1 when the sampling batch's token_bitmask depends on
+    # the previous step's samples. The master computes it while this step's forward runs and
+    # sends it after ``submit`` (``send_mask``); the runner waits for it before sampling.
+    mask_after_forward: int = 0
 
 
 def array_fields(cls) -> tuple[str, ...]:

@@ -43,9 +43,10 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _HEAD = struct.Struct("<q")          # number of arrays
 _ARR = struct.Struct("<bbxxxxxxqqqq")  # dtype code (-1 = None), ndim, pad, offset, shape[0..2]
 
-# Control frames: kind, step number, payload bytes.
+# Control frames: kind, step number, payload bytes. MASK n: step n's token bitmask (a step
+# with ``mask_after_forward``) is now written in its input segment.
 FRAME = struct.Struct("<cqq")
-READY, STEP, DONE, ERROR, QUIT = b"R", b"S", b"D", b"E", b"Q"
+READY, STEP, DONE, ERROR, QUIT, MASK = b"R", b"S", b"D", b"E", b"Q", b"M"
 
 
 class ChannelFullError(RuntimeError):
@@ -128,6 +129,7 @@ def unpack(buf) -> list[Optional[np.ndarray]]:
 _STEP_FIELDS = array_fields(StepInput)
 _BATCH_FIELDS = array_fields(SamplingBatch)
 _RAGGED_FIELDS = ragged_fields(SamplingBatch)
+_MASK_INDEX = len(_STEP_FIELDS) + _BATCH_FIELDS.index("token_bitmask")
 
 
 def _ragged(rows: Optional[list]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
@@ -149,6 +151,19 @@ def step_to_arrays(step: StepInput) -> list[Optional[np.ndarray]]:
     for f in _RAGGED_FIELDS:
         arrays += list(_ragged(getattr(s, f)))
     return arrays
+
+
+def bitmask_view(buf) -> np.ndarray:
+    """The token bitmask of the step packed in ``buf`` (a writable view into it), for a step
+    whose mask is sent after its forward."""
+    (n,) = _HEAD.unpack_from(buf, 0)
+    code = -1
+    if _MASK_INDEX < n:
+        code, ndim, pos, *shape = _ARR.unpack_from(buf, _HEAD.size + _MASK_INDEX * _ARR.size)
+    if code < 0:
+        raise ValueError("the packed step has no token bitmask")
+    shape = shape[:ndim]
+    return np.frombuffer(buf, _DTYPES[code], int(np.prod(shape)), pos).reshape(shape)
 
 
 def step_from_arrays(arrays: list[Optional[np.ndarray]]) -> StepInput:
@@ -190,7 +205,7 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
             + max_seqs * width                   # block tables
             + 6 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows,
                                                  # pending positions and sources
-            + 2                                  # ms_split (one int64)
+            + 4                                  # ms_split, mask_after_forward (int64s)
             + 3 * 2 * num_blocks)                # swap out / in, copies (int32 pairs)
     per_row = 10 * 8 + 2 * max_model_len * 8 + 64 * 8 + 3 * 16   # params, penalties, bans
     per_row += 300 * 12 + 4 + 4 * -(-vocab_size // 32) + 2 * 100 * 8

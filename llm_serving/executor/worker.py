@@ -12,6 +12,10 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
 - master -> agent STEP n: a StepInput is packed in input segment n % 2; the agent runs it and
   answers DONE n with the SamplerOutput packed in output segment n % 2, or ERROR n (the
   master may send STEP n+1 before DONE n arrives: steps run in order);
+- master -> agent MASK n: step n was sent with ``mask_after_forward`` (its token bitmask
+  needs step n-1's samples); the master has now written the bitmask into input segment n % 2.
+  Rank 0 runs step n's forward, then waits for this frame (at most MASK_TIMEOUT_S) before
+  sampling. A STEP frame read meanwhile is kept for later; a MASK for another step is dropped;
 - master -> agent QUIT: the agent exits.
 
 Tensor parallel (``parallel.tensor_parallel_size`` N > 1): the master starts N agents (ranks)
@@ -28,8 +32,15 @@ import importlib
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Optional
+
+# How long rank 0 waits, after a step's forward, for the master's token mask. The master sends
+# it as soon as the previous step's samples are processed (milliseconds); this only bounds a
+# master that hangs.
+MASK_TIMEOUT_S = 60.0
 
 
 def ignore_stop_signals() -> None:
@@ -107,16 +118,16 @@ def main(argv=None) -> int:
         return 1
     hello = runner.kv_connector_info_bytes()
     conn.send_bytes(ch.FRAME.pack(ch.READY, 0, len(hello)) + hello)
+    control = Control(conn)
     while True:
-        try:
-            frame = conn.recv_bytes()
-        except (EOFError, OSError):          # the master is gone
-            _exit(0)
-        kind, step_no, _ = ch.FRAME.unpack_from(frame)
+        kind, step_no = control.next()
         if kind == ch.QUIT:
             _exit(0)
+        if kind != ch.STEP:              # a late MASK of a step that failed or timed out
+            continue
         try:
             step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
+            runner.wait_for_mask = lambda n=step_no: control.wait_mask(n)
             result = runner.execute(step)     # (a step with no tokens only moves KV)
             n = (ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
                  if shm_out is not None else 0)
@@ -125,6 +136,45 @@ def main(argv=None) -> int:
         except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()
             conn.send_bytes(ch.FRAME.pack(ch.ERROR, step_no, len(msg)) + msg)
+
+
+class Control:
+    """The control connection, as the step loop reads it: frames in order, except that a
+    STEP frame read while waiting for a step's token mask is kept for later."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.backlog: list[tuple] = []
+
+    def _recv(self, timeout: Optional[float] = None) -> Optional[tuple]:
+        from llm_serving.executor import shm_channel as ch
+        if timeout is not None and not self.conn.poll(timeout):
+            return None
+        try:
+            frame = self.conn.recv_bytes()
+        except (EOFError, OSError):          # the master is gone
+            _exit(0)
+        kind, step_no, _ = ch.FRAME.unpack_from(frame)
+        if kind == ch.QUIT:
+            _exit(0)
+        return kind, step_no
+
+    def next(self) -> tuple:
+        return self.backlog.pop(0) if self.backlog else self._recv()
+
+    def wait_mask(self, step_no: int) -> None:
+        """Block until the master's MASK frame for ``step_no`` (bounded: MASK_TIMEOUT_S)."""
+        from llm_serving.executor import shm_channel as ch
+        deadline = time.monotonic() + MASK_TIMEOUT_S
+        while True:
+            got = self._recv(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                raise TimeoutError(f"the master sent no token mask for step {step_no} within "
+                                   f"{MASK_TIMEOUT_S:.0f} s")
+            if got == (ch.MASK, step_no):
+                return
+            if got[0] != ch.MASK:            # (a stale MASK is dropped)
+                self.backlog.append(got)
 
 
 def _exit(code: int) -> None:

@@ -10,7 +10,7 @@ and only rank 0 samples.
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from mindspore import Tensor, ops
@@ -81,6 +81,10 @@ class ModelRunner:
         self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
         self._results: collections.deque = collections.deque()   # submitted, not collected
+        # A step whose token mask follows (mask_after_forward): in process it runs once the
+        # mask is sent; in a WorkAgent, the agent sets this to wait for the master's mask.
+        self._awaiting_mask: Optional[StepInput] = None
+        self.wait_for_mask: Optional[Callable[[], None]] = None
 
     def move_blocks(self, swap_out: np.ndarray, swap_in: np.ndarray,
                     copies: np.ndarray) -> None:
@@ -185,6 +189,8 @@ class ModelRunner:
         if not self.tp.is_driver:
             return (None, hidden) if with_hidden else None
         if len(rows):
+            if int(step.mask_after_forward) and self.wait_for_mask is not None:
+                self.wait_for_mask()      # the master computed the mask during the forward
             dump = logits[step.dump_rows] if len(step.dump_rows) else None  # before the sampler
             out = self.sampler(logits, step.sampling)
             out.dump_logits = dump
@@ -213,11 +219,27 @@ class ModelRunner:
                 if len(out) and out[-1] < 0:
                     out[-1] = step.input_ids[rows[r]]
 
-    # The executor interface: in process, a step runs when it is submitted.
+    # The executor interface: in process, a step runs when it is submitted, or, when its
+    # token mask follows, when the mask is sent.
     def submit(self, step: StepInput) -> None:
+        if self._awaiting_mask is not None:
+            raise RuntimeError("the previous step's token mask was never sent")
+        if int(step.mask_after_forward):
+            self._awaiting_mask = step
+        else:
+            self._results.append(self.execute(step))
+
+    def send_mask(self, bitmask: Optional[np.ndarray]) -> None:
+        step, self._awaiting_mask = self._awaiting_mask, None
+        if step is None:
+            raise RuntimeError("no submitted step waits for a token mask")
+        if bitmask is not None:
+            step.sampling.token_bitmask = bitmask
         self._results.append(self.execute(step))
 
     def collect(self) -> Optional[SamplerOutput]:
+        if not self._results and self._awaiting_mask is not None:
+            self.send_mask(None)         # collected unmasked (an engine failing its requests)
         return self._results.popleft()
 
     def _prompt_logprobs(self, hidden, step: StepInput) -> Optional[dict]:
