@@ -47,7 +47,7 @@ class EngineArgs:
         "tokenizer directory (default: the model's)")
     checkpoint: Optional[str] = _arg(None,
         "a MindSpore .ckpt with mindformers' parameter names to load")
-    max_num_seqs: int = _arg(256,
+    max_num_seqs: int = _arg(128,
         "most sequences per step (llm-serving's decode_batch_size)")
     max_num_batched_tokens: Optional[int] = _arg(None,
         "token budget per step (default 2048 with chunked prefill)")

@@ -40,6 +40,23 @@ inline vf vload(const float* p) {
   return v;
 }
 
+// acc + x * w with one rounding, written out: left to -ffp-contract, the compiler fused some
+// template instances and not others (tail tiles, the scalar K tail), so a row's bits depended
+// on the tile it fell in. Explicit FMAs make every output the same chain whatever the tiling.
+inline vf vfma(vf x, vf w, vf acc) {
+#if LLS_VW == 16
+  return (vf)_mm512_fmadd_ps((__m512)x, (__m512)w, (__m512)acc);
+#elif LLS_VW == 8 && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
+#else
+  vf r;
+  for (int i = 0; i < VW; ++i) r[i] = __builtin_fmaf(x[i], w[i], acc[i]);
+  return r;
+#endif
+}
+
+inline float sfma(float x, float w, float acc) { return __builtin_fmaf(x, w, acc); }
+
 inline float hsum(vf v) {
 #if LLS_VW == 16
   return _mm512_reduce_add_ps((__m512)v);
@@ -177,7 +194,7 @@ inline void linear_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
     for (int j = 0; j < NRT; ++j) wv[j] = vload(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       const vf xv = vload(x + i * a.ldx + k);
-      for (int j = 0; j < NRT; ++j) acc[i][j] += xv * wv[j];
+      for (int j = 0; j < NRT; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -185,7 +202,7 @@ inline void linear_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
     hsum_n<NRT>(acc[i], sums);
     for (int j = 0; j < NRT; ++j) {
       float s = sums[j];
-      for (int64_t kk = k; kk < K; ++kk) s += x[i * a.ldx + kk] * w[j * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) s = sfma(x[i * a.ldx + kk], w[j * K + kk], s);
       if (a.bias) s += a.bias[n0 + j];
       *out_ptr(a, m0 + i, n0 + j) = s;
     }
@@ -206,11 +223,77 @@ inline void linear_cols(const LinearArgs& a, int64_t n0) {
   }
 }
 
+// Many rows (prefill, large decode batches): the weight block of an item is reused by every x
+// row, so the tile is bound by loads and FMAs, not by the weight stream. A larger register
+// tile (more FMAs per load), w and x held in registers (no memory-operand FMAs, which reload w
+// for every row), no software prefetch (the item's w block sits in L2). Each output is still
+// the same VW-lane FMA chain over k followed by the same horizontal sum as in linear_tile, so
+// a row's bits do not depend on the tile it falls in (batch invariance).
+#if LLS_VW == 16
+constexpr int MR_BIG = 6, NR_BIG = 4;  // 24 accumulators + 4 w + 1 x of 32 zmm registers
+#else
+constexpr int MR_BIG = 4, NR_BIG = 3;  // 12 accumulators + 3 w + 1 x of 16 ymm registers
+#endif
+
+template <int MR, int NRT>
+inline void linear_tile_big(const LinearArgs& a, int64_t m0, int64_t n0) {
+  const int64_t K = a.K;
+  const float* w = a.w + n0 * K;
+  const float* x = a.x + m0 * a.ldx;
+  vf acc[MR][NRT];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NRT; ++j) acc[i][j] = vf{};
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    vf wv[NRT];
+    for (int j = 0; j < NRT; ++j) {
+      wv[j] = vload(w + j * K + k);
+      asm("" : "+x"(wv[j]));  // keep w in a register: one load per k step, not one per row
+    }
+    for (int i = 0; i < MR; ++i) {
+      vf xv = vload(x + i * a.ldx + k);
+      asm("" : "+x"(xv));
+      for (int j = 0; j < NRT; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float sums[NRT];
+    hsum_n<NRT>(acc[i], sums);
+    for (int j = 0; j < NRT; ++j) {
+      float s = sums[j];
+      for (int64_t kk = k; kk < K; ++kk) s = sfma(x[i * a.ldx + kk], w[j * K + kk], s);
+      if (a.bias) s += a.bias[n0 + j];
+      *out_ptr(a, m0 + i, n0 + j) = s;
+    }
+  }
+}
+
+template <int MR>
+inline void linear_rows(const LinearArgs& a, int64_t m, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR_BIG <= n1; n += NR_BIG) linear_tile_big<MR, NR_BIG>(a, m, n);
+  for (; n < n1; ++n) linear_tile_big<MR, 1>(a, m, n);
+}
+
+template <int MR>
+inline void linear_rows_tail(const LinearArgs& a, int64_t m, int64_t n0, int64_t n1) {
+  if constexpr (MR > 0) {
+    if (a.M - m == MR) linear_rows<MR>(a, m, n0, n1);
+    else linear_rows_tail<MR - 1>(a, m, n0, n1);
+  }
+}
+
 void linear_item(void* p, int64_t item) {
   const LinearArgs& a = *static_cast<const LinearArgs*>(p);
   const int64_t n0 = item * a.nb;
   const int64_t n1 = n0 + a.nb < a.N ? n0 + a.nb : a.N;
   int64_t n = n0;
+  if (a.M > MR_MAX) {
+    int64_t m = 0;
+    for (; m + MR_BIG <= a.M; m += MR_BIG) linear_rows<MR_BIG>(a, m, n0, n1);
+    if (m < a.M) linear_rows_tail<MR_BIG - 1>(a, m, n0, n1);
+    return;
+  }
   if (a.M <= 2)
     for (; n + NR_WIDE <= n1; n += NR_WIDE) linear_cols<NR_WIDE>(a, n);
   for (; n + NR <= n1; n += NR) linear_cols<NR>(a, n);
@@ -221,7 +304,7 @@ void linear_item(void* p, int64_t item) {
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 3; }
+int lls_layer_ops_abi_version() { return 4; }
 
 int lls_layer_ops_vector_width() { return VW; }
 
@@ -251,6 +334,11 @@ int lls_linear_f32(const float* x, int64_t ldx, const float* w, const float* bia
   // ~64 output columns per item (a multiple of NR): enough items for dynamic balancing, few
   // enough that the per-item cost stays negligible. Small problems run on the calling thread.
   a.nb = 64;
+  if (M > MR_MAX) {  // w block of an item: ~256 KB (half of a typical L2), whole tiles
+    const int64_t q = 4 * NR_BIG;   // a multiple of NR too: the same column tails as below
+    const int64_t nb = (int64_t(64) * 1024 / (K > 0 ? K : 1)) / q * q;
+    a.nb = nb < q ? q : nb > 256 ? 256 : nb;
+  }
   const int64_t items = (N + a.nb - 1) / a.nb;
   parallel_for(linear_item, &a, items, M * N * K >= (1 << 18), g_linger_us);
   return 0;
