@@ -26,7 +26,9 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -94,6 +96,8 @@ def main() -> None:
                          "TP=2 (shm all-reduce, agents on cores 0 and 1), multi-stream off "
                          "and on with its default thresholds (0: skip)")
     args = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the servers this started are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from llm_serving import SamplingParams
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
@@ -189,7 +193,6 @@ def main() -> None:
 
 def served_w1(model: str, num_prompts: int) -> None:
     """W1 through the real server at TP=2, multi-stream off then on (one server at a time)."""
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_w1_served import ours, w1_client
     base = ["--tensor-parallel-size", "2", "--cpu-affinity", "0|1", "--cpu-allreduce", "shm"]

@@ -198,6 +198,8 @@ def main() -> None:
                     help="W1 prompts (200 is W1; fewer for a quick end-to-end check)")
     ap.add_argument("--logs", default=None, help="keep server logs in this directory")
     args = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the servers this started are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
