@@ -6,8 +6,9 @@
   agent computes step N, the server's default);
 - served: the real server (start.py) with B concurrent streaming HTTP requests.
 
-Output tokens/s of each, and the loss against in-process. llm-serving lost 38% between its
-bare step and its served tokens.
+Output tokens/s of each, and the loss against in-process (all measured in this run; the
+peer's own hop is not runnable here: llm-serving needs Ascend and MindFormers, and vLLM's
+served comparison is ``bench_w1_served.py --peer vllm``).
 
     python bench/bench_agent_hop.py [--batch-sizes 1,16,64] [--tokens 32] [--model DIR]
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import time
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 def step_time(llm, batch: int, tokens: int) -> float:
@@ -96,7 +97,7 @@ def main() -> None:
         llm.engine.shutdown()
         del llm
     print(f"# master -> WorkAgent hop, {datetime.date.today()}, {platform.node()}, "
-          f"{os.cpu_count()} cores\nmodel: {model}\n")
+          f"{cpu_description()}\nmodel: {model}\n")
     for b in batches:
         res["http", b] = served_rate(model, b, args.tokens)
     print("| batch | in-process step | via WorkAgent, sync | hop | via WorkAgent, async "

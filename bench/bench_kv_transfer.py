@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
 import socket
 import subprocess
 import time
 
 import numpy as np
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 def _free_port() -> int:
@@ -122,10 +122,8 @@ def main() -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(1.0)
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                    if ln.startswith("model name")), platform.processor())
-        print(f"# KV transfer per request, {datetime.date.today()}, {cpu}, "
-              f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+        print(f"# KV transfer per request, {datetime.date.today()}, {cpu_description()}, "
+              f"load {os.getloadavg()[0]:.2f}")
         print(f"model: {model}")
         rows = []
         for c in args.connectors.split(","):

@@ -17,19 +17,7 @@ import datetime
 import time
 
 import numpy as np
-
-
-def cpu_line() -> str:
-    model, flags = "?", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    have = [fl for fl in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if fl in flags]
-    return f"{model} ({', '.join(have) or 'no avx2'})"
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 def main() -> None:
@@ -58,7 +46,7 @@ def main() -> None:
             layers.append(layer)
     cands = gemm.available() + ("matmul",)
     plan = gemm.GemmPlan(None)          # a fresh probe, not the cache
-    print(f"# GEMM candidates, {datetime.date.today()}, {cpu_line()}")
+    print(f"# GEMM candidates, {datetime.date.today()}, {cpu_description()}")
     print(f"# {args.layers} layers x (qkv, o, gate_up, down), ms per pass; probe: what the "
           f"start-up probe picks per shape")
     print("| M | " + " | ".join(f"{c} ms" for c in cands) + " | fastest | probe picks "

@@ -15,6 +15,7 @@ import platform
 import time
 
 import numpy as np
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
@@ -147,7 +148,7 @@ def main() -> None:
                      f"{step_ms / floor_ms:.2f}x floor" if b == 1 else "", f"{load.cores:.2f}"))
 
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
-          f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}")
+          f"{cpu_description()}")
     print(f"model: {model} ({weight_bytes / 1e6:.0f} MB of weights read per decode step)")
     print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s -> batch-1 floor {floor_ms:.1f} ms/step")
     print("other load: cores kept busy by other processes during the case (0 = quiet machine)")

@@ -25,9 +25,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 ALWAYS = dict(min_total_tokens=2, min_prefill_tokens=0, max_imbalance=1.0)
 CASES = {
@@ -45,16 +44,6 @@ CASES = {
     "shm+ovl": dict(cpu_allreduce="shm", enable_multi_stream=True,
                     multi_stream=dict(ALWAYS, overlap="overlapped")),
 }
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Model name")), platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in out.splitlines()
-                  if line.startswith("Flags")), [])
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(have)})"
 
 
 class Case:
@@ -164,7 +153,7 @@ def main() -> None:
         c.llm.engine.shutdown()
 
     base = cases[0]
-    print(f"# multi-stream at TP=2, {datetime.date.today()}, {cpu_name()}, "
+    print(f"# multi-stream at TP=2, {datetime.date.today()}, {cpu_description()}, "
           f"{os.cpu_count()} cores; agents pinned to cores 0 and 1")
     print(f"model: {model}; decode at context ~{ctx}; prefill: {n_pre}x{pre_len} tokens in "
           f"one step; median over {args.rounds} rounds in turns (decode: median of "

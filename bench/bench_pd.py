@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_w1_served import Server, cpu_line, free_port  # noqa: E402
+from bench_w1_served import Server, free_port  # noqa: E402
 from clients.benchmark_serving import DATA, arrival_gaps, send, summarize  # noqa: E402
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 def workload(tokenizer_dir: str, n: int, long_every: int, long_tokens: int, max_output: int):
@@ -265,7 +266,7 @@ def main() -> None:
             print(f"[{conn}] done", file=sys.stderr, flush=True)
 
     n_long = sum(w[2] for w in work)
-    print(f"# PD disaggregation served, {datetime.date.today()}\n# CPU: {cpu_line()}\n"
+    print(f"# PD disaggregation served, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
           f"# model: {model}; W1 prompts: {len(work)} ({n_long} with ~{args.long_tokens}-token "
           f"contexts), {args.rate:g} req/s Poisson, greedy, ignore_eos; order {args.order}; "
           f"load (1-min average) at start {load_start:.1f}, at end {os.getloadavg()[0]:.1f}\n")

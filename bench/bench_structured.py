@@ -24,24 +24,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import time
-
-
-def _cpu() -> str:
-    name, flags = platform.processor(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(have) or 'no avx2'})"
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 class Timer:
@@ -128,7 +113,7 @@ def main() -> None:
     try:
         for llm in engines.values():
             run(llm, 2, 4, True)            # warm up: kernels, llguidance's tokenizer
-        print(f"# bench_structured, {datetime.date.today()}, {_cpu()}, "
+        print(f"# bench_structured, {datetime.date.today()}, {cpu_description()}, "
               f"load {os.getloadavg()[0]:.1f}")
         print("| B | scheduling | decode step, plain | constrained | overhead "
               "| grammar (master) | grammar vs plain step | mask sent after |")

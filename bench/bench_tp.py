@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import time
 
 import numpy as np
 
 from bench_model import OtherLoad
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
 class Case:
@@ -116,7 +116,7 @@ def main() -> None:
 
     base = cases[0]
     print(f"# tensor parallelism, {datetime.date.today()}, {platform.node()}, "
-          f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}")
+          f"{cpu_description()}")
     print(f"model: {model}; decode at context ~{ctx}; prefill: {n_prompts}x{ctx} tokens in "
           f"one step; median over {args.rounds} rounds taken in turns across the cases "
           f"(decode: median of {args.steps} steps in each round)")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llm_serving.tune.trial_server import TrialServer, Workload, run_client  # noqa: E402
-from llm_serving.tune.tuned_yaml import cpu_description  # noqa: E402
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "llama" / "tiny_llama.yaml"
 W1 = ROOT / "clients" / "data" / "alpaca_5010.json"

