@@ -148,6 +148,8 @@ class KVConnectorBase(ABC):
         self.tp_size = tp_size
         self.model_tag = ""             # what the KV depends on (factory.kv_model_tag)
         self._metadata: Optional[KVConnectorMetadata] = None
+        self._failed: dict = {}        # worker side: key -> reason, since the last report
+        self._bytes = 0                # worker side: bytes loaded since the last report
 
     # ---- scheduler side -------------------------------------------------------------------
 
@@ -244,11 +246,13 @@ class KVConnectorBase(ABC):
     def get_load_failures(self) -> dict:
         """Loads that failed since the last call: key -> reason. A failed load still being
         written into (a timeout) appears in ``get_finished``'s receiving set only later."""
-        return {}
+        failed, self._failed = self._failed, {}
+        return failed
 
     def take_num_bytes_received(self) -> int:
         """Bytes loaded since the last call (for /metrics)."""
-        return 0
+        n, self._bytes = self._bytes, 0
+        return n
 
     def build_connector_output(self) -> KVConnectorOutput:
         """This step's report to the scheduler side (after the forward)."""

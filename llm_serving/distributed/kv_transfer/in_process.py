@@ -47,8 +47,6 @@ class InProcessConnector(BlockTransferScheduler):
         self._reads: dict[str, _Read] = {}       # key -> read in flight (consumer)
         self._sent: set = set()
         self._recved: set = set()
-        self._failed: dict = {}
-        self._bytes = 0
 
     # ---- worker side ----------------------------------------------------------------------
 
@@ -112,13 +110,6 @@ class InProcessConnector(BlockTransferScheduler):
         self._sent, self._recved = set(), set()
         return sent, recved
 
-    def get_load_failures(self) -> dict:
-        failed, self._failed = self._failed, {}
-        return failed
-
-    def take_num_bytes_received(self) -> int:
-        n, self._bytes = self._bytes, 0
-        return n
 
     def has_work(self) -> bool:
         return bool(self._reads or self._held)

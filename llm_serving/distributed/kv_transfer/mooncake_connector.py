@@ -33,9 +33,7 @@ class MooncakeConnector(BlockTransferScheduler):
         self._slots = None
         self.transport = None
         self._ended: list = []
-        self._failed: dict = {}
         self._read_bytes: dict = {}
-        self._bytes = 0
 
     # ---- scheduler side -------------------------------------------------------------------
 
@@ -124,10 +122,3 @@ class MooncakeConnector(BlockTransferScheduler):
                     self._read_bytes.pop(key, None)
         return sent, recved
 
-    def get_load_failures(self) -> dict:
-        failed, self._failed = self._failed, {}
-        return failed
-
-    def take_num_bytes_received(self) -> int:
-        n, self._bytes = self._bytes, 0
-        return n

@@ -47,8 +47,6 @@ class MooncakeStoreConnector(KVConnectorBase):
         self._loads: dict = {}           # key -> load entry, not yet handed over
         self._load_keys: dict = {}       # request id -> key of its load
         self._ended: list = []
-        self._failed: dict = {}
-        self._bytes = 0
 
     def _extra(self, key, default=None):
         return self.config.extra(key, default)
@@ -215,13 +213,6 @@ class MooncakeStoreConnector(KVConnectorBase):
         ended, self._ended = set(self._ended), []
         return set(), ended
 
-    def get_load_failures(self) -> dict:
-        failed, self._failed = self._failed, {}
-        return failed
-
-    def take_num_bytes_received(self) -> int:
-        n, self._bytes = self._bytes, 0
-        return n
 
     def shutdown(self) -> None:
         if self.transport is not None:
