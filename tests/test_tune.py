@@ -188,7 +188,9 @@ def test_trial_server_that_cannot_start_fails_with_its_reason(tmp_path, tiny_mod
         TrialServer(config, tmp_path / "bad.log", startup_timeout=120)
 
 
-def _children(pid: int) -> list[int]:
+def _procs_where(field: int, value: int) -> list[int]:
+    """Pids whose /proc/<pid>/stat field (after the command name) equals ``value``:
+    1 = parent pid, 3 = process group."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -196,22 +198,17 @@ def _children(pid: int) -> list[int]:
                 stat = Path(f"/proc/{d}/stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[field]) == value:
                 out.append(int(d))
     return out
+
+
+def _children(pid: int) -> list[int]:
+    return _procs_where(1, pid)
 
 
 def _in_group(pgid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[3]) == pgid:
-                out.append(int(d))
-    return out
+    return _procs_where(3, pgid)
 
 
 def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_dir):
