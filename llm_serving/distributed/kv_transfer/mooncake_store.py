@@ -97,25 +97,6 @@ class MooncakeStoreTransport:
             raise KVTransferError(f"store get failed (master {self.master})")
         return [rc == want for rc in rcs]
 
-    def num_stored_prefix(self, keys: list[str]) -> int:
-        """How many of ``keys``, from the first, the store holds (a prefix hit's length).
-        Raises KVTransferError when the store cannot answer."""
-        if not keys:
-            return 0
-        found = self.store.batch_is_exist(keys)
-        if len(found) != len(keys) or any(f < 0 for f in found):
-            raise KVTransferError(f"the store cannot answer (master {self.master})")
-        n = 0
-        for f in found:
-            if f != 1:
-                break
-            n += 1
-        return n
-
-    def remove(self, keys: list[str]) -> None:
-        for k in keys:
-            self.store.remove(k)
-
     def close(self) -> None:
         self.store.close()
 
