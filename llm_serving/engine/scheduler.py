@@ -221,12 +221,16 @@ class Scheduler:
             return False
         self.waiting.pop(0)
         bm.admit(seq, matched, n, out.copies)
+        self._start(seq, n, now, out)
+        return True
+
+    def _start(self, seq: Sequence, n: int, now: float, out: SchedulerOutput) -> None:
+        """An admitted waiting sequence runs ``n`` tokens this step."""
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
             seq.num_cached_tokens = seq.num_computed_tokens
         self._enter_running(seq)
         out.add(seq, n)
-        return True
 
     def _admit_loaded(self, out: SchedulerOutput, budget: int, now: float) -> bool:
         """A request whose prompt KV was loaded from another instance: it holds the blocks
@@ -243,11 +247,7 @@ class Scheduler:
             return False
         self.waiting.pop(0)
         self.block_manager.append(seq, n, out.copies)
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = now
-            seq.num_cached_tokens = seq.num_computed_tokens
-        self._enter_running(seq)
-        out.add(seq, n)
+        self._start(seq, n, now, out)
         return True
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
