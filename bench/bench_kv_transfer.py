@@ -8,7 +8,7 @@ Per prompt length: the producer's prefill (with the pool: the put included), the
 wait in WAITING_FOR_REMOTE_KVS (load time), bytes moved and bandwidth, and a colocated
 prefill of the same prompt for comparison. Prints a table.
 
-    python bench/bench_kv_transfer.py [--lengths 256,1024,2048] [--repeats 3]
+    python bench/bench_kv_transfer.py [--lengths 256,1024,2000] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def run(model, connector, lengths, repeats, master):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
-    ap.add_argument("--lengths", default="256,1024,2048")
+    ap.add_argument("--lengths", default="256,1024,2000",
+                    help="prompt lengths (each + 1 output token within the model length)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--connectors", default="MooncakeConnector,MooncakeStoreConnector")
     args = ap.parse_args()

@@ -108,6 +108,42 @@ def test_p_then_d_is_token_identical_to_colocated_with_logprobs_within_1e_5(pd, 
     assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
 
 
+def test_bf16_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir):
+    """--kv-cache-dtype bfloat16 on both sides: P then D gives the tokens of a colocated bf16
+    engine and moves bf16 blocks (2 bytes a value); a consumer with a float32 cache does not
+    load them (it would read garbage) but computes the prompt under the recompute policy."""
+    from llm_serving.config import kv_bytes_per_block
+
+    def engine(role=None, eid=None, kv_dtype="bfloat16"):
+        cfg = None if role is None else {"kv_connector": "InProcessConnector", "kv_role": role,
+                                         "engine_id": eid, "kv_transfer_timeout": 5}
+        return LLMEngine(EngineArgs(tiny_model_dir, num_blocks=96, block_size=BS,
+                                    kv_cache_dtype=kv_dtype, kv_transfer_config=cfg))
+    colo, P, D = engine(), engine("kv_producer", "P-bf16"), engine("kv_consumer", "D-bf16")
+    for i, ids in enumerate(PROMPTS):
+        colo.add_request({"prompt_token_ids": ids}, greedy(12), request_id=f"c{i}")
+    ref = drive(colo)
+    params = prefill_on_p(P, PROMPTS)
+    for i, ids in enumerate(PROMPTS):
+        D.add_request({"prompt_token_ids": ids}, greedy(12, params[i]), request_id=f"d{i}")
+    outs = drive(D, [P])
+    assert [outs[f"d{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == \
+        [ref[f"c{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+    st = D.get_stats()
+    assert st.kv_transfers == {"done": 3}
+    hf = D.model_config
+    assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, "bfloat16")
+    settle(P, D)
+
+    D32 = engine("kv_consumer", "D-f32", kv_dtype="float32")
+    params = prefill_on_p(P, PROMPTS[:1])
+    D32.add_request({"prompt_token_ids": PROMPTS[0]}, greedy(12, params[0]), request_id="x")
+    out = drive(D32, [P])["x"]
+    assert len(out.outputs[0].token_ids) == 12
+    assert D32.get_stats().kv_transfers.get("done", 0) == 0
+    settle(P, D32)
+
+
 def test_an_unread_offer_is_released_after_the_timeout(tiny_model_dir):
     P = _engine(tiny_model_dir, "kv_producer", "P-expire", kv_transfer_timeout=0.5)
     (params,) = prefill_on_p(P, [list(range(40))])
@@ -246,3 +282,31 @@ def test_a_request_scoring_its_prompt_computes_it_instead_of_loading(pd, colocat
         np.testing.assert_allclose([v.logprob for v in a.values()],
                                    [v.logprob for v in b.values()], atol=1e-5)
     settle(P, D)
+
+
+def test_the_offer_is_relative_so_the_hosts_clocks_need_not_agree(tiny_model_dir):
+    """P's kv_transfer_params carry the time the offer is held (``ttl``), no absolute time;
+    D counts it from the request's arrival on its own clock (here an hour ahead of P's),
+    less a margin for the way from P."""
+    from types import SimpleNamespace
+
+    from llm_serving.distributed.kv_transfer.base import KVConnectorRole
+    from llm_serving.distributed.kv_transfer.config import KVTransferConfig
+    from llm_serving.distributed.kv_transfer.in_process import InProcessConnector
+    cfg = KVTransferConfig.from_dict({"kv_connector": "InProcessConnector", "kv_role": "kv_both",
+                                      "kv_transfer_timeout": 5})
+    P = InProcessConnector(cfg, KVConnectorRole.SCHEDULER, BS)
+    D = InProcessConnector(cfg, KVConnectorRole.SCHEDULER, BS)
+    ids = PROMPTS[0]
+    keep, params = P.request_finished(SimpleNamespace(
+        request_id="p", prompt_token_ids=ids, kv_transfer_params={"do_remote_decode": True}),
+        list(range(10)))
+    assert keep and "expires_at" not in params and 4.9 <= params["ttl"] <= 5
+    arrival = time.time() + 3600                          # D's clock, an hour ahead
+    seq = SimpleNamespace(request_id="d", prompt_token_ids=ids, kv_transfer_params=params,
+                          arrival_time=arrival)
+    n, is_async = D.get_num_new_matched_tokens(seq, 0)
+    assert (n, is_async) == (4 * BS, True)
+    D.update_state_after_alloc(seq, list(range(20, 25)), n)
+    load = D.build_connector_meta().loads[D.load_key(seq)]
+    assert load["params"]["expires_at"] == pytest.approx(arrival + params["ttl"] - 0.5)

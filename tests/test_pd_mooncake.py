@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from test_http_server import free_port, start_server, stop_server
+from test_pd_proxy_routing import Procs
 
 PROMPTS = ["Give three tips for staying healthy, then explain each of them in a few words.",
            "What is the capital of France? Answer with the city and one fact about it.",
@@ -148,8 +149,14 @@ def test_a_hung_producer_times_out_without_stalling_the_consumer(servers):
     hole.bind(("127.0.0.1", 0))
     hole.listen(16)
     held = []
-    threading.Thread(target=lambda: [held.append(hole.accept()) for _ in range(16)],
-                     daemon=True).start()
+
+    def accept_and_stay_silent():
+        try:
+            for _ in range(16):
+                held.append(hole.accept())
+        except OSError:             # the test closed the socket
+            pass
+    threading.Thread(target=accept_and_stay_silent, daemon=True).start()
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0,
             "ignore_eos": True}
     ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
@@ -237,6 +244,30 @@ def test_tensor_parallel_2_on_both_sides_moves_each_ranks_heads(servers, tp2_pai
     assert metric(servers["D"], "kv_transfer_recomputes_total") == before + 1
 
 
+def test_tensor_parallel_2_on_both_sides_through_the_proxy_in_both_orders(servers, tp2_pair):
+    """``llm-serving proxy`` over the TP 2 pair, p-first and d-first: the colocated answers,
+    each loaded over the transfer (two ranks each), nothing recomputed or left held."""
+    procs = Procs()
+    try:
+        done0 = metric(tp2_pair["D"], 'kv_transfers_total{outcome="done"}')
+        recomputes0 = metric(tp2_pair["D"], "kv_transfer_recomputes_total")
+        for order in ("p-first", "d-first"):
+            proxy = procs.proxy([tp2_pair["P"]], [tp2_pair["D"]], "--order", order)[1]
+            body = {"model": "tiny", "prompt": f"{order}: {PROMPTS[0]}", "max_tokens": 10,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
+            out = requests.post(proxy + "/v1/completions", json=body, timeout=60).json()
+            r, d = ref["choices"][0], out["choices"][0]
+            assert d["text"] == r["text"]
+            assert d["logprobs"]["token_logprobs"] == pytest.approx(
+                r["logprobs"]["token_logprobs"], abs=1e-5)
+    finally:
+        procs.close()
+    assert metric(tp2_pair["D"], 'kv_transfers_total{outcome="done"}') == done0 + 2
+    assert metric(tp2_pair["D"], "kv_transfer_recomputes_total") == recomputes0
+    wait_until(lambda: metric(tp2_pair["P"], "kv_blocks_held") == 0)
+
+
 def test_a_client_that_leaves_during_the_transfer_frees_everything(tmp_path, tiny_model_dir):
     """One kv_both server reading from itself through the InProcessConnector (its agent holds
     both sides), each read taking 2 s: the client leaves while its request waits for the
@@ -255,9 +286,8 @@ def test_a_client_that_leaves_during_the_transfer_frees_everything(tmp_path, tin
             **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         ).json()["kv_transfer_params"]
         host, port = url.rsplit("/", 1)[1].split(":")
-        # (streamed: a non-streaming request whose client resets is not aborted today, a
-        # limit of the HTTP layer noted in the report)
-        payload = json.dumps({**body, "stream": True, "kv_transfer_params": params}).encode()
+        # (not streamed: nothing is sent to the client before it leaves)
+        payload = json.dumps({**body, "kv_transfer_params": params}).encode()
         s = socket.create_connection((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   b"application/json\r\nContent-Length: " + str(len(payload)).encode()

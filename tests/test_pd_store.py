@@ -9,13 +9,16 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import time
 
+import numpy as np
 import pytest
 import requests
 
 from llm_serving import SamplingParams
 from test_http_server import free_port, start_server, stop_server
+from test_pd_proxy_routing import Procs
 
 PROMPT = ("Give three tips for staying healthy, then explain each of them in a few words, "
           "and finish with a short summary.")
@@ -111,6 +114,39 @@ def test_p_then_d_works_unchanged_over_the_pool(pool, tiny_llm):
     assert metric(pool["B"], "kv_remote_prefill_tokens_total") > loaded0
 
 
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+def test_greedy_outputs_through_the_proxy_over_the_pool_match_colocated(pool, tiny_llm,
+                                                                         order):
+    """``llm-serving proxy`` with A as P and B as D over the pool, both orders: the answers,
+    plain and streamed, are the colocated engine's token for token, and B loaded the KV."""
+    procs = Procs()
+    try:
+        proxy = procs.proxy([pool["A"]], [pool["B"]], "--order", order)[1]
+        for stream in (False, True):
+            prompt = f"{order} {stream}: {PROMPT} {PROMPT}"
+            ref = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8,
+                                                           ignore_eos=True, logprobs=0))[0]
+            loaded0 = metric(pool["B"], "kv_remote_prefill_tokens_total")
+            r = requests.post(proxy + "/v1/completions", timeout=60, stream=stream, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "stream": stream})
+            assert r.status_code == 200, r.text
+            choices = ([json.loads(x[6:])["choices"] for x in r.iter_lines(decode_unicode=True)
+                        if x.startswith("data: {")] if stream else [r.json()["choices"]])
+            choices = [c[0] for c in choices if c]
+            assert "".join(c["text"] for c in choices) == ref.outputs[0].text
+            np.testing.assert_allclose(
+                [x for c in choices for x in c["logprobs"]["token_logprobs"]],
+                [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs,
+                                                ref.outputs[0].token_ids)], atol=1e-5)
+            n_prompt = len(ref.prompt_token_ids)
+            assert metric(pool["B"], "kv_remote_prefill_tokens_total") - loaded0 == \
+                16 * ((n_prompt - 1) // 16) > 16
+    finally:
+        procs.close()
+    assert metric(pool["B"], "kv_cache_usage_perc") == 0
+
+
 def test_with_the_master_gone_requests_are_computed_here_without_hanging(pool, master,
                                                                          tiny_llm):
     prompt = PROMPT.replace("healthy", "awake")
@@ -127,3 +163,59 @@ def test_with_the_master_gone_requests_are_computed_here_without_hanging(pool, m
     assert metric(pool["B"], "kv_transfer_recomputes_total") == before + 1
     assert metric(pool["B"], 'kv_transfers_total{outcome="failed"}') >= 1
     assert requests.get(pool["B"] + "/health", timeout=5).status_code == 200
+
+
+class _SlowStore:
+    """A store client whose lookups wait for ``answer`` (a slow or hung master)."""
+
+    def __init__(self):
+        self.answer = threading.Event()
+        self.calls = 0
+
+    def batch_is_exist(self, keys):
+        self.calls += 1
+        self.answer.wait(30)
+        return [1] * len(keys)
+
+
+def test_the_store_lookup_never_blocks_the_scheduler(monkeypatch):
+    """The scheduler side asks the store off its thread: "not known yet" at once while the
+    master is slow, the answer when it comes (asked once, reused), and a lookup the master
+    never answers fails after LOOKUP_TIMEOUT_S, then the store is left alone for a while."""
+    from types import SimpleNamespace
+
+    from llm_serving.distributed.kv_transfer import mooncake_store_connector as msc
+    from llm_serving.distributed.kv_transfer.base import KVConnectorRole, KVTransferError
+    from llm_serving.distributed.kv_transfer.config import KVTransferConfig
+    monkeypatch.setattr(msc, "LOOKUP_TIMEOUT_S", 0.5)
+    cfg = KVTransferConfig.from_dict({"kv_connector": "MooncakeStoreConnector",
+                                      "kv_role": "kv_both", "kv_connector_extra_config": {
+                                          "master_server_address": "127.0.0.1:1"}})
+    conn = msc.MooncakeStoreConnector(cfg, KVConnectorRole.SCHEDULER, 16)
+    conn.client = store = _SlowStore()
+    req = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(50)),
+                          kv_transfer_params=None)
+    t0 = time.monotonic()
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert time.monotonic() - t0 < 0.2                 # the scheduler did not wait
+    store.answer.set()
+    deadline = time.monotonic() + 5
+    while conn.get_num_new_matched_tokens(req, 0) == (None, False):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert conn.get_num_new_matched_tokens(req, 0) == (48, True)    # 3 full blocks
+    assert store.calls == 1
+
+    store.answer.clear()                               # the master hangs now
+    hung = SimpleNamespace(request_id="r2", prompt_token_ids=list(range(40)),
+                           kv_transfer_params=None)
+    assert conn.get_num_new_matched_tokens(hung, 0) == (None, False)
+    time.sleep(0.6)
+    with pytest.raises(KVTransferError, match="did not answer"):
+        conn.get_num_new_matched_tokens(hung, 0)
+    with pytest.raises(KVTransferError, match="not asked"):    # backoff: fails at once
+        conn.get_num_new_matched_tokens(SimpleNamespace(
+            request_id="r3", prompt_token_ids=list(range(40)), kv_transfer_params=None), 0)
+    store.answer.set()
+    conn.shutdown()

@@ -31,7 +31,7 @@ from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-BACKSTOP_GRACE_S = 10.0      # beyond kv_transfer_timeout / expires_at (the workers' own)
+BACKSTOP_GRACE_S = 10.0      # beyond kv_transfer_timeout / the offer's ttl (the workers' own)
 
 
 class RemoteKV:
@@ -69,10 +69,13 @@ class RemoteKV:
         return (not seq.kv_remote_done and seq.index == 0 and seq.prompt_logprobs is None
                 and self.connector.wants_remote_lookup(seq))
 
-    def num_external_tokens(self, seq: Sequence, num_computed: int) -> int:
-        """Prompt tokens to load (0: none, and the request computes them itself)."""
+    def num_external_tokens(self, seq: Sequence, num_computed: int) -> Optional[int]:
+        """Prompt tokens to load (0: none, and the request computes them itself; None: not
+        known yet, ask again at a later step)."""
         try:
             n, is_async = self.connector.get_num_new_matched_tokens(seq, num_computed)
+            if n is None:
+                return None
         except (ValueError, KeyError, TypeError, KVTransferError) as e:
             self._count("failed")
             self.stats.kv_transfer_recomputes += 1
@@ -123,8 +126,9 @@ class RemoteKV:
         k = len(params["remote_block_ids"])
         self.bm.release_blocks(blocks[k:])        # only the offered blocks are held
         self.held_sends[params["transfer_id"]] = blocks[:k]
-        # A reader stops reading at expires_at; past it (and a grace) the blocks are free.
-        self._send_deadline[params["transfer_id"]] = (float(params["expires_at"])
+        # A reader stops reading at the offer's end (ttl); past it (and a grace) the blocks
+        # are free.
+        self._send_deadline[params["transfer_id"]] = (time.time() + float(params["ttl"])
                                                       + BACKSTOP_GRACE_S)
         self.stats.kv_transfers_offered += 1
         return True

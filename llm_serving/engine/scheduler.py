@@ -203,6 +203,8 @@ class Scheduler:
         matched = bm.match_prefix(seq)
         if self.remote is not None and self.remote.wants_load(seq):
             ext = self.remote.num_external_tokens(seq, len(matched) * bm.block_size)
+            if ext is None:     # the connector is still looking it up (off this thread)
+                return False
             if ext > 0:     # blocks for the remote tokens; no batch slot, no token budget
                 if not bm.can_admit(seq, matched, ext, keep_watermark=bool(self.running)):
                     return False

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from fastapi import Request
 
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
-from llm_serving.entrypoints.http_common import HTTPError, ServerState
+from llm_serving.entrypoints.http_common import HTTPError, ServerState, client_gone
 from llm_serving.proxy import pd_request as pd
 
 logger = logging.getLogger("llm_serving.server")
@@ -73,15 +73,13 @@ async def _ask_producer(request: Request, url: str, config: KVTransferConfig) ->
     path, p_body = pd.prefill_request(request.url.path, body)
     headers = {k: v for k, v in request.headers.items() if k == "authorization"}
     timeout = float(config.kv_transfer_timeout)
-    call = asyncio.ensure_future(_client(request).post(url + path, json=p_body, headers=headers,
-                                                       timeout=timeout))
+    call = asyncio.ensure_future(producer_client(request.app).post(
+        url + path, json=p_body, headers=headers, timeout=timeout))
+    gone = asyncio.ensure_future(client_gone(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({call}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():
-                raise HTTPError(499, "the client closed the connection")
+        await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not call.done():
+            raise HTTPError(499, "the client closed the connection")
         resp = call.result()
     except httpx.TimeoutException:
         raise RemotePrefillError(f"did not answer within {timeout:g} s "
@@ -89,6 +87,7 @@ async def _ask_producer(request: Request, url: str, config: KVTransferConfig) ->
     except httpx.HTTPError as e:
         raise RemotePrefillError(f"failed: {type(e).__name__}: {e}") from None
     finally:
+        gone.cancel()
         if not call.done():
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
@@ -104,12 +103,20 @@ async def _ask_producer(request: Request, url: str, config: KVTransferConfig) ->
     return got
 
 
-def _client(request: Request):
+def producer_client(app):
     """The server's client for its producers (bounded; made on first use)."""
     import httpx2 as httpx
-    client = getattr(request.app.state, "remote_prefill_client", None)
+    client = getattr(app.state, "remote_prefill_client", None)
     if client is None:
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=MAX_CONNECTIONS),
                                    headers={"accept-encoding": "identity"})
-        request.app.state.remote_prefill_client = client
+        app.state.remote_prefill_client = client
     return client
+
+
+async def close(app) -> None:
+    """At shutdown: close the producers' client and its connections (if one was made)."""
+    client = getattr(app.state, "remote_prefill_client", None)
+    if client is not None:
+        app.state.remote_prefill_client = None
+        await client.aclose()

@@ -157,7 +157,8 @@ class KVConnectorBase(ABC):
     def get_num_new_matched_tokens(self, request: KVRequest,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """(prompt tokens beyond ``num_computed_tokens`` that a remote cache holds, whether
-        they are loaded asynchronously)."""
+        they are loaded asynchronously); (None, False) while the answer is not known yet (a
+        lookup in flight, vLLM's meaning): the scheduler asks again at a later step."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int],

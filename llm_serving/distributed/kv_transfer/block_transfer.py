@@ -4,8 +4,8 @@ around two transport-specific hooks.
 
 Producer: a request that asked ``do_remote_decode`` and finished keeps its first
 ``num_transfer_blocks`` blocks; ``_offer`` makes the parameters a reader needs (the
-connector's own, plus ``transfer_id``, ``remote_block_ids``, ``expires_at``,
-``prefix_hash``, ``tp_size``), and the step's metadata tells the workers to hold them
+connector's own, plus ``transfer_id``, ``remote_block_ids``, ``ttl`` (seconds the offer
+is held, counted by the reader on its own clock), ``prefix_hash``, ``tp_size``), and the step's metadata tells the workers to hold them
 ("saves"). The workers report the transfer as sent once the reader is done or the offer
 expired; the engine then frees the blocks.
 
@@ -33,12 +33,24 @@ from llm_serving.distributed.kv_transfer.block_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
+TTL_MARGIN_S = 1.0
 
 
 def prefix_hash(token_ids: Sequence[int], block_size: int, num_blocks: int) -> str:
     """The hash of the first ``num_blocks`` full blocks ("" for none)."""
     hashes = block_hashes(token_ids, block_size, num_blocks=num_blocks)
     return hashes[-1] if hashes else ""
+
+
+def reader_expiry(request: KVRequest, p: dict) -> float:
+    """When the reader must be done, on this host's clock: the producer's ``ttl`` counted
+    from the request's arrival here, less a margin for the way from P (its answer, the proxy)
+    of up to 1 s. An absolute ``expires_at`` (an older producer) is taken as it is."""
+    if "ttl" not in p:
+        return float(p.get("expires_at", 0.0))
+    ttl = float(p["ttl"])
+    arrival = getattr(request, "arrival_time", None) or time.time()
+    return arrival + ttl - min(TTL_MARGIN_S, 0.1 * ttl)
 
 
 def params_of(request: KVRequest) -> dict:
@@ -92,7 +104,8 @@ class BlockTransferScheduler(KVConnectorBase):
         local = [int(b) for b in block_ids[first:first + n]]
         key = f"{request.request_id}#{next(_ids)}"
         self._load_keys[request.request_id] = key
-        self._loads[key] = {"params": self._load_params(p),
+        self._loads[key] = {"params": dict(self._load_params(p),
+                                           expires_at=reader_expiry(request, p)),
                             "remote_block_ids": [int(b) for b in
                                                  p["remote_block_ids"][first:first + n]],
                             "local_block_ids": local,
@@ -123,16 +136,21 @@ class BlockTransferScheduler(KVConnectorBase):
                   "tp_size": self.tp_size,
                   "prefix_hash": prefix_hash(request.prompt_token_ids, self.block_size, k)}
         if k == 0 or len(block_ids) < k:          # nothing to move: the consumer computes all
-            params.update(remote_block_ids=[], expires_at=time.time())
+            params.update(remote_block_ids=[], ttl=0.0)
             return False, params
         params.update(self._offer(tid, list(block_ids[:k])))
         params["remote_block_ids"] = [int(b) for b in block_ids[:k]]
-        self._saves[tid] = {"expires_at": params["expires_at"],
+        expires_at = params.pop("expires_at")     # this host's clock: for its workers only
+        self._saves[tid] = {"expires_at": expires_at,
                             **{key: params[key] for key in self._save_keys() if key in params}}
+        # The reader gets the time left, and counts it on its own clock from the request's
+        # arrival (reader_expiry): the hosts' clocks need not agree.
+        params["ttl"] = round(max(0.0, expires_at - time.time()), 3)
         return True, params
 
     def _offer(self, transfer_id: str, block_ids: list) -> dict:
-        """The transport's parameters for a reader; must include ``expires_at``."""
+        """The transport's parameters for a reader; must include ``expires_at`` (this
+        host's clock; the reader gets it as ``ttl``)."""
         return {"expires_at": time.time() + float(self.config.kv_transfer_timeout)}
 
     def _save_keys(self) -> tuple:

@@ -79,6 +79,10 @@ class InProcessConnector(BlockTransferScheduler):
                                 "already read)")
             elif now >= r.deadline:
                 self._fail(key, f"KV transfer {tid} timed out")
+            elif producer.kv_caches[0][0].dtype != self.kv_caches[0][0].dtype:
+                self._fail(key, f"the producer's KV cache holds {producer.kv_caches[0][0].dtype}"
+                                f", this one {self.kv_caches[0][0].dtype} (kv_cache_dtype "
+                                "must match)")
             elif now >= r.lands_at and tid in producer._held:   # (its offer may come later)
                 src, dst = np.asarray(r.remote), np.asarray(r.local)
                 for (pk, pv), (ck, cv) in zip(producer.kv_caches, self.kv_caches):

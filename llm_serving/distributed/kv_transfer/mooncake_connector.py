@@ -54,8 +54,7 @@ class MooncakeConnector(BlockTransferScheduler):
         return ("slot", "token")
 
     def _load_params(self, p: dict) -> dict:
-        return {k: p.get(k) for k in ("transfer_id", "remote_ranks", "slot", "token",
-                                      "expires_at")}
+        return {k: p.get(k) for k in ("transfer_id", "remote_ranks", "slot", "token")}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for tid in output.sent:

@@ -7,19 +7,29 @@ CPU (RDMA, or the Ascend build, on devices), and registers its KV arrays.
 Producer (prefill side): ``describe`` is what a reader needs once (the engine's address, the
 KV layout, where the notification slots are). Per finished prompt, ``SlotPool.offer`` (on the
 scheduler side) gives a transfer id, the block ids, a notification slot, a one-time token and
-``expires_at``; ``expect`` tells the rank to watch that slot. ``poll_sent`` reports the
-transfers whose reader said it is done, and those that expired unread: only then may the
-blocks be freed.
+``expires_at`` (this host's clock; the reader gets ``ttl``); ``expect`` tells the rank to
+watch that slot. ``poll_sent`` reports the transfers whose reader said it is done, and those
+that expired unread: only then may the blocks be freed.
 
-Consumer (decode side): ``start_read`` submits one batched asynchronous read of every array's
-block runs (``batch_transfer_async_read``, from a small thread pool: the first contact with a
-peer does a handshake that blocks for about a minute when the peer accepts and stays silent,
-and the step loop must not); ``poll_reads`` reports reads that finished, failed
-(peer gone, bad status) or passed their deadline. A read that timed out may still be writing
-into its destination blocks, so it is reported once more, as released, when Mooncake resolves
-it; the blocks must not be reused before. After a good read the consumer writes the token into
-the producer's notification slot (an 8-byte ``transfer_sync_write``), which is how the
-producer learns it may free the blocks; no other channel is needed.
+Consumer (decode side): ``start_read`` submits the asynchronous reads of every array's block
+runs (``batch_transfer_async_read``, from a small thread pool: the first contact with a peer
+does a handshake that blocks for about a minute when the peer accepts and stays silent, and
+the step loop must not); ``poll_reads`` reports reads that finished, failed (peer gone, bad
+status) or passed their deadline. Each region is its own Mooncake batch: the binding's
+``transfer_check_status(batch_id)`` reports the state of the batch's *first* request only, so
+a batch of several regions reads as done while the others are still in flight, or failed
+(measured: about half of the 8-region reads from a live peer "done" with regions missing; with
+a producer killed mid-read, D decoded from partly unwritten blocks). A read is done only once
+every region is and a last 8-byte read of the producer's word for the slot says the transfer
+was still held: the producer writes the transfer's token there when its workers take the
+offer and the negated token when they release it (read or expired), before its blocks can
+be freed, so a read that overlapped a release (an offer that expired while read, whatever the
+hosts' clocks say) is failed, never used. A read that failed or timed out while some regions
+are still in flight may still write into its destination blocks, so it is reported once more,
+as released, when Mooncake resolves every region; the blocks must not be reused before.
+After a good read the consumer writes the token into the producer's notification slot (an
+8-byte ``transfer_sync_write``), which is how the producer learns it may free the blocks; no
+other channel is needed.
 """
 from __future__ import annotations
 
@@ -60,12 +70,17 @@ class _Held:
 
 @dataclass
 class _Read:
-    submitted: Future          # -> Mooncake's batch id (submitting may block: handshake)
+    submitted: Future          # -> Mooncake's batch ids, one per region (may block: handshake)
     deadline: float
     peer: str
     notify_addr: int
     token: int
-    timed_out: bool = field(default=False)
+    valid_addr: Optional[int] = None        # the producer's word to check (None: no check)
+    check: Optional[int] = None             # the check's batch id, once the data is in
+    check_status: Optional[int] = None      # ... and its outcome, once resolved
+    batch_ids: list = field(default_factory=list)
+    states: Optional[np.ndarray] = None     # per region: _PENDING, _DONE or _FAILED
+    abandoned: bool = field(default=False)  # reported failed; released once all resolved
 
 
 class MooncakeP2PTransport:
@@ -83,11 +98,17 @@ class MooncakeP2PTransport:
                                   f"P2PHANDSHAKE, {protocol!r}) failed ({rc})")
         # Notification slots: readers write a transfer's token into its slot when done.
         self._notify = np.zeros(max_transfers, np.int64)
-        # What this side writes from (one word per read in flight; slot = read's index).
+        # Per slot, the token of the transfer this rank holds there, or its negation once
+        # the transfer is released (read or expired): what a reader checks after its read.
+        self._valid = np.zeros(max_transfers, np.int64)
+        # What this side writes from and reads the check into (one word each per read in
+        # flight; the read's index).
         self._outbox = np.zeros(max_transfers, np.int64)
-        addrs = [*self.layout.base_addrs, self._notify.ctypes.data, self._outbox.ctypes.data]
+        self._inbox = np.zeros(max_transfers, np.int64)
+        words = (self._notify, self._valid, self._outbox, self._inbox)
+        addrs = [*self.layout.base_addrs, *(w.ctypes.data for w in words)]
         sizes = [self.layout.array_bytes] * len(self.layout.base_addrs) + [
-            self._notify.nbytes, self._outbox.nbytes]
+            w.nbytes for w in words]
         rc = self.engine.batch_register_memory(addrs, sizes)
         if rc != 0:
             raise KVTransferError(f"Mooncake could not register the KV memory ({rc})")
@@ -105,6 +126,7 @@ class MooncakeP2PTransport:
         """What a reader needs to know about this rank once (JSON-able)."""
         return {"engine": self.session, "layout": self.layout.to_dict(),
                 "notify_base": int(self._notify.ctypes.data),
+                "valid_base": int(self._valid.ctypes.data),
                 "num_slots": len(self._notify)}
 
     def expect(self, transfer_id: str, slot: int, token: int, expires_at: float) -> None:
@@ -119,6 +141,7 @@ class MooncakeP2PTransport:
         # (the parameters reach it before this step runs). Tokens are random, so a stale
         # value left by an earlier transfer never matches.
         self._held[transfer_id] = _Held(slot, token, expires_at)
+        self._valid[slot] = token
 
     def poll_sent(self, now: Optional[float] = None) -> tuple[list[str], list[str]]:
         """(transfers the reader finished, transfers that expired unread): both released."""
@@ -132,7 +155,8 @@ class MooncakeP2PTransport:
             elif now >= h.expires_at:
                 expired.append(tid)
         for tid in done + expired:
-            self._held.pop(tid)
+            h = self._held.pop(tid)
+            self._valid[h.slot] = -h.token      # before the blocks can be freed
         if expired:
             logger.warning("KV transfer(s) %s expired unread; their blocks are freed", expired)
         return done, expired
@@ -159,6 +183,8 @@ class MooncakeP2PTransport:
             if not 0 <= slot < int(desc["num_slots"]):
                 raise ValueError(f"slot {slot} out of range")
             notify_addr = int(desc["notify_base"]) + 8 * slot
+            valid_addr = (int(desc["valid_base"]) + 8 * slot if "valid_base" in desc
+                          else None)
             token, expires_at = int(params["token"]), float(params["expires_at"])
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferError(f"kv_transfer_params are incomplete or malformed ({e!r})") \
@@ -179,44 +205,115 @@ class MooncakeP2PTransport:
             raise KVTransferError(f"{len(self._outbox)} reads already in flight (the bound)")
         # Submitting does the first contact's handshake, which blocks while the peer does
         # not answer (about a minute when it accepts and stays silent): off the step thread.
-        submitted = self._pool.submit(self.engine.batch_transfer_async_read, peer, local,
-                                      remote_addrs, lengths)
+        submitted = self._pool.submit(self._submit_regions, peer, local, remote_addrs, lengths)
         self._out_slot[transfer_id] = self._free_out.pop()
-        self._reads[transfer_id] = _Read(submitted, deadline, peer, notify_addr, token)
+        self._reads[transfer_id] = _Read(submitted, deadline, peer, notify_addr, token,
+                                         valid_addr)
+
+    def _submit_regions(self, peer: str, local, remote, lengths) -> list[int]:
+        """One Mooncake batch per region (see the module docstring: the status of a batch is
+        its first request's); 0 for a region that could not be submitted. Never raises."""
+        ids = []
+        for args in zip(local, remote, lengths):
+            try:
+                ids.append(int(self.engine.batch_transfer_async_read(
+                    peer, [args[0]], [args[1]], [args[2]])))
+            except Exception as e:  # noqa: BLE001 - a region that never started has failed
+                logger.warning("Mooncake read from %s could not be submitted (%s)", peer, e)
+                ids.append(0)
+        return ids
+
+    def _read_state(self, r: _Read) -> tuple[int, int]:
+        """(regions still in flight, regions failed), polling the unresolved ones."""
+        if not r.submitted.done():
+            return 1, 0
+        if r.states is None:
+            r.batch_ids = r.submitted.result()
+            r.states = np.full(len(r.batch_ids), _PENDING, np.int8)
+        for i in np.flatnonzero(r.states == _PENDING):
+            batch_id = r.batch_ids[i]
+            # transfer_check_status frees the batch once it is resolved: ask no more after.
+            status = _FAILED if batch_id <= 0 else self.engine.transfer_check_status(batch_id)
+            if status != _PENDING:
+                r.states[i] = _DONE if status == _DONE else _FAILED
+        return int((r.states == _PENDING).sum()), int((r.states == _FAILED).sum())
 
     def poll_reads(self, now: Optional[float] = None
                    ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-        """(reads done, reads failed with the reason, timed-out reads now resolved). The
-        destination blocks of a done or failed read are free to use, except a read that
-        timed out: its blocks only once it appears in the third list."""
+        """(reads done, reads failed with the reason, abandoned reads now resolved). The
+        destination blocks of a done read, or of a failed read reported here for the first
+        time and absent from ``_reads`` afterwards, are free to use; a failed read still in
+        flight (a region pending, or the deadline passed) frees its blocks only once it
+        appears in the third list."""
         if not self._reads:
             return [], [], []
         now = time.time() if now is None else now
         done, failed, released = [], [], []
         for tid, r in list(self._reads.items()):
-            if not r.submitted.done():
-                status = _PENDING
-            else:
-                batch_id = r.submitted.result()
-                status = (_FAILED if not batch_id or batch_id < 0
-                          else self.engine.transfer_check_status(batch_id))
-            if r.timed_out:
-                if status != _PENDING:
+            pending, bad = self._read_state(r)
+            if r.abandoned:
+                if not pending and self._check_settled(r):
                     released.append(tid)
                     self._forget(tid)
                 continue
-            if status == _DONE:
+            if bad:
+                failed.append((tid, f"Mooncake read from {r.peer} failed ({bad} of "
+                                    f"{len(r.states)} regions): the producer is gone or "
+                                    "refused it"))
+                if pending:
+                    r.abandoned = True
+                else:
+                    self._forget(tid)
+                continue
+            verdict = None if pending else self._check(tid, r)
+            if verdict == "":
                 done.append(tid)
                 self._notify_peer(tid, r)
                 self._forget(tid)
-            elif status == _FAILED or status not in (_PENDING, _DONE):
-                failed.append((tid, f"Mooncake read from {r.peer} failed (status {status}): "
-                                    "the producer is gone or refused it"))
+            elif verdict:
+                failed.append((tid, verdict))
                 self._forget(tid)
             elif now >= r.deadline:
                 failed.append((tid, f"KV transfer from {r.peer} timed out"))
-                r.timed_out = True
+                r.abandoned = True
         return done, failed, released
+
+    def _check(self, tid: str, r: _Read) -> Optional[str]:
+        """After the data: read the producer's word for the slot. "" when the blocks were
+        still held (the word is not the transfer's negated token: P negates it when it
+        releases the transfer, before its blocks can be reused), the reason when not, None
+        while the check is in flight."""
+        if r.valid_addr is None:
+            return ""
+        idx = self._out_slot[tid]
+        if r.check is None:
+            self._inbox[idx] = 0
+            try:
+                r.check = int(self.engine.batch_transfer_async_read(
+                    r.peer, [int(self._inbox.ctypes.data + 8 * idx)], [r.valid_addr], [8]))
+            except Exception:  # noqa: BLE001 - as a failed check
+                r.check = 0
+            if r.check <= 0:
+                return f"Mooncake read from {r.peer} failed (the check could not start)"
+        if not self._check_settled(r):
+            return None
+        if r.check_status != _DONE:
+            return (f"Mooncake read from {r.peer} failed (check status {r.check_status}): "
+                    "the producer is gone")
+        if int(self._inbox[idx]) == -r.token:
+            return (f"the producer at {r.peer} released transfer {tid} (expired) while it "
+                    "was read: its blocks may have been reused")
+        return ""
+
+    def _check_settled(self, r: _Read) -> bool:
+        """The check's read is not in flight (never started, or resolved)."""
+        if r.check is None or r.check <= 0 or r.check_status is not None:
+            return True
+        status = self.engine.transfer_check_status(r.check)    # frees the batch once resolved
+        if status == _PENDING:
+            return False
+        r.check_status = status
+        return True
 
     def _notify_peer(self, tid: str, r: _Read) -> None:
         """Write the token into the producer's slot, off the step thread (a producer that

@@ -18,14 +18,24 @@ local prefix cache; those are loaded (``batch_get_into_multi_buffers`` straight 
 arrays) while the request waits in WAITING_FOR_REMOTE_KVS, and it computes only the rest.
 
 The master's address is ``kv_connector_extra_config.master_server_address``. The scheduler
-side keeps its own small client (no memory of its own in the pool) to look keys up. When the
-master is gone, lookups fail at once and the request is computed here (counted in /metrics);
-puts and gets fail within a few seconds and are counted the same way: nothing hangs.
+side keeps its own small client (no memory of its own in the pool) to look keys up, on a
+thread of its own: the scheduler never waits on the master. A waiting request's lookup is
+asked once (``get_num_new_matched_tokens`` answers "not known yet" meanwhile, and the request
+waits at the head of the queue while the running ones go on), and its answer is reused for
+``LOOKUP_REUSE_S``. A lookup that takes longer than ``LOOKUP_TIMEOUT_S`` fails (the request
+is computed here) and the store is not asked again for ``LOOKUP_BACKOFF_S``. When the master
+is gone, lookups fail at once and the request is computed here (counted in /metrics); puts
+and gets fail within a few seconds and are counted the same way: nothing hangs.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from llm_serving.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata,
@@ -34,6 +44,17 @@ from llm_serving.distributed.kv_transfer.base import (KVConnectorBase, KVConnect
 from llm_serving.distributed.kv_transfer.block_hash import block_hashes
 
 logger = logging.getLogger(__name__)
+LOOKUP_TIMEOUT_S = 2.0      # a lookup not answered by then fails (the request computes)
+LOOKUP_BACKOFF_S = 5.0      # ... and the store is not asked again for this long
+LOOKUP_REUSE_S = 1.0        # a waiting request's answer is reused this long
+
+
+@dataclass
+class _Lookup:
+    future: Future             # -> blocks found, from the first asked
+    first: int                 # the first block asked (after the local prefix cache)
+    started: float
+    answered: Optional[float] = None
 
 
 class MooncakeStoreConnector(KVConnectorBase):
@@ -47,6 +68,9 @@ class MooncakeStoreConnector(KVConnectorBase):
         self._loads: dict = {}           # key -> load entry, not yet handed over
         self._load_keys: dict = {}       # request id -> key of its load
         self._ended: list = []
+        self._lookups: dict[str, _Lookup] = {}      # request id -> its lookup
+        self._lookup_queue: Optional[queue.SimpleQueue] = None
+        self._store_quiet_until = 0.0
 
     def _extra(self, key, default=None):
         return self.config.extra(key, default)
@@ -86,11 +110,62 @@ class MooncakeStoreConnector(KVConnectorBase):
         return self.config.is_consumer
 
     def get_num_new_matched_tokens(self, request: KVRequest,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[Optional[int], bool]:
         hashes = self._key_hashes(request)
         first = num_computed_tokens // self.block_size
         if len(hashes) <= first:
             return 0, False
+        now = time.monotonic()
+        rid = request.request_id
+        lk = self._lookups.get(rid)
+        if lk is None or lk.first != first or (lk.answered is not None
+                                               and now - lk.answered > LOOKUP_REUSE_S):
+            if now < self._store_quiet_until:
+                raise KVTransferError(f"the Mooncake store did not answer a lookup within "
+                                      f"{LOOKUP_TIMEOUT_S:g} s; not asked for "
+                                      f"{LOOKUP_BACKOFF_S:g} s")
+            lk = self._lookups[rid] = _Lookup(self._submit_lookup(hashes, first), first, now)
+        if not lk.future.done():
+            if now - lk.started < LOOKUP_TIMEOUT_S:
+                return None, False
+            del self._lookups[rid]
+            self._store_quiet_until = now + LOOKUP_BACKOFF_S
+            raise KVTransferError(f"the Mooncake store did not answer a lookup within "
+                                  f"{LOOKUP_TIMEOUT_S:g} s (master "
+                                  f"{self._extra('master_server_address')})")
+        if lk.answered is None:
+            lk.answered = now
+        try:
+            found = lk.future.result()
+        except KVTransferError:
+            del self._lookups[rid]
+            raise
+        n = (found - first) * self.block_size
+        return (n, True) if n > 0 else (0, False)
+
+    def _submit_lookup(self, hashes: list, first: int) -> Future:
+        """Runs ``_lookup`` on the lookup thread (a daemon: a master that hangs holds no
+        one, not even the process's exit)."""
+        if self._lookup_queue is None:
+            self._lookup_queue = queue.SimpleQueue()
+            threading.Thread(target=self._lookup_loop, name="kv-lookup", daemon=True).start()
+        fut: Future = Future()
+        self._lookup_queue.put((fut, hashes, first))
+        return fut
+
+    def _lookup_loop(self) -> None:
+        while True:
+            item = self._lookup_queue.get()
+            if item is None:
+                return
+            fut, hashes, first = item
+            try:
+                fut.set_result(self._lookup(hashes, first))
+            except Exception as e:  # noqa: BLE001 - handed to the scheduler
+                fut.set_exception(e)
+
+    def _lookup(self, hashes: list, first: int) -> int:
+        """On the lookup thread: how many blocks from ``first`` every rank has stored."""
         found = len(hashes)
         try:
             for rank in range(self.tp_size):    # every rank's part must be there
@@ -101,13 +176,15 @@ class MooncakeStoreConnector(KVConnectorBase):
         except KVTransferError as e:
             raise KVTransferError(f"{e} (master {self._extra('master_server_address')})") \
                 from None
-        n = (found - first) * self.block_size
-        return (n, True) if n > 0 else (0, False)
+        except Exception as e:  # noqa: BLE001 - whatever the client raises fails the lookup
+            raise KVTransferError(f"the Mooncake store lookup failed ({e!r})") from None
+        return found
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
+        self._lookups.pop(request.request_id, None)
         n = num_external_tokens // self.block_size
         first = len(block_ids) - n
         key = f"{request.request_id}#{id(request)}-{first}"
@@ -148,6 +225,7 @@ class MooncakeStoreConnector(KVConnectorBase):
                          block_ids: Sequence[int]) -> tuple[bool, Optional[dict]]:
         self._hashes.pop(request.request_id, None)
         self._saved.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         p = getattr(request, "kv_transfer_params", None) or {}
         if not p.get("do_remote_decode"):
             return False, None
@@ -160,6 +238,7 @@ class MooncakeStoreConnector(KVConnectorBase):
     def forget(self, request: KVRequest) -> None:
         self._hashes.pop(request.request_id, None)
         self._saved.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         self.request_load_done(request)
 
     # ---- worker side ----------------------------------------------------------------------
@@ -213,8 +292,9 @@ class MooncakeStoreConnector(KVConnectorBase):
         ended, self._ended = set(self._ended), []
         return set(), ended
 
-
     def shutdown(self) -> None:
+        if self._lookup_queue is not None:
+            self._lookup_queue.put(None)
         if self.transport is not None:
             self.transport.close()
 
