@@ -5,6 +5,13 @@ prefill throughput (median of 3), against the memory-bandwidth floor measured in
 (weight bytes / read bandwidth with every core reading).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
+                                [--arms fp32,bf16]
+
+``--arms`` compares precisions in one run, interleaved step by step (each case alternates the
+arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
+bfloat16``); bf16-weights; bf16-kv; fp32-before (fp32 with the GEMM kernel's previous
+many-rows path, lls_linear_reference_f32: the same bits; ``--linear-before`` is ``--arms
+fp32,fp32-before``). Each arm's floor counts the bytes its weights really take.
 """
 from __future__ import annotations
 
@@ -73,6 +80,12 @@ class OtherLoad:
             time.perf_counter() - self.t)
 
 
+# arm -> (dtype, kv_cache_dtype)
+ARMS = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "bfloat16"),
+        "bf16-weights": ("bfloat16", "float32"), "bf16-kv": ("float32", "bfloat16"),
+        "fp32-before": ("float32", "float32")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="model dir (default: generate the 97M model)")
@@ -80,7 +93,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--arms", default="fp32", help=f"comma-separated: {', '.join(ARMS)}")
+    ap.add_argument("--linear-before", action="store_true",
+                    help="--arms fp32,fp32-before: our GEMM kernel now / its previous many-rows "
+                         "path, alternating step by step")
     args = ap.parse_args()
+    arms = ["fp32", "fp32-before"] if args.linear_before else \
+        [a.strip() for a in args.arms.split(",")]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        ap.error(f"unknown arm {bad[0]!r} (known: {', '.join(ARMS)})")
 
     from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
     model = args.model
@@ -97,67 +119,124 @@ def main() -> None:
     max_b = max(batches)
     n_prompts = max(1, args.prefill_tokens // ctx)
     seqs = max(max_b, n_prompts)    # else a partial run (--batches 1) prefills one prompt a step
-    llm = LLM(model, max_num_seqs=seqs, block_size=16,
-              num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
-              max_num_batched_tokens=max(args.prefill_tokens, max_b))
-    eng = llm.engine
+    engines = {}
+    for arm in arms:
+        dtype, kv = ARMS[arm]
+        engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
+                           kv_cache_dtype=kv,
+                           num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
+                           max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
+    eng = engines[arms[0]]
     mc = eng.model_config
-    weight_bytes = 4 * sum(int(np.prod(p.shape)) for _, p in eng.runner.model.parameters_and_names())
-    if not mc.tie_word_embeddings:     # decode gathers embedding rows; it does not read them all
-        weight_bytes -= 4 * mc.vocab_size * mc.hidden_size
-    floor_ms = weight_bytes / bw * 1e3
+    floor_ms, weight_mb = {}, {}
+    for arm, e in engines.items():
+        # the bytes the weights take (bf16 linear weights: 2 per element)
+        weight_bytes = sum(int(np.prod(p.shape)) * p.itemsize
+                           for _, p in e.runner.model.parameters_and_names())
+        if not mc.tie_word_embeddings:  # decode gathers embedding rows; it does not read them all
+            weight_bytes -= 4 * mc.vocab_size * mc.hidden_size
+        floor_ms[arm] = weight_bytes / bw * 1e3
+        weight_mb[arm] = weight_bytes / 1e6
+    hooks = {}
+    if "fp32-before" in arms:        # every other arm runs the kernel now
+        now, before = linear_arms()
+        hooks = {arm: before if arm == "fp32-before" else now for arm in arms}
+
+    def step(arm, e):
+        if arm in hooks:
+            hooks[arm]()
+        e.step()
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10**6)
 
     rows = []
     # Prefill throughput: several prompts of the context length in one ragged step.
-    pre = []
+    pre = {arm: [] for arm in arms}
     with OtherLoad() as load:
         for rep in range(3):
-            rids = [eng.add_request(
-                {"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()}, greedy)
-                for _ in range(n_prompts)]
-            t = time.perf_counter()
-            eng.step()
-            pre.append(time.perf_counter() - t)
-            for r in rids:
-                eng.abort_request(r)
-    dt = float(np.median(pre))
-    rows.append(("prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
-                 f"{n_prompts * ctx / dt:.0f} tok/s", "", f"{load.cores:.2f}"))
+            prompts = [rng.integers(3, mc.vocab_size, ctx).tolist() for _ in range(n_prompts)]
+            for arm, e in engines.items():
+                rids = [e.add_request({"prompt_token_ids": p}, greedy) for p in prompts]
+                t = time.perf_counter()
+                step(arm, e)
+                pre[arm].append(time.perf_counter() - t)
+                for r in rids:
+                    e.abort_request(r)
+    for arm in arms:
+        dt = float(np.median(pre[arm]))
+        rows.append((arm, "prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
+                     f"{n_prompts * ctx / dt:.0f} tok/s", "", f"{load.cores:.2f}"))
 
     for b in batches:
-        rids = [eng.add_request({"prompt_token_ids": rng.integers(3, mc.vocab_size, ctx).tolist()},
-                                greedy) for _ in range(b)]
-        while any(s.num_computed_tokens < len(s.prompt_token_ids)
-                  for r in rids for s in eng.requests[r].seqs):
-            eng.step()
-        for _ in range(3):
-            eng.step()
-        times = []
+        prompts = [rng.integers(3, mc.vocab_size, ctx).tolist() for _ in range(b)]
+        rids = {}
+        for arm, e in engines.items():
+            rids[arm] = [e.add_request({"prompt_token_ids": p}, greedy) for p in prompts]
+            while any(s.num_computed_tokens < len(s.prompt_token_ids)
+                      for r in rids[arm] for s in e.requests[r].seqs):
+                step(arm, e)
+            for _ in range(3):
+                step(arm, e)
+        times = {arm: [] for arm in arms}
         with OtherLoad() as load:
             for _ in range(args.steps):
-                t = time.perf_counter()
-                eng.step()
-                times.append(time.perf_counter() - t)
-        step_ms = float(np.median(times)) * 1e3   # median: robust to a busy neighbour
-        for r in rids:
-            eng.abort_request(r)
-        rows.append((f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
-                     f"{b / step_ms * 1e3:.0f} tok/s",
-                     f"{step_ms / floor_ms:.2f}x floor" if b == 1 else "", f"{load.cores:.2f}"))
+                for arm, e in engines.items():     # interleaved: the same load for each arm
+                    t = time.perf_counter()
+                    step(arm, e)
+                    times[arm].append(time.perf_counter() - t)
+        for arm, e in engines.items():
+            step_ms = float(np.median(times[arm])) * 1e3   # median: robust to a busy neighbour
+            for r in rids[arm]:
+                e.abort_request(r)
+            rows.append((arm, f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
+                         f"{b / step_ms * 1e3:.0f} tok/s",
+                         f"{step_ms / floor_ms[arm]:.2f}x floor" if b == 1 else "",
+                         f"{load.cores:.2f}"))
 
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
           f"{cpu_description()}")
-    print(f"model: {model} ({weight_bytes / 1e6:.0f} MB of weights read per decode step)")
-    print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s -> batch-1 floor {floor_ms:.1f} ms/step")
+    for arm in arms:
+        print(f"model: {model}, {arm}: {weight_mb[arm]:.0f} MB of weights read per decode step "
+              f"-> batch-1 floor {floor_ms[arm]:.1f} ms/step")
+    print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s")
     print("other load: cores kept busy by other processes during the case (0 = quiet machine)")
     print()
-    print(f"| {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} | {'vs floor':<11} "
-          f"| other load |")
-    print(f"|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|{'-' * 12}|")
+    print(f"| {'arm':<12} | {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} "
+          f"| {'vs floor':<11} | other load |")
+    print(f"|{'-' * 14}|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|{'-' * 12}|")
+    rows.sort(key=lambda r: (r[1] != "prefill", int(r[1].split("=")[1]) if "=" in r[1] else 0))
     for r in rows:
-        print(f"| {r[0]:<14} | {r[1]:<16} | {r[2]:<14} | {r[3]:<12} | {r[4]:<11} | {r[5]:<10} |")
+        print(f"| {r[0]:<12} | {r[1]:<14} | {r[2]:<16} | {r[3]:<14} | {r[4]:<12} | {r[5]:<11} "
+              f"| {r[6]:<10} |")
+    if len(arms) > 1:
+        base = arms[0]
+        print(f"\ntime ratio to {base} (below 1: faster):")
+        by = {(r[0], r[1]): float(r[3].split()[0]) for r in rows}
+        for case in dict.fromkeys(r[1] for r in rows):
+            print(f"  {case:<14} " + "  ".join(
+                f"{arm} {by[(arm, case)] / by[(base, case)]:.2f}x" for arm in arms[1:]))
+
+def linear_arms() -> dict:
+    """The fp32-before arm's hooks: functions that make the linear layers call our kernel now,
+    or its previous many-rows path (the library built with -DLLS_LINEAR_REFERENCE)."""
+    import ctypes
+    from llm_serving.model_executor.layers import gemm
+    from llm_serving.model_executor.layers.custom_op import load_layer_ops
+    lib = load_layer_ops(("-DLLS_LINEAR_REFERENCE",))
+    lib.lls_linear_reference_f32.restype = ctypes.c_int
+    lib.lls_linear_reference_f32.argtypes = lib.lls_linear_f32.argtypes
+
+    class Lib:
+        lls_linear_blas_f32 = lib.lls_linear_blas_f32
+
+    now, before = Lib(), Lib()
+    now.lls_linear_f32 = lib.lls_linear_f32
+    before.lls_linear_f32 = lib.lls_linear_reference_f32
+
+    def use(x):
+        return lambda: setattr(gemm, "cpu_layer_ops", lambda: x)
+    return use(now), use(before)
+
 
 if __name__ == "__main__":
     main()

@@ -33,6 +33,10 @@ PREEMPTION_MODES = ("recompute", "swap")
 CPU_ALLREDUCE = ("shm", "mccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# KV cache storage (vLLM's --kv-cache-dtype): auto is the backend's own (float32 on CPU,
+# float16 on Ascend); bfloat16 halves a CPU block's bytes.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEVICES = ("auto", "cpu", "ascend", "npu")
 
 
@@ -97,7 +101,11 @@ class EngineArgs:
     dump_logits_every: int = _arg(100,
         "output positions between logits dumps (0, N, 2N, ...)")
     dtype: str = _arg("auto",
-        "auto, float32, float16 or bfloat16")
+        "weights: auto or float32 (float32), or bfloat16 (CPU: linear-layer weights stored "
+        "bf16, activations float32; docs/benchmarks.md has its accuracy cost)")
+    kv_cache_dtype: str = _arg("auto",
+        "KV cache storage: auto (float32 on CPU, float16 on Ascend), float32, or bfloat16 "
+        "(CPU: half the bytes per block, so kv_cache_space holds twice the tokens)")
     device: str = _arg("auto",
         "auto, cpu or ascend")
     seed: int = _arg(0,
@@ -145,6 +153,9 @@ class EngineArgs:
             raise ConfigError("kv_cache_space", f"expected GiB > 0, got {self.kv_cache_space!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if str(self.device).lower() not in DEVICES:
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
         positive("max_waiting_requests", self.max_waiting_requests)
@@ -211,6 +222,24 @@ class EngineArgs:
                               + ", ".join(sorted(known)))
         return cls(model=model, **kwargs)
 
+    def _runs_on_cpu(self) -> bool:
+        device = str(self.device).lower()
+        if device == "cpu":
+            return True
+        if device != "auto":
+            return False
+        import mindspore as ms
+        return ms.get_context("device_target") == "CPU"
+
+    def _kv_cache_dtype(self, on_cpu: bool) -> str:
+        """The KV cache storage dtype this configuration runs with."""
+        if on_cpu:
+            return "float32" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError("kv_cache_dtype", "the Ascend attention backend stores KV in "
+                              "float16 (its PagedAttention kernel's dtype); use auto")
+        return "float16"
+
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and
         decide the defaults that depend on other knobs. Raises ConfigError naming the key."""
@@ -221,7 +250,10 @@ class EngineArgs:
         if max_len > hf.max_position_embeddings:
             raise ConfigError("max_model_len", f"{max_len} exceeds the model's "
                               f"max_position_embeddings ({hf.max_position_embeddings})")
-        block_bytes = kv_bytes_per_block(hf, self.block_size, self.tensor_parallel_size)
+        on_cpu = self._runs_on_cpu()
+        kv_dtype = self._kv_cache_dtype(on_cpu)
+        block_bytes = kv_bytes_per_block(hf, self.block_size, self.tensor_parallel_size,
+                                         kv_dtype)
         num_blocks = self.num_blocks or max(1, int(self.kv_cache_space * 2**30) // block_bytes)
         capacity = num_blocks * self.block_size
         if capacity < max_len and self.max_model_len is None:
@@ -238,16 +270,18 @@ class EngineArgs:
             raise ConfigError("max_num_batched_tokens",
                               f"{budget} is smaller than max_model_len ({max_len}); without "
                               "chunked prefill a whole prompt must fit in one step")
-        if self.dtype not in ("auto", "float32") and str(self.device).lower() in ("auto", "cpu"):
-            import mindspore as ms
-            if ms.get_context("device_target") == "CPU":
-                raise ConfigError("dtype", f"{self.dtype} is not supported on CPU, which runs "
-                                  "float32 (use auto or float32)")
+        if on_cpu and self.dtype == "float16":
+            raise ConfigError("dtype", "float16 is not supported on CPU (use auto or float32, "
+                              "or bfloat16 for bf16 linear weights)")
+        if on_cpu and self.dtype == "bfloat16" and os.environ.get("LLM_SERVING_NATIVE_OPS") == "1":
+            raise ConfigError("dtype", "bfloat16 weights need our CPU kernels, which "
+                              "LLM_SERVING_NATIVE_OPS=1 turns off")
         mp = self.distributed_executor_backend == "mp"
         return EngineConfig(
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
-                checkpoint=self.checkpoint, dtype=self.dtype, max_model_len=max_len,
+                checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+                max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=num_blocks,
@@ -288,6 +322,8 @@ class ModelSettings:
     tokenizer: str                 # tokenizer directory
     checkpoint: Optional[str]      # a MindSpore .ckpt to load instead of safetensors
     dtype: str
+    kv_cache_dtype: str            # as asked (auto: the attention backend's own); the KV pool
+                                   # was sized for what it resolves to on this device
     max_model_len: int             # resolved: the model's, capped by the KV pool
     seed: int                      # the sampler's seed for requests without their own
     chat_template: Optional[str]
@@ -390,10 +426,12 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     return max(1, num_kv_heads // tp_size)
 
 
-def kv_bytes_per_block(config: "ModelConfig", block_size: int, tp_size: int = 1) -> int:
+def kv_bytes_per_block(config: "ModelConfig", block_size: int, tp_size: int = 1,
+                       kv_cache_dtype: str = "float32") -> int:
     """Bytes of one KV block on one rank (each holds its share of the KV heads)."""
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
-    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
+    return (2 * config.num_layers * block_size * kv_heads * config.head_dim
+            * KV_DTYPE_BYTES[kv_cache_dtype])
 
 
 def check_tensor_parallel(config: "ModelConfig", tp_size: int) -> None:

@@ -50,7 +50,8 @@ IGNORED = {
     "model_config.batching_strategy": "batching is always continuous",
     "model_config.current_index": "not needed with a paged KV cache",
     "model_config.page_attention": "attention is always paged",
-    "model_config.model_dtype": "the dtype is set by llm_serving.dtype (float32 on CPU)",
+    "model_config.model_dtype": "the dtype is set by llm_serving.dtype (auto: float32; "
+                                "bfloat16: bf16 linear weights on CPU)",
     "model_config.pad_token_id": "nothing is padded",
     "model_config.backend": "the model always runs kernel by kernel",
     "model_config.model_cfg_path": "the model comes from llm_serving.model (an HF directory)",
@@ -166,10 +167,11 @@ def _error(e: ValidationError) -> ConfigError:
     return ConfigError(loc, f"{err['msg'].lower()}, got {err.get('input')!r}")
 
 
-def load_config(path: Path, overrides: Optional[dict] = None) -> ServingConfig:
-    """Read a config file; ``overrides`` (from CLI flags) win over it."""
+def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> ServingConfig:
+    """Read a config file (none: every setting at its default); ``overrides`` (from CLI
+    flags) win over it."""
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = (yaml.safe_load(Path(path).read_text()) or {}) if path is not None else {}
     except yaml.YAMLError as e:
         raise ConfigError(str(path), f"not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -31,14 +31,31 @@ def dense_reference(q, k_hist, v_hist, scale):
     return out
 
 
+def bf16_round(x):
+    """float32 -> nearest bfloat16 (ties to even) -> float32, by torch (independent of ours)."""
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def widen(cache):
+    """A cache's values as float32 (bf16 caches hold uint16 bits)."""
+    if cache.dtype == np.uint16:
+        return (cache.astype(np.uint32) << 16).view(np.float32)
+    return cache
+
+
 class PagedHarness:
-    def __init__(self, num_blocks, block_size, h, kvh, d, max_blocks_per_seq, seed=0):
+    def __init__(self, num_blocks, block_size, h, kvh, d, max_blocks_per_seq, seed=0,
+                 cache_dtype="float32"):
         self.rng = np.random.default_rng(seed)
         self.bs, self.h, self.kvh, self.d = block_size, h, kvh, d
         self.max_blocks = max_blocks_per_seq
         # NaN-filled so that reading an unwritten slot shows up in the result
-        self.k_cache = np.full((num_blocks, block_size, kvh, d), np.nan, np.float32)
-        self.v_cache = np.full((num_blocks, block_size, kvh, d), np.nan, np.float32)
+        shape = (num_blocks, block_size, kvh, d)
+        self.bf16 = cache_dtype == "bfloat16"
+        fill = (np.uint16(0x7FC0), np.uint16) if self.bf16 else (np.nan, np.float32)
+        self.k_cache = np.full(shape, *fill)
+        self.v_cache = np.full(shape, *fill)
         self.free = list(self.rng.permutation(num_blocks))  # shuffled, non-contiguous ids
         self.blocks = {}
         self.k_hist = {}
@@ -81,8 +98,10 @@ class PagedHarness:
         """Append this step's K/V to the history and return the per-row reference output."""
         ref = np.zeros(inp["query"].shape, np.float64)
         qsl = inp["query_start_loc"]
+        stored = bf16_round if self.bf16 else (lambda x: x)   # what the cache holds
         for i, (sid, n) in enumerate(work):
             a, b = qsl[i], qsl[i + 1]
+            inp = dict(inp, key=stored(inp["key"]), value=stored(inp["value"]))
             self.k_hist[sid] = np.concatenate([self.k_hist.get(sid, np.zeros((0, self.kvh, self.d), np.float32)), inp["key"][a:b]])
             self.v_hist[sid] = np.concatenate([self.v_hist.get(sid, np.zeros((0, self.kvh, self.d), np.float32)), inp["value"][a:b]])
             ref[a:b] = dense_reference(inp["query"][a:b], self.k_hist[sid], self.v_hist[sid], self.scale)
@@ -107,8 +126,8 @@ class PagedHarness:
             for pos in range(len(hist)):
                 s = self.slot(sid, pos)
                 b, o = divmod(s, self.bs)
-                np.testing.assert_array_equal(self.k_cache[b, o], hist[pos])
-                np.testing.assert_array_equal(self.v_cache[b, o], self.v_hist[sid][pos])
+                np.testing.assert_array_equal(widen(self.k_cache[b, o]), hist[pos])
+                np.testing.assert_array_equal(widen(self.v_cache[b, o]), self.v_hist[sid][pos])
 
 
 def assert_close(out, ref):
@@ -138,6 +157,41 @@ def test_mixed_ragged_batches(block_size, h, kvh):
         assert out.shape == inp["query"].shape
         assert_close(out, ref)
     hs.check_cache()
+
+
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_bf16_cache(block_size, d):
+    """A bfloat16 cache holds each K/V value rounded to nearest even (bits as torch rounds
+    them) and attention over it equals float64 attention over those rounded values, to the
+    float32 tolerance: only the storage loses precision, not the arithmetic."""
+    hs = PagedHarness(num_blocks=(400 // block_size + 8) * 2, block_size=block_size, h=8,
+                      kvh=2, d=d, max_blocks_per_seq=200 // block_size + 2, seed=d + block_size,
+                      cache_dtype="bfloat16")
+    for i, work in enumerate(MIXED_STEPS):
+        inp, out, ref = hs.run(work, fused=(i % 2 == 0))
+        assert_close(out, ref)
+    hs.check_cache()
+
+
+def test_bf16_cache_rounds_ties_to_even_and_keeps_specials():
+    k = np.array([[1.0, 1.00390625, 1.01171875, -2.0078125, 3.0e38, np.inf, -np.inf, 1e-40]],
+                 np.float32)       # exact, tie to even (down), tie to even (up), ..., denormal
+    hs = PagedHarness(num_blocks=2, block_size=4, h=1, kvh=1, d=k.shape[1], max_blocks_per_seq=1,
+                      cache_dtype="bfloat16")
+    K.reshape_and_cache(k, k, hs.k_cache, hs.v_cache, np.array([5], np.int32))
+    np.testing.assert_array_equal(widen(hs.k_cache[1, 1, 0]), bf16_round(k)[0])
+    assert widen(hs.k_cache[1, 1, 0])[1] == 1.0 and widen(hs.k_cache[1, 1, 0])[2] == 1.015625
+    nan = np.array([[np.nan] * k.shape[1]], np.float32)
+    K.reshape_and_cache(nan, nan, hs.k_cache, hs.v_cache, np.array([6], np.int32))
+    assert np.isnan(widen(hs.k_cache[1, 2, 0])).all()
+
+
+def test_cache_dtype_mismatch_is_refused():
+    k = np.zeros((2, 4, 1, 8), np.float32)
+    with pytest.raises(K.KernelArgumentError, match="differ"):
+        K.reshape_and_cache(np.zeros((1, 8), np.float32), np.zeros((1, 8), np.float32), k,
+                            k.astype(np.uint16), np.array([0], np.int32))
 
 
 @pytest.mark.parametrize("d", [8, 40, 128, 160, 256])

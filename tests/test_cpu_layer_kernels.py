@@ -24,9 +24,10 @@ def lib(request):
     return lib
 
 
-def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0):
-    """Call lls_linear_f32; parts: list of part widths, each written to its own [M, width +
-    out_ld_pad] buffer. Returns the list of part outputs (trimmed)."""
+def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0, fn="lls_linear_f32"):
+    """Call lls_linear_f32 (or ``fn``, same arguments); parts: list of part widths, each
+    written to its own [M, width + out_ld_pad] buffer. Returns the list of part outputs
+    (trimmed)."""
     m, k = x.shape
     n = w.shape[0]
     parts = parts or [n]
@@ -36,7 +37,7 @@ def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0):
     c_out = (ctypes.c_void_p * len(parts))(*[o.ctypes.data for o in outs])
     c_ld = (ctypes.c_int64 * len(parts))(*[o.shape[1] for o in outs])
     ldx = x.strides[0] // 4 if m > 1 else k
-    rc = lib.lls_linear_f32(x.ctypes.data, ldx, w.ctypes.data,
+    rc = getattr(lib, fn)(x.ctypes.data, ldx, w.ctypes.data,
                             None if bias is None else bias.ctypes.data, m, n, k, len(parts),
                             c_split, c_out, c_ld)
     assert rc == 0
@@ -110,6 +111,73 @@ def test_linear_concurrent_callers(lib):
     for t in ts:
         t.join()
     assert not errors
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS), ids=lambda w: f"vw{w}")
+def reflib(request):
+    """The library built with the many-rows path of before (lls_linear_reference_f32)."""
+    native = load_layer_ops().lls_layer_ops_vector_width()
+    if request.param > native:
+        pytest.skip(f"this CPU builds {native}-wide vectors natively")  # pragma: no cover
+    lib = load_layer_ops(VARIANTS[request.param] + ("-DLLS_LINEAR_REFERENCE",))
+    lib.lls_linear_reference_f32.restype = ctypes.c_int
+    lib.lls_linear_reference_f32.argtypes = lib.lls_linear_f32.argtypes
+    return lib
+
+
+def _bit_cases():
+    rng = np.random.default_rng(16)
+    cases = [(3, 5, 7), (4, 12, 8), (7, 13, 9), (47, 25, 2053), (48, 24, 2048),
+             (53, 37, 901), (130, 77, 100), (600, 29, 131)]   # 600 rows: cut into chunks
+    for _ in range(10):
+        cases.append((int(rng.integers(3, 301)), int(rng.integers(1, 260)),
+                      int(rng.integers(1, 2200))))
+    return cases
+
+
+@pytest.mark.parametrize("m,n,k", _bit_cases())
+def test_many_rows_path_bit_identical_to_before(reflib, m, n, k):
+    """The packed, cache-blocked many-rows path keeps every output's FMA chain, horizontal sum,
+    scalar K tail and bias add, so it returns the same bits as the plain tiles it replaced
+    (which every numeric and batch-invariance test was validated on): tail panels (M not a
+    multiple of the row tile), tail columns, K not a multiple of the vector width, K blocks
+    (K > 109 vectors), w packed or not (M from 48), rows cut into chunks (M > 512), strided x,
+    bias and split outputs."""
+    rng = np.random.default_rng(m * 7919 + n * 31 + k)
+    wide = rng.standard_normal((m, k + 5)).astype(np.float32)
+    x = wide[:, 3:3 + k]
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    parts = [n - n // 2, n // 2] if n > 1 else [n]
+    new = run_linear(reflib, x, w, b, parts)
+    old = run_linear(reflib, x, w, b, parts, fn="lls_linear_reference_f32")
+    for a, o in zip(new, old):
+        assert np.array_equal(a, o)
+    np.testing.assert_allclose(np.concatenate(new, 1), reference(x, w, b), rtol=1e-4,
+                               atol=1e-4 * np.sqrt(k))
+
+
+def test_many_rows_concurrent_callers(lib):
+    """Two Python threads calling the many-rows path at once on the shared pool: each call's
+    packed x buffer belongs to its caller, each worker's packed w block to the worker."""
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((700, 520)).astype(np.float32)
+    xs = [rng.standard_normal((m, 520)).astype(np.float32) for m in (37, 90)]
+    want = [run_linear(lib, x, w)[0] for x in xs]
+    errors = []
+
+    def work(x, y0):
+        for _ in range(10):
+            if not np.array_equal(run_linear(lib, x, w)[0], y0):
+                errors.append("mismatch")
+
+    ts = [threading.Thread(target=work, args=a) for a in zip(xs, want)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    np.testing.assert_allclose(want[1], reference(xs[1], w), rtol=1e-4, atol=3e-3)
 
 
 def test_linear_rejects_bad_arguments(lib):

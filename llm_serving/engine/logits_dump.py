@@ -18,6 +18,13 @@ from llm_serving.engine.sequence import Sequence
 WARM_UP_ID = "__warm_up__"      # the engine's warm-up request: never dumped
 
 
+def dump_key(prompt_token_ids, seed, index: int = 0) -> str:
+    """The file name stem of a request's dumps (``{key}_pos{N}.npy``): its prompt tokens, seed
+    and sample index, so runs of the same requests pair up whatever the batch."""
+    return hashlib.sha1(np.asarray(prompt_token_ids, np.int64).tobytes()
+                        + repr((seed, index)).encode()).hexdigest()[:20]
+
+
 class LogitsDumper:
     def __init__(self, config: DumpConfig):
         self.dir = Path(config.directory)
@@ -29,9 +36,8 @@ class LogitsDumper:
         for row, seq in enumerate(sampled):
             pos = seq.num_output_tokens + seq.tokens_in_flight
             if pos % self.every == 0 and seq.request_id != WARM_UP_ID:
-                key = hashlib.sha1(np.asarray(seq.prompt_token_ids, np.int64).tobytes()
-                                   + repr((seq.params.seed, seq.index)).encode()).hexdigest()
-                plan.append((row, f"{key[:20]}_pos{pos}.npy"))
+                key = dump_key(seq.prompt_token_ids, seq.params.seed, seq.index)
+                plan.append((row, f"{key}_pos{pos}.npy"))
         return plan
 
     @staticmethod

@@ -326,6 +326,18 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> uint16 bfloat16 bit patterns, rounded to nearest, ties to even (as torch and
+    the CPU's vcvtneps2bf16 do); NaN stays a quiet NaN. A checkpoint's bf16 values, widened by
+    ``bfloat16_bits_to_float32``, come back as the same bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    out = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    if nan.any():
+        out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
 def read_safetensors_header(path: Union[str, Path]) -> Tuple[Dict[str, Any], int]:
     """(header dict without __metadata__, byte offset where the data starts)."""
     path = Path(path)

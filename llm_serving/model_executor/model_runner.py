@@ -10,6 +10,8 @@ and only rank 0 samples.
 from __future__ import annotations
 
 import collections
+import ctypes
+import gc
 from typing import Callable, Optional
 
 import numpy as np
@@ -39,6 +41,18 @@ def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1
                             multistream_config=multistream_config)
 
 
+def _return_freed_memory() -> None:
+    """Give the loader's freed buffers (the float32 staging copies, the float32 Parameters a
+    bf16 model replaced) back to the OS: glibc keeps freed heap memory otherwise, and the
+    process would look as big as at its loading peak (97 M model: RSS 1184 -> 805 MB in fp32,
+    1347 -> 644 MB with bf16 weights)."""
+    gc.collect()                            # the replaced Parameters sit in reference cycles
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):       # not glibc: nothing to do
+        pass
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         """Load the model and allocate the KV cache of this process's tensor-parallel rank
@@ -50,7 +64,7 @@ class ModelRunner:
         check_tensor_parallel(c, tp.size)
         self.backend = get_attention_backend(self.device, c.num_heads // tp.size,
                                              kv_heads_per_rank(c.num_kv_heads, tp.size),
-                                             c.head_dim)
+                                             c.head_dim, m.kv_cache_dtype)
         ms = config.multi_stream
         ms_mode = (ms.mode(tp.size, self.device, config.parallel.cpu_allreduce)[0]
                    if ms is not None else "off")
@@ -59,7 +73,11 @@ class ModelRunner:
             set_overlap(ms_mode, self.device)
         self.model = build_model(c, self.backend, tp.rank, tp.size,
                                  ms if ms_mode != "off" else None)
+        if m.dtype == "bfloat16" and self.device == "CPU":
+            from llm_serving.model_executor.layers.linear import use_bf16_weights
+            use_bf16_weights(self.model)    # linear weights stored bf16, activations fp32
         self.model.load_weights(iter_weights(m.path, checkpoint=m.checkpoint))
+        _return_freed_memory()
         self.block_size = block_size = cache.block_size
         self.num_blocks = num_blocks = cache.num_blocks
         num_cpu_blocks = cache.num_cpu_blocks

@@ -30,8 +30,11 @@ KV_DTYPE = ms.float16
 class AscendAttentionBackend(AttentionBackend):
     name = "ascend"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads, num_kv_heads, head_dim, kv_cache_dtype="auto"):
+        # KV is float16, the dtype of the PagedAttention kernel (EngineArgs refuses others).
+        if kv_cache_dtype not in ("auto", "float16"):
+            raise ValueError(f"the Ascend backend stores KV as float16, not {kv_cache_dtype}")
+        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype)
         from mindspore.ops.operations.nn_ops import (FlashAttentionScore, PagedAttention,
                                                      ReshapeAndCache)
         self.reshape_and_cache = ReshapeAndCache()

@@ -45,7 +45,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_cache_dtype: str = "auto"):
+        self.kv_cache_dtype = kv_cache_dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -1,7 +1,10 @@
 """CPU attention backend: the reference. Hand-written paged-attention kernels (kernels/) take
 one ragged batch of new prefills, continuing prefill chunks and decodes, with no padding: the
 work follows the real token and context counts. The KV cache lives in host memory owned by
-this backend, one ``[num_blocks, block_size, KVH, D]`` array per layer for keys and values.
+this backend, one ``[num_blocks, block_size, KVH, D]`` array per layer for keys and values,
+float32, or bfloat16 bits (uint16) with ``kv_cache_dtype="bfloat16"``: the kernels write K/V
+rounded to nearest even and widen them on read (fp32 arithmetic). The swap pool uses the same
+storage, so block moves and KV transfers copy bytes as they are.
 """
 from __future__ import annotations
 
@@ -14,9 +17,20 @@ from llm_serving.model_executor.attention.backend import AttentionBackend, Atten
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
+    def __init__(self, num_heads, num_kv_heads, head_dim, kv_cache_dtype="auto"):
+        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype)
+        dtype = "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
+        if dtype not in kernels.CACHE_DTYPES:
+            raise ValueError(f"the CPU attention kernels store KV as "
+                             f"{' or '.join(kernels.CACHE_DTYPES)}, not {kv_cache_dtype}")
+        self.storage = kernels.CACHE_DTYPES[dtype]
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int):
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        return np.zeros(shape, self.storage), np.zeros(shape, self.storage)
+
+    def allocate_host_cache(self, num_blocks: int, block_size: int):
+        return self.allocate_kv_cache(num_blocks, block_size)
 
     # The device cache is host memory here, so all three moves are array copies.
     def swap_out(self, kv_cache, host_cache, pairs):

@@ -8,6 +8,11 @@
 - ``kernel``: our streaming small-M kernel (``lls_linear_f32``): it reads W once at close to
   memory bandwidth, which wins at a few rows (decode at small batch).
 
+Layers with bfloat16 weights (``--dtype bfloat16``, ``Linear.use_bf16_weight``) always run our
+kernel's bf16 variant (``lls_linear_bf16``: weights widened to fp32 in registers, the same fp32
+FMA chain): neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU, so they are not probed
+and ``LLM_SERVING_GEMM`` does not apply to them.
+
 MindSpore's ``MatMul`` (the layers' native path, what Ascend runs) is no candidate on CPU: in
 whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 149 vs 88 ms,
 B=64 302 vs 232 ms, prefill 526 vs 578 tok/s; bench/bench_model.py with LLM_SERVING_GEMM, see
@@ -106,10 +111,12 @@ class LinearCall:
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = None,
-               split: bool = False, impl: str = "kernel"):
+               split: bool = False, impl: str = "kernel", bf16: bool = False):
     """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"``) or
-    OpenBLAS's sgemm run from our pool (``impl="openblas"``). Returns a new Tensor [M, N], or,
-    with ``split``, one contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
+    OpenBLAS's sgemm run from our pool (``impl="openblas"``); with ``bf16`` the weight holds
+    bfloat16 bits (uint16) and our kernel's bf16 variant runs (``impl`` must be "kernel").
+    Returns a new Tensor [M, N], or, with ``split``, one contiguous Tensor per part of ``call``
+    (q, k, v of a fused qkv)."""
     m, k = x.shape
     if call is None:
         call = LinearCall([weight.shape[0]])
@@ -126,7 +133,11 @@ def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = N
             bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts,
             call.c_split, out, ld)
     lib = cpu_layer_ops()
-    if impl == "kernel":
+    if bf16:
+        if impl != "kernel":
+            raise ValueError(f"bfloat16 weights run on our kernel only, not {impl}")
+        rc = lib.lls_linear_bf16(*args)
+    elif impl == "kernel":
         rc = lib.lls_linear_f32(*args)
     else:
         rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)

@@ -7,6 +7,14 @@ fills, so a new model adds a name mapping, not a new loader.
 On CPU each projection's GEMM runs through the implementation measured fastest on this CPU for
 its shape and row count (``gemm.py``: OpenBLAS's sgemm, our small-M kernel or MindSpore's
 MatMul); other devices use MindSpore's ``MatMul(transpose_b=True)``.
+
+bfloat16 weights (``--dtype bfloat16`` on CPU, ``use_bf16_weights``): each ``Linear`` keeps
+its weight as bf16 bits only (a uint16 Parameter, half the bytes; no float32 copy), rounded to
+nearest even from the checkpoint, and runs our kernel's bf16 variant (widened to fp32 in
+registers, fp32 FMAs in the fp32 kernel's order, so batch invariance holds). Activations stay
+fp32. The token embedding / LM head (``VocabEmbedding``) and the norms stay fp32: the
+embedding is a MindSpore gather, which has no bf16 on CPU, and keeping the LM head fp32 keeps
+the logits' own GEMM exact (docs/benchmarks.md, "bf16 weights and KV cache").
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor.layers.custom_op import CustomOp
 from llm_serving.model_executor.layers.gemm import LinearCall, cpu_linear, gemm_plan
+from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 from llm_serving.model_executor.parallel_state import get_tp_group
 
 def _param(shape) -> Parameter:
@@ -63,9 +72,31 @@ class Linear(CustomOp):
         # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
         self.reduce = parallel == "row" and tp_size > 1
         self.gemm_shape = (out, self.input_size)
+        self.bf16 = False               # weight held as bfloat16 bits (use_bf16_weight)
         if self._use_cpu:
             self._plan = gemm_plan()
             self._plan.register(self)
+
+    def use_bf16_weight(self) -> None:
+        """Hold the weight as bfloat16 bits from now on (before loading): a uint16 Parameter of
+        the same shape replaces the float32 one, and the GEMM plan forgets the layer (only our
+        kernel reads bf16)."""
+        if not self._use_cpu:
+            raise ValueError("bfloat16 weights in our buffers are a CPU-kernel feature")
+        if self.bf16:
+            return
+        self.weight = Parameter(Tensor(np.zeros(self.gemm_shape, np.uint16)),
+                                name=self.weight.name, requires_grad=False)
+        self.bf16 = True
+        self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
+
+    def set_weight(self, value: np.ndarray) -> None:
+        """Store a float32 [out, in] weight, rounded to bf16 (nearest even) if the layer holds
+        bf16."""
+        if self.bf16:
+            self.weight.set_data(Tensor(float32_to_bfloat16_bits(value)))
+        else:
+            self.weight.set_data(Tensor(np.asarray(value, np.float32)))
 
     def forward_native(self, x):
         y = self.matmul(x, self.weight)
@@ -81,7 +112,7 @@ class Linear(CustomOp):
         return y
 
     def forward_cpu(self, x):
-        impl = self._plan.choose(self, x.shape[0])
+        impl = "kernel" if self.bf16 else self._plan.choose(self, x.shape[0])
         if self.reduce:
             tp = get_tp_group()
             if self.bias is not None and tp.deferring:
@@ -95,12 +126,14 @@ class Linear(CustomOp):
         """x @ W.T (+ bias), split into parts if the layer splits, with implementation
         ``impl`` (one of ``gemm.FORCEABLE``); no all-reduce."""
         bias = self.bias if with_bias else None
-        if impl == "matmul":
+        if impl == "matmul" and not self.bf16:
             y = self.matmul(x, self.weight)
             if bias is not None:
                 y = y + bias
             return ops.split(y, self.output_sizes, -1) if self.split_output else y
-        return cpu_linear(x, self.weight, bias, self._call, self.split_output, impl)
+        if self.bf16:
+            impl = "kernel"
+        return cpu_linear(x, self.weight, bias, self._call, self.split_output, impl, self.bf16)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:
@@ -117,6 +150,15 @@ class Linear(CustomOp):
             raise ValueError(f"checkpoint tensor of shape {loaded.shape} does not fit "
                              f"a parameter slice of shape {dst.shape}")
         dst[...] = loaded
+
+
+def use_bf16_weights(model) -> int:
+    """Make every ``Linear`` of ``model`` hold bfloat16 weights (call before loading them);
+    returns how many. The embedding / LM head and the norms stay float32."""
+    layers = [c for _, c in model.cells_and_names() if isinstance(c, Linear)]
+    for layer in layers:
+        layer.use_bf16_weight()
+    return len(layers)
 
 
 class VocabEmbedding(CustomOp):

@@ -201,5 +201,10 @@ class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
         if missing:
             raise KeyError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                            + (" ..." if len(missing) > 8 else ""))
-        for target, buf in host.items():
-            params[target].set_data(Tensor(buf))
+        for target in list(host):
+            buf = host.pop(target)           # freed as it is stored
+            cell = cells.get(target.rsplit(".", 1)[0])
+            if isinstance(cell, Linear) and target.endswith(".weight"):
+                cell.set_weight(buf)         # float32, or bf16 bits if the layer holds bf16
+            else:
+                params[target].set_data(Tensor(buf))

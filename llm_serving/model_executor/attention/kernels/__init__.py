@@ -6,8 +6,10 @@ name carries a hash of the source, the compiler, the flags and the CPU, so an ed
 or another machine gets its own build. Builds go to a temporary name and are renamed into place,
 so processes building at the same time never see a half-written library.
 
-KV cache layout (per layer): ``k_cache``, ``v_cache`` float32 ``[num_blocks, block_size,
-num_kv_heads, head_dim]``, C-contiguous. A token's slot is ``block_id * block_size + offset``.
+KV cache layout (per layer): ``k_cache``, ``v_cache`` ``[num_blocks, block_size, num_kv_heads,
+head_dim]``, C-contiguous, float32 or bfloat16. NumPy has no bfloat16, so a bf16 cache is a
+``uint16`` array of bf16 bits (``CACHE_DTYPES``): rows are written rounded to nearest even and
+widened to float32 on read; all arithmetic stays float32. A token's slot is ``block_id * block_size + offset``.
 
 NumPy API (no copies; inputs are checked and errors raised as :class:`KernelArgumentError`):
 
@@ -77,7 +79,9 @@ SOURCE_PATH = Path(__file__).with_name("cpu_paged_attention.cpp")
 # Added to cpp_build.BASE_FLAGS. The kernels run their own small thread pool, not OpenMP:
 # libgomp's idle threads spin on the core MindSpore's next op needs.
 ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread")
-ABI_VERSION = 1
+ABI_VERSION = 2
+# Cache storage per KV cache dtype name (engine argument kv_cache_dtype).
+CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
 
 
 class KernelArgumentError(LLMServingError, ValueError):
@@ -113,13 +117,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lls_parallel_for.argtypes = [P, P, I, ctypes.c_int, I]
     lib.lls_set_parallel_threshold.restype = None
     lib.lls_set_parallel_threshold.argtypes = [I]
-    lib.lls_reshape_and_cache.restype = ctypes.c_int
-    lib.lls_reshape_and_cache.argtypes = [P, I, P, I, P, P, P, I, I, I, I]
-    lib.lls_paged_attention.restype = ctypes.c_int
-    lib.lls_paged_attention.argtypes = [P, I, P, P, P, I, P, P, I, I, I, I, I, I, I, F, P, I]
-    lib.lls_attention_fused.restype = ctypes.c_int
-    lib.lls_attention_fused.argtypes = [P, I, P, I, P, I, P, P, P, I, P, I, P, P,
-                                        I, I, I, I, I, I, I, F, P, I]
+    for sfx in ("", "_bf16"):
+        fn = getattr(lib, "lls_reshape_and_cache" + sfx)
+        fn.restype, fn.argtypes = ctypes.c_int, [P, I, P, I, P, P, P, I, I, I, I]
+        fn = getattr(lib, "lls_paged_attention" + sfx)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [P, I, P, P, P, I, P, P, I, I, I, I, I, I, I, F, P, I]
+        fn = getattr(lib, "lls_attention_fused" + sfx)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [P, I, P, I, P, I, P, P, P, I, P, I, P, P, I, I, I, I, I, I, I, F, P, I]
 
 
 def load_library(extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
@@ -176,18 +182,28 @@ def _check_cache(k_cache: np.ndarray, v_cache: np.ndarray) -> Tuple[int, int, in
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, np.ndarray):
             raise KernelArgumentError(f"{name} must be a numpy.ndarray, got {type(c).__name__}")
-        if c.dtype != _F32 or c.ndim != 4 or not c.flags.c_contiguous:
+        if c.dtype not in _CACHE_SUFFIX or c.ndim != 4 or not c.flags.c_contiguous:
             raise KernelArgumentError(
-                f"{name} must be a C-contiguous float32 array [num_blocks, block_size, "
-                f"num_kv_heads, head_dim]; got dtype={c.dtype}, shape={c.shape}, "
-                f"contiguous={c.flags.c_contiguous}"
+                f"{name} must be a C-contiguous float32 (or uint16 bfloat16 bits) array "
+                f"[num_blocks, block_size, num_kv_heads, head_dim]; got dtype={c.dtype}, "
+                f"shape={c.shape}, contiguous={c.flags.c_contiguous}"
             )
         if not c.flags.writeable:
             raise KernelArgumentError(f"{name} must be writeable")
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise KernelArgumentError(
-            f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
+            f"k_cache and v_cache differ: {k_cache.dtype}{k_cache.shape} vs "
+            f"{v_cache.dtype}{v_cache.shape}")
     return k_cache.shape  # type: ignore[return-value]
+
+
+# Entry point suffix per cache storage dtype.
+_CACHE_SUFFIX = {_F32: "", np.dtype(np.uint16): "_bf16"}
+
+
+def _fn(name: str, k_cache: np.ndarray):
+    """The kernel entry point ``name`` for the caches' storage dtype."""
+    return getattr(_lib(), name + _CACHE_SUFFIX[k_cache.dtype])
 
 
 def _rows(x: np.ndarray, name: str, heads: Optional[int], head_dim: int) -> Tuple[int, int, int]:
@@ -291,7 +307,7 @@ def reshape_and_cache(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
         raise KernelArgumentError(
             f"key, value and slot_mapping disagree on the number of tokens: {t}, {tv}, "
             f"{slot_mapping.shape[0]}")
-    rc = _lib().lls_reshape_and_cache(_ptr(key), ks, _ptr(value), vs, kc, vc,
+    rc = _fn("lls_reshape_and_cache", k_cache)(_ptr(key), ks, _ptr(value), vs, kc, vc,
                                       _ptr(slot_mapping), t, kvh, d, nb * bs)
     if rc:
         _raise(rc, "reshape_and_cache")
@@ -335,7 +351,7 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         raise KernelArgumentError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
     _, _, btp, mb, qslp, slp, s = _meta_info(None, block_tables, query_start_loc, seq_lens)
     out, os_ = _out_for(query, t, h, d, out)
-    rc = _lib().lls_paged_attention(_ptr(query), qs, kc, vc, btp, mb, qslp, slp, s, t, h, kvh, d,
+    rc = _fn("lls_paged_attention", k_cache)(_ptr(query), qs, kc, vc, btp, mb, qslp, slp, s, t, h, kvh, d,
                                     bs, nb, float(scale), _ptr(out), os_)
     if rc:
         _raise(rc, "paged_attention")
@@ -359,7 +375,7 @@ def attention_fused(query: np.ndarray, key: np.ndarray, value: np.ndarray, k_cac
         raise KernelArgumentError(
             f"key, value and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
     out, os_ = _out_for(query, t, h, d, out)
-    rc = _lib().lls_attention_fused(_ptr(query), qs, _ptr(key), ks, _ptr(value), vs, kc, vc, smp,
+    rc = _fn("lls_attention_fused", k_cache)(_ptr(query), qs, _ptr(key), ks, _ptr(value), vs, kc, vc, smp,
                                     tk, btp, mb, qslp, slp, s, t, h, kvh, d, bs, nb, float(scale),
                                     _ptr(out), os_)
     if rc:
@@ -417,7 +433,8 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
     """One layer of attention for the MindSpore model: writes k/v into the cache, attends.
 
     q: Tensor [T, H*D]; k, v: Tensor [T, KVH*D] (float32, rows may be strided views).
-    k_cache/v_cache: NumPy float32 [num_blocks, block_size, KVH, D] owned by the caller.
+    k_cache/v_cache: NumPy float32 (or uint16 bfloat16 bits) [num_blocks, block_size, KVH, D]
+    owned by the caller.
     slot_mapping int32 [T], block_tables int32 [S, max_blocks], query_start_loc int32 [S+1],
     seq_lens int32 [S] as NumPy arrays. Returns a new Tensor [T, H*D] that wraps the kernel's
     output buffer (zero-copy).
@@ -440,7 +457,7 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
         raise KernelArgumentError(
             f"k, v and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
     out = np.empty((t, h * d), dtype=np.float32)
-    rc = _lib().lls_attention_fused(qp, qs, kp, ks, vp, vs, kc, vc, smp, tk, btp, mb, qslp, slp, s,
+    rc = _fn("lls_attention_fused", k_cache)(qp, qs, kp, ks, vp, vs, kc, vc, smp, tk, btp, mb, qslp, slp, s,
                                     t, h, kvh, d, bs, nb, float(scale), out.ctypes.data, h * d)
     if rc:
         _raise(rc, "attention_forward")

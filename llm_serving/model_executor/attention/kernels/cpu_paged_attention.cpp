@@ -1,7 +1,9 @@
 // CPU kernels for attention over a paged KV cache with ragged (unpadded) batches.
 //
-// Cache layout, per layer: k_cache, v_cache float32 [num_blocks, block_size, num_kv_heads, head_dim],
-// contiguous. A token's slot is block_id * block_size + offset; its K row for kv head g starts at
+// Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
+// contiguous, float32 or bfloat16 (uint16 bits; the *_bf16 entry points): bf16 caches are
+// written rounded to nearest even and widened to float32 on read, so all arithmetic stays
+// float32 and only the stored K/V lose precision. A token's slot is block_id * block_size + offset; its K row for kv head g starts at
 // (slot * num_kv_heads + g) * head_dim.
 //
 // Entry points (all extern "C", loaded with ctypes or through MindSpore's ops.Custom "aot"):
@@ -10,6 +12,8 @@
 //   lls_attention_fused        both of the above in one call
 //   lls_aot_attention          the fused call with MindSpore's CPU aot signature
 //   lls_aot_paged_attention    attention only, aot signature
+//   lls_reshape_and_cache_bf16, lls_paged_attention_bf16, lls_attention_fused_bf16: the same
+//                              contracts with bfloat16 caches
 // Every function returns 0 on success and a negative code on bad input; lls_last_error() then
 // describes the problem. Nothing is written to the caches or the output when input validation
 // fails.
@@ -285,8 +289,8 @@ void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel, int64_t linger
 struct AttnArgs {
   const float* q;
   int64_t q_stride;  // floats between consecutive tokens of q
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;  // float or uint16_t (bf16 bits): the element type is a template argument
+  const void* v_cache;
   const int32_t* block_tables;
   int64_t max_blocks;
   const int32_t* qsl;
@@ -323,11 +327,29 @@ struct AlignedBuf {
   }
 };
 
+// Cache elements: float, or uint16_t holding bfloat16 bits.
+typedef uint16_t bf16_t;
+inline float tof(float x) { return x; }
+inline float tof(bf16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// float -> bfloat16, round to nearest even (NaN stays a quiet NaN).
+inline bf16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16_t)((u >> 16) | 0x40u);
+  return (bf16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <class C>
 struct Scratch {
   AlignedBuf qbuf, obuf, mbuf, lbuf;
   float *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
-  const float* kp[kTile];
-  const float* vp[kTile];
+  const C* kp[kTile];
+  const C* vp[kTile];
   void ensure(size_t mrows, size_t dp) {
     q = qbuf.get(mrows * dp);
     o = obuf.get(mrows * dp);
@@ -387,44 +409,55 @@ int validate_slots(const int32_t* slots, int64_t T, int64_t num_slots) {
 struct CacheWriteCtx {
   const float* key; int64_t key_stride;
   const float* value; int64_t value_stride;
-  float* k_cache; float* v_cache;
+  void* k_cache; void* v_cache;
   const int32_t* slots; int64_t T, row, chunk;
 };
 
+inline void store_row(float* dst, const float* src, int64_t n) {
+  std::memcpy(dst, src, (size_t)n * sizeof(float));
+}
+inline void store_row(bf16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+template <class C>
 void cache_write_task(void* p, int64_t c) {
   const CacheWriteCtx& w = *static_cast<const CacheWriteCtx*>(p);
-  const size_t bytes = (size_t)w.row * sizeof(float);
+  C* kc = static_cast<C*>(w.k_cache);
+  C* vc = static_cast<C*>(w.v_cache);
   const int64_t t1 = std::min(w.T, (c + 1) * w.chunk);
   for (int64_t t = c * w.chunk; t < t1; ++t) {
     const int64_t s = w.slots[t];
     if (s < 0) continue;
-    std::memcpy(w.k_cache + s * w.row, w.key + t * w.key_stride, bytes);
-    std::memcpy(w.v_cache + s * w.row, w.value + t * w.value_stride, bytes);
+    store_row(kc + s * w.row, w.key + t * w.key_stride, w.row);
+    store_row(vc + s * w.row, w.value + t * w.value_stride, w.row);
   }
 }
 
+template <class C>
 void do_reshape_and_cache(const float* key, int64_t key_stride, const float* value,
-                          int64_t value_stride, float* k_cache, float* v_cache,
+                          int64_t value_stride, C* k_cache, C* v_cache,
                           const int32_t* slots, int64_t T, int64_t row) {
   const int64_t chunk = std::max<int64_t>(1, (1 << 14) / row);  // ~64 KB of K per task
   CacheWriteCtx w{key, key_stride, value, value_stride, k_cache, v_cache, slots, T, row, chunk};
   const int64_t ntasks = (T + chunk - 1) / chunk;
-  parallel_for(cache_write_task, &w, ntasks, T * row >= (1 << 16));
+  parallel_for(cache_write_task<C>, &w, ntasks, T * row >= (1 << 16));
 }
 
 // ---------------------------------------------------------------------------------------------
 // Tile setup shared by both paths: pointers to the K/V rows (at kv head kv0) of context positions
 // t0 .. t0+n-1. Slots past n repeat the first pointer (their scores are masked out).
 
+template <class C>
 inline void tile_pointers(const AttnArgs& a, const int32_t* bt, int64_t t0, int n, int64_t kv0,
-                          const float** kp, const float** vp) {
+                          const C** kp, const C** vp) {
   const int64_t bs = a.block_size;
   int64_t bi = t0 / bs, off = t0 - bi * bs;
   const int64_t row = a.KVH * a.D;
   for (int j = 0; j < n; ++j) {
     const int64_t idx = ((int64_t)bt[bi] * bs + off) * row + kv0 * a.D;
-    kp[j] = a.k_cache + idx;
-    vp[j] = a.v_cache + idx;
+    kp[j] = static_cast<const C*>(a.k_cache) + idx;
+    vp[j] = static_cast<const C*>(a.v_cache) + idx;
     if (++off == bs) { off = 0; ++bi; }
   }
   for (int j = n; j < kTile; ++j) { kp[j] = kp[0]; vp[j] = vp[0]; }
@@ -432,16 +465,17 @@ inline void tile_pointers(const AttnArgs& a, const int32_t* bt, int64_t t0, int 
 
 // Software prefetch of the K/V rows (kv heads kv0 .. kv0+nkv-1) of a later tile. Rows are
 // scattered over blocks, which the hardware prefetchers do not follow across block boundaries.
+template <class C>
 inline void prefetch_tile(const AttnArgs& a, const int32_t* bt, int64_t t0, int n, int64_t kv0,
                           int64_t nkv) {
   const int64_t bs = a.block_size;
   int64_t bi = t0 / bs, off = t0 - bi * bs;
   const int64_t row = a.KVH * a.D;
-  const int64_t bytes = nkv * a.D * (int64_t)sizeof(float);
+  const int64_t bytes = nkv * a.D * (int64_t)sizeof(C);
   for (int j = 0; j < n; ++j) {
     const int64_t idx = ((int64_t)bt[bi] * bs + off) * row + kv0 * a.D;
-    const char* kr = reinterpret_cast<const char*>(a.k_cache + idx);
-    const char* vr = reinterpret_cast<const char*>(a.v_cache + idx);
+    const char* kr = reinterpret_cast<const char*>(static_cast<const C*>(a.k_cache) + idx);
+    const char* vr = reinterpret_cast<const char*>(static_cast<const C*>(a.v_cache) + idx);
     for (int64_t b = 0; b < bytes; b += 64) {
       __builtin_prefetch(kr + b, 0, 3);
       __builtin_prefetch(vr + b, 0, 3);
@@ -450,14 +484,15 @@ inline void prefetch_tile(const AttnArgs& a, const int32_t* bt, int64_t t0, int 
   }
 }
 
+template <class C>
 inline void prefetch_ahead(const AttnArgs& a, const int32_t* bt, int64_t t0, int64_t nctx,
                            int64_t kv0, int64_t nkv) {
   if (kPrefetchTiles <= 0) return;
   const int64_t tp = t0 + kPrefetchTiles * kTile;
   if (t0 == 0)  // warm up: also the tiles between the first one and tp
     for (int64_t t = kTile; t < tp && t < nctx; t += kTile)
-      prefetch_tile(a, bt, t, (int)std::min<int64_t>(kTile, nctx - t), kv0, nkv);
-  if (tp < nctx) prefetch_tile(a, bt, tp, (int)std::min<int64_t>(kTile, nctx - tp), kv0, nkv);
+      prefetch_tile<C>(a, bt, t, (int)std::min<int64_t>(kTile, nctx - t), kv0, nkv);
+  if (tp < nctx) prefetch_tile<C>(a, bt, tp, (int)std::min<int64_t>(kTile, nctx - tp), kv0, nkv);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -506,38 +541,58 @@ inline __m512 reduce16(__m512* acc) {
 
 constexpr int kSigma[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
+// 16 cache elements as floats (bf16: zero-extend to 32 bits, shift into the high half), with
+// the lanes outside `m` zero and never read.
+inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 ld16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 widen16(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline __m512 ld16(const bf16_t* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 ld16(__mmask16 m, const bf16_t* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return widen16(_mm256_maskz_loadu_epi16(m, p));
+#else
+  alignas(32) bf16_t t[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) t[i] = p[i];
+  return widen16(_mm256_load_si256(reinterpret_cast<const __m256i*>(t)));
+#endif
+}
+
 // Scores of one (pre-scaled, zero-padded) query row against 16 context rows (kp[j] + off).
-template <int NC>
-inline __m512 qk16(const float* LLS_RESTRICT q, const float* const* kp, int64_t off, int nc_rt,
+template <int NC, class C>
+inline __m512 qk16(const float* LLS_RESTRICT q, const C* const* kp, int64_t off, int nc_rt,
                    __mmask16 tail) {
   const int nc = NC > 0 ? NC : nc_rt;
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) {
-    const float* LLS_RESTRICT k = kp[kSigma[i]] + off;
+    const C* LLS_RESTRICT k = kp[kSigma[i]] + off;
     __m512 s = _mm512_setzero_ps();
     for (int c = 0; c < nc - 1; ++c)
-      s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), s);
-    s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * (nc - 1)),
-                        _mm512_maskz_loadu_ps(tail, k + 16 * (nc - 1)), s);
+      s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * c), ld16(k + 16 * c), s);
+    s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * (nc - 1)), ld16(tail, k + 16 * (nc - 1)), s);
     acc[i] = s;
   }
   return reduce16(acc);
 }
 
 // o = o * corr + sum_{j < n} p[j] * (vp[j] + off)
-template <int NC>
+template <int NC, class C>
 inline void pv16(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
-                 const float* const* vp, int64_t off, int n, int nc_rt, __mmask16 tail) {
+                 const C* const* vp, int64_t off, int n, int nc_rt, __mmask16 tail) {
   const __m512 vc = _mm512_set1_ps(corr);
   if (NC > 0) {
     __m512 acc[NC > 0 ? NC : 1];
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
     for (int j = 0; j < n; ++j) {
       const __m512 pj = _mm512_set1_ps(p[j]);
-      const float* LLS_RESTRICT v = vp[j] + off;
+      const C* LLS_RESTRICT v = vp[j] + off;
       for (int c = 0; c < NC - 1; ++c)
-        acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * c), acc[c]);
-      acc[NC - 1] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(tail, v + 16 * (NC - 1)), acc[NC - 1]);
+        acc[c] = _mm512_fmadd_ps(pj, ld16(v + 16 * c), acc[c]);
+      acc[NC - 1] = _mm512_fmadd_ps(pj, ld16(tail, v + 16 * (NC - 1)), acc[NC - 1]);
     }
     for (int c = 0; c < NC; ++c) _mm512_store_ps(o + 16 * c, acc[c]);
   } else {
@@ -545,15 +600,15 @@ inline void pv16(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
       const __mmask16 m = c == nc_rt - 1 ? tail : (__mmask16)0xFFFF;
       __m512 x = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
       for (int j = 0; j < n; ++j)
-        x = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, vp[j] + off + 16 * c), x);
+        x = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), ld16(m, vp[j] + off + 16 * c), x);
       _mm512_store_ps(o + 16 * c, x);
     }
   }
 }
 
 // Scratch row m = (hh * nrows + r) * G + gh holds query row r, query head gh of kv head kv0+hh.
-template <int NC>
-void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
+template <int NC, class C>
+void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
   const int nc = (int)((D + 15) / 16);
   const int64_t DP = (int64_t)nc * 16;
@@ -564,8 +619,8 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
   float* LLS_RESTRICT ob = sc.o;
   float* LLS_RESTRICT mrow = sc.m;
   float* LLS_RESTRICT lrow = sc.l;
-  const float** kp = sc.kp;
-  const float** vp = sc.vp;
+  const C** kp = sc.kp;
+  const C** vp = sc.vp;
 
   const int64_t qrow0 = a.qsl[it.seq] + it.row0;  // absolute query row of the block's first row
   const int64_t qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
@@ -591,8 +646,8 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = (int)std::min<int64_t>(kTile, nctx - t0);
-    tile_pointers(a, bt, t0, n, it.kv0, kp, vp);
-    prefetch_ahead(a, bt, t0, nctx, it.kv0, nkv);
+    tile_pointers<C>(a, bt, t0, n, it.kv0, kp, vp);
+    prefetch_ahead<C>(a, bt, t0, nctx, it.kv0, nkv);
     // rows whose position is below t0 see nothing of this tile
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
     for (int64_t hh = 0; hh < nkv; ++hh) {
@@ -602,7 +657,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
         const __mmask16 valid = (__mmask16)((nvalid >= 16) ? 0xFFFFu : ((1u << nvalid) - 1));
         for (int64_t gh = 0; gh < G; ++gh) {
           const int64_t m = (hh * nrows + r) * G + gh;
-          __m512 s = qk16<NC>(qb + m * DP, kp, off, nc, tail);
+          __m512 s = qk16<NC, C>(qb + m * DP, kp, off, nc, tail);
           s = _mm512_mask_mov_ps(ninf, valid, s);
           const float tmax = _mm512_reduce_max_ps(s);
           const float mold = mrow[m];
@@ -618,7 +673,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
           _mm512_store_ps(p, e);
           lrow[m] = lrow[m] * corr + _mm512_reduce_add_ps(e);
           mrow[m] = mnew;
-          pv16<NC>(ob + m * DP, corr, p, vp, off, nvalid, nc, tail);
+          pv16<NC, C>(ob + m * DP, corr, p, vp, off, nvalid, nc, tail);
         }
       }
     }
@@ -639,8 +694,8 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
 
 #else  // portable path
 
-template <int NC>
-void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
+template <int NC, class C>
+void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
   const int64_t M = nrows * G * nkv;
   sc.ensure(M, D);
@@ -648,8 +703,8 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
   float* LLS_RESTRICT ob = sc.o;
   float* LLS_RESTRICT mrow = sc.m;
   float* LLS_RESTRICT lrow = sc.l;
-  const float** kp = sc.kp;
-  const float** vp = sc.vp;
+  const C** kp = sc.kp;
+  const C** vp = sc.vp;
   const int64_t qrow0 = a.qsl[it.seq] + it.row0;
   const int64_t qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
   const int64_t pos0 = a.seq_lens[it.seq] - qlen + it.row0;
@@ -667,8 +722,8 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
   float s[kTile];
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = (int)std::min<int64_t>(kTile, nctx - t0);
-    tile_pointers(a, bt, t0, n, it.kv0, kp, vp);
-    prefetch_ahead(a, bt, t0, nctx, it.kv0, nkv);
+    tile_pointers<C>(a, bt, t0, n, it.kv0, kp, vp);
+    prefetch_ahead<C>(a, bt, t0, nctx, it.kv0, nkv);
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
     for (int64_t hh = 0; hh < nkv; ++hh) {
       const int64_t off = hh * D;
@@ -679,9 +734,9 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
           const float* LLS_RESTRICT q = qb + m * D;
           float tmax = -std::numeric_limits<float>::infinity();
           for (int j = 0; j < nvalid; ++j) {
-            const float* LLS_RESTRICT k = kp[j] + off;
+            const C* LLS_RESTRICT k = kp[j] + off;
             float acc = 0.f;
-            for (int64_t d = 0; d < D; ++d) acc += q[d] * k[d];
+            for (int64_t d = 0; d < D; ++d) acc += q[d] * tof(k[d]);
             s[j] = acc;
             tmax = std::max(tmax, acc);
           }
@@ -697,8 +752,8 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
           for (int64_t d = 0; d < D; ++d) o[d] *= corr;
           for (int j = 0; j < nvalid; ++j) {
             const float pj = s[j];
-            const float* LLS_RESTRICT v = vp[j] + off;
-            for (int64_t d = 0; d < D; ++d) o[d] += pj * v[d];
+            const C* LLS_RESTRICT v = vp[j] + off;
+            for (int64_t d = 0; d < D; ++d) o[d] += pj * tof(v[d]);
           }
         }
       }
@@ -716,34 +771,39 @@ void process_item(const AttnArgs& a, const Item& it, Scratch& sc) {
 
 #endif
 
-typedef void (*ItemFn)(const AttnArgs&, const Item&, Scratch&);
+template <class C>
+using ItemFn = void (*)(const AttnArgs&, const Item&, Scratch<C>&);
 
-ItemFn pick_item_fn(int64_t D) {
+template <class C>
+ItemFn<C> pick_item_fn(int64_t D) {
   switch ((D + 15) / 16) {
-    case 1: return process_item<1>;
-    case 2: return process_item<2>;
-    case 3: return process_item<3>;
-    case 4: return process_item<4>;
-    case 5: return process_item<5>;
-    case 6: return process_item<6>;
-    case 7: return process_item<7>;
-    case 8: return process_item<8>;
-    default: return process_item<0>;
+    case 1: return process_item<1, C>;
+    case 2: return process_item<2, C>;
+    case 3: return process_item<3, C>;
+    case 4: return process_item<4, C>;
+    case 5: return process_item<5, C>;
+    case 6: return process_item<6, C>;
+    case 7: return process_item<7, C>;
+    case 8: return process_item<8, C>;
+    default: return process_item<0, C>;
   }
 }
 
+template <class C>
 struct AttnTaskCtx {
   const AttnArgs* a;
   const Item* items;
-  ItemFn fn;
+  ItemFn<C> fn;
 };
 
+template <class C>
 void attn_task(void* p, int64_t i) {
-  static thread_local Scratch sc;
-  const AttnTaskCtx& c = *static_cast<const AttnTaskCtx*>(p);
+  static thread_local Scratch<C> sc;
+  const AttnTaskCtx<C>& c = *static_cast<const AttnTaskCtx<C>*>(p);
   c.fn(*c.a, c.items[i], sc);
 }
 
+template <class C>
 void run_attention(const AttnArgs& a) {
   const int64_t G = a.H / a.KVH;
   const int64_t rows_per_item = std::max<int64_t>(1, kTargetRowsHeads / G);
@@ -792,10 +852,10 @@ void run_attention(const AttnArgs& a) {
       }
     }
   }
-  AttnTaskCtx ctx{&a, items.data(), pick_item_fn(a.D)};
+  AttnTaskCtx<C> ctx{&a, items.data(), pick_item_fn<C>(a.D)};
   const int64_t nitems = (int64_t)items.size();
   const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= g_parallel_min_work;
-  parallel_for(attn_task, &ctx, nitems, par);
+  parallel_for(attn_task<C>, &ctx, nitems, par);
 }
 
 }  // namespace
@@ -803,7 +863,7 @@ void run_attention(const AttnArgs& a) {
 // =============================================================================================
 extern "C" {
 
-int lls_abi_version() { return 1; }
+int lls_abi_version() { return 2; }
 
 int lls_has_avx512() { return LLS_AVX512; }
 
@@ -825,44 +885,91 @@ void lls_parallel_for(TaskFn fn, void* ctx, int64_t n, int parallel, int64_t lin
 // Attention runs serially below this much work (sum over items of rows*heads*context*ceil(D/16)).
 void lls_set_parallel_threshold(int64_t work) { g_parallel_min_work = work; }
 
-int lls_reshape_and_cache(const float* key, int64_t key_stride, const float* value,
-                          int64_t value_stride, float* k_cache, float* v_cache,
-                          const int32_t* slot_mapping, int64_t T, int64_t KVH, int64_t D,
-                          int64_t num_slots) {
+}  // extern "C"
+
+namespace {
+
+template <class C>
+int reshape_and_cache_impl(const float* key, int64_t key_stride, const float* value,
+                           int64_t value_stride, C* k_cache, C* v_cache,
+                           const int32_t* slot_mapping, int64_t T, int64_t KVH, int64_t D,
+                           int64_t num_slots) {
   if (T < 0 || KVH <= 0 || D <= 0) return set_error(-1, "bad shapes for reshape_and_cache");
   if (int rc = validate_slots(slot_mapping, T, num_slots)) return rc;
-  do_reshape_and_cache(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping, T,
-                       KVH * D);
+  do_reshape_and_cache<C>(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping,
+                          T, KVH * D);
   return 0;
 }
 
-int lls_paged_attention(const float* q, int64_t q_stride, const float* k_cache,
-                        const float* v_cache, const int32_t* block_tables, int64_t max_blocks,
-                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t S,
-                        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                        int64_t num_blocks, float scale, float* out, int64_t out_stride) {
+template <class C>
+int paged_attention_impl(const float* q, int64_t q_stride, const C* k_cache, const C* v_cache,
+                         const int32_t* block_tables, int64_t max_blocks,
+                         const int32_t* query_start_loc, const int32_t* seq_lens, int64_t S,
+                         int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                         int64_t num_blocks, float scale, float* out, int64_t out_stride) {
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
              S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride};
   if (int rc = validate_attention(a)) return rc;
-  run_attention(a);
+  run_attention<C>(a);
   return 0;
 }
 
-int lls_attention_fused(const float* q, int64_t q_stride, const float* key, int64_t key_stride,
-                        const float* value, int64_t value_stride, float* k_cache, float* v_cache,
-                        const int32_t* slot_mapping, int64_t T_kv, const int32_t* block_tables,
-                        int64_t max_blocks, const int32_t* query_start_loc, const int32_t* seq_lens,
-                        int64_t S, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                        int64_t num_blocks, float scale, float* out, int64_t out_stride) {
+template <class C>
+int attention_fused_impl(const float* q, int64_t q_stride, const float* key, int64_t key_stride,
+                         const float* value, int64_t value_stride, C* k_cache, C* v_cache,
+                         const int32_t* slot_mapping, int64_t T_kv, const int32_t* block_tables,
+                         int64_t max_blocks, const int32_t* query_start_loc,
+                         const int32_t* seq_lens, int64_t S, int64_t T, int64_t H, int64_t KVH,
+                         int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                         float* out, int64_t out_stride) {
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
              S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride};
   if (int rc = validate_attention(a)) return rc;
   if (int rc = validate_slots(slot_mapping, T_kv, num_blocks * block_size)) return rc;
-  do_reshape_and_cache(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping, T_kv,
-                       KVH * D);
-  run_attention(a);
+  do_reshape_and_cache<C>(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping,
+                          T_kv, KVH * D);
+  run_attention<C>(a);
   return 0;
 }
+
+}  // namespace
+
+extern "C" {
+
+#define LLS_CACHE_ENTRY_POINTS(SUFFIX, C)                                                      \
+  int lls_reshape_and_cache##SUFFIX(const float* key, int64_t key_stride, const float* value, \
+                                    int64_t value_stride, C* k_cache, C* v_cache,             \
+                                    const int32_t* slot_mapping, int64_t T, int64_t KVH,      \
+                                    int64_t D, int64_t num_slots) {                           \
+    return reshape_and_cache_impl<C>(key, key_stride, value, value_stride, k_cache, v_cache,  \
+                                     slot_mapping, T, KVH, D, num_slots);                     \
+  }                                                                                           \
+  int lls_paged_attention##SUFFIX(const float* q, int64_t q_stride, const C* k_cache,         \
+                                  const C* v_cache, const int32_t* block_tables,              \
+                                  int64_t max_blocks, const int32_t* query_start_loc,         \
+                                  const int32_t* seq_lens, int64_t S, int64_t T, int64_t H,   \
+                                  int64_t KVH, int64_t D, int64_t block_size,                 \
+                                  int64_t num_blocks, float scale, float* out,                \
+                                  int64_t out_stride) {                                       \
+    return paged_attention_impl<C>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,   \
+                                   query_start_loc, seq_lens, S, T, H, KVH, D, block_size,    \
+                                   num_blocks, scale, out, out_stride);                       \
+  }                                                                                           \
+  int lls_attention_fused##SUFFIX(                                                            \
+      const float* q, int64_t q_stride, const float* key, int64_t key_stride,                 \
+      const float* value, int64_t value_stride, C* k_cache, C* v_cache,                       \
+      const int32_t* slot_mapping, int64_t T_kv, const int32_t* block_tables,                 \
+      int64_t max_blocks, const int32_t* query_start_loc, const int32_t* seq_lens, int64_t S, \
+      int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,   \
+      float scale, float* out, int64_t out_stride) {                                          \
+    return attention_fused_impl<C>(q, q_stride, key, key_stride, value, value_stride,         \
+                                   k_cache, v_cache, slot_mapping, T_kv, block_tables,        \
+                                   max_blocks, query_start_loc, seq_lens, S, T, H, KVH, D,    \
+                                   block_size, num_blocks, scale, out, out_stride);           \
+  }
+
+LLS_CACHE_ENTRY_POINTS(, float)
+LLS_CACHE_ENTRY_POINTS(_bf16, bf16_t)
 
 // ---------------------------------------------------------------------------------------------
 // MindSpore CPU aot entry points:

@@ -1,0 +1,325 @@
+"""Lower precision on CPU: ``--dtype bfloat16`` (linear weights stored bf16, fp32 arithmetic)
+and ``--kv-cache-dtype bfloat16`` (KV stored bf16).
+
+References are independent of our code: torch rounds fp32 to bf16 (round to nearest even),
+NumPy computes the GEMM in float64, HF transformers runs the model with the same values
+rounded (its linear weights, and for a bf16 KV cache its keys and values through a registered
+attention function). Since only storage is rounded and the arithmetic stays fp32, our results
+must match those references as closely as fp32 matches fp32: the parity suite's 5e-3 on logits
+and identical greedy tokens."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from conftest import MODEL_VARIANTS
+from llm_serving import LLM, SamplingParams
+from llm_serving.config import EngineArgs
+from llm_serving.errors import ConfigError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 by torch, as float32."""
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16)
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+# ---- the conversion and the kernel --------------------------------------------------------
+
+def test_rounding_matches_torch_and_keeps_checkpoint_bf16_bits():
+    from llm_serving.model_executor.loader import (bfloat16_bits_to_float32,
+                                                   float32_to_bfloat16_bits)
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(
+        -30, 30, 10000), np.array([0.0, -0.0, 1.00390625, 1.01171875, 3.39e38, np.inf, -np.inf,
+                                   1e-41], np.float32)]).astype(np.float32)
+    np.testing.assert_array_equal(float32_to_bfloat16_bits(x), bf16_bits(x))
+    bits = rng.integers(0, 0x7F80, 5000).astype(np.uint16)          # finite bf16 values
+    np.testing.assert_array_equal(float32_to_bfloat16_bits(bfloat16_bits_to_float32(bits)), bits)
+    assert np.isnan(bfloat16_bits_to_float32(float32_to_bfloat16_bits(
+        np.array([np.nan], np.float32)))).all()
+
+
+# Vector widths our kernel builds for (a CPU without AVX-512 builds the 8-wide variant).
+VARIANTS = {16: (), 8: ("-mno-avx512f",), 4: ("-mno-avx",)}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS), ids=lambda w: f"vw{w}")
+def lib(request):
+    from llm_serving.model_executor.layers.custom_op import load_layer_ops
+    native = load_layer_ops().lls_layer_ops_vector_width()
+    if request.param > native:
+        pytest.skip(f"this CPU builds {native}-wide vectors natively")  # pragma: no cover
+    return load_layer_ops(VARIANTS[request.param])
+
+
+def run(lib, fn, x, w, bias=None):
+    m, k = x.shape
+    n = w.shape[0]
+    out = np.full((m, n), np.nan, np.float32)
+    rc = getattr(lib, fn)(x.ctypes.data, k, w.ctypes.data,
+                          None if bias is None else bias.ctypes.data, m, n, k, 1,
+                          (ctypes.c_int64 * 2)(0, n), (ctypes.c_void_p * 1)(out.ctypes.data),
+                          (ctypes.c_int64 * 1)(n))
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9, 33])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 17), (67, 64), (130, 768), (300, 2048)])
+def test_bf16_kernel_matches_float64_on_rounded_weights(lib, m, n, k):
+    """y = x @ bf16(W).T + b in fp32: within the fp32 kernel's own tolerance of float64 on the
+    rounded weights (rtol 1e-4, atol 1e-4 * sqrt(k): fp32 accumulation over k terms), and bit
+    for bit the fp32 kernel's result on those rounded weights (the widening is exact and the
+    FMA chain the same)."""
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    y = run(lib, "lls_linear_bf16", x, bf16_bits(w), b)
+    ref = x.astype(np.float64) @ bf16(w).astype(np.float64).T + b
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_array_equal(y, run(lib, "lls_linear_f32", x, bf16(w), b))
+    # and the rounding is really there: the unrounded weights give another result
+    if k >= 64:
+        assert np.abs(x.astype(np.float64) @ w.T.astype(np.float64) + b - ref).max() > 1e-3
+
+
+def _bf16_layer(n, k, parts=None, seed=7):
+    from llm_serving.model_executor.device import init_device
+    from llm_serving.model_executor.layers import linear as L
+    init_device("cpu")
+    rng = np.random.default_rng(seed)
+    parts = parts or [n]
+    layer = L.Linear(k, parts, bias=True, split_output=len(parts) > 1)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    layer.use_bf16_weight()
+    layer.set_weight(w)
+    layer.bias.set_data(__import__("mindspore").Tensor(rng.standard_normal(n).astype(np.float32)))
+    return layer, w
+
+
+@pytest.mark.parametrize("n,k", [(384, 768), (77, 100), (768, 2048)])
+def test_bf16_layer_row_alone_equals_row_in_any_batch(n, k):
+    """Batch invariance with bf16 weights: a row's output has the same bits alone and inside
+    batches of any size (decode- and prefill-sized tilings) at any position."""
+    from mindspore import Tensor
+    layer, w = _bf16_layer(n, k, [n - 2 * (n // 4), n // 4, n // 4])
+    assert layer.weight.dtype == __import__("mindspore").uint16
+    assert layer.weight.asnumpy().nbytes == n * k * 2          # half of fp32, no fp32 copy
+    rng = np.random.default_rng(1)
+    row = rng.standard_normal(k).astype(np.float32)
+
+    def out(x):
+        return np.concatenate([t.asnumpy() for t in layer(Tensor(x))], 1)
+    alone = out(row[None])[0]
+    ref = row.astype(np.float64) @ bf16(w).astype(np.float64).T + layer.bias.asnumpy()
+    np.testing.assert_allclose(alone, ref, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    for m in (2, 3, 5, 8, 13, 64, 257):
+        for pos in {0, m // 2, m - 1}:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[pos] = row
+            np.testing.assert_array_equal(out(x)[pos], alone, err_msg=f"{m} rows, at {pos}")
+
+
+def test_bf16_layers_ignore_a_forced_fp32_implementation(monkeypatch):
+    """LLM_SERVING_GEMM forces an fp32 implementation for fp32 layers only: bf16 layers have
+    just our kernel (OpenBLAS and MatMul cannot read bf16)."""
+    from mindspore import Tensor
+    from llm_serving.model_executor.layers import gemm
+    layer, w = _bf16_layer(64, 96)
+    monkeypatch.setattr(gemm, "_plan", None)
+    for impl in gemm.FORCEABLE:
+        monkeypatch.setenv("LLM_SERVING_GEMM", impl)
+        x = np.random.default_rng(2).standard_normal((5, 96)).astype(np.float32)
+        ref = x.astype(np.float64) @ bf16(w).astype(np.float64).T + layer.bias.asnumpy()
+        np.testing.assert_allclose(layer.gemm(impl, Tensor(x)).asnumpy(), ref, rtol=1e-4,
+                                   atol=1e-3)
+
+
+# ---- the engine against HF transformers ------------------------------------------------------
+
+PROMPT_LENS = [1, 17, 64, 129]
+NEW_TOKENS = 16
+
+
+def _round_kv_attention(module, query, key, value, attention_mask, **kw):
+    """HF's sdpa attention over keys and values rounded to bf16: what a bf16 KV cache holds."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    key = key.to(torch.bfloat16).to(torch.float32)
+    value = value.to(torch.bfloat16).to(torch.float32)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(model_dirs):
+    """Per variant and KV dtype: HF with bf16-rounded linear weights (embedding, LM head and
+    norms fp32, as ours), its logits over each prompt and its greedy tokens."""
+    transformers.AttentionInterface.register("bf16_kv", _round_kv_attention)
+    out = {}
+    for name, path in model_dirs.items():
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(3, MODEL_VARIANTS[name]["vocab_size"], n).tolist()
+                   for n in PROMPT_LENS]
+        for kv in ("float32", "bfloat16"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32,
+                attn_implementation="bf16_kv" if kv == "bfloat16" else "sdpa").eval()
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith(".weight") and pname.split(".")[-2] in LINEAR_NAMES:
+                        p.copy_(p.to(torch.bfloat16).to(torch.float32))
+                logits, greedy = [], []
+                for p in prompts:
+                    ids = torch.tensor([p])
+                    logits.append(model(ids).logits[0].numpy())
+                    g = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                       do_sample=False, attention_mask=torch.ones_like(ids),
+                                       pad_token_id=0)
+                    greedy.append(g[0, len(p):].tolist())
+            out[name, kv] = (prompts, logits, greedy)
+    return out
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(MODEL_VARIANTS))
+def test_engine_matches_hf_with_the_same_rounding(model_dirs, hf_bf16, name, kv):
+    """--dtype bfloat16 (with an fp32 or bf16 KV cache): prefill logits within 5e-3 of HF
+    running the same rounded values, and the same greedy tokens, for a ragged batch."""
+    from llm_serving.engine.input_builder import build_step_input
+    prompts, ref_logits, ref_tokens = hf_bf16[name, kv]
+    llm = LLM(model_dirs[name], dtype="bfloat16", kv_cache_dtype=kv, num_blocks=128)
+    eng = llm.engine
+    rids = [eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=1))
+            for p in prompts]
+    batch = eng.scheduler.schedule()
+    step = build_step_input(batch, eng.config.cache.block_size, set()).step
+    logits = eng.runner.forward(step, np.arange(len(step.input_ids)))
+    for rid in rids:
+        eng.abort_request(rid)
+    for ours, ref in zip(np.split(logits, np.cumsum(PROMPT_LENS)[:-1]), ref_logits):
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+    eng.shutdown()
+
+
+def test_bf16_kv_cache_without_bf16_weights_matches_hf(model_dirs):
+    """--kv-cache-dtype bfloat16 alone: HF with fp32 weights and rounded K/V."""
+    transformers.AttentionInterface.register("bf16_kv", _round_kv_attention)
+    name = "llama3-gqa"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dirs[name], dtype=torch.float32, attn_implementation="bf16_kv").eval()
+    prompt = np.random.default_rng(9).integers(3, 1024, 40).tolist()
+    with torch.no_grad():
+        g = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                           min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    llm = LLM(model_dirs[name], kv_cache_dtype="bfloat16", num_blocks=64)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                      min_tokens=NEW_TOKENS))[0]
+    assert out.outputs[0].token_ids == g[0, len(prompt):].tolist()
+    llm.engine.shutdown()
+
+
+def test_bf16_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir):
+    """With a bf16 KV cache, sequences swapped out to the (bf16) host pool and back, and
+    prompts served from cached prefix blocks, give the tokens of an unpressured run."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 1024, 48).tolist()
+    prompts = [{"prompt_token_ids": prefix + rng.integers(3, 1024, 8).tolist()}
+               for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(tiny_model_dir, kv_cache_dtype="bfloat16", num_blocks=256)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy)]
+    roomy.engine.shutdown()
+    tight = LLM(tiny_model_dir, kv_cache_dtype="bfloat16", num_blocks=24,
+                preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True)
+    assert tight.engine.runner.host_caches[0][0].dtype == np.uint16
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
+    stats = tight.engine.get_stats()
+    again = tight.generate(prompts[0], greedy)[0]
+    tight.engine.shutdown()
+    assert got == want
+    assert again.outputs[0].token_ids == want[0] and again.num_cached_tokens >= 48
+    assert stats.num_swap_preemptions > 0          # the pool was really used
+
+
+def test_tensor_parallel_with_bf16_weights_and_kv(tiny_model_dir):
+    """Two WorkAgents, each rounding its own shard of the weights and holding its KV heads in
+    bf16, give the greedy tokens of one process with the same precisions."""
+    prompts = ["Give three tips for staying healthy.", "What is the capital of France?"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(tiny_model_dir, tensor_parallel_size=tp, dtype="bfloat16",
+                  kv_cache_dtype="bfloat16", num_blocks=64)
+        got[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        llm.engine.shutdown()
+    assert got[2] == got[1]
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+def test_bf16_kv_doubles_the_blocks_of_the_same_space(tiny_model_dir):
+    f32 = EngineArgs(tiny_model_dir, kv_cache_space=0.01).create_engine_config()
+    b16 = EngineArgs(tiny_model_dir, kv_cache_space=0.01,
+                     kv_cache_dtype="bfloat16").create_engine_config()
+    assert b16.cache.num_blocks // 2 == f32.cache.num_blocks     # the same bytes (floored)
+    assert (f32.model.kv_cache_dtype, b16.model.kv_cache_dtype) == ("auto", "bfloat16")
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    (dict(dtype="float16"), "dtype"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="bfloat16", device="ascend"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="float32", device="ascend"), "kv_cache_dtype"),
+])
+def test_unsupported_precisions_name_the_key(tiny_model_dir, kwargs, key):
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(tiny_model_dir, **kwargs).create_engine_config()
+    assert e.value.key == key
+
+
+def test_bf16_weights_need_our_kernels(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("LLM_SERVING_NATIVE_OPS", "1")
+    with pytest.raises(ConfigError, match="dtype"):
+        EngineArgs(tiny_model_dir, dtype="bfloat16").create_engine_config()
+
+
+# ---- the real server -------------------------------------------------------------------------
+
+def test_server_with_bf16_weights_and_kv(tmp_path, tiny_model_dir):
+    """start.py --dtype bfloat16 --kv-cache-dtype bfloat16, driven by the openai client: the
+    completion is the offline engine's greedy output with the same precisions."""
+    import openai
+    from test_http_server import start_server, stop_server
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--dtype", "bfloat16",
+                                "--kv-cache-dtype", "bfloat16")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        r = client.completions.create(model="tiny", prompt="Give three tips for staying healthy.",
+                                      max_tokens=12, temperature=0.0)
+        text = r.choices[0].text
+    finally:
+        assert stop_server(proc) == 0
+    llm = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_dtype="bfloat16", num_blocks=64)
+    want = llm.generate("Give three tips for staying healthy.",
+                        SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    llm.engine.shutdown()
+    assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
+    assert text == want
