@@ -112,6 +112,8 @@ class Batch:
 
 
 def kernel_table(args):
+    from llm_serving.cpu_info import cpu_description
+    print(f"# CPU: {cpu_description()}")
     print(f"\n## Kernel (H={H}, KVH={KVH}, D={D}, block_size={args.block_size}, "
           f"threads={K._lib().lls_get_num_threads()}, avx512={K.has_avx512()})")
     print("cold: rotating over `layers` layers of cache; hot: one layer (L2/L3 resident); "

@@ -57,8 +57,9 @@ def main() -> None:
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
 
+    from llm_serving.cpu_info import cpu_description
     print(f"# llm_serving engine benchmark, {datetime.date.today()}, {platform.node()}, "
-          f"{__import__('os').cpu_count()} cores, {platform.machine()}")
+          f"{cpu_description()}")
     print(f"model: {model}")
     rows = []
     base_tps = None

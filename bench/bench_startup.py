@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import signal
 import socket
@@ -49,7 +48,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     runs = [one_run() for _ in range(args.runs)]
-    print(f"# start-up, {datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores\n")
+    from llm_serving.cpu_info import cpu_description
+    print(f"# start-up, {datetime.date.today()}, {platform.node()}, {cpu_description()}\n")
     print("| run | to ready line | to first response |\n|---|---|---|")
     for i, (ready, first) in enumerate(runs, 1):
         print(f"| {i} | {ready:.1f} s | {first:.1f} s |")

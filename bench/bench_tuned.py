@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 from llm_serving.tune.trial_server import TrialServer, Workload, run_client  # noqa: E402
 from llm_serving.cpu_info import cpu_description  # noqa: E402
 
-DEFAULT_CONFIG = ROOT / "configs" / "llama" / "tiny_llama.yaml"
 W1 = ROOT / "clients" / "data" / "alpaca_5010.json"
 
 
@@ -65,7 +64,7 @@ def main() -> None:
     cases = {
         "batch1": (args.untuned, ["--model", args.model, *extra, "--max-num-seqs", "1"]),
         "untuned": (args.untuned, ["--model", args.model, *extra]),
-        "defaults": (str(DEFAULT_CONFIG), ["--model", args.model]),
+        "defaults": (None, ["--model", args.model]),
         "tuned": (args.tuned, []),
     }
     wanted = args.cases.split(",")
@@ -75,7 +74,7 @@ def main() -> None:
         tmp = Path(tmp)
         for name in wanted:
             config, flags = cases[name]
-            srv = TrialServer(Path(config), tmp / f"{name}.log", 600, tuple(flags))
+            srv = TrialServer(config and Path(config), tmp / f"{name}.log", 600, tuple(flags))
             try:
                 row = res.setdefault(name, {})
                 if name != "batch1":          # W1 at batch 1 alone would take ~5 minutes

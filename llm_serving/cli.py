@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Optional
 
 from llm_serving.cli_args import (DEFAULT_CONFIG, add_engine_arguments,  # noqa: F401
-                                  cli_engine_overrides, find_config, resolve_model)
-from llm_serving.errors import LLMServingError, ModelLoadError
+                                  cli_engine_overrides, resolve_model, serve_config)
+from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
 from llm_serving.serving_config import load_config
 
 def server_settings(args) -> tuple:
     """(EngineArgs, served model name, host, port) from the config file and the flags."""
     from llm_serving.config import EngineArgs
-    cfg = load_config(find_config(args.config), cli_engine_overrides(args))
+    cfg = load_config(serve_config(args), cli_engine_overrides(args))
     warning = cfg.ignored_warning()
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
@@ -46,15 +46,21 @@ def serve(args) -> None:
         from llm_serving.executor.launch_plan import print_plan; return print_plan(resolved)  # noqa: E702
     # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if args.log_stats_interval <= 0:
+        raise ConfigError("--log-stats-interval", f"expected seconds > 0, got "
+                          f"{args.log_stats_interval} (--disable-log-stats turns the line off)")
     run_server(engine_args, name, host, port, api_key=args.api_key,
-               chat_template=engine_args.chat_template)
+               chat_template=engine_args.chat_template,
+               log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model from a config file")
-    s.add_argument("--config", default=DEFAULT_CONFIG)
+    s.add_argument("--config", default=None,
+                   help="llm-serving YAML (a path, or a name under configs/); default: none "
+                        f"with --model (the engine's defaults), else {DEFAULT_CONFIG}")
     s.add_argument("--host", default=None,
                    help="address to listen on (default: the config's server_ip, 127.0.0.1)")
     s.add_argument("--port", type=int, default=None,
@@ -66,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log level; debug also prints the traceback of a start-up error")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (prompt and generation tok/s, running and "
+                        "waiting requests, KV cache usage), as vLLM's flag")
+    s.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines (default 10)")
     s.add_argument("--dry-run", action="store_true",
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")

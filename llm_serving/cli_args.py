@@ -21,6 +21,17 @@ def find_config(name: str) -> Path:
     raise ConfigError("--config", f"file {name!r} not found (looked in . and configs/)")
 
 
+def serve_config(args: argparse.Namespace) -> "Path | None":
+    """The config file ``serve`` reads: ``--config``'s; none when only ``--model`` is given
+    (the engine's own defaults, as ``vllm serve MODEL`` has; the tiny model's file sizes its
+    KV pool and batch for the tiny model); the built-in tiny default when neither is."""
+    if args.config is not None:
+        return find_config(args.config)
+    if getattr(args, "model", None) is not None:
+        return None
+    return find_config(DEFAULT_CONFIG)
+
+
 def resolve_model(model: str) -> str:
     if model.startswith("builtin:"):
         from llm_serving.model_executor.tiny_model import ensure_tiny_model

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -400,6 +402,45 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
     assert _abort_count(server) - aborts_before >= 12
 
 
+def _gauge(server, name) -> float:
+    text = requests.get(server + "/metrics", timeout=10).text
+    return float(re.search(rf"^llm_serving:{name} (\S+)$", text, re.M).group(1))
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900,
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": "tiny", "max_tokens": 900, "ignore_eos": True,
+                              "messages": [{"role": "user", "content": PROMPTS[0]}]}),
+    ("/models/llama2/generate", {"inputs": PROMPTS[0],
+                                 "parameters": {"max_new_tokens": 900, "ignore_eos": True}}),
+])
+def test_a_non_streaming_client_that_resets_the_connection_is_aborted(server, path, body):
+    """A long non-streaming generation whose client resets the connection (RST) mid-way is
+    aborted at once: its blocks are freed, it counts as an abort, the server serves on."""
+    host, port = server.rsplit("/", 1)[1].split(":")
+    aborts_before = _abort_count(server)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    deadline = time.monotonic() + 30
+    while _gauge(server, "kv_cache_usage_perc") == 0:          # generating
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()                                                # RST, not FIN
+    deadline = time.monotonic() + 5
+    while _gauge(server, "kv_cache_usage_perc") != 0 or _gauge(
+            server, "num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.05)
+    assert _abort_count(server) == aborts_before + 1
+    r = requests.post(server + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1):
     """SIGKILL agent ``rank`` during a stream: the request fails naming the model process,
     /ready is 503 until a new set of agents is up, then the server generates again."""
@@ -644,3 +685,44 @@ def test_benchmark_serving_client_prints_vllm_block_and_saves_records(server, tm
                             str(out)], capture_output=True, text=True, timeout=120)
     assert plots.returncode == 0, plots.stderr
     assert (tmp_path / "bench" / "timeline.png").read_bytes().startswith(b"\x89PNG")
+
+
+def _metric(text: str, name: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(lines) == 1, (name, lines)
+    return float(lines[0].split()[-1])
+
+
+def test_the_periodic_stats_line_and_every_request_in_the_histograms(tmp_path, tiny_model_dir):
+    """vLLM users watch its stats line; ours gives the same figures. The llm-serving routes
+    that read the engine's stats (get_bs) must not take finished requests away from
+    /metrics' latency histograms."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--log-stats-interval", "0.5")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        for _ in range(3):
+            stream = client.completions.create(model="tiny", prompt="hello there", max_tokens=48,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            assert sum(len(c.choices[0].text) >= 0 for c in stream) >= 1
+            assert requests.get(url + "/serving/get_bs").status_code == 200
+        time.sleep(1.2)         # a period with the engine idle: the line saying so
+        metrics = requests.get(url + "/metrics").text
+        assert _metric(metrics, "llm_serving:time_to_first_token_seconds_count") == 3
+        assert _metric(metrics, "llm_serving:e2e_request_latency_seconds_count") == 3
+    finally:
+        assert stop_server(proc) == 0
+    log = proc.stderr.read()
+    lines = [line for line in log.splitlines() if "Avg prompt throughput" in line]
+    assert lines, log[-2000:]
+    rates = [re.search(r"Avg prompt throughput: ([0-9.]+) tokens/s, Avg generation "
+                       r"throughput: ([0-9.]+) tokens/s", line).groups() for line in lines]
+    assert any(float(p) > 0 for p, _ in rates) and any(float(g) > 0 for _, g in rates), lines
+    assert "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs" in lines[-1]
+
+
+def test_log_stats_interval_must_be_positive(tiny_model_dir):
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                          "--log-stats-interval", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "--log-stats-interval" in run.stderr, run.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_serving.cli import find_config
+from llm_serving.cli_args import DEFAULT_CONFIG, find_config
 from llm_serving.config import EngineArgs
 from llm_serving.errors import ConfigError
 from llm_serving.serving_config import load_config
@@ -59,6 +59,26 @@ def test_bad_config_names_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert str(e.value).startswith(key + ":"), str(e.value)
+
+
+def test_serve_with_only_a_model_takes_the_engine_defaults_not_the_tiny_models_file(tmp_path):
+    """``start.py --model DIR`` must not inherit the tiny default's batch and KV pool (64
+    sequences, 1024 blocks): a user serving their model gets the engine's defaults, as with
+    ``vllm serve DIR``; with no flags at all the tiny default's file still applies."""
+    from llm_serving.cli import build_parser, server_settings
+    defaults = EngineArgs(model="/m")
+    engine_args = server_settings(build_parser().parse_args(["serve", "--model", "/m"]))[0]
+    assert (engine_args.max_num_seqs, engine_args.num_blocks, engine_args.max_model_len) == \
+        (defaults.max_num_seqs, None, None)
+    tiny = load_config(find_config(DEFAULT_CONFIG)).engine_kwargs
+    engine_args = server_settings(build_parser().parse_args(["serve"]))[0]
+    assert (engine_args.max_num_seqs, engine_args.num_blocks) == \
+        (tiny["max_num_seqs"], tiny["num_blocks"])
+    assert tiny["max_num_seqs"] != defaults.max_num_seqs
+    # A config file given with --model is read, the flag overriding its model.
+    args = build_parser().parse_args(["serve", "--config", DEFAULT_CONFIG, "--model", "/m"])
+    engine_args = server_settings(args)[0]
+    assert (engine_args.model, engine_args.num_blocks) == ("/m", tiny["num_blocks"])
 
 
 def _serving_yaml(tmp_path, ports, section=""):

@@ -73,7 +73,7 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import llm_serving_routes, openai_routes
+    from llm_serving.entrypoints import llm_serving_routes, openai_routes, remote_prefill
     from llm_serving.entrypoints.metrics import ServerMetrics
 
     @asynccontextmanager
@@ -83,8 +83,16 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
             loader = threading.Thread(target=_load_engine, args=(state,), daemon=True,
                                       name="llm-load")
             loader.start()
+        stats_task = None
+        if state.log_stats_interval > 0:
+            from llm_serving.entrypoints.stats_logger import StatsLogger
+            stats_task = asyncio.ensure_future(StatsLogger().run(state,
+                                                                 state.log_stats_interval))
         yield
         state.draining = True
+        if stats_task is not None:
+            stats_task.cancel()
+        await remote_prefill.close(app)
         if loader is not None and loader.is_alive():
             # Stopped while loading: the agents are killed and the shared memory freed
             # (within a second) before the process exits.
@@ -153,7 +161,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         if state.engine is not None and state.engine.is_running:
-            state.metrics.update(await state.engine.get_stats())
+            await state.stats()
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -175,7 +183,8 @@ def _load_engine(state: ServerState) -> None:
 
 
 def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port: int,
-               api_key: Optional[str] = None, chat_template: Optional[str] = None) -> None:
+               api_key: Optional[str] = None, chat_template: Optional[str] = None,
+               log_stats_interval: float = 10.0) -> None:
     """Load the model, then serve until SIGINT/SIGTERM; prints one line when ready."""
     import socket
 
@@ -184,7 +193,8 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = api_key or os.environ.get("LLM_SERVING_API_KEY") or None
-    state = ServerState(engine_args, served_model_name, api_key, chat_template)
+    state = ServerState(engine_args, served_model_name, api_key, chat_template,
+                        log_stats_interval=log_stats_interval)
     # A busy port fails at once, before the model loads.
     probe = socket.socket()
     try:

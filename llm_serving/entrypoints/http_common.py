@@ -43,6 +43,16 @@ class ServerState:
     draining: bool = False
     metrics: object = None
     started: float = field(default_factory=time.time)
+    log_stats_interval: float = 10.0      # seconds between stats log lines; 0: none
+
+    async def stats(self):
+        """The engine's stats, also fed to /metrics: the engine hands each finished request's
+        timings over once, so every reader goes through here or the histograms miss them."""
+        engine = self.engine if self.engine is not None else self.require_engine()
+        stats = await engine.get_stats()
+        if self.metrics is not None:
+            self.metrics.update(stats)
+        return stats
 
     def model_names(self) -> set[str]:
         return {self.served_model_name, self.engine_args.model}
@@ -95,14 +105,28 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+async def client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection (ASGI ``http.disconnect``), read
+    after the body. A real wait on ``receive``, not ``request.is_disconnected()``: behind a
+    ``BaseHTTPMiddleware`` that poll never sees the disconnect (its zero-timeout receive is
+    cancelled before the message arrives), so a non-streaming request ran on after its
+    client reset the connection. A receive that fails counts as gone."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:   # noqa: BLE001 - the connection is unusable either way
+        pass
+
+
 async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> AsyncIterator:
     """Items of ``stream``; stops (closing it, which aborts the request) once the client
-    has gone, even while no output is coming."""
+    has gone, even while no output is coming. Call it after the body was read."""
     it = stream.__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
+    gone = asyncio.ensure_future(client_gone(request))
     try:
         while True:
-            done, _ = await asyncio.wait({nxt}, timeout=0.5)
+            done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
             if nxt in done:
                 try:
                     item = nxt.result()
@@ -110,9 +134,10 @@ async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> Async
                     return
                 yield item
                 nxt = asyncio.ensure_future(it.__anext__())
-            elif await request.is_disconnected():
+            else:
                 return
     finally:
+        gone.cancel()
         if not nxt.done():
             nxt.cancel()
         if hasattr(it, "aclose"):

@@ -233,14 +233,14 @@ def _event(obj) -> Response:
 @router.get("/serving/get_bs")
 async def get_bs(request: Request):
     state: ServerState = request.app.state.server
-    stats = await state.require_engine().get_stats()
+    stats = await state.stats()
     return _event({"event": "message", "retry": 30000, "data": stats.num_running})
 
 
 @router.get("/serving/get_request_numbers")
 async def get_request_numbers(request: Request):
     state: ServerState = request.app.state.server
-    stats = await state.require_engine().get_stats()
+    stats = await state.stats()
     return _event({"event": "message", "retry": 30000,
                    "data": stats.num_waiting + stats.num_running + stats.num_swapped})
 

@@ -62,9 +62,10 @@ def free_port() -> int:
 
 
 class TrialServer:
-    """``start.py --config FILE`` in its own session; ``stop()`` always leaves nothing behind."""
+    """``start.py --config FILE`` (no file: ``start.py`` with only ``extra_args``) in its own
+    session; ``stop()`` always leaves nothing behind."""
 
-    def __init__(self, config: Path, log: Path, startup_timeout: float,
+    def __init__(self, config: Optional[Path], log: Path, startup_timeout: float,
                  extra_args: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -72,7 +73,8 @@ class TrialServer:
         self._log = open(log, "w")
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen(
-            [sys.executable, str(START_PY), "--config", str(config), "--port", str(self.port),
+            [sys.executable, str(START_PY), *(("--config", str(config)) if config else ()),
+             "--port", str(self.port),
              "--log-level", "warning", *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
             start_new_session=True)
