@@ -52,7 +52,7 @@ def main() -> None:
             layer = Linear(k, outs)
             layer.weight.set_data(Tensor(rng.standard_normal((sum(outs), k), np.float32) * 0.02))
             layers.append(layer)
-    cands = gemm.available() + ("matmul",)
+    cands = gemm.available() + ("kernel_packed", "matmul")
     plan = gemm.GemmPlan(None)          # a fresh probe, not the cache
     print(f"# GEMM candidates, {datetime.date.today()}, {cpu_description()}")
     print(f"# {args.layers} layers x (qkv, o, gate_up, down), ms per pass; probe: what the "

@@ -128,8 +128,10 @@ def main() -> None:
                            max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
     eng = engines[arms[0]]
     mc = eng.model_config
-    floor_ms, weight_mb = {}, {}
+    floor_ms, weight_mb, kv_bytes_per_token = {}, {}, {}
     for arm, e in engines.items():
+        kv_bytes_per_token[arm] = (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+                                   * (2 if ARMS[arm][1] == "bfloat16" else 4))
         # the bytes the weights take (bf16 linear weights: 2 per element)
         weight_bytes = sum(int(np.prod(p.shape)) * p.itemsize
                            for _, p in e.runner.model.parameters_and_names())
@@ -165,7 +167,7 @@ def main() -> None:
     for arm in arms:
         dt = float(np.median(pre[arm]))
         rows.append((arm, "prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
-                     f"{n_prompts * ctx / dt:.0f} tok/s", "", f"{load.cores:.2f}"))
+                     f"{n_prompts * ctx / dt:.0f} tok/s", "", "", "", "", f"{load.cores:.2f}"))
 
     for b in batches:
         prompts = [rng.integers(3, mc.vocab_size, ctx).tolist() for _ in range(b)]
@@ -178,19 +180,27 @@ def main() -> None:
             for _ in range(3):
                 step(arm, e)
         times = {arm: [] for arm in arms}
+        gemms = {arm: GemmAlone(e, b) for arm, e in engines.items()}
+        gemm_times = {arm: [] for arm in arms}
         with OtherLoad() as load:
             for _ in range(args.steps):
                 for arm, e in engines.items():     # interleaved: the same load for each arm
                     t = time.perf_counter()
                     step(arm, e)
                     times[arm].append(time.perf_counter() - t)
+                    gemm_times[arm].append(gemms[arm]())
         for arm, e in engines.items():
             step_ms = float(np.median(times[arm])) * 1e3   # median: robust to a busy neighbour
+            gemm_ms = float(np.median(gemm_times[arm])) * 1e3
+            # attention must read every K and V of the context once: its bandwidth floor
+            kv_ms = (b * (ctx + 3 + args.steps / 2) * kv_bytes_per_token[arm]) / bw * 1e3
             for r in rids[arm]:
                 e.abort_request(r)
             rows.append((arm, f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
                          f"{b / step_ms * 1e3:.0f} tok/s",
                          f"{step_ms / floor_ms[arm]:.2f}x floor" if b == 1 else "",
+                         f"{gemm_ms:.1f} ms ({step_ms / gemm_ms:.2f}x)",
+                         f"{kv_ms:.1f} ms", f"{step_ms - gemm_ms - kv_ms:.1f} ms",
                          f"{load.cores:.2f}"))
 
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
@@ -199,15 +209,23 @@ def main() -> None:
         print(f"model: {model}, {arm}: {weight_mb[arm]:.0f} MB of weights read per decode step "
               f"-> batch-1 floor {floor_ms[arm]:.1f} ms/step")
     print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s")
+    print("GEMM alone: the step's linear layers (every projection and the LM head) on the "
+          "same rows, through the GEMM the plan chose for each shape, timed right after each "
+          "step (ratio: step / GEMM alone)")
+    print("KV floor: the K and V bytes a decode step's attention reads / the read bandwidth; "
+          "rest: step - GEMM alone - KV floor (norms, RoPE, activations, sampling, Python, and "
+          "attention above its floor)")
     print("other load: cores kept busy by other processes during the case (0 = quiet machine)")
     print()
     print(f"| {'arm':<12} | {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} "
-          f"| {'vs floor':<11} | other load |")
-    print(f"|{'-' * 14}|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|{'-' * 12}|")
+          f"| {'vs floor':<11} | {'GEMM alone':<18} | {'KV floor':<9} | {'rest':<9} "
+          f"| other load |")
+    print(f"|{'-' * 14}|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|{'-' * 20}"
+          f"|{'-' * 11}|{'-' * 11}|{'-' * 12}|")
     rows.sort(key=lambda r: (r[1] != "prefill", int(r[1].split("=")[1]) if "=" in r[1] else 0))
     for r in rows:
         print(f"| {r[0]:<12} | {r[1]:<14} | {r[2]:<16} | {r[3]:<14} | {r[4]:<12} | {r[5]:<11} "
-              f"| {r[6]:<10} |")
+              f"| {r[6]:<18} | {r[7]:<9} | {r[8]:<9} | {r[9]:<10} |")
     if len(arms) > 1:
         base = arms[0]
         print(f"\ntime ratio to {base} (below 1: faster):")
@@ -215,6 +233,31 @@ def main() -> None:
         for case in dict.fromkeys(r[1] for r in rows):
             print(f"  {case:<14} " + "  ".join(
                 f"{arm} {by[(arm, case)] / by[(base, case)]:.2f}x" for arm in arms[1:]))
+
+class GemmAlone:
+    """Times what a decode step of ``b`` sequences spends in GEMMs alone: every linear layer
+    of the model (the projections and the LM head, one row per sequence) on ``b`` rows of
+    random input, through the implementation the GEMM plan chose for that shape (bf16 layers:
+    their bf16 kernel), as the step calls it. Returns seconds per call."""
+
+    def __init__(self, engine, b: int):
+        from mindspore import Tensor
+        model = engine.runner.model
+        self.layers = [c for _, c in model.cells_and_names()
+                       if hasattr(c, "gemm_shape")]
+        rng = np.random.default_rng(2)
+        self.x = {k: Tensor(rng.standard_normal((b, k), dtype=np.float32))
+                  for k in {layer.gemm_shape[1] for layer in self.layers}}
+        self.impl = [("kernel" if getattr(layer, "bf16", False)
+                      else layer._plan.choose(layer, b)) for layer in self.layers]
+
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        for layer, impl in zip(self.layers, self.impl):
+            y = layer.gemm(impl, self.x[layer.gemm_shape[1]])
+        (y[0] if isinstance(y, tuple) else y).asnumpy()
+        return time.perf_counter() - t
+
 
 def linear_arms() -> dict:
     """The fp32-before arm's hooks: functions that make the linear layers call our kernel now,
@@ -231,7 +274,8 @@ def linear_arms() -> dict:
 
     now, before = Lib(), Lib()
     now.lls_linear_f32 = lib.lls_linear_f32
-    before.lls_linear_f32 = lib.lls_linear_reference_f32
+    now.lls_linear_packed_f32 = lib.lls_linear_packed_f32
+    before.lls_linear_f32 = before.lls_linear_packed_f32 = lib.lls_linear_reference_f32
 
     def use(x):
         return lambda: setattr(gemm, "cpu_layer_ops", lambda: x)

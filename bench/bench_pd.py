@@ -197,6 +197,8 @@ def kv_config(connector: str, role: str, master: Master | None) -> dict:
 
 
 def run_pd(connector: str, model: str, work, args, logs: Path) -> dict:
+    logs = logs / connector           # each setup's own P.log, D.log, proxy.log
+    logs.mkdir(parents=True, exist_ok=True)
     master = Master(logs) if connector == "MooncakeStoreConnector" else None
     try:
         with instance("P", model, "0", logs, args.max_model_len,

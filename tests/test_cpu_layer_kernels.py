@@ -142,7 +142,7 @@ def test_many_rows_path_bit_identical_to_before(reflib, m, n, k):
     (which every numeric and batch-invariance test was validated on): tail panels (M not a
     multiple of the row tile), tail columns, K not a multiple of the vector width, K blocks
     (K > 109 vectors), w packed or not (M from 48), rows cut into chunks (M > 512), strided x,
-    bias and split outputs."""
+    bias and split outputs. lls_linear_packed_f32 (packing from 5 rows) gives the same bits."""
     rng = np.random.default_rng(m * 7919 + n * 31 + k)
     wide = rng.standard_normal((m, k + 5)).astype(np.float32)
     x = wide[:, 3:3 + k]
@@ -151,8 +151,10 @@ def test_many_rows_path_bit_identical_to_before(reflib, m, n, k):
     parts = [n - n // 2, n // 2] if n > 1 else [n]
     new = run_linear(reflib, x, w, b, parts)
     old = run_linear(reflib, x, w, b, parts, fn="lls_linear_reference_f32")
-    for a, o in zip(new, old):
+    packed = run_linear(reflib, x, w, b, parts, fn="lls_linear_packed_f32")   # packs from 5 rows
+    for a, o, p in zip(new, old, packed):
         assert np.array_equal(a, o)
+        assert np.array_equal(p, o)
     np.testing.assert_allclose(np.concatenate(new, 1), reference(x, w, b), rtol=1e-4,
                                atol=1e-4 * np.sqrt(k))
 

@@ -73,12 +73,14 @@ def test_layer_forward_uses_the_plan_and_matches(monkeypatch, tmp_path):
         for layer, w in zip(layers, ws):
             np.testing.assert_allclose(layer(Tensor(x)).asnumpy(), reference(x, w),
                                        rtol=1e-4, atol=1e-4)
-    assert list(plan.choices) == ["128,64"]
     impl = plan.choices["128,64"]
     assert impl == "kernel" or gemm.batch_invariant(layers[0], impl)
+    # our kernel packed or not per row bucket (the same bits): 20 rows are in bucket 32
+    assert set(plan.choices) == ({"128,64", "128,64@32"} if impl == "kernel" else {"128,64"})
+    assert plan.choices.get("128,64@32", "kernel") in gemm.OUR_KERNELS
     again = gemm.GemmPlan(path)
     assert again.choices == plan.choices
-    assert again.choose(layers[0], 17) == impl and not again.timings
+    assert again.choose(layers[0], 17) == plan.choose(layers[0], 17) and not again.timings
 
 
 def test_kernel_rows_do_not_depend_on_the_batch():
@@ -88,8 +90,9 @@ def test_kernel_rows_do_not_depend_on_the_batch():
     assert gemm.batch_invariant(L.VocabEmbedding(500, 96), "kernel")
 
 
+@pytest.mark.parametrize("impl", gemm.OUR_KERNELS)
 @pytest.mark.parametrize("n,k", [(384, 768), (77, 100), (1000, 64), (768, 2048)])
-def test_kernel_row_alone_equals_row_in_any_batch(n, k):
+def test_kernel_row_alone_equals_row_in_any_batch(n, k, impl):
     """A row's output from our kernel is bit-identical whether it is computed alone or inside
     batches of any size and at any position, decode-sized or prefill-sized (the kernel has a
     separate tiling for many rows), including tail columns (n not a multiple of the tile) and
@@ -101,7 +104,7 @@ def test_kernel_row_alone_equals_row_in_any_batch(n, k):
     row = rng.standard_normal(k).astype(np.float32)
 
     def out(x):
-        return np.concatenate([t.asnumpy() for t in layer.gemm("kernel", Tensor(x))], 1)
+        return np.concatenate([t.asnumpy() for t in layer.gemm(impl, Tensor(x))], 1)
     alone = out(row[None])[0]
     np.testing.assert_allclose(alone, reference(row[None], layer.weight.asnumpy(),
                                                 layer.bias.asnumpy())[0], rtol=1e-4, atol=1e-4)
@@ -110,6 +113,21 @@ def test_kernel_row_alone_equals_row_in_any_batch(n, k):
             x = rng.standard_normal((m, k)).astype(np.float32)
             x[pos] = row
             np.testing.assert_array_equal(out(x)[pos], alone, err_msg=f"{m} rows, at {pos}")
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (2304, 768), (768, 2048), (77, 100)])
+def test_packed_kernel_gives_the_kernels_bits(n, k):
+    """kernel_packed only moves data (it packs x and w panels from a few rows on): at every
+    row count its outputs are the kernel's, bit for bit, so the probe may pick either per
+    shape without changing any output."""
+    rng = np.random.default_rng(8)
+    layer = L.Linear(k, [n], bias=True)
+    layer.weight.set_data(Tensor(rng.standard_normal((n, k)).astype(np.float32)))
+    layer.bias.set_data(Tensor(rng.standard_normal(n).astype(np.float32)))
+    for m in (1, 4, 5, 6, 7, 16, 23, 64, 71, 72, 130, 600):
+        x = Tensor(rng.standard_normal((m, k)).astype(np.float32))
+        np.testing.assert_array_equal(layer.gemm("kernel_packed", x).asnumpy(),
+                                      layer.gemm("kernel", x).asnumpy(), err_msg=f"{m} rows")
 
 
 def test_per_bucket_mode_probes_each_bucket(monkeypatch, tmp_path):
@@ -121,7 +139,7 @@ def test_per_bucket_mode_probes_each_bucket(monkeypatch, tmp_path):
     for m in (1, 9):
         layer(Tensor(np.ones((m, 64), np.float32)))
     assert set(plan.choices) == {"96,64,1", "96,64,16"}
-    assert set(plan.timings["96,64,16"]) == set(gemm.CANDIDATES)
+    assert set(plan.timings["96,64,16"]) == set(gemm.CANDIDATES) | {"kernel_packed"}
 
 
 def test_forced_candidate_and_bad_value(monkeypatch):

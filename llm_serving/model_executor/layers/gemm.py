@@ -6,7 +6,14 @@
   pool (``lls_linear_blas_f32``), so it shares the cores with the attention and element-wise
   kernels instead of fighting them with threads of its own;
 - ``kernel``: our streaming small-M kernel (``lls_linear_f32``): it reads W once at close to
-  memory bandwidth, which wins at a few rows (decode at small batch).
+  memory bandwidth, which wins at a few rows (decode at small batch); above a few rows it
+  tiles, packing x and w panels from 72 rows on;
+- ``kernel_packed``: the same kernel packing from 5 rows on (``lls_linear_packed_f32``). The
+  same bits as ``kernel`` (packing moves data, not sums); which is faster at 8-64 rows depends
+  on the CPU and the shape (Zen 3: unpacked; an Intel Xeon with AVX-512: packed, 0.73-0.95x
+  the time). Being bit-identical, they may switch at any row count without breaking batch
+  invariance: where a shape runs our kernel, the probe picks one of the two per row bucket
+  (``PACKING_BUCKETS``, probed on first use of the bucket).
 
 Layers with bfloat16 weights (``--dtype bfloat16``, ``Linear.use_bf16_weight``) always run our
 kernel's bf16 variant (``lls_linear_bf16``: weights widened to fp32 in registers, the same fp32
@@ -39,7 +46,7 @@ the kernel serves every shape.
 faster at both ends (our kernel at a few rows, OpenBLAS above), but outputs then depend on
 the batch (at the last bits, which can flip a sampled token).
 
-``LLM_SERVING_GEMM=openblas|kernel|matmul`` forces one implementation (benchmarks, debugging).
+``LLM_SERVING_GEMM=openblas|kernel|kernel_packed|matmul`` forces one implementation (benchmarks, debugging).
 """
 from __future__ import annotations
 
@@ -59,7 +66,12 @@ from mindspore import Tensor
 from llm_serving.model_executor.layers.custom_op import cpu_layer_ops, row_stride
 
 CANDIDATES = ("openblas", "kernel")
-FORCEABLE = CANDIDATES + ("matmul",)
+# Ours: batch-invariant by construction, and bit-identical to each other, so where the probe
+# picks "kernel" for a shape, it also picks between the two per row bucket.
+OUR_KERNELS = ("kernel", "kernel_packed")
+# The row buckets where they differ (kernel packs from 72 rows on, kernel_packed from 5).
+PACKING_BUCKETS = (8, 16, 32, 64)
+FORCEABLE = CANDIDATES + ("kernel_packed", "matmul")
 MAX_BUCKET = 4096
 # Row counts the per-shape probe sweeps: batch-1 decode, small and large decode batches.
 PROBE_ROWS = (1, 16, 64, 256)
@@ -112,7 +124,8 @@ class LinearCall:
 
 def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = None,
                split: bool = False, impl: str = "kernel", bf16: bool = False):
-    """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"``) or
+    """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"`` or
+    ``"kernel_packed"``) or
     OpenBLAS's sgemm run from our pool (``impl="openblas"``); with ``bf16`` the weight holds
     bfloat16 bits (uint16) and our kernel's bf16 variant runs (``impl`` must be "kernel").
     Returns a new Tensor [M, N], or, with ``split``, one contiguous Tensor per part of ``call``
@@ -139,6 +152,8 @@ def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = N
         rc = lib.lls_linear_bf16(*args)
     elif impl == "kernel":
         rc = lib.lls_linear_f32(*args)
+    elif impl == "kernel_packed":
+        rc = lib.lls_linear_packed_f32(*args)
     else:
         rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
     if rc:
@@ -196,7 +211,7 @@ class GemmPlan:
             try:
                 data = json.loads(path.read_text())
                 self.choices = {k: v for k, v in data.get("choices", {}).items()
-                                if v in available()}
+                                if v in available() + ("kernel_packed",)}
             except (OSError, ValueError):
                 self.choices = {}
 
@@ -209,18 +224,25 @@ class GemmPlan:
         if self.forced is not None:
             return self.forced
         n, k = layer.gemm_shape
-        key = f"{n},{k},{m_bucket(m)}" if self.per_bucket else f"{n},{k}"
+        bucket = m_bucket(m)
+        key = f"{n},{k},{bucket}" if self.per_bucket else f"{n},{k}"
         choice = self.choices.get(key)
         if choice is None:
-            choice = self.probe(layer, key, [m_bucket(m)] if self.per_bucket else PROBE_ROWS)
+            choice = self.probe(layer, key, [bucket] if self.per_bucket else PROBE_ROWS)
+        if choice == "kernel" and not self.per_bucket and bucket in PACKING_BUCKETS:
+            key = f"{n},{k}@{bucket}"       # kernel or kernel_packed: the same bits
+            choice = self.choices.get(key) or self.probe(layer, key, [bucket], OUR_KERNELS)
         return choice
 
-    def probe(self, layer, key: str, rows) -> str:
-        """Time each eligible candidate on the weights of ``layer``'s shape at each of ``rows``
+    def probe(self, layer, key: str, rows, cands=None) -> str:
+        """Time each eligible candidate (``cands``, by default every available one that is
+        batch-invariant on this shape) on the weights of ``layer``'s shape at each of ``rows``
         rows; keep the one with the least total time for ``key`` and save the plan."""
         n, k = layer.gemm_shape
-        cands = [c for c in available()
-                 if self.per_bucket or c == "kernel" or batch_invariant(layer, c)]
+        if cands is None and self.per_bucket:
+            cands = available() + ("kernel_packed",)
+        elif cands is None:
+            cands = [c for c in available() if c in OUR_KERNELS or batch_invariant(layer, c)]
         totals = dict.fromkeys(cands, 0.0)
         if len(cands) > 1:
             same = [l for l in self.layers.get((n, k), ()) if l is not layer]

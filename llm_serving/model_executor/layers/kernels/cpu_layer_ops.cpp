@@ -179,6 +179,7 @@ struct LinearArgs {
   const float* bias;
   int64_t M, N, K;
   int64_t nb;  // output columns per work item
+  int64_t pack_min_rows = 0;  // the many-rows path packs x and w from this many rows
   int nparts;
   int64_t split[kMaxParts + 1];
   float* out[kMaxParts];
@@ -519,6 +520,11 @@ void pack_x_item(void* p, int64_t panel) {
 // The many-rows path on at most kBigRows rows (bounds the packed x buffer): pack x (in
 // parallel, by panels), then the column items.
 constexpr int64_t kBigRows = 512;
+// lls_linear_f32 packs from 12 panels (measured on Zen 3: a loss at 2 panels, even at 8, a
+// gain from 16); lls_linear_packed_f32 from one (on an Intel Xeon with AVX-512, M=16..64 run
+// in 0.77-0.80x the time). Packing changes no bits, so the GEMM probe picks between the two
+// per shape on the CPU it runs on.
+constexpr int64_t kPackMinRows = 12 * MR_BIG;
 
 void linear_big_rows(LinearArgs& a) {
   const CacheSizes& cs = cache_sizes();
@@ -529,7 +535,7 @@ void linear_big_rows(LinearArgs& a) {
   // Pack (and block K) once an item's w block is reused by enough x panels to pay for the
   // copies (measured on Zen 3: a loss at 2 panels, even at 8, a gain from 16). Below, the
   // tiles read x and w in place over the whole K, as before.
-  const bool pack = a.M >= 12 * MR_BIG;
+  const bool pack = a.M >= a.pack_min_rows;
   b.pack_w = pack;
   b.xp = nullptr;
   if (pack) {
@@ -662,10 +668,12 @@ void reference_item(void* p, int64_t item) {
 // Argument checks and the work split shared by the float32 and bf16 weight entry points.
 template <class WT>
 int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t M, int64_t N,
-           int64_t K, int nparts, const int64_t* split, float* const* out, const int64_t* ld) {
+           int64_t K, int nparts, const int64_t* split, float* const* out, const int64_t* ld,
+           int64_t pack_min_rows = kPackMinRows) {
   if (M < 0 || N < 0 || K < 0 || nparts < 1 || nparts > kMaxParts || ldx < K) return -1;
   LinearArgs a;
   a.x = x; a.ldx = ldx; a.w = w; a.w_row0 = 0; a.bias = bias; a.M = M; a.N = N; a.K = K;
+  a.pack_min_rows = pack_min_rows;
   a.nparts = nparts;
   for (int p = 0; p <= nparts; ++p) a.split[p] = split[p];
   if (a.split[0] != 0 || a.split[nparts] != N) return -1;
@@ -699,7 +707,7 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 5; }
+int lls_layer_ops_abi_version() { return 6; }
 
 int lls_layer_ops_vector_width() { return VW; }
 
@@ -715,6 +723,14 @@ int lls_linear_f32(const float* x, int64_t ldx, const float* w, const float* bia
                    int64_t N, int64_t K, int nparts, const int64_t* split, float* const* out,
                    const int64_t* ld) {
   return linear<float>(x, ldx, w, bias, M, N, K, nparts, split, out, ld);
+}
+
+// lls_linear_f32, packing x and w panels whenever the many-rows path runs (M > MR_MAX):
+// the same bits, faster or slower depending on the CPU (see kPackMinRows).
+int lls_linear_packed_f32(const float* x, int64_t ldx, const float* w, const float* bias,
+                          int64_t M, int64_t N, int64_t K, int nparts, const int64_t* split,
+                          float* const* out, const int64_t* ld) {
+  return linear<float>(x, ldx, w, bias, M, N, K, nparts, split, out, ld, 1);
 }
 
 // The same contract with w as bfloat16 bits [N, K] (uint16). Activations, bias, accumulation
