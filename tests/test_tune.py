@@ -214,7 +214,7 @@ def _in_group(pgid: int) -> list[int]:
 def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_dir):
     out, work = tmp_path / "tuned.yaml", tmp_path / "work"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llm_serving.cli", "tune", "--config", str(TINY),
+        [sys.executable, "-m", "llm_serving.cli", "tune",     # --model alone: engine defaults
          "--model", tiny_model_dir, "--max-model-len", "256", "--num-prompts", "4",
          "--max-output", "8", "--budget-s", "300", "--no-progress", "--workdir", str(work),
          "--out", str(out)],
@@ -246,6 +246,10 @@ def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_d
     kw = load_config(out).engine_kwargs
     assert kw["max_num_seqs"] == best["params"]["max_num_seqs"]
     assert "interrupted by Ctrl-C" in out.read_text()
+    # the base was the engine's defaults, as start.py --model DIR takes them (not the tiny
+    # model's file, which sizes its KV pool and batch for the tiny model)
+    assert "from the engine's defaults." in out.read_text()
+    assert kw["model"] == tiny_model_dir and "tiny_llama" not in text
     for pid in servers:                    # every trial server and its WorkAgents are gone
         assert not _in_group(pid), f"processes of trial server {pid} are left"
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"llm_serving_{pid}_")]

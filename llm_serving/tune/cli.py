@@ -28,7 +28,9 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                        "server and write the best as a config file",
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--config", default=DEFAULT_CONFIG, help="the base config file")
+    t.add_argument("--config", default=None,
+                   help="the base config file (default: none with --model, the engine's "
+                        f"defaults as start.py --model DIR takes them; else {DEFAULT_CONFIG})")
     t.add_argument("--out", required=True, help="where to write the tuned config file")
     t.add_argument("--dataset", default=str(DEFAULT_DATASET),
                    help="alpaca-style JSON: instruction, input, output (the output's token "
@@ -102,7 +104,7 @@ def baseline_params(kw: dict, max_model_len: int) -> dict:
 
 
 def run_tune(args) -> int:
-    from llm_serving.cli_args import cli_engine_overrides, find_config, resolve_model
+    from llm_serving.cli_args import cli_engine_overrides, resolve_model, serve_config
     from llm_serving.serving_config import load_config
     from llm_serving.tune.objective import make_objective
     from llm_serving.tune.search import Tuner, plot, short, table
@@ -122,7 +124,7 @@ def run_tune(args) -> int:
         raise ConfigError("--budget-s", f"expected seconds > 0, got {args.budget_s}")
     if not Path(args.dataset).is_file():
         raise ConfigError("--dataset", f"file {args.dataset!r} not found")
-    base_path = find_config(args.config)
+    base_path = serve_config(args)        # None: --model alone, the engine's defaults
     fixed = cli_engine_overrides(args)
     cfg = load_config(base_path, fixed)          # a bad base file fails here, not per trial
     kw = cfg.engine_kwargs
@@ -138,7 +140,8 @@ def run_tune(args) -> int:
                         seed=args.tune_seed, tokenizer=model_dir if Path(model_dir).is_dir() else None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"tuning {objective.name} ({objective.direction}) of {base_path} within "
+    print(f"tuning {objective.name} ({objective.direction}) of "
+          f"{base_path or 'the engine defaults'} within "
           f"{args.budget_s:.0f} s; per trial: {workload.describe(args.num_prompts)}; rungs "
           f"{rungs}; knobs: {', '.join(k.name for k in space)}"
           + (f"; fixed: {short({k: v for k, v in fixed.items() if k != 'model'})}"
@@ -147,7 +150,7 @@ def run_tune(args) -> int:
     with tempfile.TemporaryDirectory(prefix="llm_serving_tune_") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        evaluator = ServerEvaluator(read_base(base_path), workload, workdir, objective.slo,
+        evaluator = ServerEvaluator(read_base(base_path) if base_path else {}, workload, workdir, objective.slo,
                                     args.startup_timeout)
         tuner = Tuner(evaluator, space, fixed, objective, rungs, args.budget_s, args.n_trials,
                       seed=args.tune_seed, pruning=args.pruning,
@@ -176,8 +179,8 @@ def run_tune(args) -> int:
         gain = f" ({best.value / base_trial.value:.2f}x the base config's {base_trial.value:.4g})"
     best_line = f"trial {best.number}, {objective.name} {best.value:.4g} {objective.unit}{gain}: " \
         + short(best.params)
-    write_tuned_yaml(out, read_base(base_path), best.kwargs, header_lines(
-        base_path=base_path, objective=objective,
+    write_tuned_yaml(out, read_base(base_path) if base_path else {}, best.kwargs, header_lines(
+        base_path=base_path or "the engine's defaults", objective=objective,
         workload=workload.describe(args.num_prompts), best=best_line,
         trials=f"{result.counts()} in {result.elapsed:.0f} s", interrupted=result.interrupted))
     print(f"best: {best_line}\nwrote {out}")

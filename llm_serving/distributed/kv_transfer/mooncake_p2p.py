@@ -15,7 +15,10 @@ Consumer (decode side): ``start_read`` submits the asynchronous reads of every a
 runs (``batch_transfer_async_read``, from a small thread pool: the first contact with a peer
 does a handshake that blocks for about a minute when the peer accepts and stays silent, and
 the step loop must not); ``poll_reads`` reports reads that finished, failed (peer gone, bad
-status) or passed their deadline. Each region is its own Mooncake batch: the binding's
+status) or passed their deadline. At most ``MAX_REGIONS_IN_FLIGHT_PER_PEER`` regions are in
+flight to one peer over all reads (Mooncake's TCP transport fails transfers beyond its
+per-peer queue); the rest are submitted as earlier ones resolve, when the reads are polled.
+Each region is its own Mooncake batch: the binding's
 ``transfer_check_status(batch_id)`` reports the state of the batch's *first* request only, so
 a batch of several regions reads as done while the others are still in flight, or failed
 (measured: about half of the 8-region reads from a live peer "done" with regions missing; with
@@ -36,6 +39,7 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +53,13 @@ from llm_serving.distributed.kv_transfer.layout import KVLayout, regions
 logger = logging.getLogger(__name__)
 
 _PENDING, _DONE, _FAILED = 0, 1, -1       # TransferEngine.transfer_check_status
+_QUEUED = 2                                # a region not submitted yet (the window is full)
+# Regions (Mooncake batches) in flight to one peer, over every read. Mooncake's TCP transport
+# queues a bounded number of transfers per peer and fails the rest ("TCP lane queue-full
+# rejection"): a long prompt on a fragmented pool is thousands of regions (2616 for 1750
+# tokens: 109 single-block runs x 24 arrays), and submitting them all at once failed 9 of 127
+# loads in bench_pd at 200 prompts, with them the small reads submitted at the same moment.
+MAX_REGIONS_IN_FLIGHT_PER_PEER = 64
 
 
 def import_transfer_engine():
@@ -70,17 +81,26 @@ class _Held:
 
 @dataclass
 class _Read:
-    submitted: Future          # -> Mooncake's batch ids, one per region (may block: handshake)
     deadline: float
     peer: str
     notify_addr: int
     token: int
+    local: list                             # per region: local address, remote address, bytes
+    remote: list
+    lengths: list
     valid_addr: Optional[int] = None        # the producer's word to check (None: no check)
     check: Optional[int] = None             # the check's batch id, once the data is in
     check_status: Optional[int] = None      # ... and its outcome, once resolved
-    batch_ids: list = field(default_factory=list)
-    states: Optional[np.ndarray] = None     # per region: _PENDING, _DONE or _FAILED
+    batch_ids: Optional[np.ndarray] = None  # per region: Mooncake's batch id (0: none)
+    states: Optional[np.ndarray] = None     # per region: _QUEUED, _PENDING, _DONE or _FAILED
+    next_region: int = 0                    # regions [0, next_region) were handed to the pool
+    submitting: Optional[Future] = None     # a window being submitted (may block: handshake)
     abandoned: bool = field(default=False)  # reported failed; released once all resolved
+
+    def __post_init__(self):
+        n = len(self.lengths)
+        self.batch_ids = np.zeros(n, np.int64)
+        self.states = np.full(n, _QUEUED, np.int8)
 
 
 class MooncakeP2PTransport:
@@ -119,6 +139,14 @@ class MooncakeP2PTransport:
         self._returned_out: collections.deque = collections.deque()   # from the pool threads
         self._out_slot: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-p2p")
+        self._in_flight: dict[str, int] = collections.defaultdict(int)   # regions, per peer
+        # A pump thread polls the reads' regions and refills their windows every millisecond
+        # while any is in flight (a long read is tens of windows; waiting for the engine's
+        # step to poll would add a step per window). One lock for the reads' state: each
+        # Mooncake batch must be asked for its status by one caller (the answer frees it).
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        threading.Thread(target=self._pump, name="kv-p2p-pump", daemon=True).start()
 
     # ---- producer ------------------------------------------------------------------------
 
@@ -203,16 +231,45 @@ class MooncakeP2PTransport:
             raise KVTransferError(str(e)) from None
         if not self._free_out:
             raise KVTransferError(f"{len(self._outbox)} reads already in flight (the bound)")
-        # Submitting does the first contact's handshake, which blocks while the peer does
-        # not answer (about a minute when it accepts and stays silent): off the step thread.
-        submitted = self._pool.submit(self._submit_regions, peer, local, remote_addrs, lengths)
-        self._out_slot[transfer_id] = self._free_out.pop()
-        self._reads[transfer_id] = _Read(submitted, deadline, peer, notify_addr, token,
-                                         valid_addr)
+        with self._lock:
+            self._out_slot[transfer_id] = self._free_out.pop()
+            r = _Read(deadline, peer, notify_addr, token, local, remote_addrs, lengths,
+                      valid_addr)
+            self._reads[transfer_id] = r
+            self._submit_window(r)
+            self._wake.set()
 
-    def _submit_regions(self, peer: str, local, remote, lengths) -> list[int]:
+    def _pump(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                busy = False
+                for r in list(self._reads.values()):
+                    if r.check is None:     # the data phase (poll_reads does the rest)
+                        busy = self._read_state(r)[0] > 0 or busy
+                if not busy:
+                    self._wake.clear()      # start_read sets it again, under the lock
+            if busy:
+                time.sleep(0.001)
+
+    def _submit_window(self, r: _Read) -> None:
+        """Hand the read's next regions to the pool, as many as the peer's window has room
+        for. Submitting does the first contact's handshake, which blocks while the peer does
+        not answer (about a minute when it accepts and stays silent): off the step thread."""
+        room = MAX_REGIONS_IN_FLIGHT_PER_PEER - self._in_flight[r.peer]
+        if room <= 0 or r.submitting is not None or r.next_region >= len(r.lengths):
+            return
+        lo, hi = r.next_region, min(len(r.lengths), r.next_region + room)
+        r.next_region = hi
+        r.states[lo:hi] = _PENDING
+        self._in_flight[r.peer] += hi - lo
+        r.submitting = self._pool.submit(self._submit_regions, r.peer, r.local[lo:hi],
+                                         r.remote[lo:hi], r.lengths[lo:hi], lo)
+
+    def _submit_regions(self, peer: str, local, remote, lengths, first: int):
         """One Mooncake batch per region (see the module docstring: the status of a batch is
-        its first request's); 0 for a region that could not be submitted. Never raises."""
+        its first request's); 0 for a region that could not be submitted. Never raises.
+        Returns (the first region's index, the batch ids)."""
         ids = []
         for args in zip(local, remote, lengths):
             try:
@@ -221,22 +278,32 @@ class MooncakeP2PTransport:
             except Exception as e:  # noqa: BLE001 - a region that never started has failed
                 logger.warning("Mooncake read from %s could not be submitted (%s)", peer, e)
                 ids.append(0)
-        return ids
+        return first, ids
 
     def _read_state(self, r: _Read) -> tuple[int, int]:
-        """(regions still in flight, regions failed), polling the unresolved ones."""
-        if not r.submitted.done():
-            return 1, 0
-        if r.states is None:
-            r.batch_ids = r.submitted.result()
-            r.states = np.full(len(r.batch_ids), _PENDING, np.int8)
+        """(regions still in flight or to submit, regions failed), polling the unresolved
+        ones and submitting the next window while the read goes well."""
+        if r.submitting is not None:
+            if not r.submitting.done():
+                return 1, int((r.states == _FAILED).sum())
+            first, ids = r.submitting.result()
+            r.submitting = None
+            r.batch_ids[first:first + len(ids)] = ids
         for i in np.flatnonzero(r.states == _PENDING):
             batch_id = r.batch_ids[i]
             # transfer_check_status frees the batch once it is resolved: ask no more after.
             status = _FAILED if batch_id <= 0 else self.engine.transfer_check_status(batch_id)
             if status != _PENDING:
                 r.states[i] = _DONE if status == _DONE else _FAILED
-        return int((r.states == _PENDING).sum()), int((r.states == _FAILED).sum())
+                self._in_flight[r.peer] -= 1
+        failed = int((r.states == _FAILED).sum())
+        if failed or r.abandoned or time.time() >= r.deadline:
+            r.states[r.states == _QUEUED] = _FAILED     # never submitted: nothing will write
+            failed = int((r.states == _FAILED).sum())
+        else:
+            self._submit_window(r)
+        pending = int((r.states == _PENDING).sum()) + int((r.states == _QUEUED).sum())
+        return pending, failed
 
     def poll_reads(self, now: Optional[float] = None
                    ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
@@ -245,9 +312,10 @@ class MooncakeP2PTransport:
         time and absent from ``_reads`` afterwards, are free to use; a failed read still in
         flight (a region pending, or the deadline passed) frees its blocks only once it
         appears in the third list."""
-        if not self._reads:
-            return [], [], []
-        now = time.time() if now is None else now
+        with self._lock:
+            return self._poll_reads(time.time() if now is None else now)
+
+    def _poll_reads(self, now: float):
         done, failed, released = [], [], []
         for tid, r in list(self._reads.items()):
             pending, bad = self._read_state(r)
