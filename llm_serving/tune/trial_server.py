@@ -117,9 +117,9 @@ class TrialServer:
     def stop(self) -> None:
         """SIGTERM to the server's process group (it drains and frees its shared memory), then
         SIGKILL after 60 s; then remove any segment of its pid still in /dev/shm."""
-        old = None
-        try:     # a second Ctrl-C must not cut the clean-up short
-            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        old, deferred = None, []
+        try:     # a Ctrl-C must not cut the clean-up short: it is acted on once it is done
+            old = signal.signal(signal.SIGINT, lambda *_: deferred.append(True))
         except ValueError:       # not the main thread
             pass
         try:
@@ -142,6 +142,11 @@ class TrialServer:
         finally:
             if old is not None:
                 signal.signal(signal.SIGINT, old)
+        # A Ctrl-C during the clean-up stops the search (unless one is being handled already:
+        # the clean-up then runs on its behalf). Swallowing it lost the user's Ctrl-C when
+        # trials are short and most of the time goes to stopping servers.
+        if deferred and sys.exc_info()[0] is not KeyboardInterrupt:
+            raise KeyboardInterrupt
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:
