@@ -54,10 +54,10 @@ class StatsLogger:
         """Until cancelled: every ``interval`` seconds, a line while the engine serves."""
         while state.engine is None or not state.engine.is_running:   # the model loads
             await asyncio.sleep(0.2)
-        try:            # the baseline: the first period starts when serving starts
-            self.line(await state.stats(), time.monotonic())
-        except Exception:       # noqa: BLE001 - the next period sets it
-            logger.debug("stats read failed", exc_info=True)
+        # The first period starts when serving starts, from the counters' zeros (they count
+        # since the engine started): a read here could come after the first requests ran,
+        # and their tokens would be missing from every line.
+        self._last, self._last_time = EngineStats(), time.monotonic()
         while True:
             await asyncio.sleep(interval)
             engine = state.engine

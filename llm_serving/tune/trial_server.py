@@ -190,11 +190,30 @@ def run_client(url: str, workload: Workload, num_prompts: int, slo: tuple = (),
     if slo:
         argv += ["--goodput", *slo]
     args = bs.parse_args(argv)
+    # Ctrl-C stops the search here too. asyncio.run's own SIGINT handling only cancels the
+    # client's task, and the client's clean-up then ends it like a time limit (a pruned
+    # trial), so the Ctrl-C was lost; this handler raises KeyboardInterrupt at once.
+    interrupted = []
+
+    def on_sigint(*_):
+        interrupted.append(True)
+        raise KeyboardInterrupt
+    try:
+        old = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:           # not the main thread
+        old = None
     try:
         result = asyncio.run(asyncio.wait_for(bs.run(args), time_limit))
     except asyncio.TimeoutError:
+        if interrupted:
+            raise KeyboardInterrupt from None
         raise TrialTooSlow(f"stopped after {time_limit:.0f} s on {num_prompts} prompts, "
                            "slower than the best trial") from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    if interrupted:
+        raise KeyboardInterrupt
     summary = bs.summarize(args, result)
     summary["first_error"] = next((r["error"] for r in result["records"]
                                    if r["error"] is not None), None)
