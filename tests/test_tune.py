@@ -218,7 +218,10 @@ def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_d
          "--model", tiny_model_dir, "--max-model-len", "256", "--num-prompts", "4",
          "--max-output", "8", "--budget-s", "300", "--no-progress", "--workdir", str(work),
          "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # as from a terminal: a test run started in the background (cmd &) ignores SIGINT,
+        # and a child would inherit that and never see the Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         for line in proc.stdout:           # wait for a completed trial
