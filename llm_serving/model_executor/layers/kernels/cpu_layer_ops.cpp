@@ -665,23 +665,33 @@ void reference_item(void* p, int64_t item) {
 }
 #endif  // LLS_LINEAR_REFERENCE
 
+// The arguments every linear entry point takes, checked and stored in ``a``: false when
+// they are inconsistent (negative sizes, ldx < K, a split that does not cover [0, N), an
+// output narrower than its part).
+bool set_linear_args(LinearArgs& a, const float* x, int64_t ldx, const void* w,
+                     const float* bias, int64_t M, int64_t N, int64_t K, int nparts,
+                     const int64_t* split, float* const* out, const int64_t* ld) {
+  if (M < 0 || N < 0 || K < 0 || nparts < 1 || nparts > kMaxParts || ldx < K) return false;
+  a.x = x; a.ldx = ldx; a.w = w; a.w_row0 = 0; a.bias = bias; a.M = M; a.N = N; a.K = K;
+  a.nparts = nparts;
+  for (int p = 0; p <= nparts; ++p) a.split[p] = split[p];
+  if (a.split[0] != 0 || a.split[nparts] != N) return false;
+  for (int p = 0; p < nparts; ++p) {
+    if (a.split[p + 1] < a.split[p] || ld[p] < a.split[p + 1] - a.split[p]) return false;
+    a.out[p] = out[p];
+    a.ld[p] = ld[p];
+  }
+  return true;
+}
+
 // Argument checks and the work split shared by the float32 and bf16 weight entry points.
 template <class WT>
 int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t M, int64_t N,
            int64_t K, int nparts, const int64_t* split, float* const* out, const int64_t* ld,
            int64_t pack_min_rows = kPackMinRows) {
-  if (M < 0 || N < 0 || K < 0 || nparts < 1 || nparts > kMaxParts || ldx < K) return -1;
   LinearArgs a;
-  a.x = x; a.ldx = ldx; a.w = w; a.w_row0 = 0; a.bias = bias; a.M = M; a.N = N; a.K = K;
+  if (!set_linear_args(a, x, ldx, w, bias, M, N, K, nparts, split, out, ld)) return -1;
   a.pack_min_rows = pack_min_rows;
-  a.nparts = nparts;
-  for (int p = 0; p <= nparts; ++p) a.split[p] = split[p];
-  if (a.split[0] != 0 || a.split[nparts] != N) return -1;
-  for (int p = 0; p < nparts; ++p) {
-    if (a.split[p + 1] < a.split[p] || ld[p] < a.split[p + 1] - a.split[p]) return -1;
-    a.out[p] = out[p];
-    a.ld[p] = ld[p];
-  }
   if (M == 0 || N == 0) return 0;
   // ~64 output columns per item (a multiple of NR): enough items for dynamic balancing, few
   // enough that the per-item cost stays negligible. Small problems run on the calling thread.
@@ -750,17 +760,8 @@ int lls_linear_reference_f32(const float* x, int64_t ldx, const float* w, const 
                              int64_t M, int64_t N, int64_t K, int nparts, const int64_t* split,
                              float* const* out, const int64_t* ld) {
   if (M <= MR_MAX) return lls_linear_f32(x, ldx, w, bias, M, N, K, nparts, split, out, ld);
-  if (K < 0 || nparts < 1 || nparts > kMaxParts || ldx < K) return -1;
   LinearArgs a;
-  a.x = x; a.ldx = ldx; a.w = w; a.w_row0 = 0; a.bias = bias; a.M = M; a.N = N; a.K = K;
-  a.nparts = nparts;
-  for (int p = 0; p <= nparts; ++p) a.split[p] = split[p];
-  if (a.split[0] != 0 || a.split[nparts] != N) return -1;
-  for (int p = 0; p < nparts; ++p) {
-    if (a.split[p + 1] < a.split[p] || ld[p] < a.split[p + 1] - a.split[p]) return -1;
-    a.out[p] = out[p];
-    a.ld[p] = ld[p];
-  }
+  if (!set_linear_args(a, x, ldx, w, bias, M, N, K, nparts, split, out, ld)) return -1;
   if (N == 0) return 0;
   const int64_t q = 4 * NR_BIG;
   const int64_t nb = (int64_t(64) * 1024 / (K > 0 ? K : 1)) / q * q;
@@ -815,22 +816,15 @@ void blas_item(void* p, int64_t item) {
 int lls_linear_blas_f32(CblasSgemmFn sgemm, int64_t items, const float* x, int64_t ldx,
                         const float* w, const float* bias, int64_t M, int64_t N, int64_t K,
                         int nparts, const int64_t* split, float* const* out, const int64_t* ld) {
-  if (!sgemm || items < 1 || M < 0 || N < 0 || K < 0 || nparts < 1 || nparts > kMaxParts ||
-      ldx < K || M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || ldx > INT32_MAX)
+  if (!sgemm || items < 1 || M > INT32_MAX || N > INT32_MAX || K > INT32_MAX ||
+      ldx > INT32_MAX)
     return -1;
   BlasArgs b;
   LinearArgs& a = b.a;
   b.sgemm = sgemm;
-  a.x = x; a.ldx = ldx; a.w = w; a.w_row0 = 0; a.bias = bias; a.M = M; a.N = N; a.K = K;
-  a.nparts = nparts;
-  for (int p = 0; p <= nparts; ++p) a.split[p] = split[p];
-  if (a.split[0] != 0 || a.split[nparts] != N) return -1;
-  for (int p = 0; p < nparts; ++p) {
-    if (a.split[p + 1] < a.split[p] || ld[p] < a.split[p + 1] - a.split[p] || ld[p] > INT32_MAX)
-      return -1;
-    a.out[p] = out[p];
-    a.ld[p] = ld[p];
-  }
+  if (!set_linear_args(a, x, ldx, w, bias, M, N, K, nparts, split, out, ld)) return -1;
+  for (int p = 0; p < nparts; ++p)
+    if (ld[p] > INT32_MAX) return -1;
   if (M == 0 || N == 0) return 0;
   // Blocks of a multiple of 16 columns (whole SIMD tiles for the library's micro-kernel).
   a.nb = ((N + items - 1) / items + 15) / 16 * 16;
