@@ -211,18 +211,19 @@ def _in_group(pgid: int) -> list[int]:
     return _procs_where(3, pgid)
 
 
-def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_dir):
-    out, work = tmp_path / "tuned.yaml", tmp_path / "work"
+def _tune_until_a_trial_server(out, work, model):
+    """``llm-serving tune`` running, one trial complete and the next trial's server started:
+    (the process, its output lines so far, the trial servers' pids)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "llm_serving.cli", "tune",     # --model alone: engine defaults
-         "--model", tiny_model_dir, "--max-model-len", "256", "--num-prompts", "4",
+         "--model", model, "--max-model-len", "256", "--num-prompts", "4",
          "--max-output", "8", "--budget-s", "300", "--no-progress", "--workdir", str(work),
          "--out", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # as from a terminal: a test run started in the background (cmd &) ignores SIGINT,
         # and a child would inherit that and never see the Ctrl-C
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    lines = []
+    lines, servers = [], []
     try:
         for line in proc.stdout:           # wait for a completed trial
             lines.append(line)
@@ -230,11 +231,48 @@ def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_d
                 break
         assert "trial 0 complete" in lines[-1], "".join(lines)
         deadline = time.time() + 120       # then for the next trial's server to be running
-        servers = []
         while time.time() < deadline and not servers:
             servers = _children(proc.pid)
             time.sleep(0.2)
         assert servers, "no trial server was started after trial 0"
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, lines, servers
+
+
+def _left_behind(pid: int) -> list:
+    """The processes of trial server ``pid``'s group and its shared-memory segments."""
+    return _in_group(pid) + [f for f in os.listdir("/dev/shm")
+                             if f.startswith(f"llm_serving_{pid}_")]
+
+
+def test_a_killed_tune_leaves_no_trial_server(tmp_path, tiny_model_dir):
+    """tune killed outright (SIGKILL, a crash: no clean-up of its own) must not leave its
+    trial server serving in its own session, holding its shared memory."""
+    proc, _, servers = _tune_until_a_trial_server(tmp_path / "tuned.yaml", tmp_path / "work",
+                                                  tiny_model_dir)
+    try:
+        proc.kill()
+        proc.wait(10)
+        deadline = time.time() + 90        # the server drains and frees its segments
+        while time.time() < deadline and any(_left_behind(pid) for pid in servers):
+            time.sleep(0.5)
+        assert not [_left_behind(pid) for pid in servers if _left_behind(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in servers:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_dir):
+    out, work = tmp_path / "tuned.yaml", tmp_path / "work"
+    proc, lines, servers = _tune_until_a_trial_server(out, work, tiny_model_dir)
+    try:
         time.sleep(2)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)

@@ -7,6 +7,7 @@ memory segment of its pid left in /dev/shm is removed.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -61,6 +62,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _term_with_parent(parent: int):
+    """For the trial server, before it runs: SIGTERM when the tune process ``parent`` dies
+    (Linux). The server is in its own session, so nothing else reaches it: a tune killed with
+    SIGKILL (or crashing) left it serving, with its shared memory, until someone found it. On
+    SIGTERM it drains and frees everything, as from stop()."""
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):       # not Linux: stop() is the only way out
+            return
+        if os.getppid() != parent:              # tune died before the prctl
+            os._exit(1)
+    return preexec
+
+
 class TrialServer:
     """``start.py --config FILE`` (no file: ``start.py`` with only ``extra_args``) in its own
     session; ``stop()`` always leaves nothing behind."""
@@ -77,7 +93,7 @@ class TrialServer:
              "--port", str(self.port),
              "--log-level", "warning", *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_term_with_parent(os.getpid()))
         try:
             self._wait_ready(startup_timeout)
         except BaseException:
