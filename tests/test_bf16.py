@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import MODEL_VARIANTS
+from test_model_parity import hf_logits_and_greedy
 from llm_serving import LLM, SamplingParams
 from llm_serving.config import EngineArgs
 from llm_serving.errors import ConfigError
@@ -180,15 +181,7 @@ def hf_bf16(model_dirs):
                 for pname, p in model.named_parameters():
                     if pname.endswith(".weight") and pname.split(".")[-2] in LINEAR_NAMES:
                         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-                logits, greedy = [], []
-                for p in prompts:
-                    ids = torch.tensor([p])
-                    logits.append(model(ids).logits[0].numpy())
-                    g = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                       do_sample=False, attention_mask=torch.ones_like(ids),
-                                       pad_token_id=0)
-                    greedy.append(g[0, len(p):].tolist())
-            out[name, kv] = (prompts, logits, greedy)
+            out[name, kv] = (prompts, *hf_logits_and_greedy(model, prompts, NEW_TOKENS))
     return out
 
 

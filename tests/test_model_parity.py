@@ -22,6 +22,21 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in PROMPT_LENS]
 
 
+def hf_logits_and_greedy(model, prompts, new_tokens: int = NEW_TOKENS):
+    """An HF model's logits over each prompt and its ``new_tokens`` greedy tokens, one prompt
+    at a time."""
+    logits, greedy = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            logits.append(model(ids).logits[0].numpy())
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, attention_mask=torch.ones_like(ids),
+                                 pad_token_id=0)
+            greedy.append(out[0, len(p):].tolist())
+    return logits, greedy
+
+
 @pytest.fixture(scope="module")
 def hf_reference(model_dirs):
     """Per variant: HF logits over each prompt and HF's 32 greedy tokens, one prompt at a time."""
@@ -31,16 +46,7 @@ def hf_reference(model_dirs):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.eval()
         prompts = _prompts(MODEL_VARIANTS[name]["vocab_size"])
-        logits, greedy = [], []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                logits.append(model(ids).logits[0].numpy())
-                out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     do_sample=False, attention_mask=torch.ones_like(ids),
-                                     pad_token_id=0)
-                greedy.append(out[0, len(p):].tolist())
-        ref[name] = (prompts, logits, greedy)
+        ref[name] = (prompts, *hf_logits_and_greedy(model, prompts))
     return ref
 
 
