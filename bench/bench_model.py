@@ -104,6 +104,7 @@ def main() -> None:
     if bad:
         ap.error(f"unknown arm {bad[0]!r} (known: {', '.join(ARMS)})")
 
+    from llm_serving.config import kv_bytes_per_block
     from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
     model = args.model
     if model is None:
@@ -130,8 +131,7 @@ def main() -> None:
     mc = eng.model_config
     floor_ms, weight_mb, kv_bytes_per_token = {}, {}, {}
     for arm, e in engines.items():
-        kv_bytes_per_token[arm] = (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
-                                   * (2 if ARMS[arm][1] == "bfloat16" else 4))
+        kv_bytes_per_token[arm] = kv_bytes_per_block(mc, 1, 1, ARMS[arm][1])
         # the bytes the weights take (bf16 linear weights: 2 per element)
         weight_bytes = sum(int(np.prod(p.shape)) * p.itemsize
                            for _, p in e.runner.model.parameters_and_names())

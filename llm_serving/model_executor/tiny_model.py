@@ -28,6 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from llm_serving.model_executor.loader import float32_to_bfloat16_bits
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
 
@@ -328,17 +330,6 @@ def _to_dtype_bytes(arr: np.ndarray, dtype: str) -> bytes:
     if dtype == "bfloat16":
         return float32_to_bfloat16_bits(arr).astype("<u2").tobytes()
     raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-
-
-def float32_to_bfloat16_bits(arr: np.ndarray) -> np.ndarray:
-    """float32 array -> uint16 bfloat16 bit patterns (round to nearest even; NaN kept NaN)."""
-    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    out = ((bits + rounding) >> 16).astype(np.uint16)
-    nan = np.isnan(arr)
-    if nan.any():
-        out[nan] = np.uint16(0x7FC0)
-    return out
 
 
 def _safetensors_header(entries: List[Tuple[str, Tuple[int, ...], str, int]]) -> bytes:
