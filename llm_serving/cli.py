@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
-from llm_serving.cli_args import (DEFAULT_CONFIG, add_engine_arguments,  # noqa: F401
+from llm_serving.cli_args import (DEFAULT_CONFIG, STOP_WITH_PARENT_ENV,  # noqa: F401
+                                  add_engine_arguments,
                                   cli_engine_overrides, resolve_model, serve_config)
 from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
 from llm_serving.serving_config import load_config
@@ -46,6 +48,10 @@ def serve(args) -> None:
         from llm_serving.executor.launch_plan import print_plan; return print_plan(resolved)  # noqa: E702
     # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    stop_with = os.environ.get(STOP_WITH_PARENT_ENV)
+    if stop_with:       # a process that started us in a session of our own (llm-serving tune)
+        from llm_serving.executor.worker import watch_parent
+        watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM), int(stop_with))
     if args.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval", f"expected seconds > 0, got "
                           f"{args.log_stats_interval} (--disable-log-stats turns the line off)")

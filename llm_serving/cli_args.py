@@ -21,6 +21,12 @@ def find_config(name: str) -> Path:
     raise ConfigError("--config", f"file {name!r} not found (looked in . and configs/)")
 
 
+# Set to a pid by a process that starts the server in a session of its own (llm-serving tune's
+# trial servers): the server stops (SIGTERM: drains, frees its shared memory) when that process
+# dies, which no signal to the starter's process group would tell it.
+STOP_WITH_PARENT_ENV = "LLM_SERVING_STOP_WITH_PARENT"
+
+
 def serve_config(args: argparse.Namespace) -> "Path | None":
     """The config file ``serve`` reads: ``--config``'s; none when only ``--model`` is given
     (the engine's own defaults, as ``vllm serve MODEL`` has; the tiny model's file sizes its

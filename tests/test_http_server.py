@@ -19,6 +19,7 @@ import pytest
 import requests
 
 from llm_serving import SamplingParams
+from llm_serving.cli_args import STOP_WITH_PARENT_ENV
 from llm_serving.executor.shm_channel import segments_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,8 @@ def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,)):
                    f"  max_num_seqs: 64\n  max_model_len: 1024\n{section}")
     proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True,      # a test run killed outright leaves no server
+                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
     deadline = time.monotonic() + 120
     line = ""
     while time.monotonic() < deadline:

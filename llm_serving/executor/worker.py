@@ -62,18 +62,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def exit_with_master() -> None:
-    """Exit at once if the master dies, whatever this process is doing (loading a model
-    included, when it does not read the control connection): a thread watches the parent."""
+def watch_parent(on_gone, parent: Optional[int] = None) -> None:
+    """Call ``on_gone()`` once the process ``parent`` (default: this process's parent now)
+    is no longer its parent, i.e. it died, whatever the main thread is doing: a daemon thread
+    watches ``os.getppid()``."""
     import threading
-    import time
-    master = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def watch():
-        while os.getppid() == master:
+        while os.getppid() == parent:
             time.sleep(0.5)
-        _exit(0)
-    threading.Thread(target=watch, daemon=True, name="master-watch").start()
+        on_gone()
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def exit_with_master() -> None:
+    """Exit at once if the master dies, whatever this process is doing (loading a model
+    included, when it does not read the control connection)."""
+    watch_parent(lambda: _exit(0))
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,6 @@ memory segment of its pid left in /dev/shm is removed.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from llm_serving.cli_args import STOP_WITH_PARENT_ENV
 from llm_serving.tune.tuned_yaml import write_tuned_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,21 +62,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _term_with_parent(parent: int):
-    """For the trial server, before it runs: SIGTERM when the tune process ``parent`` dies
-    (Linux). The server is in its own session, so nothing else reaches it: a tune killed with
-    SIGKILL (or crashing) left it serving, with its shared memory, until someone found it. On
-    SIGTERM it drains and frees everything, as from stop()."""
-    def preexec() -> None:
-        try:
-            ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):       # not Linux: stop() is the only way out
-            return
-        if os.getppid() != parent:              # tune died before the prctl
-            os._exit(1)
-    return preexec
-
-
 class TrialServer:
     """``start.py --config FILE`` (no file: ``start.py`` with only ``extra_args``) in its own
     session; ``stop()`` always leaves nothing behind."""
@@ -87,13 +72,16 @@ class TrialServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "w")
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        # In its own session, so stop() can signal its whole group; and so nothing reaches
+        # it when tune dies (SIGKILL, a crash): it stops itself then (cli_args).
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+                   **{STOP_WITH_PARENT_ENV: str(os.getpid())})
         self.proc = subprocess.Popen(
             [sys.executable, str(START_PY), *(("--config", str(config)) if config else ()),
              "--port", str(self.port),
              "--log-level", "warning", *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-            start_new_session=True, preexec_fn=_term_with_parent(os.getpid()))
+            start_new_session=True)
         try:
             self._wait_ready(startup_timeout)
         except BaseException:
