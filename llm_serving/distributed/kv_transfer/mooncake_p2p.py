@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 _PENDING, _DONE, _FAILED = 0, 1, -1       # TransferEngine.transfer_check_status
 _QUEUED = 2                                # a region not submitted yet (the window is full)
+_UNSENT = 3                                # ... and never to be: the read failed or timed out
 # Regions (Mooncake batches) in flight to one peer, over every read. Mooncake's TCP transport
 # queues a bounded number of transfers per peer and fails the rest ("TCP lane queue-full
 # rejection"): a long prompt on a fragmented pool is thousands of regions (2616 for 1750
@@ -92,7 +93,8 @@ class _Read:
     check: Optional[int] = None             # the check's batch id, once the data is in
     check_status: Optional[int] = None      # ... and its outcome, once resolved
     batch_ids: Optional[np.ndarray] = None  # per region: Mooncake's batch id (0: none)
-    states: Optional[np.ndarray] = None     # per region: _QUEUED, _PENDING, _DONE or _FAILED
+    states: Optional[np.ndarray] = None     # per region: _QUEUED, _PENDING, _DONE, _FAILED
+                                            # or _UNSENT
     next_region: int = 0                    # regions [0, next_region) were handed to the pool
     submitting: Optional[Future] = None     # a window being submitted (may block: handshake)
     abandoned: bool = field(default=False)  # reported failed; released once all resolved
@@ -244,9 +246,12 @@ class MooncakeP2PTransport:
             self._wake.wait()
             with self._lock:
                 busy = False
-                for r in list(self._reads.values()):
-                    if r.check is None:     # the data phase (poll_reads does the rest)
-                        busy = self._read_state(r)[0] > 0 or busy
+                try:
+                    for r in list(self._reads.values()):
+                        if r.check is None:     # the data phase (poll_reads does the rest)
+                            busy = self._read_state(r)[0] > 0 or busy
+                except Exception:  # noqa: BLE001 - the engine's polls still drive the reads
+                    logger.exception("KV read pump: polling the reads failed")
                 if not busy:
                     self._wake.clear()      # start_read sets it again, under the lock
             if busy:
@@ -298,8 +303,7 @@ class MooncakeP2PTransport:
                 self._in_flight[r.peer] -= 1
         failed = int((r.states == _FAILED).sum())
         if failed or r.abandoned or time.time() >= r.deadline:
-            r.states[r.states == _QUEUED] = _FAILED     # never submitted: nothing will write
-            failed = int((r.states == _FAILED).sum())
+            r.states[r.states == _QUEUED] = _UNSENT     # never submitted: nothing will write
         else:
             self._submit_window(r)
         pending = int((r.states == _PENDING).sum()) + int((r.states == _QUEUED).sum())
@@ -333,7 +337,8 @@ class MooncakeP2PTransport:
                 else:
                     self._forget(tid)
                 continue
-            verdict = None if pending else self._check(tid, r)
+            # regions never sent (the deadline passed first): reported as timed out below
+            verdict = None if pending or (r.states == _UNSENT).any() else self._check(tid, r)
             if verdict == "":
                 done.append(tid)
                 self._notify_peer(tid, r)
