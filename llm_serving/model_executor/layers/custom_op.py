@@ -26,7 +26,7 @@ _F = ctypes.c_float
 # -ffp-contract=fast: a*b+c compiles to FMA (ISO C++ mode turns contraction off);
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (threads come from the shared pool).
 LAYER_OPS_FLAGS = ("-ffp-contract=fast", "-fopenmp-simd")
-LAYER_OPS_ABI = 6
+LAYER_OPS_ABI = 7
 
 
 def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
@@ -41,14 +41,14 @@ def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
         raise RuntimeError(f"layer kernel library {lib._name} has an unexpected ABI version")
     lib.lls_layer_ops_vector_width.restype = ctypes.c_int
     lib.lls_layer_ops_vector_width.argtypes = []
+    lib.lls_layer_ops_panel_width.restype = ctypes.c_int
+    lib.lls_layer_ops_panel_width.argtypes = []
     lib.lls_layer_ops_set_parallel_for.restype = None
     lib.lls_layer_ops_set_parallel_for.argtypes = [_P]
     lib.lls_layer_ops_set_linger_us.restype = None
     lib.lls_layer_ops_set_linger_us.argtypes = [_I]
     lib.lls_linear_f32.restype = ctypes.c_int
     lib.lls_linear_f32.argtypes = [_P, _I, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P]
-    lib.lls_linear_packed_f32.restype = ctypes.c_int
-    lib.lls_linear_packed_f32.argtypes = lib.lls_linear_f32.argtypes
     lib.lls_linear_bf16.restype = ctypes.c_int
     lib.lls_linear_bf16.argtypes = lib.lls_linear_f32.argtypes
     lib.lls_linear_blas_f32.restype = ctypes.c_int

@@ -1,31 +1,29 @@
 """GEMM for the CPU linear layers, chosen by measurement on the CPU it runs on.
 
-``y = x @ W.T`` with W kept as [out, in] can run through:
+``y = x @ W.T``, with W [out, in] packed once at load time into panels of ``panel_width()``
+output columns (``pack_weight``: panel p is a row-major [in, width] block, zero-padded at the
+end), can run through:
+- ``kernel``: our kernel (``lls_linear_f32``): every output is one scalar FMA chain over k in
+  order, computed by register tiles of R rows x one or two panels (an outer product per k
+  step), the weight read as one contiguous stream per panel. At a few rows (decode at small
+  batch) it reads the weights at close to memory bandwidth; at many rows it is bound by its
+  FMAs (~75% of an Intel Xeon core's AVX-512 FMA peak at 128-256 rows);
 - ``openblas``: OpenBLAS's sgemm (the ``scipy-openblas32`` wheel, micro-kernels dispatched at
-  run time for the CPU), single-threaded, called on column blocks of W from our shared thread
-  pool (``lls_linear_blas_f32``), so it shares the cores with the attention and element-wise
-  kernels instead of fighting them with threads of its own;
-- ``kernel``: our streaming small-M kernel (``lls_linear_f32``): it reads W once at close to
-  memory bandwidth, which wins at a few rows (decode at small batch); above a few rows it
-  tiles, packing x and w panels from 72 rows on;
-- ``kernel_packed``: the same kernel packing from 5 rows on (``lls_linear_packed_f32``). The
-  same bits as ``kernel`` (packing moves data, not sums); which is faster at 8-64 rows depends
-  on the CPU and the shape (Zen 3: unpacked; an Intel Xeon with AVX-512: packed, 0.73-0.95x
-  the time). Being bit-identical, they may switch at any row count without breaking batch
-  invariance: where a shape runs our kernel, the probe picks one of the two per row bucket
-  (``PACKING_BUCKETS``, probed on first use of the bucket).
+  run time for the CPU), single-threaded, called per panel from our shared thread pool
+  (``lls_linear_blas_f32``), so it shares the cores with the attention and element-wise
+  kernels instead of fighting them with threads of its own.
 
 Layers with bfloat16 weights (``--dtype bfloat16``, ``Linear.use_bf16_weight``) always run our
 kernel's bf16 variant (``lls_linear_bf16``: weights widened to fp32 in registers, the same fp32
-FMA chain): neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU, so they are not probed
+FMA chains): neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU, so they are not probed
 and ``LLM_SERVING_GEMM`` does not apply to them.
 
 MindSpore's ``MatMul`` (the layers' native path, what Ascend runs) is no candidate on CPU: in
 whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 149 vs 88 ms,
 B=64 302 vs 232 ms, prefill 526 vs 578 tok/s; bench/bench_model.py with LLM_SERVING_GEMM, see
 docs/benchmarks.md), and once its own threads have run they slow the candidates around it,
-which a probe of one GEMM at a time does not see (``LLM_SERVING_GEMM=matmul`` still forces it,
-for benchmarks).
+which a probe of one GEMM at a time does not see. ``LLM_SERVING_GEMM=matmul`` still forces it,
+for benchmarks: the weights then stay unpacked.
 
 No single one wins every shape, and the winner changes with the CPU. So the first time a layer
 shape (N, K) is used, a short probe times every candidate on the model's own weights of that
@@ -38,15 +36,14 @@ Batch invariance: a request's output must not depend on its batch companions, so
 result must not depend on how many rows the GEMM has or where the row sits. Hence one
 implementation per shape for every row count (switching at some M changes the sums' rounding),
 and only implementations whose rows the probe finds bitwise alike across row counts and
-positions (``batch_invariant``). Our kernel is, by construction (each output is one full-K dot
-product in a fixed order). OpenBLAS's sgemm is not on AMD Zen 3 (its micro-kernels for the
-rows past the last full tile, and some positions within a tile, sum in another order), so there
-the kernel serves every shape.
-``LLM_SERVING_GEMM_PER_BUCKET=1`` instead picks among all candidates per (N, K, row bucket):
-faster at both ends (our kernel at a few rows, OpenBLAS above), but outputs then depend on
-the batch (at the last bits, which can flip a sampled token).
+positions (``batch_invariant``). Our kernel is, by construction (each output is one FMA chain
+in a fixed order, whatever the tile). OpenBLAS's sgemm is not on AMD Zen 3 nor on an Intel
+Xeon with AVX-512 (its micro-kernels for the rows past the last full tile, and some positions
+within a tile, sum in another order), so there the kernel serves every shape.
+``LLM_SERVING_GEMM_PER_BUCKET=1`` instead picks per (N, K, row bucket): outputs then depend
+on the batch (at the last bits, which can flip a sampled token).
 
-``LLM_SERVING_GEMM=openblas|kernel|kernel_packed|matmul`` forces one implementation (benchmarks, debugging).
+``LLM_SERVING_GEMM=openblas|kernel|matmul`` forces one implementation (benchmarks, debugging).
 """
 from __future__ import annotations
 
@@ -66,12 +63,7 @@ from mindspore import Tensor
 from llm_serving.model_executor.layers.custom_op import cpu_layer_ops, row_stride
 
 CANDIDATES = ("openblas", "kernel")
-# Ours: batch-invariant by construction, and bit-identical to each other, so where the probe
-# picks "kernel" for a shape, it also picks between the two per row bucket.
-OUR_KERNELS = ("kernel", "kernel_packed")
-# The row buckets where they differ (kernel packs from 72 rows on, kernel_packed from 5).
-PACKING_BUCKETS = (8, 16, 32, 64)
-FORCEABLE = CANDIDATES + ("kernel_packed", "matmul")
+FORCEABLE = CANDIDATES + ("matmul",)
 MAX_BUCKET = 4096
 # Row counts the per-shape probe sweeps: batch-1 decode, small and large decode batches.
 PROBE_ROWS = (1, 16, 64, 256)
@@ -105,6 +97,41 @@ def available() -> tuple[str, ...]:
     return tuple(c for c in CANDIDATES if c != "openblas" or openblas_sgemm() is not None)
 
 
+def panel_width() -> int:
+    """Output columns per panel of the packed weight layout, for this CPU's kernel build."""
+    return cpu_layer_ops().lls_layer_ops_panel_width()
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an ``align``-byte boundary (a panel's k
+    step then never straddles cache lines)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    off = -raw.ctypes.data % align
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def pack_weight(w: np.ndarray, width: int | None = None) -> np.ndarray:
+    """W [N, K] (float32, or uint16 bf16 bits) in the kernels' layout: [ceil(N / width), K,
+    width], panel p holding columns [p * width, (p + 1) * width) of y, zero-padded past N."""
+    width = width or panel_width()
+    n, k = w.shape
+    full, rest = divmod(n, width)
+    out = aligned_empty((full + (rest > 0), k, width), w.dtype)
+    if full:
+        out[:full] = w[:full * width].reshape(full, width, k).transpose(0, 2, 1)
+    if rest:
+        out[full] = 0
+        out[full, :, :rest] = w[full * width:].T
+    return out
+
+
+def unpack_weight(wp: np.ndarray, n: int) -> np.ndarray:
+    """The [n, K] weight a ``pack_weight`` result holds."""
+    panels, k, width = wp.shape
+    return wp.transpose(0, 2, 1).reshape(panels * width, k)[:n]
+
+
 class LinearCall:
     """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
     one [M, N] buffer (part p at column offsets[p] of each row), or with ``split`` each part
@@ -122,17 +149,17 @@ class LinearCall:
         self.out_type = ctypes.c_void_p * n
 
 
-def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = None,
-               split: bool = False, impl: str = "kernel", bf16: bool = False):
-    """x [M, K] @ weight[N, K].T (+ bias) on the CPU, with our kernel (``impl="kernel"`` or
-    ``"kernel_packed"``) or
-    OpenBLAS's sgemm run from our pool (``impl="openblas"``); with ``bf16`` the weight holds
-    bfloat16 bits (uint16) and our kernel's bf16 variant runs (``impl`` must be "kernel").
-    Returns a new Tensor [M, N], or, with ``split``, one contiguous Tensor per part of ``call``
-    (q, k, v of a fused qkv)."""
+def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bool = False,
+               impl: str = "kernel", bf16: bool = False):
+    """x [M, K] @ W.T (+ bias) on the CPU, W [call.n, K] packed (``pack_weight``), with our
+    kernel (``impl="kernel"``) or OpenBLAS's sgemm run from our pool (``impl="openblas"``);
+    with ``bf16`` the weight holds bfloat16 bits (uint16) and our kernel's bf16 variant runs
+    (``impl`` must be "kernel"). Returns a new Tensor [M, N], or, with ``split``, one
+    contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
     m, k = x.shape
-    if call is None:
-        call = LinearCall([weight.shape[0]])
+    panels, pk, width = packed.shape
+    if pk != k or panels * width < call.n or (panels - 1) * width >= call.n:
+        raise ValueError(f"packed weight {packed.shape} does not hold [{call.n}, {k}]")
     flat = np.empty(m * call.n, np.float32)
     base = flat.ctypes.data
     offs = call.offsets
@@ -142,7 +169,7 @@ def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = N
     else:
         out = call.out_type(*[base + 4 * o for o in offs[:-1]])
         ld = call.ld_fused
-    args = (x.data_ptr(), row_stride(x) if m > 1 else k, weight.data_ptr(),
+    args = (x.data_ptr(), row_stride(x) if m > 1 else k, packed.data_ptr(),
             bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts,
             call.c_split, out, ld)
     lib = cpu_layer_ops()
@@ -152,19 +179,17 @@ def cpu_linear(x: Tensor, weight: Tensor, bias=None, call: LinearCall | None = N
         rc = lib.lls_linear_bf16(*args)
     elif impl == "kernel":
         rc = lib.lls_linear_f32(*args)
-    elif impl == "kernel_packed":
-        rc = lib.lls_linear_packed_f32(*args)
     else:
         rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
     if rc:
-        raise ValueError(f"{impl} linear rejected shapes x {x.shape}, weight {weight.shape}")
+        raise ValueError(f"{impl} linear rejected shapes x {x.shape}, weight {packed.shape}")
     if not split:
         return Tensor.from_numpy(flat.reshape(m, call.n))
     return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
                  for a, b in zip(offs[:-1], offs[1:]))
 
 
-# Column blocks per OpenBLAS call: a few per core, so the pool balances them.
+# Blocks of panels for OpenBLAS: a few per core, so the pool balances them.
 _BLAS_ITEMS = 4 * max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else (os.cpu_count() or 1))
 
@@ -211,7 +236,7 @@ class GemmPlan:
             try:
                 data = json.loads(path.read_text())
                 self.choices = {k: v for k, v in data.get("choices", {}).items()
-                                if v in available() + ("kernel_packed",)}
+                                if v in available()}
             except (OSError, ValueError):
                 self.choices = {}
 
@@ -229,20 +254,16 @@ class GemmPlan:
         choice = self.choices.get(key)
         if choice is None:
             choice = self.probe(layer, key, [bucket] if self.per_bucket else PROBE_ROWS)
-        if choice == "kernel" and not self.per_bucket and bucket in PACKING_BUCKETS:
-            key = f"{n},{k}@{bucket}"       # kernel or kernel_packed: the same bits
-            choice = self.choices.get(key) or self.probe(layer, key, [bucket], OUR_KERNELS)
         return choice
 
-    def probe(self, layer, key: str, rows, cands=None) -> str:
-        """Time each eligible candidate (``cands``, by default every available one that is
-        batch-invariant on this shape) on the weights of ``layer``'s shape at each of ``rows``
-        rows; keep the one with the least total time for ``key`` and save the plan."""
+    def probe(self, layer, key: str, rows) -> str:
+        """Time each eligible candidate (every available one, or without per-bucket choices
+        every available one that is batch-invariant on this shape) on the weights of
+        ``layer``'s shape at each of ``rows`` rows; keep the one with the least total time for
+        ``key`` and save the plan."""
         n, k = layer.gemm_shape
-        if cands is None and self.per_bucket:
-            cands = available() + ("kernel_packed",)
-        elif cands is None:
-            cands = [c for c in available() if c in OUR_KERNELS or batch_invariant(layer, c)]
+        cands = [c for c in available()
+                 if self.per_bucket or c == "kernel" or batch_invariant(layer, c)]
         totals = dict.fromkeys(cands, 0.0)
         if len(cands) > 1:
             same = [l for l in self.layers.get((n, k), ()) if l is not layer]
@@ -294,11 +315,11 @@ def batch_invariant(layer, impl: str) -> bool:
     the layer's outputs: zeros would agree anyway)."""
     n, k = layer.gemm_shape
     rng = np.random.default_rng(1)
-    w = Tensor(rng.standard_normal((n, k), dtype=np.float32))
-    call, split = getattr(layer, "_call", None), getattr(layer, "split_output", False)
+    w = Tensor.from_numpy(pack_weight(rng.standard_normal((n, k), dtype=np.float32)))
+    call, split = layer.gemm_call, getattr(layer, "split_output", False)
 
     def run(rows):
-        return _rows(cpu_linear(Tensor(np.ascontiguousarray(rows)), w, None, call, split, impl))
+        return _rows(cpu_linear(Tensor(np.ascontiguousarray(rows)), w, call, None, split, impl))
     x = rng.standard_normal((INVARIANCE_ROWS, k), dtype=np.float32)
     ref = run(x)
     return all(np.array_equal(run(x[off:off + m]), ref[off:off + m])

@@ -5,16 +5,20 @@ through ``weight_loader``: each layer knows which slice of its parameter a check
 fills, so a new model adds a name mapping, not a new loader.
 
 On CPU each projection's GEMM runs through the implementation measured fastest on this CPU for
-its shape and row count (``gemm.py``: OpenBLAS's sgemm, our small-M kernel or MindSpore's
-MatMul); other devices use MindSpore's ``MatMul(transpose_b=True)``.
+its shape (``gemm.py``: our kernel or OpenBLAS's sgemm), on the weight packed in panels
+(``gemm.pack_weight``; the Parameter then holds the packed [panels, in, width] array, filled by
+``set_weight`` from the [out, in] checkpoint layout); other devices use MindSpore's
+``MatMul(transpose_b=True)`` on the [out, in] weight.
 
 bfloat16 weights (``--dtype bfloat16`` on CPU, ``use_bf16_weights``): each ``Linear`` keeps
-its weight as bf16 bits only (a uint16 Parameter, half the bytes; no float32 copy), rounded to
-nearest even from the checkpoint, and runs our kernel's bf16 variant (widened to fp32 in
+its weight as bf16 bits only (a packed uint16 Parameter, half the bytes; no float32 copy),
+rounded to nearest even from the checkpoint, and runs our kernel's bf16 variant (widened to fp32 in
 registers, fp32 FMAs in the fp32 kernel's order, so batch invariance holds). Activations stay
 fp32. The token embedding / LM head (``VocabEmbedding``) and the norms stay fp32: the
 embedding is a MindSpore gather, which has no bf16 on CPU, and keeping the LM head fp32 keeps
-the logits' own GEMM exact (docs/benchmarks.md, "bf16 weights and KV cache").
+the logits' own GEMM exact (docs/benchmarks.md, "bf16 weights and KV cache"). The LM head
+keeps a packed copy of its [vocab, hidden] weight for the logits GEMM (the embedding gathers
+rows of the unpacked one).
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor.layers.custom_op import CustomOp
-from llm_serving.model_executor.layers.gemm import LinearCall, cpu_linear, gemm_plan
+from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty, cpu_linear,
+                                                    gemm_plan, pack_weight, panel_width)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 from llm_serving.model_executor.parallel_state import get_tp_group
 
@@ -64,18 +69,31 @@ class Linear(CustomOp):
         self.output_sizes = list(output_sizes)
         self.offsets = np.concatenate([[0], np.cumsum(output_sizes)]).tolist()
         out = self.offsets[-1]
-        self.weight = _param((out, self.input_size))
-        self.bias = _param((out,)) if bias else None
-        self.split_output = split_output
-        self.matmul = ops.MatMul(transpose_b=True)
-        self._call = LinearCall(self.output_sizes if split_output else [out])
-        # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
-        self.reduce = parallel == "row" and tp_size > 1
         self.gemm_shape = (out, self.input_size)
         self.bf16 = False               # weight held as bfloat16 bits (use_bf16_weight)
+        # On CPU the weight is held packed for our kernels, unless MatMul is forced.
+        self.packed = False
         if self._use_cpu:
             self._plan = gemm_plan()
             self._plan.register(self)
+            self.packed = self._plan.forced != "matmul"
+        self.weight = self._zero_weight(np.float32)
+        self.bias = _param((out,)) if bias else None
+        self.split_output = split_output
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.gemm_call = LinearCall(self.output_sizes if split_output else [out])
+        # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
+        self.reduce = parallel == "row" and tp_size > 1
+
+    def _zero_weight(self, dtype) -> Parameter:
+        """A zero weight Parameter in the layout the layer computes with."""
+        if not self.packed:
+            return Parameter(Tensor(np.zeros(self.gemm_shape, dtype)), requires_grad=False)
+        n, k = self.gemm_shape
+        width = panel_width()
+        arr = aligned_empty((-(-n // width), k, width), dtype)
+        arr[...] = 0
+        return Parameter(Tensor.from_numpy(arr), requires_grad=False)
 
     def use_bf16_weight(self) -> None:
         """Hold the weight as bfloat16 bits from now on (before loading): a uint16 Parameter of
@@ -85,18 +103,22 @@ class Linear(CustomOp):
             raise ValueError("bfloat16 weights in our buffers are a CPU-kernel feature")
         if self.bf16:
             return
-        self.weight = Parameter(Tensor(np.zeros(self.gemm_shape, np.uint16)),
-                                name=self.weight.name, requires_grad=False)
-        self.bf16 = True
+        name = self.weight.name
+        self.bf16 = self.packed = True
+        self.weight = self._zero_weight(np.uint16)
+        self.weight.name = name
         self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
 
     def set_weight(self, value: np.ndarray) -> None:
-        """Store a float32 [out, in] weight, rounded to bf16 (nearest even) if the layer holds
-        bf16."""
-        if self.bf16:
-            self.weight.set_data(Tensor(float32_to_bfloat16_bits(value)))
+        """Store a float32 [out, in] weight (packed if the layer computes on packed weights),
+        rounded to bf16 (nearest even) if the layer holds bf16."""
+        value = float32_to_bfloat16_bits(value) if self.bf16 else np.asarray(value, np.float32)
+        if value.shape != tuple(self.gemm_shape):
+            raise ValueError(f"weight of shape {value.shape} for a layer of {self.gemm_shape}")
+        if self.packed:
+            self.weight.set_data(Tensor.from_numpy(pack_weight(value)))
         else:
-            self.weight.set_data(Tensor(np.asarray(value, np.float32)))
+            self.weight.set_data(Tensor(value))
 
     def forward_native(self, x):
         y = self.matmul(x, self.weight)
@@ -126,14 +148,18 @@ class Linear(CustomOp):
         """x @ W.T (+ bias), split into parts if the layer splits, with implementation
         ``impl`` (one of ``gemm.FORCEABLE``); no all-reduce."""
         bias = self.bias if with_bias else None
-        if impl == "matmul" and not self.bf16:
+        if self.bf16:
+            impl = "kernel"
+        if impl == "matmul":
+            if self.packed:
+                raise ValueError("MatMul reads the unpacked weight: set LLM_SERVING_GEMM=matmul "
+                                 "before the model is built")
             y = self.matmul(x, self.weight)
             if bias is not None:
                 y = y + bias
             return ops.split(y, self.output_sizes, -1) if self.split_output else y
-        if self.bf16:
-            impl = "kernel"
-        return cpu_linear(x, self.weight, bias, self._call, self.split_output, impl, self.bf16)
+        return cpu_linear(x, self.weight, self.gemm_call, bias, self.split_output, impl,
+                          self.bf16)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:
@@ -179,6 +205,8 @@ class VocabEmbedding(CustomOp):
         self.weight = _param((self.rows, hidden_size))
         self.logits_matmul = ops.MatMul(transpose_b=True)
         self.gemm_shape = (self.rows, hidden_size)
+        self.gemm_call = LinearCall([self.rows])
+        self._head = None       # (weight's address, its packed copy) for the logits GEMM
         if self._use_cpu:
             self._plan = gemm_plan()
             self._plan.register(self)
@@ -205,11 +233,23 @@ class VocabEmbedding(CustomOp):
             return full
         return np.ascontiguousarray(full[:, :self.vocab_size])       # drop the padding
 
+    def set_weight(self, value: np.ndarray) -> None:
+        """Store this rank's [rows, hidden] float32 weight."""
+        self.weight.set_data(Tensor(np.asarray(value, np.float32)))
+        self._head = None
+
+    def packed_head(self) -> Tensor:
+        """The weight packed for our kernels (made on first use after each new weight)."""
+        src = self.weight.data_ptr()
+        if self._head is None or self._head[0] != src:
+            self._head = (src, Tensor.from_numpy(pack_weight(self.weight.asnumpy())))
+        return self._head[1]
+
     def gemm(self, impl: str, hidden_states):
         """hidden_states @ weight.T (this rank's logits) with implementation ``impl``."""
         if impl == "matmul":
             return self.logits_matmul(hidden_states, self.weight)
-        return cpu_linear(hidden_states, self.weight, impl=impl)
+        return cpu_linear(hidden_states, self.packed_head(), self.gemm_call, impl=impl)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:

@@ -183,11 +183,13 @@ class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} matches no model parameter")
             param = params[target]
-            buf = host.get(target)
-            if buf is None:
-                buf = host[target] = np.zeros(param.shape, np.float32)
-            filled.setdefault(target, set()).add(shard or 0)
             cell = cells.get(target.rsplit(".", 1)[0])
+            buf = host.get(target)
+            if buf is None:            # a Linear may hold its weight packed: [out, in] here
+                shape = (cell.gemm_shape if isinstance(cell, Linear)
+                         and target.endswith(".weight") else param.shape)
+                buf = host[target] = np.zeros(shape, np.float32)
+            filled.setdefault(target, set()).add(shard or 0)
             if isinstance(cell, (Linear, VocabEmbedding)):
                 cell.weight_loader(buf, loaded, shard or 0, target.endswith(".bias"))
             else:
@@ -204,7 +206,7 @@ class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
         for target in list(host):
             buf = host.pop(target)           # freed as it is stored
             cell = cells.get(target.rsplit(".", 1)[0])
-            if isinstance(cell, Linear) and target.endswith(".weight"):
-                cell.set_weight(buf)         # float32, or bf16 bits if the layer holds bf16
+            if isinstance(cell, (Linear, VocabEmbedding)) and target.endswith(".weight"):
+                cell.set_weight(buf)         # packed, bf16 bits if the layer holds bf16, ...
             else:
                 params[target].set_data(Tensor(buf))
