@@ -9,9 +9,7 @@ prefill throughput (median of 3), against the memory-bandwidth floor measured in
 
 ``--arms`` compares precisions in one run, interleaved step by step (each case alternates the
 arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
-bfloat16``); bf16-weights; bf16-kv; fp32-before (fp32 with the GEMM kernel's previous
-many-rows path, lls_linear_reference_f32: the same bits; ``--linear-before`` is ``--arms
-fp32,fp32-before``). Each arm's floor counts the bytes its weights really take.
+bfloat16``); bf16-weights; bf16-kv. Each arm's floor counts the bytes its weights really take.
 """
 from __future__ import annotations
 
@@ -82,8 +80,7 @@ class OtherLoad:
 
 # arm -> (dtype, kv_cache_dtype)
 ARMS = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "bfloat16"),
-        "bf16-weights": ("bfloat16", "float32"), "bf16-kv": ("float32", "bfloat16"),
-        "fp32-before": ("float32", "float32")}
+        "bf16-weights": ("bfloat16", "float32"), "bf16-kv": ("float32", "bfloat16")}
 
 
 def main() -> None:
@@ -94,12 +91,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--arms", default="fp32", help=f"comma-separated: {', '.join(ARMS)}")
-    ap.add_argument("--linear-before", action="store_true",
-                    help="--arms fp32,fp32-before: our GEMM kernel now / its previous many-rows "
-                         "path, alternating step by step")
     args = ap.parse_args()
-    arms = ["fp32", "fp32-before"] if args.linear_before else \
-        [a.strip() for a in args.arms.split(",")]
+    arms = [a.strip() for a in args.arms.split(",")]
     bad = [a for a in arms if a not in ARMS]
     if bad:
         ap.error(f"unknown arm {bad[0]!r} (known: {', '.join(ARMS)})")
@@ -139,14 +132,8 @@ def main() -> None:
             weight_bytes -= 4 * mc.vocab_size * mc.hidden_size
         floor_ms[arm] = weight_bytes / bw * 1e3
         weight_mb[arm] = weight_bytes / 1e6
-    hooks = {}
-    if "fp32-before" in arms:        # every other arm runs the kernel now
-        now, before = linear_arms()
-        hooks = {arm: before if arm == "fp32-before" else now for arm in arms}
 
     def step(arm, e):
-        if arm in hooks:
-            hooks[arm]()
         e.step()
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10**6)
@@ -257,29 +244,6 @@ class GemmAlone:
             y = layer.gemm(impl, self.x[layer.gemm_shape[1]])
         (y[0] if isinstance(y, tuple) else y).asnumpy()
         return time.perf_counter() - t
-
-
-def linear_arms() -> dict:
-    """The fp32-before arm's hooks: functions that make the linear layers call our kernel now,
-    or its previous many-rows path (the library built with -DLLS_LINEAR_REFERENCE)."""
-    import ctypes
-    from llm_serving.model_executor.layers import gemm
-    from llm_serving.model_executor.layers.custom_op import load_layer_ops
-    lib = load_layer_ops(("-DLLS_LINEAR_REFERENCE",))
-    lib.lls_linear_reference_f32.restype = ctypes.c_int
-    lib.lls_linear_reference_f32.argtypes = lib.lls_linear_f32.argtypes
-
-    class Lib:
-        lls_linear_blas_f32 = lib.lls_linear_blas_f32
-
-    now, before = Lib(), Lib()
-    now.lls_linear_f32 = lib.lls_linear_f32
-    now.lls_linear_packed_f32 = lib.lls_linear_packed_f32
-    before.lls_linear_f32 = before.lls_linear_packed_f32 = lib.lls_linear_reference_f32
-
-    def use(x):
-        return lambda: setattr(gemm, "cpu_layer_ops", lambda: x)
-    return use(now), use(before)
 
 
 if __name__ == "__main__":
