@@ -159,6 +159,8 @@ constexpr int kSmallRows = 2;
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxChunkRows = 512;
 
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
 inline vf vbroadcast(const float* p) {
 #if LLS_VW == 16
   return (vf)_mm512_set1_ps(*p);  // a load with broadcast, not a shuffle on the FMA port
@@ -214,26 +216,34 @@ inline void store_rows(const LinearArgs& a, const float* c, int64_t ldc, int64_t
 template <class WT, int R, int G, bool PF>
 inline void op_tile(const float* x, int64_t ldx, const WT* const* w, int64_t kn, float* c,
                     int64_t ldc, bool first) {
+  // The fixed-count loops are unrolled before GCC's scalar replacement of ``acc``: left rolled,
+  // the AVX2 build kept ``acc`` mirrored on the stack, one store per FMA (1.2x the time).
   constexpr int NV = G * NRV;
   constexpr int64_t ahead = kPrefetchBytes / G / sizeof(WT);
   vf acc[R][NV];
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) acc[i][j] = first ? vf{} : vload(c + i * ldc + j * VW);
   for (int64_t k = 0; k < kn; ++k) {
     vf wv[NV];
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < NRV; ++j) {
-        const WT* p = w[g] + k * NP + j * VW;
-        if constexpr (PF) __builtin_prefetch(p + ahead);
-        wv[g * NRV + j] = wload(p);
-      }
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+      const WT* p = w[j / NRV] + k * NP + (j % NRV) * VW;
+      if constexpr (PF) __builtin_prefetch(p + ahead);
+      wv[j] = wload(p);
+    }
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const vf xb = vbroadcast(x + i * ldx + k);
+#pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[i][j] = vfma(xb, wv[j], acc[i][j]);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) std::memcpy(c + i * ldc + j * VW, &acc[i][j], sizeof(vf));
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) vstore(c + i * ldc + j * VW, acc[i][j]);
 }
 
 // op_tile with R = r rows (1 <= r <= RMAX), chosen at run time.
