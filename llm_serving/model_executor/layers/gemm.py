@@ -7,7 +7,7 @@ end), can run through:
   order, computed by register tiles of R rows x one or two panels (an outer product per k
   step), the weight read as one contiguous stream per panel. At a few rows (decode at small
   batch) it reads the weights at close to memory bandwidth; at many rows it is bound by its
-  FMAs (~75% of an Intel Xeon core's AVX-512 FMA peak at 128-256 rows);
+  FMAs (60-75% of an Intel Xeon core's AVX-512 FMA peak at 128-256 rows);
 - ``openblas``: OpenBLAS's sgemm (the ``scipy-openblas32`` wheel, micro-kernels dispatched at
   run time for the CPU), single-threaded, called per panel from our shared thread pool
   (``lls_linear_blas_f32``), so it shares the cores with the attention and element-wise
