@@ -120,8 +120,8 @@ def test_bf16_layer_row_alone_equals_row_in_any_batch(n, k):
     from mindspore import Tensor
     layer, w = _bf16_layer(n, k, [n - 2 * (n // 4), n // 4, n // 4])
     assert layer.weight.dtype == __import__("mindspore").uint16
-    width = __import__("llm_serving.model_executor.layers.gemm",
-                       fromlist=["panel_width"]).panel_width()
+    from llm_serving.model_executor.layers.gemm import panel_width
+    width = panel_width()
     assert layer.weight.asnumpy().nbytes == -(-n // width) * width * k * 2   # half of fp32
     rng = np.random.default_rng(1)
     row = rng.standard_normal(k).astype(np.float32)

@@ -111,25 +111,26 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+def packed_shape(n: int, k: int, width: int | None = None) -> tuple[int, int, int]:
+    """The shape of W [n, k] packed in panels of ``width`` (default: this CPU's) columns."""
+    width = width or panel_width()
+    return -(-n // width), k, width
+
+
 def pack_weight(w: np.ndarray, width: int | None = None) -> np.ndarray:
     """W [N, K] (float32, or uint16 bf16 bits) in the kernels' layout: [ceil(N / width), K,
     width], panel p holding columns [p * width, (p + 1) * width) of y, zero-padded past N."""
-    width = width or panel_width()
     n, k = w.shape
+    shape = packed_shape(n, k, width)
+    width = shape[2]
     full, rest = divmod(n, width)
-    out = aligned_empty((full + (rest > 0), k, width), w.dtype)
+    out = aligned_empty(shape, w.dtype)
     if full:
         out[:full] = w[:full * width].reshape(full, width, k).transpose(0, 2, 1)
     if rest:
         out[full] = 0
         out[full, :, :rest] = w[full * width:].T
     return out
-
-
-def unpack_weight(wp: np.ndarray, n: int) -> np.ndarray:
-    """The [n, K] weight a ``pack_weight`` result holds."""
-    panels, k, width = wp.shape
-    return wp.transpose(0, 2, 1).reshape(panels * width, k)[:n]
 
 
 class LinearCall:
@@ -182,7 +183,8 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     else:
         rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
     if rc:
-        raise ValueError(f"{impl} linear rejected shapes x {x.shape}, weight {packed.shape}")
+        raise ValueError(f"{impl} linear failed on x {x.shape}, weight {packed.shape}: "
+                         "inconsistent arguments, or a work buffer could not be allocated")
     if not split:
         return Tensor.from_numpy(flat.reshape(m, call.n))
     return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))

@@ -27,7 +27,7 @@ from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor.layers.custom_op import CustomOp
 from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty, cpu_linear,
-                                                    gemm_plan, pack_weight, panel_width)
+                                                    gemm_plan, pack_weight, packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 from llm_serving.model_executor.parallel_state import get_tp_group
 
@@ -89,9 +89,7 @@ class Linear(CustomOp):
         """A zero weight Parameter in the layout the layer computes with."""
         if not self.packed:
             return Parameter(Tensor(np.zeros(self.gemm_shape, dtype)), requires_grad=False)
-        n, k = self.gemm_shape
-        width = panel_width()
-        arr = aligned_empty((-(-n // width), k, width), dtype)
+        arr = aligned_empty(packed_shape(*self.gemm_shape), dtype)
         arr[...] = 0
         return Parameter(Tensor.from_numpy(arr), requires_grad=False)
 
