@@ -7,9 +7,11 @@ prefill throughput (median of 3), against the memory-bandwidth floor measured in
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
                                 [--arms fp32,bf16]
 
-``--arms`` compares precisions in one run, interleaved step by step (each case alternates the
-arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
-bfloat16``); bf16-weights; bf16-kv. Each arm's floor counts the bytes its weights really take.
+``--arms`` compares configurations in one run, interleaved step by step (each case alternates
+the arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
+bfloat16``); bf16-weights; bf16-kv; fp32-eager (``--enforce-eager``: no decode step replayed
+from a capture, model_executor/cpu_graph.py). Each arm's floor counts the bytes its weights
+really take.
 """
 from __future__ import annotations
 
@@ -79,8 +81,10 @@ class OtherLoad:
 
 
 # arm -> (dtype, kv_cache_dtype)
-ARMS = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "bfloat16"),
-        "bf16-weights": ("bfloat16", "float32"), "bf16-kv": ("float32", "bfloat16")}
+# arm -> (dtype, kv_cache_dtype, enforce_eager)
+ARMS = {"fp32": ("float32", "float32", False), "bf16": ("bfloat16", "bfloat16", False),
+        "bf16-weights": ("bfloat16", "float32", False), "bf16-kv": ("float32", "bfloat16", False),
+        "fp32-eager": ("float32", "float32", True)}
 
 
 def main() -> None:
@@ -115,9 +119,9 @@ def main() -> None:
     seqs = max(max_b, n_prompts)    # else a partial run (--batches 1) prefills one prompt a step
     engines = {}
     for arm in arms:
-        dtype, kv = ARMS[arm]
+        dtype, kv, eager = ARMS[arm]
         engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
-                           kv_cache_dtype=kv,
+                           kv_cache_dtype=kv, enforce_eager=eager,
                            num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
                            max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
     eng = engines[arms[0]]
@@ -164,7 +168,7 @@ def main() -> None:
             while any(s.num_computed_tokens < len(s.prompt_token_ids)
                       for r in rids[arm] for s in e.requests[r].seqs):
                 step(arm, e)
-            for _ in range(3):
+            for _ in range(3):      # (a size's decode steps: run, captured, verified; replayed)
                 step(arm, e)
         times = {arm: [] for arm in arms}
         gemms = {arm: GemmAlone(e, b) for arm, e in engines.items()}

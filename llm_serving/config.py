@@ -108,6 +108,12 @@ class EngineArgs:
         "(CPU: half the bytes per block, so kv_cache_space holds twice the tokens)")
     device: str = _arg("auto",
         "auto, cpu or ascend")
+    enforce_eager: bool = _arg(False,
+        "run every step op by op (CPU: decode steps are otherwise replayed from a capture "
+        "of their kernel calls, one per batch size; vLLM's flag for its CUDA graphs)")
+    max_capture_batch: int = _arg(64,
+        "largest decode batch replayed from a capture; larger ones run op by op (their "
+        "Python is a small part of their time)")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,
@@ -173,10 +179,10 @@ class EngineArgs:
         number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
         number("watermark", self.watermark, 0, high=1)
         positive("tensor_parallel_size", self.tensor_parallel_size)
-        if (isinstance(self.start_device_id, bool) or not isinstance(self.start_device_id, int)
-                or self.start_device_id < 0):
-            raise ConfigError("start_device_id", f"expected an integer >= 0, got "
-                              f"{self.start_device_id!r}")
+        for key in ("start_device_id", "max_capture_batch"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(key, f"expected an integer >= 0, got {value!r}")
         if self.cpu_affinity is not None:
             self.cpu_affinity = parse_cpu_affinity(self.cpu_affinity)
             if len(self.cpu_affinity) != self.tensor_parallel_size:
@@ -207,7 +213,7 @@ class EngineArgs:
         MultiStreamConfig.from_dict(self.multi_stream)      # names a bad knob now
         KVTransferConfig.from_dict(self.kv_transfer_config)   # names a bad key now
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
-                    "enable_multi_stream"):
+                    "enable_multi_stream", "enforce_eager"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -302,6 +308,8 @@ class EngineArgs:
                 cpu_allreduce=self.cpu_allreduce),
             device=DeviceConfig(device=str(self.device).lower(),
                                 start_device_id=self.start_device_id),
+            execution=ExecutionConfig(enforce_eager=self.enforce_eager,
+                                      max_capture_batch=self.max_capture_batch),
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
                   if self.dump_logits else None),
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
@@ -373,6 +381,13 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    """How steps run: decode steps replayed from a capture (model_executor/cpu_graph.py)."""
+    enforce_eager: bool = False
+    max_capture_batch: int = 64
+
+
+@dataclass(frozen=True)
 class DumpConfig:
     """--dump-logits: raw logits of every request saved at every ``every``-th position."""
     directory: str
@@ -386,6 +401,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     dump: Optional[DumpConfig] = None
     multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
     kv_transfer: Optional[KVTransferConfig] = None     # PD disaggregation; None: off

@@ -112,7 +112,9 @@ def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("kwargs, key", [({"block_size": 0}, "block_size"),
                                          ({"max_num_seqs": "many"}, "max_num_seqs"),
-                                         ({"no_such_knob": 1}, "no_such_knob")])
+                                         ({"no_such_knob": 1}, "no_such_knob"),
+                                         ({"enforce_eager": "yes"}, "enforce_eager"),
+                                         ({"max_capture_batch": -1}, "max_capture_batch")])
 def test_bad_engine_argument_names_the_key(tiny_model_dir, kwargs, key):
     from llm_serving import LLM
     with pytest.raises(ConfigError) as e:

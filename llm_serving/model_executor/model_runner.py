@@ -96,6 +96,17 @@ class ModelRunner:
                                                  block_size, tp.rank, tp.size,
                                                  kv_model_tag(config))
             self.kv_connector.register_kv_caches(self.kv_caches)
+        # Decode steps replayed from a capture (cpu_graph.py): CPU kernels on one rank, no
+        # KV connector (its hooks read the hidden states), unless --enforce-eager.
+        self.graphs = None
+        from llm_serving.model_executor.layers.custom_op import use_cpu_kernels
+        ex = config.execution
+        if (self.device == "CPU" and use_cpu_kernels() and tp.size == 1
+                and self.kv_connector is None and not ex.enforce_eager
+                and ex.max_capture_batch > 0):
+            from llm_serving.model_executor.cpu_graph import CpuGraphs
+            self.graphs = CpuGraphs(self._forward_logits, ex.max_capture_batch,
+                                    -(-m.max_model_len // block_size))
         self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
         self._results: collections.deque = collections.deque()   # submitted, not collected
@@ -126,13 +137,33 @@ class ModelRunner:
 
     def _run(self, step: StepInput):
         """The model's final hidden states for every token row of the step."""
-        md = self.backend.prepare(AttentionMetadata(
-            step.slot_mapping, step.block_tables, step.query_start_loc, step.seq_lens,
-            self.block_size))
+        md = AttentionMetadata(step.slot_mapping, step.block_tables, step.query_start_loc,
+                               step.seq_lens, self.block_size)
         split = int(np.ravel(step.ms_split)[0])     # an int in process, an array from shm
-        with set_forward_context(ForwardContext(md, self.kv_caches, len(step.input_ids),
+        return self._hidden(Tensor(step.input_ids), Tensor(step.positions), md, split)
+
+    def _hidden(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata,
+                split: int = 0):
+        md = self.backend.prepare(md)
+        with set_forward_context(ForwardContext(md, self.kv_caches, input_ids.shape[0],
                                                 split, self.backend)):
-            return self.model(Tensor(step.input_ids), Tensor(step.positions))
+            return self.model(input_ids, positions)
+
+    def _forward_logits(self, input_ids, positions, slot_mapping, block_tables,
+                        query_start_loc, seq_lens) -> np.ndarray:
+        """The logits of every row, the model reading these arrays' own memory (the CPU
+        graphs' inputs: a replay reads them where the capture did)."""
+        md = AttentionMetadata(slot_mapping, block_tables, query_start_loc, seq_lens,
+                               self.block_size)
+        hidden = self._hidden(Tensor.from_numpy(input_ids), Tensor.from_numpy(positions), md)
+        return self.model.compute_logits(hidden)
+
+    def _graph_logits(self, step: StepInput, rows: np.ndarray) -> Optional[np.ndarray]:
+        """The step's logits from a replayed capture, or None: run it eagerly."""
+        if (self.graphs is None or len(step.prompt_lp_rows) or int(np.ravel(step.ms_split)[0])
+                or not self.graphs.replayable(step)):
+            return None
+        return self.graphs.logits(step, rows)
 
     def _logits(self, hidden, rows: np.ndarray) -> np.ndarray:
         if len(rows) == 0:
@@ -198,8 +229,11 @@ class ModelRunner:
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
         if len(step.pending_pos):
             self._fill_pending(step, rows)
-        hidden = self._run(step)
-        logits = self._logits(hidden, rows)
+        hidden = None
+        logits = None if with_hidden else self._graph_logits(step, rows)
+        if logits is None:
+            hidden = self._run(step)
+            logits = self._logits(hidden, rows)
         if self.tp.timers is not None:          # bench/bench_multistream.py only
             self.tp.timers.step_done()
         # Every rank takes part in the vocab-parallel gathers of the prompt rows' logits.

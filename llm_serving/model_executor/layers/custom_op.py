@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor, nn
 
+from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.cpp_build import load_cpp_library
 
 _SRC = Path(__file__).parent / "kernels" / "cpu_layer_ops.cpp"
@@ -80,8 +81,9 @@ def use_cpu_kernels() -> bool:
 
 
 def empty(shape, dtype=np.float32) -> tuple[np.ndarray, Tensor]:
-    """A fresh host buffer and the MindSpore tensor that shares its memory."""
-    arr = np.empty(shape, dtype=dtype)
+    """A kernel's output: a fresh host buffer (the CPU graph arena's during a capture) and
+    the MindSpore tensor that shares its memory."""
+    arr = cpu_graph.empty(shape, dtype)
     return arr, Tensor.from_numpy(arr)
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor
 
+from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.layers.custom_op import cpu_layer_ops, row_stride
 
 CANDIDATES = ("openblas", "kernel")
@@ -161,7 +162,7 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     panels, pk, width = packed.shape
     if pk != k or panels * width < call.n or (panels - 1) * width >= call.n:
         raise ValueError(f"packed weight {packed.shape} does not hold [{call.n}, {k}]")
-    flat = np.empty(m * call.n, np.float32)
+    flat = cpu_graph.empty(m * call.n, np.float32)
     base = flat.ctypes.data
     offs = call.offsets
     if split:
@@ -177,11 +178,11 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     if bf16:
         if impl != "kernel":
             raise ValueError(f"bfloat16 weights run on our kernel only, not {impl}")
-        rc = lib.lls_linear_bf16(*args)
+        rc = cpu_graph.launch(lib.lls_linear_bf16, *args)
     elif impl == "kernel":
-        rc = lib.lls_linear_f32(*args)
+        rc = cpu_graph.launch(lib.lls_linear_f32, *args)
     else:
-        rc = lib.lls_linear_blas_f32(openblas_sgemm(), _BLAS_ITEMS, *args)
+        rc = cpu_graph.launch(lib.lls_linear_blas_f32, openblas_sgemm(), _BLAS_ITEMS, *args)
     if rc:
         raise ValueError(f"{impl} linear failed on x {x.shape}, weight {packed.shape}: "
                          "inconsistent arguments, or a work buffer could not be allocated")
@@ -255,7 +256,8 @@ class GemmPlan:
         key = f"{n},{k},{bucket}" if self.per_bucket else f"{n},{k}"
         choice = self.choices.get(key)
         if choice is None:
-            choice = self.probe(layer, key, [bucket] if self.per_bucket else PROBE_ROWS)
+            with cpu_graph.paused():            # the probe's GEMMs are not the step's
+                choice = self.probe(layer, key, [bucket] if self.per_bucket else PROBE_ROWS)
         return choice
 
     def probe(self, layer, key: str, rows) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
+from llm_serving.model_executor.cpu_graph import launch
 from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, empty, ptr
 
 
@@ -29,8 +30,9 @@ class RMSNorm(CustomOp):
         _, out = empty(x.shape)
         lib = cpu_layer_ops()
         if residual is None:
-            lib.rms_norm_f32(ptr(x), ptr(self.weight), ptr(out), rows, self.hidden_size, self.eps)
+            launch(lib.rms_norm_f32, ptr(x), ptr(self.weight), ptr(out), rows,
+                   self.hidden_size, self.eps)
             return out
-        lib.add_rms_norm_f32(ptr(x), ptr(residual), ptr(self.weight), ptr(out), rows,
-                             self.hidden_size, self.eps)
+        launch(lib.add_rms_norm_f32, ptr(x), ptr(residual), ptr(self.weight), ptr(out), rows,
+               self.hidden_size, self.eps)
         return out, residual

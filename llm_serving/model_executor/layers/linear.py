@@ -25,11 +25,18 @@ from __future__ import annotations
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from llm_serving.model_executor.layers.custom_op import CustomOp
+from llm_serving.model_executor import cpu_graph
+from llm_serving.model_executor.cpu_graph import launch
+from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty, cpu_linear,
                                                     gemm_plan, pack_weight, packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 from llm_serving.model_executor.parallel_state import get_tp_group
+
+
+def _take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    np.take(table, ids, axis=0, out=out)
+
 
 def _param(shape) -> Parameter:
     return Parameter(Tensor(np.zeros(shape, np.float32)), requires_grad=False)
@@ -134,6 +141,7 @@ class Linear(CustomOp):
     def forward_cpu(self, x):
         impl = "kernel" if self.bf16 else self._plan.choose(self, x.shape[0])
         if self.reduce:
+            cpu_graph.unsupported("a tensor-parallel all-reduce")
             tp = get_tp_group()
             if self.bias is not None and tp.deferring:
                 # The sum lands later (multi-stream): rank 0 adds the bias before it.
@@ -149,6 +157,7 @@ class Linear(CustomOp):
         if self.bf16:
             impl = "kernel"
         if impl == "matmul":
+            cpu_graph.unsupported("a GEMM runs on MindSpore's MatMul")
             if self.packed:
                 raise ValueError("MatMul reads the unpacked weight: set LLM_SERVING_GEMM=matmul "
                                  "before the model is built")
@@ -223,7 +232,10 @@ class VocabEmbedding(CustomOp):
             return self.forward_native(input_ids)
         # A NumPy gather on the weight's own memory: MindSpore's gather op costs ~0.4 ms a call
         # on CPU, the copy of a few rows microseconds. Ids are checked at admission.
-        return Tensor.from_numpy(self.weight.asnumpy()[input_ids.asnumpy()])
+        ids = input_ids.asnumpy()
+        out, tensor = empty((len(ids), self.weight.shape[1]))
+        launch(_take_rows, self.weight.asnumpy(), ids, out)
+        return tensor
 
     def compute_logits(self, hidden_states):
         """float32 logits [M, vocab] (on rank 0; None on the other ranks)."""
@@ -253,6 +265,7 @@ class VocabEmbedding(CustomOp):
     def gemm(self, impl: str, hidden_states):
         """hidden_states @ weight.T (this rank's logits) with implementation ``impl``."""
         if impl == "matmul":
+            cpu_graph.unsupported("the logits GEMM runs on MindSpore's MatMul")
             return self.logits_matmul(hidden_states, self.weight)
         return cpu_linear(hidden_states, self.packed_head(), self.gemm_call, impl=impl)
 

@@ -6,6 +6,7 @@ import math
 import numpy as np
 from mindspore import Tensor, ops
 
+from llm_serving.model_executor.cpu_graph import launch
 from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, ptr, row_stride
 
 
@@ -63,8 +64,7 @@ class RotaryEmbedding(CustomOp):
     def forward_cpu(self, positions, q, k):
         """Rotates q and k in place: they are this step's slices of the fused qkv output."""
         t = q.shape[0]
-        cpu_layer_ops().rotary_embedding_f32(
-            ptr(q), ptr(k), ptr(positions), self.cos_sin_np.ctypes.data, t,
-            q.shape[1] // self.head_dim, k.shape[1] // self.head_dim, self.head_dim,
-            row_stride(q), row_stride(k))
+        launch(cpu_layer_ops().rotary_embedding_f32, ptr(q), ptr(k), ptr(positions),
+               self.cos_sin_np.ctypes.data, t, q.shape[1] // self.head_dim,
+               k.shape[1] // self.head_dim, self.head_dim, row_stride(q), row_stride(k))
         return q, k

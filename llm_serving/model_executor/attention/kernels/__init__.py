@@ -54,6 +54,7 @@ import numpy as np
 
 from llm_serving.errors import LLMServingError
 from llm_serving.model_executor import cpp_build as _cpp
+from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.cpp_build import KernelBuildError, kernel_cache_dir
 
 __all__ = [
@@ -456,9 +457,10 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
     if tk != tv or nsm != tk:
         raise KernelArgumentError(
             f"k, v and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
-    out = np.empty((t, h * d), dtype=np.float32)
-    rc = _fn("lls_attention_fused", k_cache)(qp, qs, kp, ks, vp, vs, kc, vc, smp, tk, btp, mb, qslp, slp, s,
-                                    t, h, kvh, d, bs, nb, float(scale), out.ctypes.data, h * d)
+    out = cpu_graph.empty((t, h * d), np.float32)
+    rc = cpu_graph.launch(_fn("lls_attention_fused", k_cache), qp, qs, kp, ks, vp, vs, kc, vc,
+                          smp, tk, btp, mb, qslp, slp, s, t, h, kvh, d, bs, nb, float(scale),
+                          out.ctypes.data, h * d)
     if rc:
         _raise(rc, "attention_forward")
     return _ms_tensor().from_numpy(out)

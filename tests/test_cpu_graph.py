@@ -1,0 +1,177 @@
+"""CPU graphs (model_executor/cpu_graph.py): decode steps replayed from a capture of their
+kernel calls must give what running them op by op gives, and fall back to op by op whenever
+a capture cannot be trusted."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_serving import LLM, SamplingParams
+from llm_serving.executor.protocol import StepInput
+from llm_serving.model_executor import cpu_graph
+from llm_serving.model_executor.cpu_graph import CpuGraphs
+
+
+def _generate(model_dir, enforce_eager, prompts, params):
+    llm = LLM(model_dir, num_blocks=128, block_size=16, max_num_seqs=6,
+              enforce_eager=enforce_eager)
+    outs = llm.generate(prompts, params)
+    return outs, llm.engine.runner.graphs
+
+
+def _prompts(vocab, n=9, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, vocab, int(rng.integers(3, 40))).tolist()}
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("variant", ["llama3-gqa", "qwen2-mqa-tied"])
+def test_replayed_decode_steps_give_the_eager_tokens_and_logprobs(model_dirs, variant):
+    # Outputs of different lengths: the decode batch shrinks from 6 to 1 as requests end, so
+    # several batch sizes are captured, verified and replayed; seeded sampling and logprobs
+    # read the logits themselves.
+    prompts = _prompts(1024)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2,
+                             ignore_eos=True, max_tokens=12 + 5 * i) for i in range(len(prompts))]
+    replayed, graphs = _generate(model_dirs[variant], False, prompts, params)
+    eager, no_graphs = _generate(model_dirs[variant], True, prompts, params)
+    assert no_graphs is None
+    assert graphs.stats.replayed_steps > 20 and len(graphs.stats.captured) >= 3
+    assert not graphs.stats.failed
+    for r, e in zip(replayed, eager):
+        assert r.outputs[0].token_ids == e.outputs[0].token_ids
+        assert r.outputs[0].logprobs == e.outputs[0].logprobs
+
+
+def test_a_computation_outside_the_recorded_kernels_is_caught(model_dirs, monkeypatch):
+    # SiLU-and-mul computed by NumPy instead of a launched kernel: the values are right when it
+    # runs, but a replay would keep the captured step's. The verification step must see it,
+    # and the steps run op by op, still right.
+    from llm_serving.model_executor.layers.activation import SiluAndMul
+    from mindspore import Tensor
+
+    def numpy_silu(self, x):
+        a = x.asnumpy()
+        f = a.shape[1] // 2
+        g = a[:, :f].astype(np.float64)
+        return Tensor.from_numpy((g / (1 + np.exp(-g)) * a[:, f:]).astype(np.float32))
+
+    prompts = _prompts(1024, n=4, seed=1)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)
+    monkeypatch.setattr(SiluAndMul, "forward_cpu", numpy_silu)
+    caught, graphs = _generate(model_dirs["llama3-gqa"], False, prompts, params)
+    eager, _ = _generate(model_dirs["llama3-gqa"], True, prompts, params)
+    assert graphs.stats.replayed_steps == 0 and not graphs.stats.captured
+    assert "did not reproduce" in graphs.stats.failed[4]
+    assert [o.outputs[0].token_ids for o in caught] == [o.outputs[0].token_ids for o in eager]
+
+
+# ---- CpuGraphs alone, on a stand-in forward ------------------------------------------------
+
+def _fill(ids, positions, out):
+    out[...] = ids[:, None] * 100.0 + positions[:, None] + np.arange(out.shape[1])
+
+
+def _step(ids, positions):
+    b = len(ids)
+    return StepInput(np.array(ids, np.int32), np.array(positions, np.int32),
+                     np.arange(b, dtype=np.int32), np.zeros((b, 2), np.int32),
+                     np.arange(b + 1, dtype=np.int32), np.ones(b, np.int32),
+                     np.arange(b, dtype=np.int32))
+
+
+def _expected(step, rows):
+    out = np.empty((len(step.input_ids), 3), np.float32)
+    _fill(step.input_ids, step.positions, out)
+    return out[rows]
+
+
+class _Forward:
+    """Writes ids * 100 + position + column through a launched kernel; ``extra`` allocates
+    b * b more floats (outputs that grow faster than the rows), ``mode`` misbehaves."""
+
+    def __init__(self, extra=False, mode=None):
+        self.extra, self.mode, self.calls = extra, mode, 0
+
+    def __call__(self, ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens):
+        self.calls += 1
+        b = len(ids)
+        if self.extra:
+            cpu_graph.empty(b * b * 64, np.float32)
+        out = cpu_graph.empty((b, 3), np.float32)
+        if self.mode == "unlaunched":
+            _fill(ids, positions, out)
+        else:
+            cpu_graph.launch(_fill, ids, positions, out)
+        if self.mode == "unsupported":
+            cpu_graph.unsupported("a stand-in collective")
+        return out
+
+
+def _run(graphs, b, start, rows=None):
+    step = _step(list(range(start, start + b)), list(range(7, 7 + b)))
+    rows = np.arange(b) if rows is None else rows
+    assert graphs.replayable(step)
+    got = graphs.logits(step, rows)
+    assert got is None or np.array_equal(got, _expected(step, rows))
+    return got
+
+
+def test_a_batch_size_is_eager_then_captured_then_verified_then_replayed():
+    fwd = _Forward()
+    graphs = CpuGraphs(fwd, max_batch=8, max_blocks_per_seq=4)
+    assert _run(graphs, 3, 10) is None                      # first sight: the caller runs it
+    # captured while run: twice, as the arena starts empty (the first run sizes it)
+    assert _run(graphs, 3, 20) is not None and fwd.calls == 2
+    assert _run(graphs, 3, 30) is not None and fwd.calls == 3      # replayed and run: equal
+    assert graphs.stats.captured == [3]
+    for start in (40, 50, 60):                              # replayed: new inputs each time
+        got = _run(graphs, 3, start, rows=np.array([2, 0]))
+        assert got is not None and got.shape == (2, 3)
+    assert fwd.calls == 3 and graphs.stats.replayed_steps == 3
+    # A returned array is the caller's: the next replay does not change it.
+    kept = _run(graphs, 3, 70)
+    before = kept.copy()
+    _run(graphs, 3, 80)
+    assert np.array_equal(kept, before)
+
+
+def test_steps_it_cannot_replay_are_refused():
+    graphs = CpuGraphs(_Forward(), max_batch=4, max_blocks_per_seq=2)
+    assert not graphs.replayable(_step(range(5), range(5)))           # above max_batch
+    wide = _step([1, 2], [3, 4])
+    wide.block_tables = np.zeros((2, 3), np.int32)                    # more blocks than fit
+    assert not graphs.replayable(wide)
+    prefill = _step([1, 2, 3], [0, 1, 2])
+    prefill.seq_lens = np.array([3], np.int32)                        # one sequence, 3 rows
+    prefill.query_start_loc = np.array([0, 3], np.int32)
+    assert not graphs.replayable(prefill)
+
+
+def test_the_arena_grows_and_earlier_captures_are_made_again():
+    graphs = CpuGraphs(_Forward(extra=True), max_batch=8, max_blocks_per_seq=4)
+    for start in (0, 10, 20):
+        _run(graphs, 2, start)
+    assert graphs.stats.captured == [2]
+    small = len(graphs.arena)
+    for start in (30, 40):                       # 8 rows need more than 4x what 2 rows did
+        _run(graphs, 8, start)
+    assert len(graphs.arena) > small
+    assert graphs.stats.captured == []           # the 2-row capture pointed at the old arena
+    _run(graphs, 8, 50)                          # the 8-row capture, made again, verified
+    assert graphs.stats.captured == [8]
+    for start in (60, 70, 80, 90):
+        assert _run(graphs, 2, start) is not None
+    assert sorted(graphs.stats.captured) == [2, 8]
+    assert _run(graphs, 8, 100) is not None and _run(graphs, 2, 110) is not None
+
+
+@pytest.mark.parametrize("mode, why", [("unlaunched", "did not reproduce"),
+                                       ("unsupported", "a stand-in collective")])
+def test_a_capture_that_cannot_be_trusted_runs_eagerly_from_then_on(mode, why):
+    fwd = _Forward(mode=mode)
+    graphs = CpuGraphs(fwd, max_batch=4, max_blocks_per_seq=2)
+    results = [_run(graphs, 2, start) for start in range(0, 60, 10)]
+    assert why in graphs.stats.failed[2]
+    assert graphs.stats.replayed_steps == 0 and not graphs.stats.captured
+    assert results[-1] is None                  # the caller runs the step itself
