@@ -175,3 +175,33 @@ def test_a_capture_that_cannot_be_trusted_runs_eagerly_from_then_on(mode, why):
     assert why in graphs.stats.failed[2]
     assert graphs.stats.replayed_steps == 0 and not graphs.stats.captured
     assert results[-1] is None                  # the caller runs the step itself
+
+
+def test_a_capture_records_only_its_own_threads_kernels():
+    # Two engines in one process (a PD pair, several LLMs) step at once: the kernels another
+    # thread launches during a capture must not be replayed with it.
+    import threading
+    other_calls = []
+    go, done = threading.Event(), threading.Event()
+
+    def other_engine():
+        go.wait(10)
+        cpu_graph.launch(other_calls.append, cpu_graph.empty(4, np.float32))
+        done.set()
+
+    def forward(ids, positions, *rest):
+        if cpu_graph._state.capture is not None and not go.is_set():
+            go.set()
+            assert done.wait(10)
+        out = cpu_graph.empty((len(ids), 3), np.float32)
+        cpu_graph.launch(_fill, ids, positions, out)
+        return out
+
+    thread = threading.Thread(target=other_engine)
+    thread.start()
+    graphs = CpuGraphs(forward, max_batch=4, max_blocks_per_seq=2)
+    for start in range(0, 80, 10):
+        _run(graphs, 2, start)
+    thread.join(10)
+    assert len(other_calls) == 1 and graphs.stats.replayed_steps == 5
+    assert [fn for fn, _ in graphs.graphs[2].ops] == [_fill]

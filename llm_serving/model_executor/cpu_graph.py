@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -62,58 +63,72 @@ class _Capture:
         return self.arena[start:start + nbytes].view(dtype).reshape(shape)
 
 
-_capture: Optional[_Capture] = None
+class _State(threading.local):
+    capture: Optional[_Capture] = None      # the step this thread is recording, if any
+
+
+# Per thread: engines in one process (a PD pair in tests, several LLMs) may step at once, and
+# one's kernels must never land in another's capture.
+_state = _State()
+
+
+def _recording() -> Optional[_Capture]:
+    cap = _state.capture
+    return cap if cap is not None and not cap.paused else None
 
 
 def launch(fn: Callable, *args):
-    """Call kernel ``fn(*args)``, recording the call when a step is being captured.
+    """Call kernel ``fn(*args)``, recording the call when this thread captures a step.
 
     ``args`` must be what the kernel reads at call time (pointers, sizes, NumPy arrays it
     fills in place), never values computed from the data: a replay calls ``fn`` with the
     same arguments."""
     rc = fn(*args)
-    if _capture is not None and not _capture.paused:
-        _capture.ops.append((fn, args))
+    cap = _state.capture
+    if cap is not None and not cap.paused:
+        cap.ops.append((fn, args))
     return rc
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
     """A kernel's output buffer: fresh memory, or during a capture the arena's."""
-    if _capture is not None and not _capture.paused:
-        return _capture.alloc(shape, dtype)
+    cap = _state.capture
+    if cap is not None and not cap.paused:
+        return cap.alloc(shape, dtype)
     return np.empty(shape, dtype)
 
 
 def unsupported(reason: str) -> None:
     """Mark the step being captured (if any) as not replayable: ``reason`` computes outside
     ``launch`` (MindSpore's MatMul, a collective)."""
-    if _capture is not None and not _capture.paused and _capture.unsupported is None:
-        _capture.unsupported = reason
+    cap = _recording()
+    if cap is not None and cap.unsupported is None:
+        cap.unsupported = reason
 
 
 @contextlib.contextmanager
 def paused():
     """Run eagerly, unrecorded, inside a capture (the GEMM plan's probe)."""
-    if _capture is None:
+    cap = _state.capture
+    if cap is None:
         yield
         return
-    _capture.paused += 1
+    cap.paused += 1
     try:
         yield
     finally:
-        _capture.paused -= 1
+        cap.paused -= 1
 
 
 @contextlib.contextmanager
 def _capturing(arena: np.ndarray):
-    global _capture
-    if _capture is not None:
+    if _state.capture is not None:
         raise RuntimeError("a capture is already running")
-    _capture = cap = _Capture(arena)
+    _state.capture = cap = _Capture(arena)
     try:
         yield cap
     finally:
-        _capture = None
+        _state.capture = None
 
 
 @dataclass
