@@ -45,7 +45,6 @@ class _Capture:
 
     def __init__(self, arena: np.ndarray):
         self.arena = arena
-        self.used = 0                   # bytes of the arena handed out
         self.needed = 0                 # bytes the step asked for (may exceed the arena)
         self.ops: list = []
         self.unsupported: Optional[str] = None
@@ -59,7 +58,6 @@ class _Capture:
         if self.needed > len(self.arena):
             # Too small: this step finishes on fresh memory, and is not kept.
             return np.empty(shape, dtype)
-        self.used = self.needed
         return self.arena[start:start + nbytes].view(dtype).reshape(shape)
 
 
