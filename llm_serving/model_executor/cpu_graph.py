@@ -200,8 +200,11 @@ class CpuGraphs:
             eager = self._eager(b)
             if np.array_equal(replayed, eager):
                 graph.verified = True
+                if not self.stats.captured and not self.stats.replayed_steps:
+                    logger.info("CPU graphs: decode steps of up to %d sequences are replayed "
+                                "from a capture of their kernels (the first: %d; "
+                                "--enforce-eager turns it off)", self.max_batch, b)
                 self.stats.captured.append(b)
-                logger.debug("decode steps of %d sequences are replayed from now on", b)
             else:
                 self._fail(b, "its replay did not reproduce the eager logits")
             return eager[rows]
