@@ -82,18 +82,16 @@ def launch(fn: Callable, *args):
     fills in place), never values computed from the data: a replay calls ``fn`` with the
     same arguments."""
     rc = fn(*args)
-    cap = _state.capture
-    if cap is not None and not cap.paused:
+    cap = _recording()
+    if cap is not None:
         cap.ops.append((fn, args))
     return rc
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
     """A kernel's output buffer: fresh memory, or during a capture the arena's."""
-    cap = _state.capture
-    if cap is not None and not cap.paused:
-        return cap.alloc(shape, dtype)
-    return np.empty(shape, dtype)
+    cap = _recording()
+    return cap.alloc(shape, dtype) if cap is not None else np.empty(shape, dtype)
 
 
 def unsupported(reason: str) -> None:

@@ -26,7 +26,6 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor import cpu_graph
-from llm_serving.model_executor.cpu_graph import launch
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty, cpu_linear,
                                                     gemm_plan, pack_weight, packed_shape)
@@ -234,7 +233,7 @@ class VocabEmbedding(CustomOp):
         # on CPU, the copy of a few rows microseconds. Ids are checked at admission.
         ids = input_ids.asnumpy()
         out, tensor = empty((len(ids), self.weight.shape[1]))
-        launch(_take_rows, self.weight.asnumpy(), ids, out)
+        cpu_graph.launch(_take_rows, self.weight.asnumpy(), ids, out)
         return tensor
 
     def compute_logits(self, hidden_states):
