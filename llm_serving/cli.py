@@ -134,6 +134,7 @@ def main(argv=None) -> None:
     import logging
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ["LLM_SERVING_LOG_LEVEL"] = args.log_level.upper()    # for the WorkAgents
     try:
         if args.command == "proxy":
             from llm_serving.proxy.server import run_proxy

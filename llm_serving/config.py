@@ -111,7 +111,7 @@ class EngineArgs:
     enforce_eager: bool = _arg(False,
         "run every step op by op (CPU: decode steps are otherwise replayed from a capture "
         "of their kernel calls, one per batch size; vLLM's flag for its CUDA graphs)")
-    max_capture_batch: int = _arg(64,
+    max_capture_batch: int = _arg(128,
         "largest decode batch replayed from a capture; larger ones run op by op (their "
         "Python is a small part of their time)")
     seed: int = _arg(0,
@@ -384,7 +384,7 @@ class DeviceConfig:
 class ExecutionConfig:
     """How steps run: decode steps replayed from a capture (model_executor/cpu_graph.py)."""
     enforce_eager: bool = False
-    max_capture_batch: int = 64
+    max_capture_batch: int = 128
 
 
 @dataclass(frozen=True)

@@ -82,12 +82,23 @@ def exit_with_master() -> None:
     watch_parent(lambda: _exit(0))
 
 
+def _configure_logging(rank: int) -> None:
+    """Log to stderr (the master's) at the master's --log-level, naming the agent."""
+    import logging
+    level = os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=getattr(logging, level, None) if level in
+                        ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s (WorkAgent {rank}): "
+                               "%(message)s")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     ignore_stop_signals()
     exit_with_master()
     conn = Connection(args.control_fd)
     rank = args.tp_rank
+    _configure_logging(rank)
     # Only the standard library so far: reading the config needs no MindSpore.
     from llm_serving.config import EngineConfig
     config = EngineConfig.from_json(args.config)

@@ -11,12 +11,16 @@ wrote during the capture.
 How a step becomes replayable (``CpuGraphs.logits``):
 1. the first decode step of ``b`` sequences runs eagerly (it warms the GEMM plan's probe);
 2. the second runs eagerly too, recorded: every kernel call goes through ``launch``, and
-   every kernel output is allocated with ``empty`` from one arena that all batch sizes share
-   (only one step runs at a time, and the logits are copied out);
-3. the third is replayed, then run eagerly (which rewrites its K/V slots), and the replay is
-   kept only if its logits equal the eager ones bit for bit (a computation outside ``launch``
-   would leave a stale value and fail this);
-4. from then on the step is replayed.
+   every kernel output is allocated with ``empty``, on fresh memory kept until the step ends;
+3. the recorded calls are laid out on one arena that all batch sizes share (only one step
+   runs at a time, and the logits are copied out): a buffer's bytes are reused once the last
+   kernel that reads it has run, so the arena holds about one layer's outputs and the
+   logits, not every layer's. Every pointer argument into a recorded buffer, plain, in a
+   ctypes pointer array or as a NumPy array's memory, is moved to the buffer's place there;
+4. the third is replayed, then run eagerly (which rewrites its K/V slots), and the replay is
+   kept only if its logits equal the eager ones bit for bit (a computation outside ``launch``,
+   or a buffer read after its bytes were reused, would fail this);
+5. from then on the step is replayed.
 
 Only what the recorded kernels read may change between replays: the step's token ids,
 positions, slot mapping, block tables and sequence lengths (``CpuGraphs`` copies them into
@@ -27,7 +31,9 @@ flag) turns replay off.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -41,11 +47,11 @@ _ALIGN = 64
 
 
 class _Capture:
-    """The kernel calls of one step being recorded, and the arena their outputs come from."""
+    """The kernel calls of one step being recorded, and the buffers their outputs went to
+    (fresh memory, kept alive while the step is laid out on the arena)."""
 
-    def __init__(self, arena: np.ndarray):
-        self.arena = arena
-        self.needed = 0                 # bytes the step asked for (may exceed the arena)
+    def __init__(self):
+        self.buffers: list = []
         self.ops: list = []
         self.unsupported: Optional[str] = None
         self.paused = 0
@@ -53,12 +59,9 @@ class _Capture:
     def alloc(self, shape, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize
-        start = self.needed
-        self.needed += -(-nbytes // _ALIGN) * _ALIGN
-        if self.needed > len(self.arena):
-            # Too small: this step finishes on fresh memory, and is not kept.
-            return np.empty(shape, dtype)
-        return self.arena[start:start + nbytes].view(dtype).reshape(shape)
+        raw = _aligned_bytes(max(nbytes, 1))
+        self.buffers.append(raw)
+        return raw[:nbytes].view(dtype).reshape(shape)
 
 
 class _State(threading.local):
@@ -89,7 +92,8 @@ def launch(fn: Callable, *args):
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
-    """A kernel's output buffer: fresh memory, or during a capture the arena's."""
+    """A kernel's output buffer (fresh memory; during a capture, a buffer the capture lays
+    out on the arena)."""
     cap = _recording()
     return cap.alloc(shape, dtype) if cap is not None else np.empty(shape, dtype)
 
@@ -117,21 +121,133 @@ def paused():
 
 
 @contextlib.contextmanager
-def _capturing(arena: np.ndarray):
+def _capturing():
     if _state.capture is not None:
         raise RuntimeError("a capture is already running")
-    _state.capture = cap = _Capture(arena)
+    _state.capture = cap = _Capture()
     try:
         yield cap
     finally:
         _state.capture = None
 
 
+class _Unmovable(Exception):
+    """A recorded argument the layout cannot move (its reason is why the step runs eagerly)."""
+
+
+# Argument templates: ("p", buffer, offset) a pointer; ("a", ctypes array type, [templates])
+# an array of pointers; ("n", buffer, offset, shape, dtype, strides) a NumPy array's memory;
+# anything else a literal, passed as recorded.
+_POINTER_ARRAY_TYPES = (ctypes.c_void_p,)
+
+
+class _Layout:
+    """A captured step's kernel calls, with every pointer into a recorded buffer written as
+    (buffer, offset), and each buffer's place on the arena: buffers whose uses (the first to
+    the last recorded call that points into them) overlap get disjoint bytes, the others may
+    share. The logits stay live to the end."""
+
+    def __init__(self, cap: _Capture, logits: np.ndarray):
+        bufs = sorted(cap.buffers, key=lambda b: b.ctypes.data)
+        self._starts = [b.ctypes.data for b in bufs]
+        self._ends = [b.ctypes.data + len(b) for b in bufs]
+        self.sizes = [-(-len(b) // _ALIGN) * _ALIGN for b in bufs]
+        first: dict = {}
+        last: dict = {}
+        self.ops = []
+        for i, (fn, args) in enumerate(cap.ops):
+            used: set = set()
+            self.ops.append((fn, tuple(self._template(a, used) for a in args)))
+            for b in used:
+                first.setdefault(b, i)
+                last[b] = i
+        out = self._template(logits, set())
+        if not (isinstance(out, tuple) and out[0] == "n"):
+            raise _Unmovable("its logits are not a recorded kernel's output")
+        self.logits = out
+        first.setdefault(out[1], len(cap.ops))
+        last[out[1]] = len(cap.ops)
+        self.offsets = self._place(first, last)
+        self.nbytes = max((self.offsets[b] + self.sizes[b] for b in self.offsets), default=0)
+
+    def _locate(self, addr: int):
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i if i >= 0 and addr <= self._ends[i] else None
+
+    def _template(self, arg, used: set):
+        if isinstance(arg, bool) or arg is None or isinstance(arg, (float, str, bytes)):
+            return arg
+        if isinstance(arg, int):
+            b = self._locate(arg)
+            if b is None:
+                return arg
+            used.add(b)
+            return ("p", b, arg - self._starts[b])
+        if isinstance(arg, np.ndarray):
+            b = self._locate(arg.__array_interface__["data"][0])
+            if b is None:
+                return arg
+            used.add(b)
+            return ("n", b, arg.__array_interface__["data"][0] - self._starts[b], arg.shape,
+                    arg.dtype, arg.strides)
+        if isinstance(arg, ctypes.Array):
+            if arg._type_ in _POINTER_ARRAY_TYPES:
+                items = [self._template(v, used) for v in arg]
+                if any(isinstance(t, tuple) for t in items):
+                    return ("a", type(arg), items)
+                return arg
+            if issubclass(arg._type_, ctypes._SimpleCData) and arg._type_._type_ not in "zZPO":
+                return arg          # numbers (a split, leading dimensions)
+        elif isinstance(arg, ctypes._SimpleCData) and arg._type_ not in "zZO":
+            if arg._type_ == "P" and arg.value is not None and self._locate(arg.value) is not None:
+                raise _Unmovable("a c_void_p argument into a recorded buffer (pass an int)")
+            return arg
+        elif isinstance(arg, np.generic) or callable(arg):
+            return arg
+        raise _Unmovable(f"a kernel argument of type {type(arg).__name__}")
+
+    def _place(self, first: dict, last: dict) -> dict:
+        """First fit, largest buffer first, among the placed buffers live at the same time."""
+        placed: list = []           # (offset, end, first use, last use)
+        offsets = {}
+        for b in sorted(first, key=lambda b: (-self.sizes[b], first[b])):
+            lo, hi, size = first[b], last[b], self.sizes[b]
+            off = 0
+            for o, e in sorted((o, e) for o, e, f, l in placed if f <= hi and lo <= l):
+                if off + size <= o:
+                    break
+                off = max(off, e)
+            offsets[b] = off
+            placed.append((off, off + size, lo, hi))
+        return offsets
+
+    def bind(self, arena: np.ndarray):
+        """The calls and the logits array, on this arena."""
+        base = arena.ctypes.data
+
+        def arg(t):
+            if not isinstance(t, tuple):
+                return t
+            if t[0] == "p":
+                return base + self.offsets[t[1]] + t[2]
+            if t[0] == "a":
+                return t[1](*[arg(v) for v in t[2]])
+            _, b, off, shape, dtype, strides = t
+            return np.ndarray(shape, dtype, buffer=arena, offset=self.offsets[b] + off,
+                              strides=strides)
+
+        return [(fn, tuple(arg(a) for a in args)) for fn, args in self.ops], arg(self.logits)
+
+
 @dataclass
 class _Graph:
-    ops: list
-    logits: np.ndarray              # the arena's logits buffer [b, vocab]
+    layout: _Layout
+    ops: list = field(default_factory=list)
+    logits: Optional[np.ndarray] = None     # the arena's logits buffer [b, vocab]
     verified: bool = False
+
+    def bind(self, arena: np.ndarray) -> None:
+        self.ops, self.logits = self.layout.bind(arena)
 
     def replay(self) -> None:
         for fn, args in self.ops:
@@ -223,26 +339,26 @@ class CpuGraphs:
                             self.block_tables[:b], self.query_start_loc[:b + 1],
                             self.seq_lens[:b])
 
-    def _capture(self, b: int, again: bool = True) -> np.ndarray:
-        with _capturing(self.arena) as cap:
+    def _capture(self, b: int) -> np.ndarray:
+        with _capturing() as cap:
             logits = self._eager(b)
         if cap.unsupported is not None:
             self._fail(b, cap.unsupported)
-        elif cap.needed > len(self.arena):
-            # The step ran on fresh memory. Grow the arena for every size up to max_batch at
-            # once (outputs scale with the rows): the graphs on the old one are captured
-            # again when their size comes back, this one now (running a step again rewrites
-            # the same K/V slots with the same values).
-            size = max(cap.needed, -(-cap.needed * self.max_batch // b))
-            logger.debug("CPU graph arena: %d -> %d MB", len(self.arena) >> 20, size >> 20)
-            self.arena = _aligned_bytes(size)
-            self.graphs = {k: (_SEEN if isinstance(v, _Graph) else v)
-                           for k, v in self.graphs.items()}
-            self.stats.captured.clear()
-            if again:
-                return self._capture(b, again=False)
-        else:
-            self.graphs[b] = _Graph(cap.ops, logits)
+            return logits
+        try:
+            graph = _Graph(_Layout(cap, logits))
+        except _Unmovable as e:
+            self._fail(b, str(e))
+            return logits
+        if graph.layout.nbytes > len(self.arena):
+            # Grow it; the graphs on the old one move (their layouts do not change).
+            self.arena = _aligned_bytes(graph.layout.nbytes)
+            logger.debug("CPU graph arena: %d KB", len(self.arena) >> 10)
+            for g in self.graphs.values():
+                if isinstance(g, _Graph):
+                    g.bind(self.arena)
+        graph.bind(self.arena)
+        self.graphs[b] = graph
         return logits
 
     def _fail(self, b: int, why: str) -> None:
