@@ -286,7 +286,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
-                checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=kv_dtype,
+                checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
                 max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf),
             cache=CacheConfig(
@@ -330,7 +330,8 @@ class ModelSettings:
     tokenizer: str                 # tokenizer directory
     checkpoint: Optional[str]      # a MindSpore .ckpt to load instead of safetensors
     dtype: str
-    kv_cache_dtype: str            # resolved: float32 or bfloat16 on CPU, float16 on Ascend
+    kv_cache_dtype: str            # as asked (auto: the attention backend's own); the KV pool
+                                   # was sized for what it resolves to on this device
     max_model_len: int             # resolved: the model's, capped by the KV pool
     seed: int                      # the sampler's seed for requests without their own
     chat_template: Optional[str]

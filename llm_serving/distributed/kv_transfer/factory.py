@@ -29,12 +29,10 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size
 def kv_model_tag(engine_config) -> str:
     """What a KV block's content depends on besides its tokens (the pool's key salt): the
     model (its directory's name and shape), weight and KV dtypes, block size and
-    tensor-parallel split (a bf16 KV block is another block than a float32 one). Dtypes are
-    the resolved ones: an instance started with the defaults matches one given float32."""
+    tensor-parallel split (a bf16 KV block is another block than a float32 one)."""
     import os
     m, hf = engine_config.model, engine_config.model.hf
-    dtype = "float32" if m.dtype == "auto" else m.dtype       # (weights: auto is float32)
     return (f"{os.path.basename(os.path.normpath(m.path))}|L{hf.num_layers}|H{hf.hidden_size}"
-            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{dtype}|kv:{m.kv_cache_dtype}"
+            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{m.dtype}|kv:{m.kv_cache_dtype}"
             f"|bs{engine_config.cache.block_size}"
             f"|tp{engine_config.parallel.tensor_parallel_size}")
