@@ -86,8 +86,7 @@ def _configure_logging(rank: int) -> None:
     """Log to stderr (the master's) at the master's --log-level, naming the agent."""
     import logging
     level = os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=getattr(logging, level, None) if level in
-                        ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO,
+    logging.basicConfig(level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
                         format=f"%(asctime)s %(levelname)s %(name)s (WorkAgent {rank}): "
                                "%(message)s")
 

@@ -136,9 +136,8 @@ class _Unmovable(Exception):
 
 
 # Argument templates: ("p", buffer, offset) a pointer; ("a", ctypes array type, [templates])
-# an array of pointers; ("n", buffer, offset, shape, dtype, strides) a NumPy array's memory;
+# an array of c_void_p; ("n", buffer, offset, shape, dtype, strides) a NumPy array's memory;
 # anything else a literal, passed as recorded.
-_POINTER_ARRAY_TYPES = (ctypes.c_void_p,)
 
 
 class _Layout:
@@ -175,23 +174,19 @@ class _Layout:
         return i if i >= 0 and addr <= self._ends[i] else None
 
     def _template(self, arg, used: set):
-        if isinstance(arg, bool) or arg is None or isinstance(arg, (float, str, bytes)):
+        if arg is None or isinstance(arg, (float, str, bytes)):
             return arg
-        if isinstance(arg, int):
-            b = self._locate(arg)
+        if isinstance(arg, (int, np.ndarray)):      # (bool is an int: never an address)
+            addr = arg.ctypes.data if isinstance(arg, np.ndarray) else arg
+            b = self._locate(addr)
             if b is None:
                 return arg
             used.add(b)
-            return ("p", b, arg - self._starts[b])
-        if isinstance(arg, np.ndarray):
-            b = self._locate(arg.__array_interface__["data"][0])
-            if b is None:
-                return arg
-            used.add(b)
-            return ("n", b, arg.__array_interface__["data"][0] - self._starts[b], arg.shape,
-                    arg.dtype, arg.strides)
+            if isinstance(arg, np.ndarray):
+                return ("n", b, addr - self._starts[b], arg.shape, arg.dtype, arg.strides)
+            return ("p", b, addr - self._starts[b])
         if isinstance(arg, ctypes.Array):
-            if arg._type_ in _POINTER_ARRAY_TYPES:
+            if arg._type_ is ctypes.c_void_p:
                 items = [self._template(v, used) for v in arg]
                 if any(isinstance(t, tuple) for t in items):
                     return ("a", type(arg), items)
