@@ -77,3 +77,20 @@ def test_a_bad_yaml_section_is_named_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert str(e.value).startswith("kv_transfer")
+
+
+def test_the_kv_pool_key_names_resolved_dtypes(tiny_model_dir):
+    # A prefill instance started with the defaults and a decode instance given float32
+    # explicitly store and look up the same blocks; a bf16 KV cache's blocks are others.
+    from llm_serving.distributed.kv_transfer.factory import kv_model_tag
+
+    def tag(**kw):
+        kw.setdefault("device", "cpu")
+        return kv_model_tag(EngineArgs(model=tiny_model_dir, num_blocks=64, **kw)
+                            .create_engine_config())
+
+    assert tag() == tag(dtype="float32", kv_cache_dtype="float32")
+    assert tag(kv_cache_dtype="bfloat16") != tag()
+    assert tag(dtype="bfloat16") != tag()
+    # On Ascend, auto KV is float16: another block than the CPU's float32 one.
+    assert "kv:float16" in tag(device="ascend") and "kv:float32" in tag()
