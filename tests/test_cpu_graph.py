@@ -93,7 +93,7 @@ class _Forward:
     b * b more floats (outputs that grow faster than the rows), ``mode`` misbehaves."""
 
     def __init__(self, extra=False, mode=None):
-        self.extra, self.mode, self.calls = extra, mode, 0
+        self.extra, self.mode, self.calls, self.rc = extra, mode, 0, 0
 
     def __call__(self, ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens):
         self.calls += 1
@@ -105,11 +105,17 @@ class _Forward:
             _fill(ids, positions, out)
         elif self.mode == "list-arg":        # the layout could not move a pointer in a list
             cpu_graph.launch(lambda args: _fill(*args), [ids, positions, out])
+        elif self.mode == "rc":              # returns self.rc (this stand-in ignores it)
+            cpu_graph.launch(self._fill_rc, ids, positions, out)
         else:
             cpu_graph.launch(_fill, ids, positions, out)
         if self.mode == "unsupported":
             cpu_graph.unsupported("a stand-in collective")
         return out
+
+    def _fill_rc(self, ids, positions, out):
+        _fill(ids, positions, out)
+        return self.rc
 
 
 def _run(graphs, b, start, rows=None):
@@ -227,6 +233,32 @@ def test_a_capture_that_cannot_be_trusted_runs_eagerly_from_then_on(mode, why):
     assert why in graphs.stats.failed[2]
     assert graphs.stats.replayed_steps == 0 and not graphs.stats.captured
     assert results[-1] is None                  # the caller runs the step itself
+
+
+def test_a_replayed_kernel_that_fails_sends_its_batch_size_back_to_eager():
+    # A kernel error in a replay (the eager run of the same step succeeds): the step's logits
+    # come from an eager run, right, and that size is not replayed again.
+    fwd = _Forward(mode="rc")
+    graphs = CpuGraphs(fwd, max_batch=4, max_blocks_per_seq=2)
+    for start in (0, 10, 20, 30):
+        _run(graphs, 2, start)
+    assert graphs.stats.captured == [2] and graphs.stats.replayed_steps == 1
+    fwd.rc, calls = 1, fwd.calls
+    assert _run(graphs, 2, 40) is not None and fwd.calls == calls + 1     # (run eagerly)
+    assert "replay failed" in graphs.stats.failed[2] and graphs.stats.captured == []
+    fwd.rc = 0
+    assert _run(graphs, 2, 50) is None and graphs.stats.replayed_steps == 1
+
+
+def test_a_layout_that_breaks_leaves_the_step_right_and_the_size_eager(monkeypatch):
+    def broken(self, first, last):
+        raise IndexError("a layout bug")
+
+    monkeypatch.setattr(cpu_graph._Layout, "_place", broken)
+    graphs = CpuGraphs(_Forward(), max_batch=4, max_blocks_per_seq=2)
+    results = [_run(graphs, 2, start) for start in range(0, 40, 10)]
+    assert results[1] is not None and results[2:] == [None, None]
+    assert "a layout bug" in graphs.stats.failed[2] and graphs.stats.replayed_steps == 0
 
 
 def test_a_capture_records_only_its_own_threads_kernels():

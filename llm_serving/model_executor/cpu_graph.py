@@ -20,7 +20,8 @@ How a step becomes replayable (``CpuGraphs.logits``):
 4. the third is replayed, then run eagerly (which rewrites its K/V slots), and the replay is
    kept only if its logits equal the eager ones bit for bit (a computation outside ``launch``,
    or a buffer read after its bytes were reused, would fail this);
-5. from then on the step is replayed.
+5. from then on the step is replayed. If a replayed kernel fails, the step is run eagerly and
+   that batch size stays eager.
 
 Only what the recorded kernels read may change between replays: the step's token ids,
 positions, slot mapping, block tables and sequence lengths (``CpuGraphs`` copies them into
@@ -304,7 +305,8 @@ class CpuGraphs:
         if not graph.verified:
             # Replay first: a bad replay writes wrong K/V into this step's slots, and the
             # eager run then writes them again, right.
-            graph.replay()
+            if not self._replay(b, graph):
+                return self._eager(b)[rows]
             replayed = graph.logits.copy()
             eager = self._eager(b)
             if np.array_equal(replayed, eager):
@@ -317,9 +319,23 @@ class CpuGraphs:
             else:
                 self._fail(b, "its replay did not reproduce the eager logits")
             return eager[rows]
-        graph.replay()
+        if not self._replay(b, graph):
+            return self._eager(b)[rows]     # (rewrites the K/V slots the replay touched)
         self.stats.replayed_steps += 1
         return graph.logits[rows]       # a copy: the next replay overwrites the arena
+
+    def _replay(self, b: int, graph: _Graph) -> bool:
+        """Replay ``graph``; if a kernel fails, this size runs eagerly from then on (the
+        step too: its eager run gives the error, if the failure was not the replay's)."""
+        try:
+            graph.replay()
+            return True
+        except Exception as e:          # noqa: BLE001 (any failure: the eager path decides)
+            logger.error("decode steps of %d sequences run eagerly from now on: %s", b, e)
+            if b in self.stats.captured:
+                self.stats.captured.remove(b)
+            self._fail(b, f"its replay failed ({e})")
+            return False
 
     def _load(self, step) -> None:
         b, w = len(step.input_ids), step.block_tables.shape[1]
@@ -344,6 +360,10 @@ class CpuGraphs:
             graph = _Graph(_Layout(cap, logits))
         except _Unmovable as e:
             self._fail(b, str(e))
+            return logits
+        except Exception as e:          # noqa: BLE001 (a layout bug: the step itself is right)
+            logger.exception("laying out a capture of %d sequences failed", b)
+            self._fail(b, f"laying out its capture failed ({e!r})")
             return logits
         if graph.layout.nbytes > len(self.arena):
             # Grow it; the graphs on the old one move (their layouts do not change).
