@@ -211,6 +211,10 @@ def test_the_store_lookup_never_blocks_the_scheduler(monkeypatch):
     hung = SimpleNamespace(request_id="r2", prompt_token_ids=list(range(40)),
                            kv_transfer_params=None)
     assert conn.get_num_new_matched_tokens(hung, 0) == (None, False)
+    aborted = SimpleNamespace(request_id="r4", prompt_token_ids=list(range(40)),
+                              kv_transfer_params=None)
+    assert conn.get_num_new_matched_tokens(aborted, 0) == (None, False)    # queued behind
+    conn.forget(aborted)                               # the client went away
     time.sleep(0.6)
     with pytest.raises(KVTransferError, match="did not answer"):
         conn.get_num_new_matched_tokens(hung, 0)
@@ -218,4 +222,6 @@ def test_the_store_lookup_never_blocks_the_scheduler(monkeypatch):
         conn.get_num_new_matched_tokens(SimpleNamespace(
             request_id="r3", prompt_token_ids=list(range(40)), kv_transfer_params=None), 0)
     store.answer.set()
+    time.sleep(0.3)
+    assert store.calls == 2            # r2's; the aborted request's lookup was never sent
     conn.shutdown()

@@ -128,7 +128,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         if not lk.future.done():
             if now - lk.started < LOOKUP_TIMEOUT_S:
                 return None, False
-            del self._lookups[rid]
+            self._drop_lookup(rid)
             self._store_quiet_until = now + LOOKUP_BACKOFF_S
             raise KVTransferError(f"the Mooncake store did not answer a lookup within "
                                   f"{LOOKUP_TIMEOUT_S:g} s (master "
@@ -142,6 +142,12 @@ class MooncakeStoreConnector(KVConnectorBase):
             raise
         n = (found - first) * self.block_size
         return (n, True) if n > 0 else (0, False)
+
+    def _drop_lookup(self, rid: str) -> None:
+        """Forget a request's lookup; if it has not started, it never will."""
+        lk = self._lookups.pop(rid, None)
+        if lk is not None:
+            lk.future.cancel()
 
     def _submit_lookup(self, hashes: list, first: int) -> Future:
         """Runs ``_lookup`` on the lookup thread (a daemon: a master that hangs holds no
@@ -159,6 +165,8 @@ class MooncakeStoreConnector(KVConnectorBase):
             if item is None:
                 return
             fut, hashes, first = item
+            if not fut.set_running_or_notify_cancel():
+                continue                # its request timed out, ended or was aborted
             try:
                 fut.set_result(self._lookup(hashes, first))
             except Exception as e:  # noqa: BLE001 - handed to the scheduler
@@ -184,7 +192,7 @@ class MooncakeStoreConnector(KVConnectorBase):
                                  num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
-        self._lookups.pop(request.request_id, None)
+        self._drop_lookup(request.request_id)
         n = num_external_tokens // self.block_size
         first = len(block_ids) - n
         key = f"{request.request_id}#{id(request)}-{first}"
@@ -225,7 +233,7 @@ class MooncakeStoreConnector(KVConnectorBase):
                          block_ids: Sequence[int]) -> tuple[bool, Optional[dict]]:
         self._hashes.pop(request.request_id, None)
         self._saved.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        self._drop_lookup(request.request_id)
         p = getattr(request, "kv_transfer_params", None) or {}
         if not p.get("do_remote_decode"):
             return False, None
@@ -238,7 +246,7 @@ class MooncakeStoreConnector(KVConnectorBase):
     def forget(self, request: KVRequest) -> None:
         self._hashes.pop(request.request_id, None)
         self._saved.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        self._drop_lookup(request.request_id)
         self.request_load_done(request)
 
     # ---- worker side ----------------------------------------------------------------------
