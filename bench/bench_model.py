@@ -9,9 +9,11 @@ prefill throughput (median of 3), against the memory-bandwidth floor measured in
 
 ``--arms`` compares configurations in one run, interleaved step by step (each case alternates
 the arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
-bfloat16``); bf16-weights; bf16-kv; fp32-eager (``--enforce-eager``: no decode step replayed
-from a capture, model_executor/cpu_graph.py). Each arm's floor counts the bytes its weights
-really take.
+bfloat16``: on a CPU with AMX, activations into the linear layers are rounded to bf16 and
+multiplied on AMX tiles); bf16-weights; bf16-kv; fp32-eager (``--enforce-eager``: no decode
+step replayed from a capture, model_executor/cpu_graph.py); bf16-noamx (bf16 with
+``LLM_SERVING_BF16_AMX=0``: bf16 weights widened to fp32, as on a CPU without AMX). Each
+arm's floor counts the bytes its weights really take.
 """
 from __future__ import annotations
 
@@ -84,7 +86,9 @@ class OtherLoad:
 # arm -> (dtype, kv_cache_dtype, enforce_eager)
 ARMS = {"fp32": ("float32", "float32", False), "bf16": ("bfloat16", "bfloat16", False),
         "bf16-weights": ("bfloat16", "float32", False), "bf16-kv": ("float32", "bfloat16", False),
-        "fp32-eager": ("float32", "float32", True)}
+        "fp32-eager": ("float32", "float32", True),
+        # bf16 weights and KV, widened to fp32 on a CPU with AMX too (LLM_SERVING_BF16_AMX=0)
+        "bf16-noamx": ("bfloat16", "bfloat16", False)}
 
 
 def main() -> None:
@@ -120,10 +124,17 @@ def main() -> None:
     engines = {}
     for arm in arms:
         dtype, kv, eager = ARMS[arm]
+        amx_env = os.environ.get("LLM_SERVING_BF16_AMX")
+        if arm == "bf16-noamx":
+            os.environ["LLM_SERVING_BF16_AMX"] = "0"
         engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
                            kv_cache_dtype=kv, enforce_eager=eager,
                            num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
                            max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
+        if amx_env is None:
+            os.environ.pop("LLM_SERVING_BF16_AMX", None)
+        else:
+            os.environ["LLM_SERVING_BF16_AMX"] = amx_env
     eng = engines[arms[0]]
     mc = eng.model_config
     floor_ms, weight_mb, kv_bytes_per_token = {}, {}, {}

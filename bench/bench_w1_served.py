@@ -17,7 +17,11 @@ its reference output's token count capped at 256, greedy, ignore_eos. Cases:
 The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`` creates
 /work/venv-vllm; ``--vllm-venv`` or $VLLM_VENV to point elsewhere).
 
+``--dtype bfloat16`` runs both servers in bf16 (vLLM ``--dtype bfloat16``, its KV cache
+following; ours ``--dtype bfloat16 --kv-cache-dtype bfloat16``); the offline case stays fp32.
+
     python bench/bench_w1_served.py [--peer vllm] [--cases all,rate4,bench-serve]
+                                    [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -106,13 +110,13 @@ def ours(model: str, extra: list[str], log: str) -> Server:
                            "--port", str(port)] + extra, port, log=log, ready_path="/ready")
 
 
-def vllm(venv: Path, model: str, log: str) -> Server:
+def vllm(venv: Path, model: str, log: str, dtype: str = "float32") -> Server:
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     env.pop("PYTHONPATH", None)
     return Server("vLLM", [str(venv / "bin" / "python"), "-m",
                            "vllm.entrypoints.openai.api_server", "--model", model,
-                           "--dtype", "float32", "--max-model-len", "1024",
+                           "--dtype", dtype, "--max-model-len", "1024",
                            "--port", str(port)], port, env=env, log=log)
 
 
@@ -185,6 +189,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=200,
                     help="W1 prompts (200 is W1; fewer for a quick end-to-end check)")
     ap.add_argument("--logs", default=None, help="keep server logs in this directory")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both servers' precision: bfloat16 runs vLLM with --dtype bfloat16 "
+                    "(its KV cache follows) and ours with --dtype bfloat16 --kv-cache-dtype "
+                    "bfloat16")
     args = ap.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the servers this started are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -200,6 +208,8 @@ def main() -> None:
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
     extra = args.server_args.split()
+    if args.dtype == "bfloat16":
+        extra += ["--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"]
     res: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -219,7 +229,7 @@ def main() -> None:
             peers = ["ours"] + ([] if ours_only or args.peer == "none" else ["vLLM"])
             for who in peers:          # one server at a time: they would share the 2 cores
                 srv = (ours(model, extra, str(logs / "ours.log")) if who == "ours"
-                       else vllm(venv, model, str(logs / "vllm.log")))
+                       else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
                 with srv:
                     row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
                                 if case == "bench-serve"
@@ -228,7 +238,7 @@ def main() -> None:
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
     print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
-          f"# model: {model}; ours: start.py defaults {' '.join(extra)}; "
+          f"# model: {model}; precision: {args.dtype}; ours: start.py defaults {' '.join(extra)}; "
           f"W1 prompts: {args.num_prompts}; machine load (1-min average) at the end: "
           f"{os.getloadavg()[0]:.1f}\n")
     print("| case | server | duration | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | failed |")

@@ -15,8 +15,10 @@ end), can run through:
 
 Layers with bfloat16 weights (``--dtype bfloat16``, ``Linear.use_bf16_weight``) always run our
 kernel's bf16 variant (``lls_linear_bf16``: weights widened to fp32 in registers, the same fp32
-FMA chains): neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU, so they are not probed
-and ``LLM_SERVING_GEMM`` does not apply to them.
+FMA chains), or on a CPU with AMX its AMX variant (``lls_linear_bf16_amx``: inputs rounded to
+bf16, products on AMX tiles, float32 sums; ``amx_bf16``): neither OpenBLAS nor MindSpore's
+MatMul reads bf16 on CPU, so they are not probed and ``LLM_SERVING_GEMM`` does not apply to
+them.
 
 MindSpore's ``MatMul`` (the layers' native path, what Ascend runs) is no candidate on CPU: in
 whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 149 vs 88 ms,
@@ -134,6 +136,44 @@ def pack_weight(w: np.ndarray, width: int | None = None) -> np.ndarray:
     return out
 
 
+def amx_bf16() -> bool:
+    """Whether bf16 layers built now run on AMX tiles (bf16 activations too): the kernel
+    library was built with AMX (the CPU has amx_bf16), the OS lets this process use the tiles,
+    and ``LLM_SERVING_BF16_AMX`` is not "0" (which keeps the widening kernel, fp32
+    activations, as on CPUs without AMX)."""
+    return os.environ.get("LLM_SERVING_BF16_AMX") != "0" and _amx_usable()
+
+
+@lru_cache(maxsize=None)
+def _amx_usable() -> bool:
+    return cpu_layer_ops().lls_amx_init() == 1
+
+
+AMX_TILE_ROWS, AMX_TILE_K = 16, 32
+
+
+def amx_packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape of W [n, k] packed for the AMX kernel: [N/32, K/32, 2 tiles x 16 rows, 32],
+    N padded to 32, K to 32."""
+    return -(-n // 32), -(-k // AMX_TILE_K), 2 * AMX_TILE_ROWS, AMX_TILE_K
+
+
+def pack_weight_amx(bits: np.ndarray) -> np.ndarray:
+    """W [N, K] as bf16 bits (uint16) in the AMX kernel's tiles (``lls_linear_bf16_amx``):
+    out[j, kb, 16 t + r] is row r of the tile of columns [32 j + 16 t, 32 j + 16 t + 16) of y
+    over k in [32 kb, 32 kb + 32): the pairs (W[n, 32 kb + 2r], W[n, 32 kb + 2r + 1]) for its
+    16 n, interleaved."""
+    n, k = bits.shape
+    nj, kt, _, _ = amx_packed_shape(n, k)
+    padded = np.zeros((nj * 32, kt * 32), np.uint16)
+    padded[:n, :k] = bits
+    # [j, t, n16, kb, r, 2] -> [j, kb, t, r, n16, 2]
+    tiles = padded.reshape(nj, 2, 16, kt, 16, 2).transpose(0, 3, 1, 4, 2, 5)
+    out = aligned_empty(amx_packed_shape(n, k), np.uint16)
+    out[...] = tiles.reshape(out.shape)
+    return out
+
+
 class LinearCall:
     """Constant ctypes arguments for one weight's kernel calls, with outputs in parts: either
     one [M, N] buffer (part p at column offsets[p] of each row), or with ``split`` each part
@@ -156,12 +196,19 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     """x [M, K] @ W.T (+ bias) on the CPU, W [call.n, K] packed (``pack_weight``), with our
     kernel (``impl="kernel"``) or OpenBLAS's sgemm run from our pool (``impl="openblas"``);
     with ``bf16`` the weight holds bfloat16 bits (uint16) and our kernel's bf16 variant runs
-    (``impl`` must be "kernel"). Returns a new Tensor [M, N], or, with ``split``, one
+    (``impl`` must be "kernel"): on AMX tiles, activations rounded to bf16, when the weight
+    was packed by ``pack_weight_amx``. Returns a new Tensor [M, N], or, with ``split``, one
     contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
     m, k = x.shape
-    panels, pk, width = packed.shape
-    if pk != k or panels * width < call.n or (panels - 1) * width >= call.n:
-        raise ValueError(f"packed weight {packed.shape} does not hold [{call.n}, {k}]")
+    amx = packed.ndim == 4          # bf16 tiles for AMX (pack_weight_amx)
+    if amx:
+        if not bf16 or tuple(packed.shape) != amx_packed_shape(call.n, k):
+            raise ValueError(f"AMX-packed weight {packed.shape} does not hold bf16 "
+                             f"[{call.n}, {k}]")
+    else:
+        panels, pk, width = packed.shape
+        if pk != k or panels * width < call.n or (panels - 1) * width >= call.n:
+            raise ValueError(f"packed weight {packed.shape} does not hold [{call.n}, {k}]")
     flat = cpu_graph.empty(m * call.n, np.float32)
     base = flat.ctypes.data
     offs = call.offsets
@@ -178,7 +225,7 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     if bf16:
         if impl != "kernel":
             raise ValueError(f"bfloat16 weights run on our kernel only, not {impl}")
-        rc = cpu_graph.launch(lib.lls_linear_bf16, *args)
+        rc = cpu_graph.launch(lib.lls_linear_bf16_amx if amx else lib.lls_linear_bf16, *args)
     elif impl == "kernel":
         rc = cpu_graph.launch(lib.lls_linear_f32, *args)
     else:

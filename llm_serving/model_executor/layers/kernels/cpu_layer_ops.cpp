@@ -470,7 +470,7 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 7; }
+int lls_layer_ops_abi_version() { return 9; }
 
 int lls_layer_ops_vector_width() { return VW; }
 
@@ -501,6 +501,190 @@ int lls_linear_bf16(const float* x, int64_t ldx, const bf16_t* wp, const float* 
                     float* const* out, const int64_t* ld) {
   return linear<bf16_t>(x, ldx, wp, bias, M, N, K, nparts, split, out, ld);
 }
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Linear on AMX tiles: bf16 weights AND bf16 activations (--dtype bfloat16 on a CPU with
+// amx_bf16). x is rounded to bf16 (nearest even) once per call; TDPBF16PS multiplies bf16
+// pairs and accumulates in float32 tiles. The weight W [N, K] is packed (``pack_weight_amx``)
+// into 16 x 32 tiles in the pair-interleaved ("VNNI") order the instruction reads, N padded to
+// 32 and K to 32 with zeros, the two tiles of 32 output columns side by side:
+//   tile (nb, kb) at wt + ((nb / 2 * Kp/32 + kb) * 2 + nb % 2) * 512, row r holding, for
+//   n = 0..15, the pair (W[16 nb + n, 32 kb + 2r], W[16 nb + n, 32 kb + 2r + 1]).
+// An item is 32 output columns (two weight tiles) over all rows, 32 at a time (four float32
+// accumulator tiles): its weight strip is one contiguous stream (what a few rows' decode step
+// costs), and it stays in L2 across row blocks. Every output element is the same sequence of tile products over k whatever M, the
+// row's place and the thread: batch-invariant, like the float32 kernel (a different sum
+// order, so not the same bits as it).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    !defined(LLS_NO_AVX512)
+#define LLS_AMX 1
+#include <sched.h>
+#include <sys/syscall.h>
+#endif
+
+namespace {
+
+#ifdef LLS_AMX
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+struct AmxArgs {
+  LinearArgs a;
+  const bf16_t* xb;  // x rounded to bf16, [Mp, Kp], zero-padded
+  int64_t Mp, Kp;            // Mp: M, padded to 16 rows from 16 up
+  int tile_rows;             // rows of the x and sum tiles: min(M, 16)
+  int64_t strips, per_item;  // 32-column strips, strips per item
+};
+
+// Items per call: a few per usable core (the pool balances them), each loading the tile
+// configuration once (per strip, it cost ~10% of a batch-1 step).
+int64_t amx_items_per_call() {
+  static const int64_t n = [] {
+    cpu_set_t set;
+    const int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+    return int64_t(4) * (cores > 0 ? cores : 1);
+  }();
+  return n;
+}
+
+thread_local AlignedBuffer t_xb;
+// Software prefetch of the weight strip this far ahead: +20-25% read bandwidth at one row
+// (Intel Xeon, AMX), where the tile loads alone leave the hardware prefetcher behind.
+constexpr int64_t kAmxPrefetchBytes = 4096;
+
+// Strip j: 32 output columns, all rows.
+inline void amx_strip(const AmxArgs& g, int64_t j, float* c) {
+  const LinearArgs& a = g.a;
+  const int64_t kb_n = g.Kp / 32;
+  const bf16_t* w = static_cast<const bf16_t*>(a.w) + j * kb_n * 1024;
+  const int64_t n0 = 32 * j, n1 = n0 + 32 < a.N ? n0 + 32 : a.N;
+  const int64_t ldx = g.Kp * 2;
+  for (int64_t m0 = 0; m0 < g.Mp; m0 += 32) {
+    const bool two = m0 + g.tile_rows < g.Mp;
+    const bf16_t* x0 = g.xb + m0 * g.Kp;
+    const bf16_t* x1 = x0 + 16 * g.Kp;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < kb_n; ++kb) {
+      if (m0 == 0) {  // the strip comes from memory: ask for it ahead of the tile loads
+        const char* pf = reinterpret_cast<const char*>(w + kb * 1024) + kAmxPrefetchBytes;
+        for (int l = 0; l < 2048; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+      }
+      _tile_loadd(4, x0 + kb * 32, ldx);
+      _tile_loadd(6, w + kb * 1024, 64);
+      _tile_loadd(7, w + kb * 1024 + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, x1 + kb * 32, ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+      _tile_stored(2, c + 16 * 32, 128);
+      _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+    const int64_t m1 = m0 + 32 < a.M ? m0 + 32 : a.M;
+    if (m0 < m1) store_rows(a, c, 32, m0, m1, n0, n1);
+  }
+}
+
+void amx_item(void* p, int64_t item) {
+  const AmxArgs& g = *static_cast<const AmxArgs*>(p);
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    // x and sum tiles (0-5) hold the rows of a block: fewer than 16 only when M is
+    cfg.rows[t] = t < 6 ? g.tile_rows : 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[32 * 32];
+  const int64_t j0 = item * g.per_item;
+  const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
+  for (int64_t j = j0; j < j1; ++j) amx_strip(g, j, c);
+  _tile_release();
+}
+
+// x [M, K] (row stride ldx) -> bf16 [Mp, Kp], round to nearest even, zero-padded.
+void round_rows_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, bf16_t* xb,
+                     int64_t Mp, int64_t Kp) {
+  for (int64_t m = 0; m < Mp; ++m) {
+    bf16_t* o = xb + m * Kp;
+    if (m >= M) {
+      std::memset(o, 0, Kp * 2);
+      continue;
+    }
+    const float* r = x + m * ldx;
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __mmask16 live = k + 16 <= K ? 0xFFFF : k < K ? (__mmask16)((1u << (K - k)) - 1) : 0;
+      const __m512 v = _mm512_maskz_loadu_ps(live, r + k);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 when this build has the AMX kernel and the kernel (OS) let this process use AMX tiles
+// (Linux: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process), else 0.
+int lls_amx_init() {
+#ifdef LLS_AMX
+  static const int ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+#else
+  return 0;
+#endif
+}
+
+// lls_linear_bf16's contract with bf16 activations on AMX: wt packed by pack_weight_amx.
+// Returns 0, -1 on bad arguments or a failed allocation, -2 when AMX is not usable here.
+int lls_linear_bf16_amx(const float* x, int64_t ldx, const bf16_t* wt, const float* bias,
+                        int64_t M, int64_t N, int64_t K, int nparts, const int64_t* split,
+                        float* const* out, const int64_t* ld) {
+#ifdef LLS_AMX
+  if (!lls_amx_init()) return -2;
+  AmxArgs g;
+  if (!set_linear_args(g.a, x, ldx, wt, bias, M, N, K, nparts, split, out, ld)) return -1;
+  if (M == 0 || N == 0) return 0;
+  g.Mp = M < 16 ? M : (M + 15) / 16 * 16;
+  g.tile_rows = M < 16 ? int(M) : 16;
+  g.Kp = (K + 31) / 32 * 32;
+  bf16_t* xb = reinterpret_cast<bf16_t*>(t_xb.get((g.Mp * g.Kp + 1) / 2));
+  if (!xb) return -1;
+  round_rows_bf16(x, ldx, M, K, xb, g.Mp, g.Kp);
+  g.xb = xb;
+  g.strips = (N + 31) / 32;
+  const int64_t want = amx_items_per_call();
+  g.per_item = (g.strips + want - 1) / want;
+  const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
+  parallel_for(amx_item, &g, items, M * N * K >= (1 << 18), g_linger_us);
+  return 0;
+#else
+  (void)x; (void)ldx; (void)wt; (void)bias; (void)M; (void)N; (void)K; (void)nparts;
+  (void)split; (void)out; (void)ld;
+  return -2;
+#endif
+}
+
+}  // extern "C"
+
+extern "C" {
 
 // The same contract as lls_linear_f32, computed by a BLAS library's single-threaded
 // cblas_sgemm (row-major, 32-bit ints: the scipy-openblas32 build), called per panel from our
