@@ -72,13 +72,19 @@ def interleaved_us(fns, rounds=8, budget_s=0.15):
 class Batch:
     """A decode (q_len 1) or prefill batch over `layers` layers of paged cache."""
 
-    def __init__(self, batch, ctx, qlen, layers, block_size, seed=0):
+    def __init__(self, batch, ctx, qlen, layers, block_size, seed=0, cache_dtype="float32"):
         rng = np.random.default_rng(seed)
         self.B, self.ctx, self.qlen, self.L = batch, ctx, qlen, layers
         nbps = (ctx + block_size - 1) // block_size
         nb = batch * nbps
-        self.k = [np.full((nb, block_size, KVH, D), 0.01, np.float32) for _ in range(layers)]
-        self.v = [np.full((nb, block_size, KVH, D), 1.0, np.float32) for _ in range(layers)]
+        bf16 = cache_dtype == "bfloat16"       # bf16 bits: the high half of the float32
+
+        def fill(x):
+            v = np.float32(x)
+            return (np.uint16(v.view(np.uint32) >> 16), np.uint16) if bf16 else (v, np.float32)
+        self.k = [np.full((nb, block_size, KVH, D), *fill(0.01)) for _ in range(layers)]
+        self.v = [np.full((nb, block_size, KVH, D), *fill(1.0)) for _ in range(layers)]
+        self.itemsize = 2 if bf16 else 4
         self.bt = rng.permutation(nb).astype(np.int32).reshape(batch, nbps)
         self.T = batch * qlen
         self.qsl = (np.arange(batch + 1) * qlen).astype(np.int32)
@@ -92,7 +98,7 @@ class Batch:
         self.i = 0
 
     def kv_bytes(self):
-        return self.B * self.ctx * KVH * D * 4 * 2
+        return self.B * self.ctx * KVH * D * self.itemsize * 2
 
     def flops(self):
         # QK^T and PV over the causal context of every query row
@@ -115,6 +121,7 @@ def kernel_table(args):
     from llm_serving.cpu_info import cpu_description
     print(f"# CPU: {cpu_description()}")
     print(f"\n## Kernel (H={H}, KVH={KVH}, D={D}, block_size={args.block_size}, "
+          f"cache {args.cache_dtype}, "
           f"threads={K._lib().lls_get_num_threads()}, avx512={K.has_avx512()})")
     print("cold: rotating over `layers` layers of cache; hot: one layer (L2/L3 resident); "
           "fused: reshape_and_cache + attention, cold")
@@ -122,9 +129,9 @@ def kernel_table(args):
           f"{'p10GB/s':>7s} {'GFLOP/s':>7s} {'hot us':>8s} {'hotGB/s':>7s} {'fused us':>9s}")
     cases = [(b, args.ctx, 1) for b in (1, 16, 64, 128)] + [(1, args.prefill, args.prefill)]
     for b, ctx, qlen in cases:
-        per_layer = b * ctx * KVH * D * 8
+        per_layer = b * ctx * KVH * D * (4 if args.cache_dtype == "bfloat16" else 8)
         layers = 1 if qlen > 1 else int(min(args.layers, max(2, -(-args.cold_bytes // per_layer))))
-        bt = Batch(b, ctx, qlen, layers, args.block_size)
+        bt = Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
         cold, cold10 = time_us(bt.attention)
         fused, _ = time_us(bt.fused)
         bt.L = 1
@@ -265,6 +272,8 @@ def main():
                     help="rotate enough layers to touch this many K/V bytes (capped by --layers)")
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
     ap.add_argument("--no-mindspore", action="store_true", help="skip the bridge table")
+    ap.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="KV cache storage (the kernel table)")
     args = ap.parse_args()
     K.load_library()
     K.set_num_threads(args.threads)

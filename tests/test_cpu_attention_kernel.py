@@ -159,7 +159,7 @@ def test_mixed_ragged_batches(block_size, h, kvh):
     hs.check_cache()
 
 
-@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("d", [8, 40, 64, 128, 160, 256])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_bf16_cache(block_size, d):
     """A bfloat16 cache holds each K/V value rounded to nearest even (bits as torch rounds

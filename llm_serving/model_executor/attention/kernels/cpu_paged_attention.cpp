@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include <atomic>
@@ -606,13 +607,118 @@ inline void pv16(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
   }
 }
 
+// ---- bf16 caches, 32 elements at a time ------------------------------------------------------
+// Widening 16 bf16 values one by one (zero-extend, shift) costs two vector ops per 16 values on
+// top of the FMA, which made a bf16 cache as slow as a float32 one of twice the bytes. Read 32
+// at a time as 16 32-bit pairs instead: the even elements are the pairs shifted left by 16, the
+// odd ones the pairs with the low half cleared, one op per 16 values and no shuffle. The rows
+// they meet (the scaled query, the output accumulator) are kept in that order: per 32
+// elements, the 16 even then the 16 odd ("paired" order), and put back in order at the end.
+// Scores then sum even and odd products in another order than the float32 path; each output
+// element's sum over the context is the same chain as before.
+#if defined(__AVX512BW__)
+#define LLS_BF16_PAIRS 1
+
+inline void ld32(const bf16_t* p, __mmask32 m, __m512& ev, __m512& od) {
+  const __m512i u = _mm512_maskz_loadu_epi16(m, p);
+  ev = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  od = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+inline __mmask32 pair_mask(int64_t D, int c, int np) {
+  return (c == np - 1 && D % 32) ? (__mmask32)((1u << (D % 32)) - 1) : (__mmask32)0xFFFFFFFFu;
+}
+
+// 32 floats of a row (masked to the row's length) -> even and odd elements.
+inline void to_pairs(const float* src, __mmask32 m, __m512& ev, __m512& od) {
+  const __m512 a = _mm512_maskz_loadu_ps((__mmask16)m, src);
+  const __m512 b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), src + 16);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  ev = _mm512_permutex2var_ps(a, even, b);
+  od = _mm512_permutex2var_ps(a, odd, b);
+}
+
+// even and odd elements * s -> 32 floats of a row (masked).
+inline void from_pairs(float* dst, __mmask32 m, __m512 ev, __m512 od, __m512 s) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  _mm512_mask_storeu_ps(dst, (__mmask16)m, _mm512_mul_ps(_mm512_permutex2var_ps(ev, lo, od), s));
+  _mm512_mask_storeu_ps(dst + 16, (__mmask16)(m >> 16),
+                        _mm512_mul_ps(_mm512_permutex2var_ps(ev, hi, od), s));
+}
+
+// qk16 for a bf16 cache and a query row in paired order (NP: 32-element groups, 0 = runtime).
+template <int NP>
+inline __m512 qk16_pairs(const float* LLS_RESTRICT q, const bf16_t* const* kp, int64_t off,
+                         int np_rt, int64_t D) {
+  const int np = NP > 0 ? NP : np_rt;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) {
+    const bf16_t* LLS_RESTRICT k = kp[kSigma[i]] + off;
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < np; ++c) {
+      __m512 ev, od;
+      ld32(k + 32 * c, pair_mask(D, c, np), ev, od);
+      s = _mm512_fmadd_ps(_mm512_load_ps(q + 32 * c), ev, s);
+      s = _mm512_fmadd_ps(_mm512_load_ps(q + 32 * c + 16), od, s);
+    }
+    acc[i] = s;
+  }
+  return reduce16(acc);
+}
+
+// pv16 for a bf16 cache, o in paired order.
+template <int NP>
+inline void pv16_pairs(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
+                       const bf16_t* const* vp, int64_t off, int n, int np_rt, int64_t D) {
+  const __m512 vc = _mm512_set1_ps(corr);
+  if (NP > 0) {
+    __m512 acc[2 * (NP > 0 ? NP : 1)];
+    for (int c = 0; c < 2 * NP; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
+    for (int j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const bf16_t* LLS_RESTRICT v = vp[j] + off;
+      for (int c = 0; c < NP; ++c) {
+        __m512 ev, od;
+        ld32(v + 32 * c, pair_mask(D, c, NP), ev, od);
+        acc[2 * c] = _mm512_fmadd_ps(pj, ev, acc[2 * c]);
+        acc[2 * c + 1] = _mm512_fmadd_ps(pj, od, acc[2 * c + 1]);
+      }
+    }
+    for (int c = 0; c < 2 * NP; ++c) _mm512_store_ps(o + 16 * c, acc[c]);
+  } else {
+    for (int c = 0; c < np_rt; ++c) {
+      const __mmask32 m = pair_mask(D, c, np_rt);
+      __m512 xe = _mm512_mul_ps(_mm512_load_ps(o + 32 * c), vc);
+      __m512 xo = _mm512_mul_ps(_mm512_load_ps(o + 32 * c + 16), vc);
+      for (int j = 0; j < n; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        __m512 ev, od;
+        ld32(vp[j] + off + 32 * c, m, ev, od);
+        xe = _mm512_fmadd_ps(pj, ev, xe);
+        xo = _mm512_fmadd_ps(pj, od, xo);
+      }
+      _mm512_store_ps(o + 32 * c, xe);
+      _mm512_store_ps(o + 32 * c + 16, xo);
+    }
+  }
+}
+#else
+#define LLS_BF16_PAIRS 0
+#endif
+
 // Scratch row m = (hh * nrows + r) * G + gh holds query row r, query head gh of kv head kv0+hh.
 template <int NC, class C>
 void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
   const int nc = (int)((D + 15) / 16);
-  const int64_t DP = (int64_t)nc * 16;
   const __mmask16 tail = (D % 16) ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+  // a bf16 cache: rows in paired order, 32-element groups (NP of them, 0 = known at run time)
+  constexpr bool kPairs = LLS_BF16_PAIRS && std::is_same<C, bf16_t>::value;
+  constexpr int NP = NC > 0 ? (NC + 1) / 2 : 0;
+  const int np = (int)((D + 31) / 32);
+  const int64_t DP = kPairs ? (int64_t)np * 32 : (int64_t)nc * 16;
   const int64_t M = nrows * G * nkv;
   sc.ensure(M, DP);
   float* LLS_RESTRICT qb = sc.q;
@@ -631,6 +737,19 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       for (int64_t gh = 0; gh < G; ++gh) {
         const int64_t m = (hh * nrows + r) * G + gh;
         const float* src = a.q + (qrow0 + r) * a.q_stride + ((it.kv0 + hh) * G + gh) * D;
+#if LLS_BF16_PAIRS
+        if constexpr (kPairs) {
+          for (int c = 0; c < np; ++c) {
+            __m512 ev, od;
+            to_pairs(src + 32 * c, pair_mask(D, c, np), ev, od);
+            _mm512_store_ps(qb + m * DP + 32 * c, _mm512_mul_ps(ev, vscale));
+            _mm512_store_ps(qb + m * DP + 32 * c + 16, _mm512_mul_ps(od, vscale));
+            _mm512_store_ps(ob + m * DP + 32 * c, _mm512_setzero_ps());
+            _mm512_store_ps(ob + m * DP + 32 * c + 16, _mm512_setzero_ps());
+          }
+          continue;
+        }
+#endif
         for (int c = 0; c < nc; ++c) {
           const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
           _mm512_store_ps(qb + m * DP + 16 * c,
@@ -657,7 +776,13 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
         const __mmask16 valid = (__mmask16)((nvalid >= 16) ? 0xFFFFu : ((1u << nvalid) - 1));
         for (int64_t gh = 0; gh < G; ++gh) {
           const int64_t m = (hh * nrows + r) * G + gh;
-          __m512 s = qk16<NC, C>(qb + m * DP, kp, off, nc, tail);
+          __m512 s;
+#if LLS_BF16_PAIRS
+          if constexpr (kPairs)
+            s = qk16_pairs<NP>(qb + m * DP, kp, off, np, D);
+          else
+#endif
+            s = qk16<NC, C>(qb + m * DP, kp, off, nc, tail);
           s = _mm512_mask_mov_ps(ninf, valid, s);
           const float tmax = _mm512_reduce_max_ps(s);
           const float mold = mrow[m];
@@ -673,7 +798,12 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
           _mm512_store_ps(p, e);
           lrow[m] = lrow[m] * corr + _mm512_reduce_add_ps(e);
           mrow[m] = mnew;
-          pv16<NC, C>(ob + m * DP, corr, p, vp, off, nvalid, nc, tail);
+#if LLS_BF16_PAIRS
+          if constexpr (kPairs)
+            pv16_pairs<NP>(ob + m * DP, corr, p, vp, off, nvalid, np, D);
+          else
+#endif
+            pv16<NC, C>(ob + m * DP, corr, p, vp, off, nvalid, nc, tail);
         }
       }
     }
@@ -684,6 +814,14 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
         const int64_t m = (hh * nrows + r) * G + gh;
         const __m512 inv = _mm512_set1_ps(1.0f / lrow[m]);
         float* dst = a.out + (qrow0 + r) * a.out_stride + ((it.kv0 + hh) * G + gh) * D;
+#if LLS_BF16_PAIRS
+        if constexpr (kPairs) {
+          for (int c = 0; c < np; ++c)
+            from_pairs(dst + 32 * c, pair_mask(D, c, np), _mm512_load_ps(ob + m * DP + 32 * c),
+                       _mm512_load_ps(ob + m * DP + 32 * c + 16), inv);
+          continue;
+        }
+#endif
         for (int c = 0; c < nc; ++c) {
           const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
           _mm512_mask_storeu_ps(dst + 16 * c, mk,
