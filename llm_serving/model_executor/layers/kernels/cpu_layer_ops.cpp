@@ -600,6 +600,44 @@ inline void amx_strip(const AmxArgs& g, int64_t j, float* c) {
   }
 }
 
+// Strips j and j + 1 at once, for fewer than 16 rows (one row block): two weight streams in
+// flight. Every sum is the same sequence of tile products as in amx_strip.
+inline void amx_strip_pair(const AmxArgs& g, int64_t j, float* c) {
+  const LinearArgs& a = g.a;
+  const int64_t kb_n = g.Kp / 32;
+  const bf16_t* w = static_cast<const bf16_t*>(a.w) + j * kb_n * 1024;
+  const bf16_t* u = w + kb_n * 1024;
+  const int64_t ldx = g.Kp * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kb_n; ++kb) {
+    const char* pw = reinterpret_cast<const char*>(w + kb * 1024) + kAmxPrefetchBytes;
+    const char* pu = reinterpret_cast<const char*>(u + kb * 1024) + kAmxPrefetchBytes;
+    for (int l = 0; l < 2048; l += 64) {
+      _mm_prefetch(pw + l, _MM_HINT_T0);
+      _mm_prefetch(pu + l, _MM_HINT_T0);
+    }
+    _tile_loadd(4, g.xb + kb * 32, ldx);
+    _tile_loadd(6, w + kb * 1024, 64);
+    _tile_loadd(7, w + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, u + kb * 1024, 64);
+    _tile_loadd(7, u + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  // c: [rows, 64] (row stride 256 bytes), strip j's columns first
+  _tile_stored(0, c, 256);
+  _tile_stored(1, c + 16, 256);
+  _tile_stored(2, c + 32, 256);
+  _tile_stored(3, c + 48, 256);
+  const int64_t n0 = 32 * j, n1 = n0 + 64 < a.N ? n0 + 64 : a.N;
+  store_rows(a, c, 64, 0, a.M, n0, n1);
+}
+
 void amx_item(void* p, int64_t item) {
   const AmxArgs& g = *static_cast<const AmxArgs*>(p);
   TileConfig cfg{};
@@ -613,7 +651,10 @@ void amx_item(void* p, int64_t item) {
   alignas(64) float c[32 * 32];
   const int64_t j0 = item * g.per_item;
   const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
-  for (int64_t j = j0; j < j1; ++j) amx_strip(g, j, c);
+  int64_t j = j0;
+  if (g.tile_rows < 16)
+    for (; j + 1 < j1; j += 2) amx_strip_pair(g, j, c);
+  for (; j < j1; ++j) amx_strip(g, j, c);
   _tile_release();
 }
 
