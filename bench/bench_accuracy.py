@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -34,8 +35,8 @@ DATA = ROOT / "clients" / "data" / "alpaca_521.json"
 # (LLM_SERVING_BF16_AMX=0: the widening kernel every other CPU runs).
 ARMS = {"fp32": ("float32", "float32"), "bf16 weights": ("bfloat16", "float32"),
         "bf16 KV": ("float32", "bfloat16"), "bf16 both": ("bfloat16", "bfloat16"),
-        "bf16 weights, fp32 act.": ("bfloat16", "float32"),
-        "bf16 both, fp32 act.": ("bfloat16", "bfloat16")}
+        "bf16 weights (fp32 act.)": ("bfloat16", "float32"),
+        "bf16 both (fp32 act.)": ("bfloat16", "bfloat16")}
 ATOL = 5e-3
 
 
@@ -47,17 +48,10 @@ def run_arm(model: str, prompts, dtype: str, kv: str, out: Path, max_tokens: int
 
     from llm_serving import LLM, SamplingParams
     from llm_serving.engine.logits_dump import dump_key
-    old = os.environ.get("LLM_SERVING_BF16_AMX")
-    if fp32_act:
-        os.environ["LLM_SERVING_BF16_AMX"] = "0"
-    try:
+    from unittest import mock
+    with mock.patch.dict(os.environ, {"LLM_SERVING_BF16_AMX": "0"} if fp32_act else {}):
         llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, dump_logits=str(out),
                   dump_logits_every=every, max_num_seqs=max_num_seqs, kv_cache_space=2.0)
-    finally:
-        if old is None:
-            os.environ.pop("LLM_SERVING_BF16_AMX", None)
-        else:
-            os.environ["LLM_SERVING_BF16_AMX"] = old
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -129,7 +123,7 @@ def main() -> None:
             dirs, toks = {}, {}
             for arm in ["fp32"] + [a for a in arms if a != "fp32"]:
                 dtype, kv = ARMS[arm]
-                dirs[arm] = work / arm.replace(" ", "_").replace(",", "").replace(".", "")
+                dirs[arm] = work / re.sub(r"\W+", "_", arm)
                 toks[arm], dt = run_arm(model, prompts, dtype, kv, dirs[arm], args.max_tokens,
                                         args.every, args.max_num_seqs, "fp32 act." in arm)
                 print(f"#   {spec} {arm}: {dt:.1f} s", file=sys.stderr)

@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import time
+from unittest import mock
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
@@ -124,17 +125,12 @@ def main() -> None:
     engines = {}
     for arm in arms:
         dtype, kv, eager = ARMS[arm]
-        amx_env = os.environ.get("LLM_SERVING_BF16_AMX")
-        if arm == "bf16-noamx":
-            os.environ["LLM_SERVING_BF16_AMX"] = "0"
-        engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
-                           kv_cache_dtype=kv, enforce_eager=eager,
-                           num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
-                           max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
-        if amx_env is None:
-            os.environ.pop("LLM_SERVING_BF16_AMX", None)
-        else:
-            os.environ["LLM_SERVING_BF16_AMX"] = amx_env
+        with mock.patch.dict(os.environ,
+                             {"LLM_SERVING_BF16_AMX": "0"} if arm == "bf16-noamx" else {}):
+            engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
+                               kv_cache_dtype=kv, enforce_eager=eager,
+                               num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
+                               max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
     eng = engines[arms[0]]
     mc = eng.model_config
     floor_ms, weight_mb, kv_bytes_per_token = {}, {}, {}

@@ -288,9 +288,8 @@ class EngineArgs:
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
                 checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                max_model_len=max_len,
-                seed=self.seed, chat_template=self.chat_template, hf=hf,
-                kv_storage_dtype=kv_dtype),
+                kv_storage_dtype=kv_dtype, max_model_len=max_len,
+                seed=self.seed, chat_template=self.chat_template, hf=hf),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=num_blocks,
                 num_cpu_blocks=(int(self.swap_space * 2**30) // block_bytes
@@ -333,12 +332,12 @@ class ModelSettings:
     checkpoint: Optional[str]      # a MindSpore .ckpt to load instead of safetensors
     dtype: str
     kv_cache_dtype: str            # as asked (auto: the attention backend's own)
+    kv_storage_dtype: str          # what it resolves to on this device (float32 or bfloat16
+                                   # on CPU, float16 on Ascend): what the KV pool was sized for
     max_model_len: int             # resolved: the model's, capped by the KV pool
     seed: int                      # the sampler's seed for requests without their own
     chat_template: Optional[str]
     hf: "ModelConfig"              # the architecture, from config.json
-    kv_storage_dtype: str = ""     # what kv_cache_dtype resolves to on this device (float32 or
-                                   # bfloat16 on CPU, float16 on Ascend): the KV pool's size
 
     @property
     def vocab_size(self) -> int:

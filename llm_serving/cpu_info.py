@@ -8,9 +8,7 @@ import os
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 
 
-def cpu_description() -> str:
-    """``lscpu``'s model name, the core count and which of avx2/avx512f/avx512_bf16/amx are
-    present."""
+def _cpuinfo() -> tuple[str, set]:
     model, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -22,5 +20,17 @@ def cpu_description() -> str:
                     break
     except OSError:
         pass
+    return model, flags
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags, as ``lscpu`` lists them (empty if /proc/cpuinfo is unreadable)."""
+    return _cpuinfo()[1]
+
+
+def cpu_description() -> str:
+    """``lscpu``'s model name, the core count and which of avx2/avx512f/avx512_bf16/amx are
+    present."""
+    model, flags = _cpuinfo()
     have = [fl for fl in FLAGS if fl in flags]
     return f"{model}, {os.cpu_count()} cores, flags: {' '.join(have) or 'none of avx2/avx512/amx'}"

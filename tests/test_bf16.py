@@ -112,21 +112,15 @@ def _amx_run(lib, x, w, bias):
     return rc, out
 
 
-def _cpu_flags() -> set:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def test_bf16_layers_use_amx_exactly_where_the_cpu_has_it(monkeypatch):
     """AMX tiles serve bf16 layers on a CPU with amx_bf16 (and avx512_bf16, for rounding the
     inputs), unless LLM_SERVING_BF16_AMX=0; elsewhere the kernel refuses (-2), so no CPU
     without AMX can reach it."""
+    from llm_serving.cpu_info import cpu_flags
     from llm_serving.model_executor.layers import gemm
     from llm_serving.model_executor.layers.custom_op import cpu_layer_ops
     monkeypatch.delenv("LLM_SERVING_BF16_AMX", raising=False)
-    flags = _cpu_flags()
+    flags = cpu_flags()
     has = {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
     assert gemm.amx_bf16() == has
     x = np.ones((2, 64), np.float32)

@@ -331,10 +331,7 @@ class CpuGraphs:
             graph.replay()
             return True
         except Exception as e:          # noqa: BLE001 (any failure: the eager path decides)
-            logger.error("decode steps of %d sequences run eagerly from now on: %s", b, e)
-            if b in self.stats.captured:
-                self.stats.captured.remove(b)
-            self._fail(b, f"its replay failed ({e})")
+            self._fail(b, f"its replay failed ({e})", logging.ERROR)
             return False
 
     def _load(self, step) -> None:
@@ -376,9 +373,13 @@ class CpuGraphs:
         self.graphs[b] = graph
         return logits
 
-    def _fail(self, b: int, why: str) -> None:
-        if not self.stats.failed:
-            logger.warning("decode steps of %d sequences run eagerly: %s", b, why)
+    def _fail(self, b: int, why: str, level: int = logging.WARNING) -> None:
+        """Batch size ``b`` runs eagerly from now on. Logged at ``level``: a warning only for
+        the first size (sizes tend to fail alike), an error (a replay failed) always."""
+        if level > logging.WARNING or not self.stats.failed:
+            logger.log(level, "decode steps of %d sequences run eagerly: %s", b, why)
+        if b in self.stats.captured:
+            self.stats.captured.remove(b)
         self.graphs[b] = _FAILED
         self.stats.failed[b] = why
 

@@ -35,8 +35,7 @@ def kv_model_tag(engine_config) -> str:
     import os
     m, hf = engine_config.model, engine_config.model.hf
     dtype = "float32" if m.dtype == "auto" else m.dtype       # weights: auto loads float32
-    kv_dtype = m.kv_storage_dtype or m.kv_cache_dtype
     return (f"{os.path.basename(os.path.normpath(m.path))}|L{hf.num_layers}|H{hf.hidden_size}"
-            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{dtype}|kv:{kv_dtype}"
+            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{dtype}|kv:{m.kv_storage_dtype}"
             f"|bs{engine_config.cache.block_size}"
             f"|tp{engine_config.parallel.tensor_parallel_size}")

@@ -230,6 +230,9 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
         rc = cpu_graph.launch(lib.lls_linear_f32, *args)
     else:
         rc = cpu_graph.launch(lib.lls_linear_blas_f32, openblas_sgemm(), _BLAS_ITEMS, *args)
+    if rc == -2:
+        raise RuntimeError("the AMX linear kernel cannot run here: this build or process has "
+                           "no AMX tiles (set LLM_SERVING_BF16_AMX=0)")
     if rc:
         raise ValueError(f"{impl} linear failed on x {x.shape}, weight {packed.shape}: "
                          "inconsistent arguments, or a work buffer could not be allocated")
