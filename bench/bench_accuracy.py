@@ -30,18 +30,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DATA = ROOT / "clients" / "data" / "alpaca_521.json"
-# arm -> (dtype, kv_cache_dtype). On a CPU with AMX, bf16 weights run on AMX tiles with the
-# linear layers' inputs rounded to bf16 too; the "fp32 act." arms keep them fp32 there
-# (LLM_SERVING_BF16_AMX=0: the widening kernel every other CPU runs).
-ARMS = {"fp32": ("float32", "float32"), "bf16 weights": ("bfloat16", "float32"),
-        "bf16 KV": ("float32", "bfloat16"), "bf16 both": ("bfloat16", "bfloat16"),
-        "bf16 weights (fp32 act.)": ("bfloat16", "float32"),
-        "bf16 both (fp32 act.)": ("bfloat16", "bfloat16")}
+# arm -> (dtype, kv_cache_dtype, forced bf16 kernel). "bf16 weights" and "bf16 both" run the
+# bf16 kernels the probe picks on this CPU (layers/gemm.py); the arms naming a kernel force it
+# (LLM_SERVING_GEMM_BF16): widen keeps the linear layers' inputs fp32, amx and dot round them
+# to bf16 (where the CPU has them).
+ARMS = {"fp32": ("float32", "float32", None), "bf16 weights": ("bfloat16", "float32", None),
+        "bf16 KV": ("float32", "bfloat16", None), "bf16 both": ("bfloat16", "bfloat16", None),
+        **{f"bf16 weights ({k})": ("bfloat16", "float32", k) for k in ("widen", "amx", "dot")},
+        **{f"bf16 both ({k})": ("bfloat16", "bfloat16", k) for k in ("widen", "amx", "dot")}}
 ATOL = 5e-3
 
 
 def run_arm(model: str, prompts, dtype: str, kv: str, out: Path, max_tokens: int, every: int,
-            max_num_seqs: int, fp32_act: bool = False):
+            max_num_seqs: int, kernel: str | None = None):
     """Generate with one arm's dtypes, dumping logits to ``out``: (per prompt: dump key and
     output tokens), seconds."""
     import os
@@ -49,7 +50,7 @@ def run_arm(model: str, prompts, dtype: str, kv: str, out: Path, max_tokens: int
     from llm_serving import LLM, SamplingParams
     from llm_serving.engine.logits_dump import dump_key
     from unittest import mock
-    with mock.patch.dict(os.environ, {"LLM_SERVING_BF16_AMX": "0"} if fp32_act else {}):
+    with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
         llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, dump_logits=str(out),
                   dump_logits_every=every, max_num_seqs=max_num_seqs, kv_cache_space=2.0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -90,17 +91,17 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=8, help="dump every N output positions")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--arms", default=None, help=f"comma-separated, of: {', '.join(ARMS)} "
-                    "(default: all; the 'fp32 act.' ones only on a CPU with AMX)")
+                    "(default: all those this CPU runs)")
     args = ap.parse_args()
 
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.device import init_device
-    from llm_serving.model_executor.layers.gemm import amx_bf16
+    from llm_serving.model_executor.layers.gemm import bf16_kernels
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     init_device("cpu")
-    amx = amx_bf16()
+    runs = bf16_kernels()
     arms = ([a.strip() for a in args.arms.split(",")] if args.arms else
-            [a for a in ARMS if amx or "fp32 act." not in a])
+            [a for a, (_, _, k) in ARMS.items() if k is None or k in runs])
     bad = [a for a in arms if a not in ARMS]
     if bad:
         ap.error(f"unknown arm {bad[0]!r}")
@@ -109,9 +110,7 @@ def main() -> None:
     print(f"# bf16 accuracy vs fp32, {time.strftime('%Y-%m-%d')}, CPU: {cpu_description()}")
     print(f"# {len(prompts)} alpaca_521 prompts, greedy, {args.max_tokens} tokens, logits "
           f"dumped every {args.every} positions; 'within' = max |diff| <= {ATOL}")
-    print("# bf16 weights: " + ("on AMX tiles, the linear layers' inputs rounded to bf16"
-                                if amx else "widened to fp32 (no AMX here), fp32 activations")
-          + "\n")
+    print(f"# bf16 kernels this CPU runs: {', '.join(runs)}\n")
     print("| model | arm | prefill max abs diff | prefill mean of max abs diff | prefill within 5e-3 "
           "| later (same context) max abs diff | later within 5e-3 | identical outputs "
           "| tokens before first difference |")
@@ -122,10 +121,10 @@ def main() -> None:
         try:
             dirs, toks = {}, {}
             for arm in ["fp32"] + [a for a in arms if a != "fp32"]:
-                dtype, kv = ARMS[arm]
+                dtype, kv, kernel = ARMS[arm]
                 dirs[arm] = work / re.sub(r"\W+", "_", arm)
                 toks[arm], dt = run_arm(model, prompts, dtype, kv, dirs[arm], args.max_tokens,
-                                        args.every, args.max_num_seqs, "fp32 act." in arm)
+                                        args.every, args.max_num_seqs, kernel)
                 print(f"#   {spec} {arm}: {dt:.1f} s", file=sys.stderr)
             for arm in arms:
                 if arm == "fp32":

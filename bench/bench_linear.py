@@ -10,6 +10,9 @@ candidates are interleaved, so all see the same machine load.
 
     python bench/bench_linear.py [--ms 1,4,16,32,64,128,256] [--reps 5]
 
+``--bf16`` instead times the bf16-weight kernels this CPU runs (widen, amx, dot; see gemm.py)
+on the same shapes, each on the weight layout it reads, and what the bf16 probe picks.
+
 ``--before REV`` instead times our kernel against the one in git revision REV (its
 ``cpu_layer_ops.cpp`` built on the side, on the weight layout it reads), interleaved: median,
 min and max ms per pass over the reps, CPU time, and the largest difference between the two
@@ -29,6 +32,21 @@ import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
+def model_shapes(layers: int):
+    """Start MindSpore on CPU; the 97 M model's hidden and FFN sizes, its four projections as
+    (input size, [output sizes]), the generator, and ``layers`` random weights of each."""
+    import mindspore as ms
+    from llm_serving.model_executor.device import init_device
+    init_device("cpu")
+    ms.runtime.launch_blocking()
+    h, f = 768, 2048
+    shapes = [(h, [3 * h]), (h, [h]), (h, [2 * f]), (f, [h])]
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal((sum(outs), k), np.float32) * 0.02
+               for _ in range(layers) for k, outs in shapes]
+    return h, f, shapes, rng, weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,16,32,64,128,256")
@@ -36,23 +54,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--before", metavar="REV",
                     help="our kernel now vs the one in git revision REV")
+    ap.add_argument("--bf16", action="store_true", help="the bf16-weight kernels instead")
     args = ap.parse_args()
     if args.before:
         return before_after(args)
+    if args.bf16:
+        return bf16_kernels(args)
 
-    import mindspore as ms
     from mindspore import Tensor
-    from llm_serving.model_executor.device import init_device
-    init_device("cpu")
-    ms.runtime.launch_blocking()
     from llm_serving.model_executor.layers import gemm
     from llm_serving.model_executor.layers.linear import Linear
-
-    h, f = 768, 2048
-    shapes = [(h, [3 * h]), (h, [h]), (h, [2 * f]), (f, [h])]
-    rng = np.random.default_rng(0)
-    weights = [rng.standard_normal((sum(outs), k), np.float32) * 0.02
-               for _ in range(args.layers) for k, outs in shapes]
+    h, f, shapes, rng, weights = model_shapes(args.layers)
 
     def build():
         layers = []
@@ -94,6 +106,71 @@ def main() -> None:
         probe_ms = (time.perf_counter() - t) * 1e3
         print(f"| {m} | " + " | ".join(f"{res[c]:.1f}" for c in cands)
               + f" | {min(res, key=res.get)} | {', '.join(picks)} | {probe_ms:.0f} |", flush=True)
+
+
+def bf16_kernels(args) -> None:
+    from mindspore import Tensor
+    from llm_serving.model_executor.layers import gemm
+    from llm_serving.model_executor.layers.linear import Linear
+    h, f, shapes, rng, weights = model_shapes(args.layers)
+    cands = gemm.bf16_kernels()
+    layers = {}
+    for c in cands:
+        os.environ["LLM_SERVING_GEMM_BF16"] = c
+        gemm._plan = None
+        layers[c] = []
+        for i, w in enumerate(weights):
+            k, outs = shapes[i % 4]
+            layer = Linear(k, outs)
+            layer.use_bf16_weight()
+            layer.set_weight(w)
+            layers[c].append(layer)
+    del os.environ["LLM_SERVING_GEMM_BF16"]
+    plan = gemm.GemmPlan(None)          # a fresh probe, not the cache
+    for layer in layers[cands[0]]:
+        plan.register(layer)
+    t = time.perf_counter()
+    picks = [plan.choose_bf16(layers[cands[0]][i]) for i in range(4)]
+    probe_ms = (time.perf_counter() - t) * 1e3
+    print(f"# bf16-weight kernels, {datetime.date.today()}, {cpu_description()}")
+    dot, fma = instruction_rates()
+    if dot:
+        print(f"# one core, registers only: VDPBF16PS {dot:.0f} GFLOP/s, FMA {fma:.0f} GFLOP/s "
+              f"(dot can beat widen at many rows only where the first is well above the "
+              f"second)")
+    print(f"# {args.layers} layers x (qkv, o, gate_up, down), ms per pass (median of "
+          f"{args.reps}); probe picks (qkv, o, gate_up, down): {', '.join(picks)} "
+          f"in {probe_ms:.0f} ms")
+    print("| M | " + " | ".join(f"{c} ms" for c in cands) + " | fastest |")
+    print("|---|" + "---|" * (len(cands) + 1))
+    for m in [int(v) for v in args.ms.split(",")]:
+        xs = {k: Tensor(rng.standard_normal((m, k), np.float32)) for k in (h, f)}
+        for c in cands:                      # warm-up
+            for layer in layers[c]:
+                layer.gemm("kernel", xs[layer.input_size])
+        ts = {c: [] for c in cands}
+        for _ in range(args.reps):
+            for c in cands:
+                t = time.perf_counter()
+                for layer in layers[c]:
+                    y = layer.gemm("kernel", xs[layer.input_size])
+                y.asnumpy()
+                ts[c].append(time.perf_counter() - t)
+        res = {c: float(np.median(v)) * 1e3 for c, v in ts.items()}
+        print(f"| {m} | " + " | ".join(f"{res[c]:.1f}" for c in cands)
+              + f" | {min(res, key=res.get)} |", flush=True)
+
+
+def instruction_rates() -> tuple[float, float]:
+    """GFLOP/s of one core issuing zmm VDPBF16PS, and zmm FMAs (bf16_dot_rate.cpp); zeros
+    where the CPU has no AVX512-BF16."""
+    import ctypes
+    from llm_serving.model_executor.cpp_build import load_cpp_library
+    lib = load_cpp_library(str(Path(__file__).with_name("bf16_dot_rate.cpp")), ("-O2",))
+    for fn in (lib.dpbf16_gflops, lib.fma_gflops):
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64]
+    n = 200_000_000
+    return max(lib.dpbf16_gflops(n) for _ in range(2)), max(lib.fma_gflops(n) for _ in range(2))
 
 
 def before_after(args) -> None:

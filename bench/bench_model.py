@@ -9,11 +9,12 @@ prefill throughput (median of 3), against the memory-bandwidth floor measured in
 
 ``--arms`` compares configurations in one run, interleaved step by step (each case alternates
 the arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
-bfloat16``: on a CPU with AMX, activations into the linear layers are rounded to bf16 and
-multiplied on AMX tiles); bf16-weights; bf16-kv; fp32-eager (``--enforce-eager``: no decode
-step replayed from a capture, model_executor/cpu_graph.py); bf16-noamx (bf16 with
-``LLM_SERVING_BF16_AMX=0``: bf16 weights widened to fp32, as on a CPU without AMX). Each
-arm's floor counts the bytes its weights really take.
+bfloat16``, each shape's bf16 kernel picked by the probe: see layers/gemm.py); bf16-weights;
+bf16-kv; fp32-eager (``--enforce-eager``: no decode step replayed from a capture,
+model_executor/cpu_graph.py); bf16-widen, bf16-amx and bf16-dot (bf16 with that kernel forced,
+``LLM_SERVING_GEMM_BF16``: weights widened to fp32 with fp32 activations, or activations
+rounded to bf16 on AMX tiles or in AVX512-BF16 dot products; the last two where the CPU has
+them). Each arm's floor counts the bytes its weights really take.
 """
 from __future__ import annotations
 
@@ -83,13 +84,13 @@ class OtherLoad:
             time.perf_counter() - self.t)
 
 
-# arm -> (dtype, kv_cache_dtype)
-# arm -> (dtype, kv_cache_dtype, enforce_eager)
-ARMS = {"fp32": ("float32", "float32", False), "bf16": ("bfloat16", "bfloat16", False),
-        "bf16-weights": ("bfloat16", "float32", False), "bf16-kv": ("float32", "bfloat16", False),
-        "fp32-eager": ("float32", "float32", True),
-        # bf16 weights and KV, widened to fp32 on a CPU with AMX too (LLM_SERVING_BF16_AMX=0)
-        "bf16-noamx": ("bfloat16", "bfloat16", False)}
+# arm -> (dtype, kv_cache_dtype, enforce_eager, forced bf16 kernel)
+ARMS = {"fp32": ("float32", "float32", False, None),
+        "bf16": ("bfloat16", "bfloat16", False, None),
+        "bf16-weights": ("bfloat16", "float32", False, None),
+        "bf16-kv": ("float32", "bfloat16", False, None),
+        "fp32-eager": ("float32", "float32", True, None),
+        **{f"bf16-{k}": ("bfloat16", "bfloat16", False, k) for k in ("widen", "amx", "dot")}}
 
 
 def main() -> None:
@@ -124,9 +125,8 @@ def main() -> None:
     seqs = max(max_b, n_prompts)    # else a partial run (--batches 1) prefills one prompt a step
     engines = {}
     for arm in arms:
-        dtype, kv, eager = ARMS[arm]
-        with mock.patch.dict(os.environ,
-                             {"LLM_SERVING_BF16_AMX": "0"} if arm == "bf16-noamx" else {}):
+        dtype, kv, eager, kernel = ARMS[arm]
+        with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
             engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
                                kv_cache_dtype=kv, enforce_eager=eager,
                                num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),

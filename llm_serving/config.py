@@ -102,7 +102,8 @@ class EngineArgs:
         "output positions between logits dumps (0, N, 2N, ...)")
     dtype: str = _arg("auto",
         "weights: auto or float32 (float32), or bfloat16 (CPU: linear-layer weights stored "
-        "bf16, activations float32, or bf16 on AMX tiles where the CPU has amx_bf16; "
+        "bf16; activations float32, or bf16 where the CPU has amx_bf16 or avx512_bf16 and "
+        "that measures faster; "
         "docs/benchmarks.md has its accuracy cost)")
     kv_cache_dtype: str = _arg("auto",
         "KV cache storage: auto (float32 on CPU, float16 on Ascend), float32, or bfloat16 "

@@ -13,12 +13,21 @@ end), can run through:
   (``lls_linear_blas_f32``), so it shares the cores with the attention and element-wise
   kernels instead of fighting them with threads of its own.
 
-Layers with bfloat16 weights (``--dtype bfloat16``, ``Linear.use_bf16_weight``) always run our
-kernel's bf16 variant (``lls_linear_bf16``: weights widened to fp32 in registers, the same fp32
-FMA chains), or on a CPU with AMX its AMX variant (``lls_linear_bf16_amx``: inputs rounded to
-bf16, products on AMX tiles, float32 sums; ``amx_bf16``): neither OpenBLAS nor MindSpore's
-MatMul reads bf16 on CPU, so they are not probed and ``LLM_SERVING_GEMM`` does not apply to
-them.
+Layers with bfloat16 weights (``--dtype bfloat16``, ``Linear.use_bf16_weight``) run one of our
+bf16 kernels (neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU):
+- ``widen``: ``lls_linear_bf16``, weights widened to fp32 in registers, the fp32 kernel's FMA
+  chains (fp32 activations); every CPU;
+- ``amx``: ``lls_linear_bf16_amx``, inputs rounded to bf16, products on AMX tiles, float32
+  sums; CPUs with amx_bf16;
+- ``dot``: ``lls_linear_bf16_dot``, inputs rounded to bf16, AVX512-BF16 dot products
+  (VDPBF16PS), float32 sums; CPUs with avx512_bf16 (AMD Zen 4, Intel Xeon since Cooper Lake).
+``amx`` and ``dot`` read the weight in AMX tiles (``pack_weight_amx``), ``widen`` in the fp32
+panels. The layout is set before the weights load, so these are probed when the layer turns
+bf16 (``GemmPlan.choose_bf16``), on random weights of the layer's shape (as many copies as the
+model has layers of that shape, up to ``_PROBE_BF16_BYTES``), and cached like the fp32 choices
+(keys "bf16:N,K"). Each is batch-invariant, so the choice is per shape, for every row count.
+``LLM_SERVING_GEMM_BF16=widen|amx|dot`` forces one (``widen``: fp32 activations, the
+numerics of every CPU without bf16 arithmetic).
 
 MindSpore's ``MatMul`` (the layers' native path, what Ascend runs) is no candidate on CPU: in
 whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 149 vs 88 ms,
@@ -74,6 +83,9 @@ PROBE_ROWS = (1, 16, 64, 256)
 # small M, one matrix at large M; the whole probe of a bucket stays in the tens of ms.
 _PROBE_FLOPS = 2e8
 _PROBE_REPS = 2
+# Bytes of random weights per layout the bf16 probe streams at most (a decode step's reads of
+# one shape, without holding a large model's worth twice).
+_PROBE_BF16_BYTES = 256 << 20
 
 
 def m_bucket(m: int) -> int:
@@ -136,12 +148,14 @@ def pack_weight(w: np.ndarray, width: int | None = None) -> np.ndarray:
     return out
 
 
-def amx_bf16() -> bool:
-    """Whether bf16 layers built now run on AMX tiles (bf16 activations too): the kernel
-    library was built with AMX (the CPU has amx_bf16), the OS lets this process use the tiles,
-    and ``LLM_SERVING_BF16_AMX`` is not "0" (which keeps the widening kernel, fp32
-    activations, as on CPUs without AMX)."""
-    return os.environ.get("LLM_SERVING_BF16_AMX") != "0" and _amx_usable()
+BF16_KERNELS = ("amx", "dot", "widen")
+
+
+def bf16_kernels() -> tuple[str, ...]:
+    """The bf16-weight kernels this build and process can run (``BF16_KERNELS`` order)."""
+    lib = cpu_layer_ops()
+    have = {"amx": _amx_usable(), "dot": lib.lls_bf16_dot_built() == 1, "widen": True}
+    return tuple(c for c in BF16_KERNELS if have[c])
 
 
 @lru_cache(maxsize=None)
@@ -192,17 +206,22 @@ class LinearCall:
 
 
 def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bool = False,
-               impl: str = "kernel", bf16: bool = False):
+               impl: str = "kernel", bf16: str | None = None):
     """x [M, K] @ W.T (+ bias) on the CPU, W [call.n, K] packed (``pack_weight``), with our
     kernel (``impl="kernel"``) or OpenBLAS's sgemm run from our pool (``impl="openblas"``);
-    with ``bf16`` the weight holds bfloat16 bits (uint16) and our kernel's bf16 variant runs
-    (``impl`` must be "kernel"): on AMX tiles, activations rounded to bf16, when the weight
-    was packed by ``pack_weight_amx``. Returns a new Tensor [M, N], or, with ``split``, one
-    contiguous Tensor per part of ``call`` (q, k, v of a fused qkv)."""
+    with ``bf16`` (one of ``BF16_KERNELS``) the weight holds bfloat16 bits (uint16), packed by
+    ``pack_weight_amx`` for "amx" and "dot", and that bf16 kernel runs (``impl`` must be
+    "kernel"). Returns a new Tensor [M, N], or, with ``split``, one contiguous Tensor per part
+    of ``call`` (q, k, v of a fused qkv)."""
     m, k = x.shape
-    amx = packed.ndim == 4          # bf16 tiles for AMX (pack_weight_amx)
-    if amx:
-        if not bf16 or tuple(packed.shape) != amx_packed_shape(call.n, k):
+    if bf16 is not None and bf16 not in BF16_KERNELS:
+        raise ValueError(f"bf16 kernel {bf16!r} is not one of {', '.join(BF16_KERNELS)}")
+    tiles = packed.ndim == 4        # bf16 in AMX tiles (pack_weight_amx)
+    if tiles != (bf16 in ("amx", "dot")):
+        raise ValueError(f"weight {packed.shape} is not in the layout the {bf16 or 'fp32'} "
+                         "kernel reads")
+    if tiles:
+        if tuple(packed.shape) != amx_packed_shape(call.n, k):
             raise ValueError(f"AMX-packed weight {packed.shape} does not hold bf16 "
                              f"[{call.n}, {k}]")
     else:
@@ -225,14 +244,16 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     if bf16:
         if impl != "kernel":
             raise ValueError(f"bfloat16 weights run on our kernel only, not {impl}")
-        rc = cpu_graph.launch(lib.lls_linear_bf16_amx if amx else lib.lls_linear_bf16, *args)
+        fn = {"amx": lib.lls_linear_bf16_amx, "dot": lib.lls_linear_bf16_dot,
+              "widen": lib.lls_linear_bf16}[bf16]
+        rc = cpu_graph.launch(fn, *args)
     elif impl == "kernel":
         rc = cpu_graph.launch(lib.lls_linear_f32, *args)
     else:
         rc = cpu_graph.launch(lib.lls_linear_blas_f32, openblas_sgemm(), _BLAS_ITEMS, *args)
     if rc == -2:
-        raise RuntimeError("the AMX linear kernel cannot run here: this build or process has "
-                           "no AMX tiles (set LLM_SERVING_BF16_AMX=0)")
+        raise RuntimeError(f"the bf16 {bf16} linear kernel cannot run here: this build or "
+                           "process lacks its instructions (set LLM_SERVING_GEMM_BF16=widen)")
     if rc:
         raise ValueError(f"{impl} linear failed on x {x.shape}, weight {packed.shape}: "
                          "inconsistent arguments, or a work buffer could not be allocated")
@@ -289,7 +310,8 @@ class GemmPlan:
             try:
                 data = json.loads(path.read_text())
                 self.choices = {k: v for k, v in data.get("choices", {}).items()
-                                if v in available()}
+                                if v in (bf16_kernels() if k.startswith("bf16:")
+                                         else available())}
             except (OSError, ValueError):
                 self.choices = {}
 
@@ -318,23 +340,34 @@ class GemmPlan:
         n, k = layer.gemm_shape
         cands = [c for c in available()
                  if self.per_bucket or c == "kernel" or batch_invariant(layer, c)]
+        layers = [layer] + [l for l in self.layers.get((n, k), ()) if l is not layer]
+
+        def run(c, x, count):
+            for layer_ in layers[:count]:
+                y = layer_.gemm(c, x)
+            return y
+        return self._time_and_keep(key, cands, rows, (n, k), len(layers), run)
+
+    def _time_and_keep(self, key: str, cands, rows, shape, copies: int, run) -> str:
+        """Time ``run(c, x, count)`` (``count`` GEMMs of candidate ``c`` on x, up to
+        ``copies`` distinct weights, returning the last output) for each candidate at each of
+        ``rows`` rows, interleaved so all see the same machine load, best of ``_PROBE_REPS``;
+        keep the one with the least total time for ``key`` and save the plan."""
+        n, k = shape
         totals = dict.fromkeys(cands, 0.0)
         if len(cands) > 1:
-            same = [l for l in self.layers.get((n, k), ()) if l is not layer]
             rng = np.random.default_rng(0)
             for m in rows:
-                count = max(1, min(1 + len(same), int(_PROBE_FLOPS // (2.0 * m * n * k))))
-                layers = [layer] + same[:count - 1]
+                count = max(1, min(copies, int(_PROBE_FLOPS // (2.0 * m * n * k))))
                 x = Tensor(rng.standard_normal((m, k), dtype=np.float32))
                 best = {}
                 for _ in range(_PROBE_REPS):
-                    for c in cands:                    # interleaved: same machine load
+                    for c in cands:
                         t = time.perf_counter()
-                        for layer_ in layers:
-                            y = layer_.gemm(c, x)
+                        y = run(c, x, count)
                         (y[0] if isinstance(y, tuple) else y).asnumpy()
-                        dt = (time.perf_counter() - t) / len(layers)
-                        best[c] = min(best.get(c, float("inf")), dt)
+                        best[c] = min(best.get(c, float("inf")),
+                                      (time.perf_counter() - t) / count)
                 for c in cands:
                     totals[c] += best[c]
         choice = min(totals, key=totals.get)
@@ -342,6 +375,51 @@ class GemmPlan:
         self.timings[key] = totals
         self.save()
         return choice
+
+    def choose_bf16(self, layer) -> str:
+        """The bf16 kernel for ``layer``'s shape (one of ``bf16_kernels()``): forced by
+        ``LLM_SERVING_GEMM_BF16`` (read now: it is asked once per layer, at load), cached, or
+        probed now."""
+        forced = os.environ.get("LLM_SERVING_GEMM_BF16") or None
+        if forced is not None:
+            if forced not in bf16_kernels():
+                from llm_serving.errors import ConfigError
+                raise ConfigError("LLM_SERVING_GEMM_BF16", f"{forced!r} is not one of the bf16 "
+                                  "kernels this CPU and build can run: "
+                                  f"{', '.join(bf16_kernels())}")
+            return forced
+        n, k = layer.gemm_shape
+        key = f"bf16:{n},{k}"
+        choice = self.choices.get(key)
+        if choice is None:
+            with cpu_graph.paused():
+                choice = self.probe_bf16(layer, key)
+        return choice
+
+    def probe_bf16(self, layer, key: str) -> str:
+        """Time each bf16 kernel this CPU runs on random weights of ``layer``'s shape, as many
+        copies as the model has layers of it (at most ``_PROBE_BF16_BYTES`` per layout), at
+        each of ``PROBE_ROWS`` rows; keep the one with the least total time."""
+        from llm_serving.model_executor.loader import float32_to_bfloat16_bits
+        n, k = layer.gemm_shape
+        cands = bf16_kernels()
+        copies, weights = 1, {}
+        if len(cands) > 1:
+            rng = np.random.default_rng(0)
+            bits = float32_to_bfloat16_bits(rng.standard_normal((n, k), dtype=np.float32))
+            copies = max(1, min(len(self.layers.get((n, k), ())),
+                                _PROBE_BF16_BYTES // (2 * n * k)))
+            for c in cands:
+                packed = (pack_weight_amx if c != "widen" else pack_weight)(bits)
+                weights[c] = [Tensor.from_numpy(packed)] + [
+                    Tensor.from_numpy(_aligned_copy(packed)) for _ in range(copies - 1)]
+        call, split = layer.gemm_call, getattr(layer, "split_output", False)
+
+        def run(c, x, count):
+            for w in weights[c][:count]:
+                y = cpu_linear(x, w, call, None, split, bf16=c)
+            return y
+        return self._time_and_keep(key, cands, PROBE_ROWS, (n, k), copies, run)
 
     def save(self) -> None:
         if self.path is None:
@@ -384,6 +462,12 @@ def batch_invariant(layer, impl: str) -> bool:
 # Rows of the reference call in ``batch_invariant``: more than a decode-sized tile, so kernels
 # with a separate path for many rows (prefill) are compared with their few-row path.
 INVARIANCE_ROWS = 160
+
+
+def _aligned_copy(a: np.ndarray) -> np.ndarray:
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
 
 
 def _rows(y) -> np.ndarray:

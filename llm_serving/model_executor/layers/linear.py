@@ -12,15 +12,16 @@ its shape (``gemm.py``: our kernel or OpenBLAS's sgemm), on the weight packed in
 
 bfloat16 weights (``--dtype bfloat16`` on CPU, ``use_bf16_weights``): each ``Linear`` keeps
 its weight as bf16 bits only (a packed uint16 Parameter, half the bytes; no float32 copy),
-rounded to nearest even from the checkpoint, and runs our kernel's bf16 variant (widened to fp32 in
-registers, fp32 FMAs in the fp32 kernel's order, so batch invariance holds). Activations stay
-fp32, except on a CPU with AMX (``gemm.amx_bf16``): there the weight is packed in AMX tiles and
-the layer's input is rounded to bf16 and multiplied on the tiles (float32 sums; batch-invariant
-too). The token embedding / LM head (``VocabEmbedding``) and the norms stay fp32: the
-embedding is a MindSpore gather, which has no bf16 on CPU, and keeping the LM head fp32 keeps
-the logits' own GEMM exact (docs/benchmarks.md, "bf16 weights and KV cache"). The LM head
-keeps a packed copy of its [vocab, hidden] weight for the logits GEMM (the embedding gathers
-rows of the unpacked one).
+rounded to nearest even from the checkpoint, and runs the bf16 kernel measured fastest for its
+shape on this CPU (``gemm.GemmPlan.choose_bf16``): weights widened to fp32 in registers with
+fp32 activations (``widen``, the fp32 kernel's FMA chains), or, where the CPU has bf16
+arithmetic, the layer's input rounded to bf16 and multiplied on AMX tiles (``amx``) or with
+AVX512-BF16 dot products (``dot``), the weight then packed in AMX tiles; float32 sums and
+batch invariance in all three. The token embedding / LM head (``VocabEmbedding``) and the
+norms stay fp32: the embedding is a MindSpore gather, which has no bf16 on CPU, and keeping the
+LM head fp32 keeps the logits' own GEMM exact (docs/benchmarks.md, "bf16 weights and KV
+cache"). The LM head keeps a packed copy of its [vocab, hidden] weight for the logits GEMM (the
+embedding gathers rows of the unpacked one).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
-from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty, amx_bf16,
+from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty,
                                                     amx_packed_shape, cpu_linear, gemm_plan,
                                                     pack_weight, pack_weight_amx, packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
@@ -80,7 +81,7 @@ class Linear(CustomOp):
         out = self.offsets[-1]
         self.gemm_shape = (out, self.input_size)
         self.bf16 = False               # weight held as bfloat16 bits (use_bf16_weight)
-        self.amx = False                # ... in AMX tiles, activations rounded to bf16
+        self.bf16_kernel = None         # ... read by this kernel (gemm.BF16_KERNELS)
         # On CPU the weight is held packed for our kernels, unless MatMul is forced.
         self.packed = False
         if self._use_cpu:
@@ -99,22 +100,28 @@ class Linear(CustomOp):
         """A zero weight Parameter in the layout the layer computes with."""
         if not self.packed:
             return Parameter(Tensor(np.zeros(self.gemm_shape, dtype)), requires_grad=False)
-        shape = amx_packed_shape if self.amx else packed_shape
+        shape = amx_packed_shape if self.tiled else packed_shape
         arr = aligned_empty(shape(*self.gemm_shape), dtype)
         arr[...] = 0
         return Parameter(Tensor.from_numpy(arr), requires_grad=False)
 
+    @property
+    def tiled(self) -> bool:
+        """Whether the weight is held in AMX tiles (the bf16-activation kernels' layout)."""
+        return self.bf16_kernel in ("amx", "dot")
+
     def use_bf16_weight(self) -> None:
         """Hold the weight as bfloat16 bits from now on (before loading): a uint16 Parameter
-        replaces the float32 one (in AMX tiles where ``gemm.amx_bf16``, else the same panels),
-        and the GEMM plan forgets the layer (only our kernel reads bf16)."""
+        replaces the float32 one, in the layout of the bf16 kernel chosen for the shape (AMX
+        tiles, or the fp32 panels for ``widen``), and the fp32 GEMM plan forgets the layer."""
         if not self._use_cpu:
             raise ValueError("bfloat16 weights in our buffers are a CPU-kernel feature")
         if self.bf16:
             return
+        kernel = self._plan.choose_bf16(self)
         name = self.weight.name
         self.bf16 = self.packed = True
-        self.amx = amx_bf16()
+        self.bf16_kernel = kernel
         self.weight = self._zero_weight(np.uint16)
         self.weight.name = name
         self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
@@ -126,7 +133,7 @@ class Linear(CustomOp):
         if value.shape != tuple(self.gemm_shape):
             raise ValueError(f"weight of shape {value.shape} for a layer of {self.gemm_shape}")
         if self.packed:
-            pack = pack_weight_amx if self.amx else pack_weight
+            pack = pack_weight_amx if self.tiled else pack_weight
             self.weight.set_data(Tensor.from_numpy(pack(value)))
         else:
             self.weight.set_data(Tensor(value))
@@ -172,7 +179,7 @@ class Linear(CustomOp):
                 y = y + bias
             return ops.split(y, self.output_sizes, -1) if self.split_output else y
         return cpu_linear(x, self.weight, self.gemm_call, bias, self.split_output, impl,
-                          self.bf16)
+                          self.bf16_kernel)
 
     def weight_loader(self, host: np.ndarray, loaded: np.ndarray, shard: int = 0,
                       is_bias: bool = False) -> None:

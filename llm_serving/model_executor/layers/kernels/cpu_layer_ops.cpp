@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #include <unistd.h>
 
@@ -470,7 +471,7 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 9; }
+int lls_layer_ops_abi_version() { return 10; }
 
 int lls_layer_ops_vector_width() { return VW; }
 
@@ -505,8 +506,9 @@ int lls_linear_bf16(const float* x, int64_t ldx, const bf16_t* wp, const float* 
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
-// Linear on AMX tiles: bf16 weights AND bf16 activations (--dtype bfloat16 on a CPU with
-// amx_bf16). x is rounded to bf16 (nearest even) once per call; TDPBF16PS multiplies bf16
+// bf16 weights AND bf16 activations (--dtype bfloat16 where the probe picks them), on AMX tiles
+// (CPUs with amx_bf16) or with AVX512-BF16 dot products (avx512_bf16; see dot_tile below).
+// On AMX, x is rounded to bf16 (nearest even) once per call; TDPBF16PS multiplies bf16
 // pairs and accumulates in float32 tiles. The weight W [N, K] is packed (``pack_weight_amx``)
 // into 16 x 32 tiles in the pair-interleaved ("VNNI") order the instruction reads, N padded to
 // 32 and K to 32 with zeros, the two tiles of 32 output columns side by side:
@@ -517,35 +519,22 @@ int lls_linear_bf16(const float* x, int64_t ldx, const bf16_t* wp, const float* 
 // costs), and it stays in L2 across row blocks. Every output element is the same sequence of
 // tile products over k whatever M, the row's place and the thread: batch-invariant, like the
 // float32 kernel (a different sum order, so not the same bits as it).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    !defined(LLS_NO_AVX512)
-#define LLS_AMX 1
+#if defined(__AVX512BF16__) && !defined(LLS_NO_AVX512)
+#define LLS_BF16DOT 1
 #include <sched.h>
+#endif
+#if defined(LLS_BF16DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LLS_AMX 1
 #include <sys/syscall.h>
 #endif
 
 namespace {
 
-#ifdef LLS_AMX
-struct TileConfig {
-  uint8_t palette, start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-struct AmxArgs {
-  LinearArgs a;
-  const bf16_t* xb;  // x rounded to bf16, [Mp, Kp], zero-padded
-  int64_t Mp, Kp;            // Mp: M, padded to 16 rows from 16 up
-  int tile_rows;             // rows of the x and sum tiles: min(M, 16)
-  int64_t strips, per_item;  // 32-column strips, strips per item
-};
-
-// Items per call: a few per usable core (the pool balances them), each a run of strips that
-// loads the tile configuration once. Against one item per strip: prefill 1x256 2969 -> 3622
-// tok/s, decode B=16 23.9 -> 22.2 ms (bench_model, Intel Xeon).
-int64_t amx_items_per_call() {
+#ifdef LLS_BF16DOT
+// Items per call: a few per usable core (the pool balances them), each a run of strips (for
+// AMX, one tile configuration load). Against one item per strip: prefill 1x256 2969 -> 3622
+// tok/s, decode B=16 23.9 -> 22.2 ms (bench_model, Intel Xeon, AMX).
+int64_t bf16_items_per_call() {
   static const int64_t n = [] {
     cpu_set_t set;
     const int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
@@ -558,10 +547,184 @@ thread_local AlignedBuffer t_xb;
 // Software prefetch of the weight strip this far ahead: +20% read bandwidth at one row in a
 // standalone test of this loop (Intel Xeon), where the tile loads alone leave the hardware
 // prefetcher behind.
-constexpr int64_t kAmxPrefetchBytes = 4096;
+constexpr int64_t kStripPrefetchBytes = 4096;
+
+// x [M, K] (row stride ldx) -> bf16 [Mp, Kp], round to nearest even, zero-padded.
+void round_rows_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, bf16_t* xb,
+                     int64_t Mp, int64_t Kp) {
+  for (int64_t m = 0; m < Mp; ++m) {
+    bf16_t* o = xb + m * Kp;
+    if (m >= M) {
+      std::memset(o, 0, Kp * 2);
+      continue;
+    }
+    const float* r = x + m * ldx;
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __mmask16 live = k + 16 <= K ? 0xFFFF : k < K ? (__mmask16)((1u << (K - k)) - 1) : 0;
+      const __m512 v = _mm512_maskz_loadu_ps(live, r + k);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+// Work split shared by both bf16-activation kernels: 32-column strips, a run per item.
+struct Bf16Args {
+  LinearArgs a;
+  const bf16_t* xb;  // x rounded to bf16, [Mp, Kp], zero-padded
+  int64_t Mp, Kp;            // Mp: rows of xb, M padded (AMX: to 16 from 16 up; dot: 12)
+  int tile_rows;             // AMX: rows of the x and sum tiles, min(M, 16)
+  int64_t strips, per_item;  // 32-column strips, strips per item
+};
+
+// ---------------------------------------------------------------------------------------------
+// The same product with AVX512-BF16 dot products (VDPBF16PS), for CPUs with avx512_bf16 (AMD
+// Zen 4 has it, and no AMX). On the Intel Xeon (AMX) this was written on, a zmm VDPBF16PS
+// issued every other cycle in a register-only loop: 124 GFLOP/s a core against 248 for FMAs,
+// so there it loses to the widening kernel from a few rows up and the probe never picks it;
+// it is for CPUs that issue it as fast as an FMA (not yet measured). The weight is packed as
+// for AMX (a tile row is 16 output columns x one k pair, exactly one zmm), x rounded to bf16 as
+// for AMX. A register tile of R rows x 32 columns (2R accumulators) takes per k pair two
+// weight vectors and R broadcast x pairs: acc = dpbf16(acc, x pair, w pairs), k pairs in order
+// from acc = 0. Every output is that one chain whatever M, R, the row's place or the thread:
+// batch-invariant (other sums than AMX's).
+constexpr int kDotRows = 12;  // 24 accumulators + 2 weight vectors + broadcasts of 32 zmm
+constexpr int kDotPairRows = 6;  // below it, two strips at once: 4 x 5 accumulators at most
+
+// x for the dot kernel: rounded to bf16 like round_rows_bf16, in blocks of kDotRows rows, each
+// block k pair-major: pair p of block row i (an int32 of two bf16) at xp[(blk * Kp / 2 + p) *
+// kDotRows + i]. A register tile's R broadcasts per k pair then read one contiguous run at
+// fixed offsets, instead of R rows Kp * 2 bytes apart (an address register per row).
+void round_pack_rows_dot(const float* x, int64_t ldx, int64_t M, int64_t K, int32_t* xp,
+                         int64_t Kp) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * ldx;
+    int32_t* o = xp + (m / kDotRows) * (Kp / 2) * kDotRows + m % kDotRows;
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __mmask16 live = k + 16 <= K ? 0xFFFF : k < K ? (__mmask16)((1u << (K - k)) - 1) : 0;
+      alignas(32) int32_t pairs[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, r + k)));
+      for (int t = 0; t < 8; ++t) o[(k / 2 + t) * kDotRows] = pairs[t];
+    }
+  }
+}
+
+// R rows x S strips (S * 32 columns; S = 2 below kDotPairRows rows: two weight streams and
+// twice the independent chains in flight, which batch-1 decode needs), sums into c [R, S * 32].
+template <int R, int S>
+inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, float* c) {
+  __m512 acc[S][2][R];
+  #pragma GCC unroll 16
+  for (int s = 0; s < S; ++s)
+    #pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[s][0][i] = acc[s][1][i] = _mm512_setzero_ps();
+  const int32_t* x = reinterpret_cast<const int32_t*>(g.xb) + m0 * (g.Kp / 2);
+  const int64_t strip = g.Kp / 32 * 1024;  // bf16 values per strip
+  for (int64_t kb = 0; kb < g.Kp / 32; ++kb) {
+    const bf16_t* wk = w + kb * 1024;
+    if (pf) {  // the strips come from memory: ask for them ahead of the loads
+      #pragma GCC unroll 16
+      for (int s = 0; s < S; ++s) {
+        const char* p = reinterpret_cast<const char*>(wk + s * strip) + kStripPrefetchBytes;
+        for (int l = 0; l < 2048; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+      }
+    }
+    const int32_t* xk = x + kb * 16 * kDotRows;
+    for (int r = 0; r < 16; ++r) {
+      __m512bh wv[S][2];
+      #pragma GCC unroll 16
+      for (int s = 0; s < S; ++s) {
+        wv[s][0] = (__m512bh)_mm512_load_si512(wk + s * strip + r * 32);
+        wv[s][1] = (__m512bh)_mm512_load_si512(wk + s * strip + 512 + r * 32);
+      }
+      #pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512bh xi = (__m512bh)_mm512_set1_epi32(xk[r * kDotRows + i]);
+        #pragma GCC unroll 16
+        for (int s = 0; s < S; ++s) {
+          acc[s][0][i] = _mm512_dpbf16_ps(acc[s][0][i], xi, wv[s][0]);
+          acc[s][1][i] = _mm512_dpbf16_ps(acc[s][1][i], xi, wv[s][1]);
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 16
+    for (int s = 0; s < S; ++s) {
+      _mm512_store_ps(c + i * S * 32 + s * 32, acc[s][0][i]);
+      _mm512_store_ps(c + i * S * 32 + s * 32 + 16, acc[s][1][i]);
+    }
+}
+
+template <int S, int... Rs>
+inline void dot_tile_rows(int r, const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf,
+                          float* c, std::integer_sequence<int, Rs...>) {
+  ((r == Rs + 1 ? dot_tile<Rs + 1, S>(g, w, m0, pf, c) : void()), ...);
+}
+
+void dot_item(void* p, int64_t item) {
+  const Bf16Args& g = *static_cast<const Bf16Args*>(p);
+  const LinearArgs& a = g.a;
+  alignas(64) float c[kDotRows * 32];
+  const int64_t j0 = item * g.per_item;
+  const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
+  const int64_t strip = g.Kp / 32 * 1024;
+  int64_t j = j0;
+  if (a.M < kDotPairRows) {
+    for (; j + 1 < j1; j += 2) {
+      const int64_t n0 = 32 * j, n1 = n0 + 64 < a.N ? n0 + 64 : a.N;
+      dot_tile_rows<2>(int(a.M), g, static_cast<const bf16_t*>(a.w) + j * strip, 0, true, c,
+                       std::make_integer_sequence<int, kDotPairRows - 1>());
+      store_rows(a, c, 64, 0, a.M, n0, n1);
+    }
+  }
+  for (; j < j1; ++j) {
+    const bf16_t* w = static_cast<const bf16_t*>(a.w) + j * strip;
+    const int64_t n0 = 32 * j, n1 = n0 + 32 < a.N ? n0 + 32 : a.N;
+    for (int64_t m0 = 0; m0 < a.M; m0 += kDotRows) {
+      const int r = int(a.M - m0 < kDotRows ? a.M - m0 : kDotRows);
+      dot_tile_rows<1>(r, g, w, m0, m0 == 0, c, std::make_integer_sequence<int, kDotRows>());
+      store_rows(a, c, 32, m0, m0 + r, n0, n1);
+    }
+  }
+}
+
+// Checks the arguments, rounds x into the thread's buffer and runs ``item`` over the strips.
+// Rows are padded to Mp (AMX's tile rows) with zeros.
+int run_bf16(Bf16Args& g, TaskFn item, const float* x, int64_t ldx, const bf16_t* wt,
+             const float* bias, int64_t M, int64_t N, int64_t K, int nparts,
+             const int64_t* split, float* const* out, const int64_t* ld, int64_t Mp) {
+  if (!set_linear_args(g.a, x, ldx, wt, bias, M, N, K, nparts, split, out, ld)) return -1;
+  if (M == 0 || N == 0) return 0;
+  g.Mp = Mp;
+  g.Kp = (K + 31) / 32 * 32;
+  bf16_t* xb = reinterpret_cast<bf16_t*>(t_xb.get((g.Mp * g.Kp + 1) / 2));
+  if (!xb) return -1;
+  if (item == dot_item)
+    round_pack_rows_dot(x, ldx, M, K, reinterpret_cast<int32_t*>(xb), g.Kp);
+  else
+    round_rows_bf16(x, ldx, M, K, xb, g.Mp, g.Kp);
+  g.xb = xb;
+  g.strips = (N + 31) / 32;
+  const int64_t want = bf16_items_per_call();
+  g.per_item = (g.strips + want - 1) / want;
+  const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
+  parallel_for(item, &g, items, M * N * K >= (1 << 18), g_linger_us);
+  return 0;
+}
+#endif  // LLS_BF16DOT
+
+#ifdef LLS_AMX
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 
 // Strip j: 32 output columns, all rows.
-inline void amx_strip(const AmxArgs& g, int64_t j, float* c) {
+inline void amx_strip(const Bf16Args& g, int64_t j, float* c) {
   const LinearArgs& a = g.a;
   const int64_t kb_n = g.Kp / 32;
   const bf16_t* w = static_cast<const bf16_t*>(a.w) + j * kb_n * 1024;
@@ -577,7 +740,7 @@ inline void amx_strip(const AmxArgs& g, int64_t j, float* c) {
     _tile_zero(3);
     for (int64_t kb = 0; kb < kb_n; ++kb) {
       if (m0 == 0) {  // the strip comes from memory: ask for it ahead of the tile loads
-        const char* pf = reinterpret_cast<const char*>(w + kb * 1024) + kAmxPrefetchBytes;
+        const char* pf = reinterpret_cast<const char*>(w + kb * 1024) + kStripPrefetchBytes;
         for (int l = 0; l < 2048; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
       }
       _tile_loadd(4, x0 + kb * 32, ldx);
@@ -604,7 +767,7 @@ inline void amx_strip(const AmxArgs& g, int64_t j, float* c) {
 
 // Strips j and j + 1 at once, for fewer than 16 rows (one row block): two weight streams in
 // flight. Every sum is the same sequence of tile products as in amx_strip.
-inline void amx_strip_pair(const AmxArgs& g, int64_t j, float* c) {
+inline void amx_strip_pair(const Bf16Args& g, int64_t j, float* c) {
   const LinearArgs& a = g.a;
   const int64_t kb_n = g.Kp / 32;
   const bf16_t* w = static_cast<const bf16_t*>(a.w) + j * kb_n * 1024;
@@ -615,8 +778,8 @@ inline void amx_strip_pair(const AmxArgs& g, int64_t j, float* c) {
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < kb_n; ++kb) {
-    const char* pw = reinterpret_cast<const char*>(w + kb * 1024) + kAmxPrefetchBytes;
-    const char* pu = reinterpret_cast<const char*>(u + kb * 1024) + kAmxPrefetchBytes;
+    const char* pw = reinterpret_cast<const char*>(w + kb * 1024) + kStripPrefetchBytes;
+    const char* pu = reinterpret_cast<const char*>(u + kb * 1024) + kStripPrefetchBytes;
     for (int l = 0; l < 2048; l += 64) {
       _mm_prefetch(pw + l, _MM_HINT_T0);
       _mm_prefetch(pu + l, _MM_HINT_T0);
@@ -641,7 +804,7 @@ inline void amx_strip_pair(const AmxArgs& g, int64_t j, float* c) {
 }
 
 void amx_item(void* p, int64_t item) {
-  const AmxArgs& g = *static_cast<const AmxArgs*>(p);
+  const Bf16Args& g = *static_cast<const Bf16Args*>(p);
   TileConfig cfg{};
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) {
@@ -660,24 +823,7 @@ void amx_item(void* p, int64_t item) {
   _tile_release();
 }
 
-// x [M, K] (row stride ldx) -> bf16 [Mp, Kp], round to nearest even, zero-padded.
-void round_rows_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, bf16_t* xb,
-                     int64_t Mp, int64_t Kp) {
-  for (int64_t m = 0; m < Mp; ++m) {
-    bf16_t* o = xb + m * Kp;
-    if (m >= M) {
-      std::memset(o, 0, Kp * 2);
-      continue;
-    }
-    const float* r = x + m * ldx;
-    for (int64_t k = 0; k < Kp; k += 16) {
-      const __mmask16 live = k + 16 <= K ? 0xFFFF : k < K ? (__mmask16)((1u << (K - k)) - 1) : 0;
-      const __m512 v = _mm512_maskz_loadu_ps(live, r + k);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
-}
-#endif
+#endif  // LLS_AMX
 
 }  // namespace
 
@@ -702,22 +848,38 @@ int lls_linear_bf16_amx(const float* x, int64_t ldx, const bf16_t* wt, const flo
                         float* const* out, const int64_t* ld) {
 #ifdef LLS_AMX
   if (!lls_amx_init()) return -2;
-  AmxArgs g;
-  if (!set_linear_args(g.a, x, ldx, wt, bias, M, N, K, nparts, split, out, ld)) return -1;
-  if (M == 0 || N == 0) return 0;
-  g.Mp = M < 16 ? M : (M + 15) / 16 * 16;
+  Bf16Args g;
   g.tile_rows = M < 16 ? int(M) : 16;
-  g.Kp = (K + 31) / 32 * 32;
-  bf16_t* xb = reinterpret_cast<bf16_t*>(t_xb.get((g.Mp * g.Kp + 1) / 2));
-  if (!xb) return -1;
-  round_rows_bf16(x, ldx, M, K, xb, g.Mp, g.Kp);
-  g.xb = xb;
-  g.strips = (N + 31) / 32;
-  const int64_t want = amx_items_per_call();
-  g.per_item = (g.strips + want - 1) / want;
-  const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
-  parallel_for(amx_item, &g, items, M * N * K >= (1 << 18), g_linger_us);
+  return run_bf16(g, amx_item, x, ldx, wt, bias, M, N, K, nparts, split, out, ld,
+                  M < 16 ? M : (M + 15) / 16 * 16);
+#else
+  (void)x; (void)ldx; (void)wt; (void)bias; (void)M; (void)N; (void)K; (void)nparts;
+  (void)split; (void)out; (void)ld;
+  return -2;
+#endif
+}
+
+// 1 when this build has the AVX512-BF16 dot-product kernel (lls_linear_bf16_dot), else 0.
+int lls_bf16_dot_built() {
+#ifdef LLS_BF16DOT
+  return 1;
+#else
   return 0;
+#endif
+}
+
+// lls_linear_bf16_amx's contract and numerics class (bf16 activations, float32 sums) with
+// AVX512-BF16 dot products (dot_item): the same packed weight, other summation order.
+// Returns 0, -1 on bad arguments or a failed allocation, -2 when this build has no
+// avx512_bf16.
+int lls_linear_bf16_dot(const float* x, int64_t ldx, const bf16_t* wt, const float* bias,
+                        int64_t M, int64_t N, int64_t K, int nparts, const int64_t* split,
+                        float* const* out, const int64_t* ld) {
+#ifdef LLS_BF16DOT
+  Bf16Args g;
+  g.tile_rows = 0;
+  return run_bf16(g, dot_item, x, ldx, wt, bias, M, N, K, nparts, split, out, ld,
+                  (M + kDotRows - 1) / kDotRows * kDotRows);
 #else
   (void)x; (void)ldx; (void)wt; (void)bias; (void)M; (void)N; (void)K; (void)nparts;
   (void)split; (void)out; (void)ld;
