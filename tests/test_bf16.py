@@ -154,6 +154,20 @@ def test_bf16_kernels_are_offered_exactly_where_the_cpu_has_them(fresh_plan):
             _bf16_layer(64, 96)
 
 
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx",)], ids=["avx2", "sse"])
+def test_builds_without_avx512_have_only_the_widening_kernel(flags):
+    """What a CPU without AVX-512 (AMD Zen 3) builds: no dot or AMX kernel, and calling them
+    anyway is refused (-2) with nothing written."""
+    from llm_serving.model_executor.layers.custom_op import load_layer_ops
+    narrow = load_layer_ops(flags)
+    assert narrow.lls_bf16_dot_built() == 0 and narrow.lls_amx_init() == 0
+    x = np.ones((2, 64), np.float32)
+    for kernel in ("amx", "dot"):
+        rc, y = _tiles_run(narrow, kernel, x, bf16_bits(np.ones((32, 64), np.float32)),
+                           np.zeros(32, np.float32))
+        assert rc == -2 and np.isnan(y).all()
+
+
 def test_bf16_kernel_is_chosen_by_measurement_and_cached(fresh_plan):
     """Without forcing, a bf16 layer's kernel is the one the probe timed fastest for its shape,
     every kernel this CPU runs timed; the choice is saved, and a later process (a new plan)
