@@ -690,8 +690,9 @@ void dot_item(void* p, int64_t item) {
   }
 }
 
-// Checks the arguments, rounds x into the thread's buffer and runs ``item`` over the strips.
-// Rows are padded to Mp (AMX's tile rows) with zeros.
+// Checks the arguments, rounds x into the thread's buffer (Mp rows: for AMX the rows past M
+// are zeros, for dot the last row block's unused slots are never read) and runs ``item`` over
+// the strips.
 int run_bf16(Bf16Args& g, TaskFn item, const float* x, int64_t ldx, const bf16_t* wt,
              const float* bias, int64_t M, int64_t N, int64_t K, int nparts,
              const int64_t* split, float* const* out, const int64_t* ld, int64_t Mp) {
