@@ -400,13 +400,15 @@ class GemmPlan:
         """Time each bf16 kernel this CPU runs on random weights of ``layer``'s shape, as many
         copies as the model has layers of it (at most ``_PROBE_BF16_BYTES`` per layout), at
         each of ``PROBE_ROWS`` rows; keep the one with the least total time."""
-        from llm_serving.model_executor.loader import float32_to_bfloat16_bits
         n, k = layer.gemm_shape
         cands = bf16_kernels()
         copies, weights = 1, {}
         if len(cands) > 1:
+            # bf16 bits of magnitudes in [2^-7, 1) with random signs (no float32 copy of the
+            # shape; the values do not change the time, and none is denormal)
             rng = np.random.default_rng(0)
-            bits = float32_to_bfloat16_bits(rng.standard_normal((n, k), dtype=np.float32))
+            bits = rng.integers(0x3C00, 0x3F80, (n, k), dtype=np.uint16)
+            bits |= rng.integers(0, 2, (n, k), dtype=np.uint16) << np.uint16(15)
             copies = max(1, min(len(self.layers.get((n, k), ())),
                                 _PROBE_BF16_BYTES // (2 * n * k)))
             for c in cands:
