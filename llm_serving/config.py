@@ -113,9 +113,10 @@ class EngineArgs:
     enforce_eager: bool = _arg(False,
         "run every step op by op (CPU: decode steps are otherwise replayed from a capture "
         "of their kernel calls, one per batch size; vLLM's flag for its CUDA graphs)")
-    max_capture_batch: int = _arg(128,
+    max_capture_batch: int = _arg(32,
         "largest decode batch replayed from a capture; larger ones run op by op (their "
-        "Python is a small part of their time)")
+        "Python is a small part of their time, and each new size costs an extra step to "
+        "capture and check)")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,
@@ -387,7 +388,7 @@ class DeviceConfig:
 class ExecutionConfig:
     """How steps run: decode steps replayed from a capture (model_executor/cpu_graph.py)."""
     enforce_eager: bool = False
-    max_capture_batch: int = 128
+    max_capture_batch: int = 32
 
 
 @dataclass(frozen=True)
