@@ -149,6 +149,10 @@ def pack_weight(w: np.ndarray, width: int | None = None) -> np.ndarray:
 
 
 BF16_KERNELS = ("amx", "dot", "widen")
+TILED_BF16_KERNELS = ("amx", "dot")     # read the weight as packed by pack_weight_amx
+# Each bf16 kernel's entry point in the layer-ops library.
+_BF16_ENTRY = {"amx": "lls_linear_bf16_amx", "dot": "lls_linear_bf16_dot",
+               "widen": "lls_linear_bf16"}
 
 
 def bf16_kernels() -> tuple[str, ...]:
@@ -217,7 +221,7 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     if bf16 is not None and bf16 not in BF16_KERNELS:
         raise ValueError(f"bf16 kernel {bf16!r} is not one of {', '.join(BF16_KERNELS)}")
     tiles = packed.ndim == 4        # bf16 in AMX tiles (pack_weight_amx)
-    if tiles != (bf16 in ("amx", "dot")):
+    if tiles != (bf16 in TILED_BF16_KERNELS):
         raise ValueError(f"weight {packed.shape} is not in the layout the {bf16 or 'fp32'} "
                          "kernel reads")
     if tiles:
@@ -244,9 +248,7 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     if bf16:
         if impl != "kernel":
             raise ValueError(f"bfloat16 weights run on our kernel only, not {impl}")
-        fn = {"amx": lib.lls_linear_bf16_amx, "dot": lib.lls_linear_bf16_dot,
-              "widen": lib.lls_linear_bf16}[bf16]
-        rc = cpu_graph.launch(fn, *args)
+        rc = cpu_graph.launch(getattr(lib, _BF16_ENTRY[bf16]), *args)
     elif impl == "kernel":
         rc = cpu_graph.launch(lib.lls_linear_f32, *args)
     else:
@@ -412,7 +414,7 @@ class GemmPlan:
             copies = max(1, min(len(self.layers.get((n, k), ())),
                                 _PROBE_BF16_BYTES // (2 * n * k)))
             for c in cands:
-                packed = (pack_weight_amx if c != "widen" else pack_weight)(bits)
+                packed = (pack_weight_amx if c in TILED_BF16_KERNELS else pack_weight)(bits)
                 weights[c] = [Tensor.from_numpy(packed)] + [
                     Tensor.from_numpy(_aligned_copy(packed)) for _ in range(copies - 1)]
         call, split = layer.gemm_call, getattr(layer, "split_output", False)

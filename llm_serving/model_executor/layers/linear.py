@@ -30,9 +30,10 @@ from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
-from llm_serving.model_executor.layers.gemm import (LinearCall, aligned_empty,
-                                                    amx_packed_shape, cpu_linear, gemm_plan,
-                                                    pack_weight, pack_weight_amx, packed_shape)
+from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
+                                                    aligned_empty, amx_packed_shape, cpu_linear,
+                                                    gemm_plan, pack_weight, pack_weight_amx,
+                                                    packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 from llm_serving.model_executor.parallel_state import get_tp_group
 
@@ -80,8 +81,8 @@ class Linear(CustomOp):
         self.offsets = np.concatenate([[0], np.cumsum(output_sizes)]).tolist()
         out = self.offsets[-1]
         self.gemm_shape = (out, self.input_size)
-        self.bf16 = False               # weight held as bfloat16 bits (use_bf16_weight)
-        self.bf16_kernel = None         # ... read by this kernel (gemm.BF16_KERNELS)
+        # With bfloat16 weights (use_bf16_weight): the bf16 kernel that reads them.
+        self.bf16_kernel = None
         # On CPU the weight is held packed for our kernels, unless MatMul is forced.
         self.packed = False
         if self._use_cpu:
@@ -106,9 +107,14 @@ class Linear(CustomOp):
         return Parameter(Tensor.from_numpy(arr), requires_grad=False)
 
     @property
+    def bf16(self) -> bool:
+        """Whether the weight is held as bfloat16 bits."""
+        return self.bf16_kernel is not None
+
+    @property
     def tiled(self) -> bool:
         """Whether the weight is held in AMX tiles (the bf16-activation kernels' layout)."""
-        return self.bf16_kernel in ("amx", "dot")
+        return self.bf16_kernel in TILED_BF16_KERNELS
 
     def use_bf16_weight(self) -> None:
         """Hold the weight as bfloat16 bits from now on (before loading): a uint16 Parameter
@@ -120,7 +126,7 @@ class Linear(CustomOp):
             return
         kernel = self._plan.choose_bf16(self)
         name = self.weight.name
-        self.bf16 = self.packed = True
+        self.packed = True
         self.bf16_kernel = kernel
         self.weight = self._zero_weight(np.uint16)
         self.weight.name = name

@@ -519,6 +519,10 @@ int lls_linear_bf16(const float* x, int64_t ldx, const bf16_t* wp, const float* 
 // costs), and it stays in L2 across row blocks. Every output element is the same sequence of
 // tile products over k whatever M, the row's place and the thread: batch-invariant, like the
 // float32 kernel (a different sum order, so not the same bits as it).
+// The bf16-activation entry points' arguments, unused in a build without their kernel.
+#define LLS_LINEAR_ARGS_UNUSED                                                             \
+  (void)x, (void)ldx, (void)wt, (void)bias, (void)M, (void)N, (void)K, (void)nparts,       \
+      (void)split, (void)out, (void)ld
 #if defined(__AVX512BF16__) && !defined(LLS_NO_AVX512)
 #define LLS_BF16DOT 1
 #include <sched.h>
@@ -594,8 +598,10 @@ constexpr int kDotPairRows = 6;  // below it, two strips at once: 4 x 5 accumula
 // block k pair-major: pair p of block row i (an int32 of two bf16) at xp[(blk * Kp / 2 + p) *
 // kDotRows + i]. A register tile's R broadcasts per k pair then read one contiguous run at
 // fixed offsets, instead of R rows Kp * 2 bytes apart (an address register per row).
-void round_pack_rows_dot(const float* x, int64_t ldx, int64_t M, int64_t K, int32_t* xp,
+void round_pack_rows_dot(const float* x, int64_t ldx, int64_t M, int64_t K, bf16_t* xb,
+                         int64_t /* Mp: the last block's unused slots stay unwritten */,
                          int64_t Kp) {
+  int32_t* xp = reinterpret_cast<int32_t*>(xb);
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * ldx;
     int32_t* o = xp + (m / kDotRows) * (Kp / 2) * kDotRows + m % kDotRows;
@@ -690,11 +696,15 @@ void dot_item(void* p, int64_t item) {
   }
 }
 
-// Checks the arguments, rounds x into the thread's buffer (Mp rows: for AMX the rows past M
-// are zeros, for dot the last row block's unused slots are never read) and runs ``item`` over
-// the strips.
-int run_bf16(Bf16Args& g, TaskFn item, const float* x, int64_t ldx, const bf16_t* wt,
-             const float* bias, int64_t M, int64_t N, int64_t K, int nparts,
+// x [M, K] -> the thread's bf16 buffer of Mp x Kp values, in a kernel's order.
+typedef void (*RoundFn)(const float* x, int64_t ldx, int64_t M, int64_t K, bf16_t* xb,
+                        int64_t Mp, int64_t Kp);
+
+// Checks the arguments, rounds x into the thread's buffer with ``round`` (Mp rows: for AMX the
+// rows past M are zeros, for dot the last row block's unused slots are never read) and runs
+// ``item`` over the strips.
+int run_bf16(Bf16Args& g, TaskFn item, RoundFn round, const float* x, int64_t ldx,
+             const bf16_t* wt, const float* bias, int64_t M, int64_t N, int64_t K, int nparts,
              const int64_t* split, float* const* out, const int64_t* ld, int64_t Mp) {
   if (!set_linear_args(g.a, x, ldx, wt, bias, M, N, K, nparts, split, out, ld)) return -1;
   if (M == 0 || N == 0) return 0;
@@ -702,10 +712,7 @@ int run_bf16(Bf16Args& g, TaskFn item, const float* x, int64_t ldx, const bf16_t
   g.Kp = (K + 31) / 32 * 32;
   bf16_t* xb = reinterpret_cast<bf16_t*>(t_xb.get((g.Mp * g.Kp + 1) / 2));
   if (!xb) return -1;
-  if (item == dot_item)
-    round_pack_rows_dot(x, ldx, M, K, reinterpret_cast<int32_t*>(xb), g.Kp);
-  else
-    round_rows_bf16(x, ldx, M, K, xb, g.Mp, g.Kp);
+  round(x, ldx, M, K, xb, g.Mp, g.Kp);
   g.xb = xb;
   g.strips = (N + 31) / 32;
   const int64_t want = bf16_items_per_call();
@@ -851,11 +858,10 @@ int lls_linear_bf16_amx(const float* x, int64_t ldx, const bf16_t* wt, const flo
   if (!lls_amx_init()) return -2;
   Bf16Args g;
   g.tile_rows = M < 16 ? int(M) : 16;
-  return run_bf16(g, amx_item, x, ldx, wt, bias, M, N, K, nparts, split, out, ld,
-                  M < 16 ? M : (M + 15) / 16 * 16);
+  return run_bf16(g, amx_item, round_rows_bf16, x, ldx, wt, bias, M, N, K, nparts, split, out,
+                  ld, M < 16 ? M : (M + 15) / 16 * 16);
 #else
-  (void)x; (void)ldx; (void)wt; (void)bias; (void)M; (void)N; (void)K; (void)nparts;
-  (void)split; (void)out; (void)ld;
+  LLS_LINEAR_ARGS_UNUSED;
   return -2;
 #endif
 }
@@ -879,11 +885,10 @@ int lls_linear_bf16_dot(const float* x, int64_t ldx, const bf16_t* wt, const flo
 #ifdef LLS_BF16DOT
   Bf16Args g;
   g.tile_rows = 0;
-  return run_bf16(g, dot_item, x, ldx, wt, bias, M, N, K, nparts, split, out, ld,
-                  (M + kDotRows - 1) / kDotRows * kDotRows);
+  return run_bf16(g, dot_item, round_pack_rows_dot, x, ldx, wt, bias, M, N, K, nparts, split,
+                  out, ld, (M + kDotRows - 1) / kDotRows * kDotRows);
 #else
-  (void)x; (void)ldx; (void)wt; (void)bias; (void)M; (void)N; (void)K; (void)nparts;
-  (void)split; (void)out; (void)ld;
+  LLS_LINEAR_ARGS_UNUSED;
   return -2;
 #endif
 }
