@@ -38,6 +38,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEVICES = ("auto", "cpu", "ascend", "npu")
+# Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
+# `vllm bench serve` (docs/benchmarks.md).
+MAX_CAPTURE_BATCH = 32
 
 
 def _arg(default, help: str):
@@ -113,7 +116,7 @@ class EngineArgs:
     enforce_eager: bool = _arg(False,
         "run every step op by op (CPU: decode steps are otherwise replayed from a capture "
         "of their kernel calls, one per batch size; vLLM's flag for its CUDA graphs)")
-    max_capture_batch: int = _arg(32,
+    max_capture_batch: int = _arg(MAX_CAPTURE_BATCH,
         "largest decode batch replayed from a capture; larger ones run op by op (their "
         "Python is a small part of their time, and each new size costs an extra step to "
         "capture and check)")
@@ -345,6 +348,11 @@ class ModelSettings:
     def vocab_size(self) -> int:
         return self.hf.vocab_size
 
+    @property
+    def weight_dtype(self) -> str:
+        """What the weights load as (auto: float32)."""
+        return "float32" if self.dtype == "auto" else self.dtype
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -388,7 +396,7 @@ class DeviceConfig:
 class ExecutionConfig:
     """How steps run: decode steps replayed from a capture (model_executor/cpu_graph.py)."""
     enforce_eager: bool = False
-    max_capture_batch: int = 32
+    max_capture_batch: int = MAX_CAPTURE_BATCH
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ a capture cannot be trusted."""
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import numpy as np
 import pytest
@@ -250,15 +251,19 @@ def test_a_replayed_kernel_that_fails_sends_its_batch_size_back_to_eager():
     assert _run(graphs, 2, 50) is None and graphs.stats.replayed_steps == 1
 
 
-def test_a_layout_that_breaks_leaves_the_step_right_and_the_size_eager(monkeypatch):
+def test_a_layout_that_breaks_leaves_the_step_right_and_the_size_eager(monkeypatch, caplog):
     def broken(self, first, last):
         raise IndexError("a layout bug")
 
     monkeypatch.setattr(cpu_graph._Layout, "_place", broken)
     graphs = CpuGraphs(_Forward(), max_batch=4, max_blocks_per_seq=2)
-    results = [_run(graphs, 2, start) for start in range(0, 40, 10)]
+    with caplog.at_level(logging.WARNING, logger=cpu_graph.__name__):
+        results = [_run(graphs, 2, start) for start in range(0, 40, 10)]
     assert results[1] is not None and results[2:] == [None, None]
     assert "a layout bug" in graphs.stats.failed[2] and graphs.stats.replayed_steps == 0
+    # one record, an error with the traceback (a bug to report, not a size that fails alike)
+    [rec] = caplog.records
+    assert rec.levelno == logging.ERROR and rec.exc_info and "a layout bug" in rec.getMessage()
 
 
 def test_a_capture_records_only_its_own_threads_kernels():

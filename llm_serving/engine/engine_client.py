@@ -34,7 +34,7 @@ class EngineLimits:
         return cls(config.model.max_model_len, config.scheduler.max_num_seqs,
                    config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
                    config.model.vocab_size, device,
-                   "float32" if config.model.dtype == "auto" else config.model.dtype)
+                   config.model.weight_dtype)
 
 
 class RequestStream(Protocol):

@@ -359,8 +359,7 @@ class CpuGraphs:
             self._fail(b, str(e))
             return logits
         except Exception as e:          # noqa: BLE001 (a layout bug: the step itself is right)
-            logger.exception("laying out a capture of %d sequences failed", b)
-            self._fail(b, f"laying out its capture failed ({e!r})")
+            self._fail(b, f"laying out its capture failed ({e!r})", logging.ERROR, exc_info=True)
             return logits
         if graph.layout.nbytes > len(self.arena):
             # Grow it; the graphs on the old one move (their layouts do not change).
@@ -373,11 +372,14 @@ class CpuGraphs:
         self.graphs[b] = graph
         return logits
 
-    def _fail(self, b: int, why: str, level: int = logging.WARNING) -> None:
+    def _fail(self, b: int, why: str, level: int = logging.WARNING,
+              exc_info: bool = False) -> None:
         """Batch size ``b`` runs eagerly from now on. Logged at ``level``: a warning only for
-        the first size (sizes tend to fail alike), an error (a replay failed) always."""
+        the first size (sizes tend to fail alike), an error (a replay or a layout failed,
+        ``exc_info`` with its traceback) always."""
         if level > logging.WARNING or not self.stats.failed:
-            logger.log(level, "decode steps of %d sequences run eagerly: %s", b, why)
+            logger.log(level, "decode steps of %d sequences run eagerly: %s", b, why,
+                       exc_info=exc_info)
         if b in self.stats.captured:
             self.stats.captured.remove(b)
         self.graphs[b] = _FAILED

@@ -34,8 +34,8 @@ def kv_model_tag(engine_config) -> str:
     explicitly share blocks."""
     import os
     m, hf = engine_config.model, engine_config.model.hf
-    dtype = "float32" if m.dtype == "auto" else m.dtype       # weights: auto loads float32
     return (f"{os.path.basename(os.path.normpath(m.path))}|L{hf.num_layers}|H{hf.hidden_size}"
-            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{dtype}|kv:{m.kv_storage_dtype}"
+            f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{m.weight_dtype}"
+            f"|kv:{m.kv_storage_dtype}"
             f"|bs{engine_config.cache.block_size}"
             f"|tp{engine_config.parallel.tensor_parallel_size}")
