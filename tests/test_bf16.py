@@ -209,6 +209,40 @@ def test_bf16_activation_kernels_match_float64_on_rounded_inputs_and_weights(m, 
                 np.testing.assert_array_equal(part, y[off:off + rows], err_msg=kernel)
 
 
+@pytest.mark.parametrize("m", [16, 32, 33, 64, 100])
+@pytest.mark.parametrize("parts", [[160], [64, 96], [40, 120]])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_activation_kernels_write_each_output_part(m, parts, with_bias):
+    """amx and dot into split outputs (a fused qkv writes q, k and v apart), each part with a
+    row stride wider than it, with and without a bias: every part gets its columns, within
+    fp32 tolerance of float64 on the rounded values, and nothing past a part's width or past
+    the last row is written (whole 32-column blocks go straight from the AMX tiles to the
+    output when no bias is added)."""
+    from llm_serving.model_executor.layers import gemm
+    from llm_serving.model_executor.layers.custom_op import cpu_layer_ops
+    k, n, pad = 96, sum(parts), 8
+    rng = np.random.default_rng(m + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    ref = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64).T + (0 if b is None else b)
+    wp = gemm.pack_weight_amx(bf16_bits(w))
+    split = np.concatenate([[0], np.cumsum(parts)])
+    for kernel in (c for c in gemm.bf16_kernels() if c != "widen"):
+        fn = {"amx": cpu_layer_ops().lls_linear_bf16_amx,
+              "dot": cpu_layer_ops().lls_linear_bf16_dot}[kernel]
+        outs = [np.full((m + 1, p + pad), np.nan, np.float32) for p in parts]
+        rc = fn(x.ctypes.data, k, wp.ctypes.data, None if b is None else b.ctypes.data, m, n, k,
+                len(parts), (ctypes.c_int64 * len(split))(*split.tolist()),
+                (ctypes.c_void_p * len(parts))(*[o.ctypes.data for o in outs]),
+                (ctypes.c_int64 * len(parts))(*[o.shape[1] for o in outs]))
+        assert rc == 0
+        for o, lo, hi in zip(outs, split[:-1], split[1:]):
+            np.testing.assert_allclose(o[:m, :hi - lo], ref[:, lo:hi], rtol=1e-4,
+                                       atol=1e-4 * np.sqrt(k), err_msg=kernel)
+            assert np.isnan(o[:, hi - lo:]).all() and np.isnan(o[m]).all(), kernel
+
+
 def _bf16_layer(n, k, parts=None, seed=7):
     from llm_serving.model_executor.device import init_device
     from llm_serving.model_executor.layers import linear as L

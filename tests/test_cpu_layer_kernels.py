@@ -3,6 +3,7 @@ kernel (weights packed in panels) in every build variant (AVX-512, AVX2, SSE vec
 and the element-wise kernels on the shared thread pool."""
 
 import ctypes
+import platform
 import threading
 
 import numpy as np
@@ -250,3 +251,28 @@ def test_elementwise_kernels(lib, rows):
     lib.rotary_embedding_f32(qkv.ctypes.data, qkv.ctypes.data + 4 * nq * d, pos.ctypes.data,
                              cs.ctypes.data, rows, nq, nk, d, qkv.shape[1], qkv.shape[1])
     np.testing.assert_allclose(qkv, want, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_over_the_whole_float_range(lib):
+    # The vector exps (libmvec, 8- and 16-wide builds) and the scalar tail: gates from -100
+    # (exp overflows: -0) to 100 and widths that leave a tail, within a float32 ulp or two of
+    # float64 everywhere; a column's result does not depend on the rows around it.
+    width = lib.lls_layer_ops_vector_width()
+    if platform.system() == "Linux" and platform.machine() == "x86_64":
+        assert lib.lls_vector_exp_available() == (width > 4)     # glibc ships libmvec there
+    rng = np.random.default_rng(7)
+    rows = 9
+    for f in (16, 37, 2048):
+        n = rows * f
+        g = np.concatenate([np.linspace(-100, 100, n // 2), rng.standard_normal(n - n // 2) * 4])
+        g = rng.permutation(g).astype(np.float32).reshape(rows, f)
+        u = rng.standard_normal((rows, f)).astype(np.float32)
+        gu = np.ascontiguousarray(np.concatenate([g, u], 1))
+        act = np.empty((rows, f), np.float32)
+        lib.silu_and_mul_f32(gu.ctypes.data, act.ctypes.data, rows, f)
+        g64 = g.astype(np.float64)
+        np.testing.assert_allclose(act, g64 / (1 + np.exp(-g64)) * u, rtol=5e-7, atol=1e-30)
+        one = np.empty((1, f), np.float32)
+        for r in (0, rows - 1):
+            lib.silu_and_mul_f32(gu[r:r + 1].ctypes.data, one.ctypes.data, 1, f)
+            assert np.array_equal(one[0], act[r])

@@ -27,7 +27,7 @@ _F = ctypes.c_float
 # -ffp-contract=fast: a*b+c compiles to FMA (ISO C++ mode turns contraction off);
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (threads come from the shared pool).
 LAYER_OPS_FLAGS = ("-ffp-contract=fast", "-fopenmp-simd")
-LAYER_OPS_ABI = 10
+LAYER_OPS_ABI = 11
 
 
 def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
@@ -60,6 +60,8 @@ def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
     lib.lls_bf16_dot_built.restype = ctypes.c_int
     lib.lls_bf16_dot_built.argtypes = []
     lib.lls_amx_init.argtypes = []
+    lib.lls_vector_exp_available.restype = ctypes.c_int
+    lib.lls_vector_exp_available.argtypes = []
     lib.lls_linear_blas_f32.restype = ctypes.c_int
     lib.lls_linear_blas_f32.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_int, _P,
                                         _P, _P]

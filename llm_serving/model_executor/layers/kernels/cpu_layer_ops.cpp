@@ -26,6 +26,9 @@
 #include <utility>
 #include <vector>
 #include <unistd.h>
+#if defined(__linux__)
+#include <dlfcn.h>
+#endif
 
 #if defined(__AVX512F__) && !defined(LLS_NO_AVX512)
 #include <immintrin.h>
@@ -161,6 +164,27 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxChunkRows = 512;
 
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// expf over a whole vector, from glibc's libmvec (the vector variants of libm, within 1 ulp
+// as its scalar expf; what GCC calls for a vectorized expf under -ffast-math, which these
+// kernels cannot take): the AVX-512 or AVX2 variant this build's vector width calls for,
+// looked up once; null where libmvec or the variant is missing (then expf, one by one). The
+// SiLU's exps one by one were ~12% of a bf16 prefill step (perf, Intel Xeon).
+typedef vf (*VecExpFn)(vf);
+
+VecExpFn vector_exp() {
+  static const VecExpFn fn = []() -> VecExpFn {
+#if defined(__linux__) && (LLS_VW == 16 || (LLS_VW == 8 && defined(__AVX2__)))
+    void* lib = dlopen("libmvec.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return nullptr;
+    return reinterpret_cast<VecExpFn>(dlsym(lib, LLS_VW == 16 ? "_ZGVeN16v_expf"
+                                                             : "_ZGVdN8v_expf"));
+#else
+    return nullptr;
+#endif
+  }();
+  return fn;
+}
 
 inline vf vbroadcast(const float* p) {
 #if LLS_VW == 16
@@ -396,23 +420,6 @@ const CacheSizes& cache_sizes() {
   return c;
 }
 
-// Blocking. An item is a block of nb output columns; its w block (nb x K, ~half of L2) stays
-// in L2 while every MR_BIG-row x panel passes over it. With enough panels (M >= 12 * MR_BIG)
-// the w block is first packed into a per-thread buffer, and x once per call (at most
-// kBigRows rows at a time), panel by panel. So a micro-tile reads two contiguous streams: no
-// cache-set conflicts between rows K floats apart (K=2048: 8 KB apart, all in the same L1
-// sets), one stream per operand for the hardware prefetcher. K is then cut into blocks of kc
-// so that an x panel's block stays in L1 while the item's w tiles stream past it; between K
-// blocks a tile's vector accumulators are stored and reloaded, which leaves every FMA chain,
-// and so every bit, as it was.
-//
-// Packed layouts, in VW-float vectors, over the K8 = K - K % VW leading columns:
-//   x panel of mr rows starting at row r: xp + r * K8, vector (s, i) at (s * mr + i) * VW;
-//   w tile of nr columns starting at item column c: wp + c * K8, vector (s, j) at (s * nr + j).
-// The K % VW tail columns are read in place by the scalar tail.
-
-// Grows, never shrinks; one per thread. Bounded: x by kBigRows * K, w by ~L2/2 (at least
-// 4 * NR_BIG columns x K), accumulators by nb * MR_BIG vectors.
 // The arguments every linear entry point takes, checked and stored in ``a``: false when
 // they are inconsistent (negative sizes, ldx < K, a split that does not cover [0, N), an
 // output narrower than its part).
@@ -471,7 +478,10 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 10; }
+int lls_layer_ops_abi_version() { return 11; }
+
+// 1 when silu_and_mul_f32 takes its exps from libmvec (vector_exp), else 0.
+int lls_vector_exp_available() { return vector_exp() != nullptr; }
 
 int lls_layer_ops_vector_width() { return VW; }
 
@@ -712,7 +722,15 @@ int run_bf16(Bf16Args& g, TaskFn item, RoundFn round, const float* x, int64_t ld
   g.Kp = (K + 31) / 32 * 32;
   bf16_t* xb = reinterpret_cast<bf16_t*>(t_xb.get((g.Mp * g.Kp + 1) / 2));
   if (!xb) return -1;
-  round(x, ldx, M, K, xb, g.Mp, g.Kp);
+  // Rounded on the pool in chunks of whole row blocks of both kernels (serially on this
+  // thread, the rounding was ~4% of a bf16 prefill step).
+  constexpr int64_t kRoundRows = 48;
+  static_assert(kRoundRows % 16 == 0 && kRoundRows % kDotRows == 0, "whole row blocks");
+  const int64_t Kp = g.Kp;
+  parallel_rows(Mp, kRoundRows, [=](int64_t r0, int64_t r1) {
+    const int64_t live = M <= r0 ? 0 : M - r0 < r1 - r0 ? M - r0 : r1 - r0;
+    round(x + (live ? r0 * ldx : 0), ldx, live, K, xb + r0 * Kp, r1 - r0, Kp);
+  });
   g.xb = xb;
   g.strips = (N + 31) / 32;
   const int64_t want = bf16_items_per_call();
@@ -731,50 +749,72 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// Strip j: 32 output columns, all rows.
-inline void amx_strip(const Bf16Args& g, int64_t j, float* c) {
+// Where columns [n0, n0 + 32) of rows from m0 on go when they all go to one output part and
+// there is no bias: the sum tiles are stored there directly (null: through c and store_rows,
+// whose row-by-row copies were ~6% of a bf16 prefill step).
+inline float* direct_out(const LinearArgs& a, int64_t n0, int64_t m0, int64_t& ld) {
+  if (a.bias || n0 + 32 > a.N) return nullptr;
+  for (int q = 0; q < a.nparts; ++q)
+    if (a.split[q] <= n0 && n0 + 32 <= a.split[q + 1]) {
+      ld = a.ld[q];
+      return a.out[q] + m0 * ld + (n0 - a.split[q]);
+    }
+  return nullptr;
+}
+
+// Strip j (32 output columns), rows [m0, m0 + 32).
+inline void amx_block(const Bf16Args& g, int64_t j, int64_t m0, float* c) {
   const LinearArgs& a = g.a;
   const int64_t kb_n = g.Kp / 32;
   const bf16_t* w = static_cast<const bf16_t*>(a.w) + j * kb_n * 1024;
   const int64_t n0 = 32 * j, n1 = n0 + 32 < a.N ? n0 + 32 : a.N;
   const int64_t ldx = g.Kp * 2;
-  for (int64_t m0 = 0; m0 < g.Mp; m0 += 32) {
-    const bool two = m0 + g.tile_rows < g.Mp;
-    const bf16_t* x0 = g.xb + m0 * g.Kp;
-    const bf16_t* x1 = x0 + 16 * g.Kp;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < kb_n; ++kb) {
-      if (m0 == 0) {  // the strip comes from memory: ask for it ahead of the tile loads
-        const char* pf = reinterpret_cast<const char*>(w + kb * 1024) + kStripPrefetchBytes;
-        for (int l = 0; l < 2048; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
-      }
-      _tile_loadd(4, x0 + kb * 32, ldx);
-      _tile_loadd(6, w + kb * 1024, 64);
-      _tile_loadd(7, w + kb * 1024 + 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, x1 + kb * 32, ldx);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+  const bool two = m0 + g.tile_rows < g.Mp;
+  const bf16_t* x0 = g.xb + m0 * g.Kp;
+  const bf16_t* x1 = x0 + 16 * g.Kp;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kb_n; ++kb) {
+    if (m0 == 0) {  // the strip comes from memory: ask for it ahead of the tile loads
+      const char* pf = reinterpret_cast<const char*>(w + kb * 1024) + kStripPrefetchBytes;
+      for (int l = 0; l < 2048; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
     }
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
+    _tile_loadd(4, x0 + kb * 32, ldx);
+    _tile_loadd(6, w + kb * 1024, 64);
+    _tile_loadd(7, w + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
     if (two) {
-      _tile_stored(2, c + 16 * 32, 128);
-      _tile_stored(3, c + 16 * 32 + 16, 128);
+      _tile_loadd(5, x1 + kb * 32, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    const int64_t m1 = m0 + 32 < a.M ? m0 + 32 : a.M;
-    if (m0 < m1) store_rows(a, c, 32, m0, m1, n0, n1);
   }
+  int64_t ld = 0;
+  float* o = m0 + (two ? 32 : 16) <= a.M ? direct_out(a, n0, m0, ld) : nullptr;
+  if (o) {
+    _tile_stored(0, o, ld * 4);
+    _tile_stored(1, o + 16, ld * 4);
+    if (two) {
+      _tile_stored(2, o + 16 * ld, ld * 4);
+      _tile_stored(3, o + 16 * ld + 16, ld * 4);
+    }
+    return;
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+  const int64_t m1 = m0 + 32 < a.M ? m0 + 32 : a.M;
+  if (m0 < m1) store_rows(a, c, 32, m0, m1, n0, n1);
 }
 
 // Strips j and j + 1 at once, for fewer than 16 rows (one row block): two weight streams in
-// flight. Every sum is the same sequence of tile products as in amx_strip.
+// flight. Every sum is the same sequence of tile products as in amx_block.
 inline void amx_strip_pair(const Bf16Args& g, int64_t j, float* c) {
   const LinearArgs& a = g.a;
   const int64_t kb_n = g.Kp / 32;
@@ -827,7 +867,11 @@ void amx_item(void* p, int64_t item) {
   int64_t j = j0;
   if (g.tile_rows < 16)
     for (; j + 1 < j1; j += 2) amx_strip_pair(g, j, c);
-  for (; j < j1; ++j) amx_strip(g, j, c);
+  // Row blocks outside, the item's strips inside: a block of x is read once from memory for
+  // all of them, and their weights stay in L2 from one block to the next (strips outside
+  // read all of x again for each strip: 3 MB per strip at a 2048-token prefill).
+  for (int64_t m0 = 0; m0 < g.Mp; m0 += 32)
+    for (int64_t i = j; i < j1; ++i) amx_block(g, i, m0, c);
   _tile_release();
 }
 
@@ -1021,16 +1065,24 @@ void rotary_embedding_f32(float* __restrict q, float* __restrict k,
   });
 }
 
-// out[t, i] = silu(x[t, i]) * x[t, F + i], x: [T, 2F]
+// out[t, i] = silu(x[t, i]) * x[t, F + i], x: [T, 2F]. The exps of whole vectors come from
+// glibc's libmvec when it is there (vector_exp), the rest from expf: a column's function does
+// not depend on the rows around it.
 void silu_and_mul_f32(const float* __restrict x, float* __restrict out, int64_t rows,
                       int64_t f) {
+  const VecExpFn vexp = vector_exp();
   parallel_rows(rows, 8, [=](int64_t r0, int64_t r1) {
     for (int64_t t = r0; t < r1; ++t) {
       const float* g = x + t * 2 * f;
       const float* u = g + f;
       float* o = out + t * f;
-#pragma omp simd
-      for (int64_t i = 0; i < f; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+      if (vexp)
+        for (; i + VW <= f; i += VW) {
+          const vf gv = vload(g + i);
+          vstore(o + i, gv / (1.0f + vexp(-gv)) * vload(u + i));
+        }
+      for (; i < f; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
   });
 }
