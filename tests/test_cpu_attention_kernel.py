@@ -227,6 +227,32 @@ def test_chunked_prefill_matches_one_shot():
     np.testing.assert_allclose(out_chunked, out_one, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("h,kvh,d,bs", [(12, 12, 64, 16), (8, 2, 40, 16), (6, 1, 160, 1)],
+                         ids=["mha-d64", "gqa-d40", "mqa-d160"])
+def test_decode_row_equals_the_same_row_in_a_prefill_chunk(cache_dtype, h, kvh, d, bs):
+    """Decode rows read the cache position by position, prefill chunks head by head; both sum
+    in the same order, so a token's attention output does not depend on whether it was
+    computed alone (decode) or inside a chunk (prefill, recompute after preemption): the
+    same bits, not just close."""
+    hs = PagedHarness(num_blocks=150 // bs + 2, block_size=bs, h=h, kvh=kvh, d=d,
+                      max_blocks_per_seq=150 // bs + 2, seed=d + bs, cache_dtype=cache_dtype)
+    step = hs.make_step([(0, 150)])
+    hs.commit([(0, 150)], step)
+    K.reshape_and_cache(step["key"], step["value"], hs.k_cache, hs.v_cache,
+                        step["slot_mapping"])
+    bt, q = step["block_tables"], step["query"]
+    for n in (1, 37, 150):          # the last n positions as one chunk, and each alone
+        chunk = K.paged_attention(q[150 - n:], hs.k_cache, hs.v_cache, bt,
+                                  np.array([0, n], np.int32), np.array([150], np.int32), hs.scale)
+        for r in sorted({0, n // 2, n - 1}):
+            pos = 150 - n + r
+            alone = K.paged_attention(q[pos:pos + 1], hs.k_cache, hs.v_cache, bt,
+                                      np.array([0, 1], np.int32),
+                                      np.array([pos + 1], np.int32), hs.scale)
+            np.testing.assert_array_equal(alone[0], chunk[r])
+
+
 def test_padding_slots_are_skipped():
     hs = PagedHarness(num_blocks=32, block_size=16, h=4, kvh=4, d=64, max_blocks_per_seq=8, seed=9)
     hs.run([(0, 10), (1, 3)])
