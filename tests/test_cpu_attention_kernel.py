@@ -1,5 +1,7 @@
 """CPU paged-attention kernels against an independent dense NumPy reference."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -535,3 +537,31 @@ def test_both_bridges_share_one_cache(ms):
             out = op(*qkv, kc, vc, *meta)
         T = inp["query"].shape[0]
         assert_close(out.asnumpy().reshape(T, h, d), ref)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("cache_dtype,itemsize", [("auto", 4), ("bfloat16", 2)])
+def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
+    """The CPU backend's cache arrays are zeros of the kernels' storage type, writable and
+    contiguous, and their memory is committed at allocation (start-up), not page by page by
+    the steps that first write each block."""
+    from llm_serving.model_executor.attention.cpu import CPUAttentionBackend
+    backend = CPUAttentionBackend(8, 2, 64, kv_cache_dtype=cache_dtype)
+    before = _rss_bytes()
+    k, v = backend.allocate_kv_cache(1024, 16)        # 4 or 8 MB each
+    grown = _rss_bytes() - before
+    for c in (k, v):
+        assert c.shape == (1024, 16, 2, 64) and c.itemsize == itemsize
+        assert c.flags.c_contiguous and c.flags.writeable and not c.any()
+    assert grown >= 0.9 * (k.nbytes + v.nbytes)
+    # and the kernels take them
+    hs = PagedHarness(num_blocks=1024, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=8,
+                      cache_dtype="bfloat16" if itemsize == 2 else "float32")
+    hs.k_cache, hs.v_cache = k, v
+    for work in MIXED_STEPS[:2]:
+        _, out, ref = hs.run(work)
+        assert_close(out, ref)
