@@ -16,7 +16,8 @@ on the same shapes, each on the weight layout it reads, and what the bf16 probe 
 ``--before REV`` instead times our kernel against the one in git revision REV (its
 ``cpu_layer_ops.cpp`` built on the side, on the weight layout it reads), interleaved: median,
 min and max ms per pass over the reps, CPU time, and the largest difference between the two
-outputs relative to the outputs' scale.
+outputs relative to the outputs' scale. ``--kernel widen|dot|amx`` compares that bf16 kernel
+instead of the fp32 one (on bf16 weights; dot and amx where the CPU has them).
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--before", metavar="REV",
                     help="our kernel now vs the one in git revision REV")
+    ap.add_argument("--kernel", default="fp32", choices=("fp32", "widen", "dot", "amx"),
+                    help="with --before: the kernel compared (fp32, or a bf16 one)")
     ap.add_argument("--bf16", action="store_true", help="the bf16-weight kernels instead")
     args = ap.parse_args()
     if args.before:
@@ -179,7 +182,8 @@ def before_after(args) -> None:
     from llm_serving.model_executor.cpp_build import load_cpp_library
     from llm_serving.model_executor.device import init_device
     from llm_serving.model_executor.layers.custom_op import LAYER_OPS_FLAGS, load_layer_ops
-    from llm_serving.model_executor.layers.gemm import pack_weight
+    from llm_serving.model_executor.layers.gemm import (_BF16_ENTRY, TILED_BF16_KERNELS,
+                                                        pack_weight, pack_weight_amx)
     init_device("cpu")
     lib = load_layer_ops()
     rel = "llm_serving/model_executor/layers/kernels/cpu_layer_ops.cpp"
@@ -191,18 +195,25 @@ def before_after(args) -> None:
     old = load_cpp_library(old_dir / "cpu_layer_ops_before.cpp", LAYER_OPS_FLAGS)
     old.lls_layer_ops_set_parallel_for.argtypes = [ctypes.c_void_p]
     old.lls_layer_ops_set_parallel_for(attention_kernels.parallel_for_address())
-    old.lls_linear_f32.restype = ctypes.c_int
-    old.lls_linear_f32.argtypes = lib.lls_linear_f32.argtypes
+    entry = "lls_linear_f32" if args.kernel == "fp32" else _BF16_ENTRY[args.kernel]
+    getattr(old, entry).restype = ctypes.c_int
+    getattr(old, entry).argtypes = lib.lls_linear_f32.argtypes
     # The revision before panels read W [N, K] as it is; ours reads it packed.
     old_packed = "lls_layer_ops_panel_width" in src
-    fns = {"before": old.lls_linear_f32, "now": lib.lls_linear_f32}
+    fns = {"before": getattr(old, entry), "now": getattr(lib, entry)}
     h, f = 768, 2048
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal((n, k), np.float32) * 0.02
           for _ in range(args.layers) for n, k in ((3 * h, h), (h, h), (2 * f, h), (h, f))]
-    layouts = {"now": [pack_weight(w) for w in ws],
-               "before": [pack_weight(w) for w in ws] if old_packed else ws}
-    print(f"# our kernel, {args.before} vs now, {datetime.date.today()}, {cpu_description()}")
+    if args.kernel == "fp32":
+        layouts = {"now": [pack_weight(w) for w in ws],
+                   "before": [pack_weight(w) for w in ws] if old_packed else ws}
+    else:                   # bf16 bits (truncated: the values do not change the time)
+        pack = pack_weight_amx if args.kernel in TILED_BF16_KERNELS else pack_weight
+        packed = [pack((w.view(np.uint32) >> 16).astype(np.uint16)) for w in ws]
+        layouts = {"now": packed, "before": packed}
+    print(f"# our {args.kernel} kernel, {args.before} vs now, {datetime.date.today()}, "
+          f"{cpu_description()}")
     print(f"# {args.layers} layers x (qkv, o, gate_up, down), ms per pass, {args.reps} reps "
           f"interleaved: median [min-max]; load average at start: "
           f"{open('/proc/loadavg').read().split()[0]}")
