@@ -565,3 +565,14 @@ def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
     for work in MIXED_STEPS[:2]:
         _, out, ref = hs.run(work)
         assert_close(out, ref)
+
+
+def test_swap_pool_is_committed_only_as_it_is_used():
+    """The host pool swapped-out blocks go to (preemption_mode="swap", swap_space GiB) takes
+    no memory until blocks land in it."""
+    from llm_serving.model_executor.attention.cpu import CPUAttentionBackend
+    backend = CPUAttentionBackend(8, 2, 64)
+    before = _rss_bytes()
+    k, v = backend.allocate_host_cache(8192, 16)      # 32 MB each
+    assert _rss_bytes() - before < 0.1 * (k.nbytes + v.nbytes)
+    assert k.shape == v.shape == (8192, 16, 2, 64) and k.flags.writeable

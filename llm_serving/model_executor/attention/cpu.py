@@ -32,7 +32,10 @@ class CPUAttentionBackend(AttentionBackend):
         return host_zeros(shape, self.storage), host_zeros(shape, self.storage)
 
     def allocate_host_cache(self, num_blocks: int, block_size: int):
-        return self.allocate_kv_cache(num_blocks, block_size)
+        # The swap pool (swap_space GiB) stays lazily zeroed: its pages are committed only
+        # when swapped-out blocks land in them, which may be never.
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return np.zeros(shape, self.storage), np.zeros(shape, self.storage)
 
     # The device cache is host memory here, so all three moves are array copies.
     def swap_out(self, kv_cache, host_cache, pairs):
