@@ -944,6 +944,21 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
 
 #else  // portable path
 
+// q . k over D elements in 8 interleaved partial sums (element d into sum d % 8), added in a
+// fixed tree at the end: the compiler turns the 8 sums into one vector of FMAs (AVX2: a ymm),
+// where a single running sum is one scalar FMA chain, latency-bound (6x slower prefill
+// attention, AMD Zen 4 built without AVX-512). The order is fixed, so every row's scores are
+// the same bits wherever the row is computed.
+template <class C>
+inline float dot_lanes(const float* LLS_RESTRICT q, const C* LLS_RESTRICT k, int64_t D) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += q[d + l] * tof(k[d + l]);
+  for (; d < D; ++d) acc[d % 8] += q[d] * tof(k[d]);
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
 template <int NC, class C>
 void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
@@ -985,8 +1000,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
           float tmax = -std::numeric_limits<float>::infinity();
           for (int j = 0; j < nvalid; ++j) {
             const C* LLS_RESTRICT k = kp[j] + off;
-            float acc = 0.f;
-            for (int64_t d = 0; d < D; ++d) acc += q[d] * tof(k[d]);
+            const float acc = dot_lanes(q, k, D);
             s[j] = acc;
             tmax = std::max(tmax, acc);
           }
