@@ -240,9 +240,12 @@ class GemmAlone:
 
     def __init__(self, engine, b: int):
         from mindspore import Tensor
+        from llm_serving.model_executor.layers.linear import VocabEmbedding
         model = engine.runner.model
-        self.layers = [c for _, c in model.cells_and_names()
-                       if hasattr(c, "gemm_shape")]
+        # the input embedding is gathered, not multiplied: of the vocabulary tables only the
+        # LM head (which is the embedding when tied) runs a GEMM
+        self.layers = [c for _, c in model.cells_and_names() if hasattr(c, "gemm_shape")
+                       and (not isinstance(c, VocabEmbedding) or c is model.lm_head)]
         rng = np.random.default_rng(2)
         self.x = {k: Tensor(rng.standard_normal((b, k), dtype=np.float32))
                   for k in {layer.gemm_shape[1] for layer in self.layers}}
