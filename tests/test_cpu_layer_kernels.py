@@ -26,10 +26,11 @@ def lib(request):
     return lib
 
 
-def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0, fn="lls_linear_f32"):
+def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0, fn="lls_linear_f32",
+               untrimmed=False):
     """Call lls_linear_f32 (or ``fn``, same arguments) on w [N, K] packed for ``lib``; parts:
-    list of part widths, each written to its own [M, width + out_ld_pad] buffer. Returns the
-    list of part outputs (trimmed)."""
+    list of part widths, each written to its own [M, width + out_ld_pad] buffer, NaN-filled.
+    Returns the list of part outputs (trimmed, or with ``untrimmed`` the whole buffers)."""
     m, k = x.shape
     n = w.shape[0]
     wp = pack_weight(w, lib.lls_layer_ops_panel_width())
@@ -44,7 +45,7 @@ def run_linear(lib, x, w, bias=None, parts=None, out_ld_pad=0, fn="lls_linear_f3
                             None if bias is None else bias.ctypes.data, m, n, k, len(parts),
                             c_split, c_out, c_ld)
     assert rc == 0
-    return [o[:, :p] for o, p in zip(outs, parts)]
+    return outs if untrimmed else [o[:, :p] for o, p in zip(outs, parts)]
 
 
 def reference(x, w, bias=None):
@@ -137,20 +138,27 @@ def _chain_cases():
     return cases
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("m,n,k", _chain_cases())
-def test_linear_is_one_fma_chain_per_output(lib, m, n, k):
+def test_linear_is_one_fma_chain_per_output(lib, m, n, k, with_bias):
     """Each output is exactly the in-order float32 FMA chain over k, whatever path computes
     it: one or two panels per tile (few rows), row-tile tails, K blocks, row chunks (600
     rows), column tails (N not a multiple of the panel width), strided x, bias and split
-    outputs. That is what makes a row's bits independent of its batch."""
+    outputs with padded rows. Without a bias, the panels that fall inside one part keep their
+    sums (the K blocks' partial ones too) in the output itself; the others, and every panel
+    with a bias, go through the thread's buffer. That is what makes a row's bits independent
+    of its batch. Nothing is written past a part's columns."""
     rng = np.random.default_rng(m * 7919 + n * 31 + k)
     wide = rng.standard_normal((m, k + 5)).astype(np.float32)
     x = wide[:, 3:3 + k]
     w = rng.standard_normal((n, k)).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if with_bias else None
     parts = [n - n // 2, n // 2] if n > 1 else [n]
-    got = np.concatenate(run_linear(lib, x, w, b, parts), 1)
+    outs = run_linear(lib, x, w, b, parts, out_ld_pad=3, untrimmed=True)
+    got = np.concatenate([o[:, :p] for o, p in zip(outs, parts)], 1)
     np.testing.assert_array_equal(got, fma_chain_reference(x, w, b))
+    for o, p in zip(outs, parts):
+        assert np.isnan(o[:, p:]).all()
 
 
 @pytest.mark.parametrize("n,k", [(130, 768), (64, 2053)])

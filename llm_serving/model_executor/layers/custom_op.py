@@ -27,7 +27,7 @@ _F = ctypes.c_float
 # -ffp-contract=fast: a*b+c compiles to FMA (ISO C++ mode turns contraction off);
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (threads come from the shared pool).
 LAYER_OPS_FLAGS = ("-ffp-contract=fast", "-fopenmp-simd")
-LAYER_OPS_ABI = 12
+LAYER_OPS_ABI = 13
 
 
 def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
