@@ -78,8 +78,11 @@ __all__ = [
 
 SOURCE_PATH = Path(__file__).with_name("cpu_paged_attention.cpp")
 # Added to cpp_build.BASE_FLAGS. The kernels run their own small thread pool, not OpenMP:
-# libgomp's idle threads spin on the core MindSpore's next op needs.
-ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread")
+# libgomp's idle threads spin on the core MindSpore's next op needs. -fno-trapping-math: no
+# floating-point traps are ever enabled, and without it GCC keeps float comparisons as
+# branches, so the portable path's softmax exps (exp_nonpos) would not vectorize; it changes
+# no computed value.
+ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread", "-fno-trapping-math")
 ABI_VERSION = 2
 # Cache storage per KV cache dtype name (engine argument kv_cache_dtype).
 CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
