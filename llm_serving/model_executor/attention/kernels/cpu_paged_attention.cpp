@@ -363,7 +363,9 @@ struct Scratch {
     l = lbuf.get(mrows);
   }
   void ensure_decode(size_t mrows) {
-    part = sbuf.get(mrows * kTile * 16);
+#if LLS_AVX512
+    part = sbuf.get(mrows * kTile * 16);  // the portable path keeps no partial sums
+#endif
     p = pbuf.get(mrows * kTile);
   }
 };
@@ -503,6 +505,27 @@ inline void prefetch_ahead(const AttnArgs& a, const int32_t* bt, int64_t t0, int
     for (int64_t t = kTile; t < tp && t < nctx; t += kTile)
       prefetch_tile<C>(a, bt, t, (int)std::min<int64_t>(kTile, nctx - t), kv0, nkv);
   if (tp < nctx) prefetch_tile<C>(a, bt, tp, (int)std::min<int64_t>(kTile, nctx - tp), kv0, nkv);
+}
+
+// The tile of positions from t0 (up to kTile of them, below nctx), as every loop over a
+// context starts it: its K/V row pointers (kv heads from kv0) into kp/vp, the tiles ahead
+// prefetched. Returns its length.
+template <class C>
+inline int start_tile(const AttnArgs& a, const int32_t* bt, int64_t t0, int64_t nctx,
+                      int64_t kv0, int64_t nkv, const C** kp, const C** vp) {
+  const int n = (int)std::min<int64_t>(kTile, nctx - t0);
+  tile_pointers<C>(a, bt, t0, n, kv0, kp, vp);
+  prefetch_ahead<C>(a, bt, t0, nctx, kv0, nkv);
+  return n;
+}
+
+// Online softmax: what the sum and output accumulated under the running max mold are scaled
+// by when the max becomes mnew >= mold. exp(mold - mnew); exactly 1 when the max is unchanged,
+// and 0 from the empty start (mold = -inf).
+inline float rescale_factor(float mold, float mnew) {
+  return mold == mnew ? 1.f
+         : mold == -std::numeric_limits<float>::infinity() ? 0.f
+                                                           : std::exp(mold - mnew);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -728,9 +751,7 @@ inline float softmax_tile(__m512 s, __mmask16 valid, float& m, float& l, float* 
   s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s);
   const float mold = m;
   const float mnew = std::max(mold, _mm512_reduce_max_ps(s));
-  const float corr = mold == mnew ? 1.f
-                     : mold == -std::numeric_limits<float>::infinity() ? 0.f
-                                                                       : std::exp(mold - mnew);
+  const float corr = rescale_factor(mold, mnew);
   // exp(x) for x >= -87 (a normal float); lanes below, and invalid lanes, are exactly 0, so no
   // denormals enter the accumulators
   const __m512 x = _mm512_sub_ps(s, _mm512_set1_ps(mnew));
@@ -764,9 +785,7 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   const C** kp = sc.kp;
   const C** vp = sc.vp;
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = (int)std::min<int64_t>(kTile, nctx - t0);
-    tile_pointers<C>(a, bt, t0, n, kv0, kp, vp);
-    prefetch_ahead<C>(a, bt, t0, nctx, kv0, nkv);
+    const int n = start_tile<C>(a, bt, t0, nctx, kv0, nkv, kp, vp);
     // q.k partial sums, position-major; lanes of positions past n are zeros (masked below)
     for (int j = 0; j < kTile; ++j)
       for (int64_t m = 0; m < M; ++m) {
@@ -893,9 +912,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
     sc.ensure_decode(M);
     decode_tiles<NC, C>(a, bt, nctx, it.kv0, nkv, G, nc, tail, D, DP, sc);
   } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = (int)std::min<int64_t>(kTile, nctx - t0);
-    tile_pointers<C>(a, bt, t0, n, it.kv0, kp, vp);
-    prefetch_ahead<C>(a, bt, t0, nctx, it.kv0, nkv);
+    const int n = start_tile<C>(a, bt, t0, nctx, it.kv0, nkv, kp, vp);
     // rows whose position is below t0 see nothing of this tile
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
     for (int64_t hh = 0; hh < nkv; ++hh) {
@@ -1000,9 +1017,7 @@ inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
   float tmax = -std::numeric_limits<float>::infinity();
   for (int j = 0; j < n; ++j) tmax = std::max(tmax, s[j]);
   const float mold = m, mnew = std::max(mold, tmax);
-  const float corr = mold == mnew ? 1.f
-                     : mold == -std::numeric_limits<float>::infinity() ? 0.f
-                                                                       : std::exp(mold - mnew);
+  const float corr = rescale_factor(mold, mnew);
   for (int j = 0; j < n; ++j) s[j] = exp_nonpos(s[j] - mnew);
   float lsum = 0.f;
   for (int j = 0; j < n; ++j) lsum += s[j];
@@ -1026,9 +1041,7 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   const C** kp = sc.kp;
   const C** vp = sc.vp;
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = (int)std::min<int64_t>(kTile, nctx - t0);
-    tile_pointers<C>(a, bt, t0, n, kv0, kp, vp);
-    prefetch_ahead<C>(a, bt, t0, nctx, kv0, nkv);
+    const int n = start_tile<C>(a, bt, t0, nctx, kv0, nkv, kp, vp);
     for (int j = 0; j < n; ++j)
       for (int64_t m = 0; m < M; ++m)
         s[m * kTile + j] = dot_lanes(sc.q + m * D, kp[j] + (m / G) * D, D);
@@ -1070,9 +1083,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
     sc.ensure_decode(M);
     decode_tiles<C>(a, bt, nctx, it.kv0, nkv, G, D, sc);
   } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = (int)std::min<int64_t>(kTile, nctx - t0);
-    tile_pointers<C>(a, bt, t0, n, it.kv0, kp, vp);
-    prefetch_ahead<C>(a, bt, t0, nctx, it.kv0, nkv);
+    const int n = start_tile<C>(a, bt, t0, nctx, it.kv0, nkv, kp, vp);
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
     for (int64_t hh = 0; hh < nkv; ++hh) {
       const int64_t off = hh * D;
