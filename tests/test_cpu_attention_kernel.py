@@ -576,6 +576,19 @@ def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
         assert_close(out, ref)
 
 
+def test_kv_cache_larger_than_available_memory_is_a_config_error(monkeypatch):
+    """A cache that cannot be committed fails at allocation with an error naming the setting
+    to lower, not with the kernel's OOM killer during the run."""
+    from llm_serving.errors import ConfigError
+    from llm_serving.model_executor.attention import cpu
+    monkeypatch.setattr(cpu, "_available_memory", lambda: 3 << 20)
+    backend = cpu.CPUAttentionBackend(8, 2, 64)
+    before = _rss_bytes()
+    with pytest.raises(ConfigError, match="kv_cache_space: the KV cache does not fit"):
+        backend.allocate_kv_cache(1024, 16)           # 8 MB each
+    assert _rss_bytes() - before < 4 << 20
+
+
 def test_swap_pool_is_committed_only_as_it_is_used():
     """The host pool swapped-out blocks go to (preemption_mode="swap", swap_space GiB) takes
     no memory until blocks land in it."""

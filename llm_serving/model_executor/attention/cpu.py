@@ -12,6 +12,7 @@ import mmap
 
 import numpy as np
 
+from llm_serving.errors import ConfigError
 from llm_serving.model_executor.attention import kernels
 from llm_serving.model_executor.attention.backend import AttentionBackend, AttentionMetadata
 
@@ -76,11 +77,17 @@ def host_zeros(shape, dtype) -> np.ndarray:
     prefill's time, perf, AMD Zen 4), and on 4 KB pages every 16-position block of a layer
     spans a dozen of them, for the attention's scattered block reads to miss the TLB on.
     Committing the whole cache at start-up also fails there, not mid-run, when it does not
-    fit in memory."""
+    fit in memory: with a ConfigError naming kv_cache_space, before any of it is mapped, when
+    the array is larger than the memory the kernel reports available."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes < _HUGE_PAGE:
         return np.zeros(shape, dtype)
+    avail = _available_memory()
+    if avail is not None and nbytes > avail:
+        raise ConfigError("kv_cache_space", f"the KV cache does not fit in memory: one layer's K "
+                          f"or V takes {nbytes / 2**30:.2f} GiB, {avail / 2**30:.2f} GiB is "
+                          "available; lower kv_cache_space (or num_blocks)")
     mem = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mem.madvise(mmap.MADV_HUGEPAGE)
@@ -91,3 +98,16 @@ def host_zeros(shape, dtype) -> np.ndarray:
     flat = raw[start:start + nbytes]
     flat[::mmap.PAGESIZE] = 0               # fault every page in (anonymous memory is zero)
     return flat.view(dtype).reshape(shape)
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel reports available for new allocations (Linux MemAvailable),
+    or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
