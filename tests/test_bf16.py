@@ -184,6 +184,23 @@ def test_bf16_kernel_is_chosen_by_measurement_and_cached(fresh_plan):
     assert again.choose_bf16(layer) == layer.bf16_kernel
 
 
+def test_plans_probed_among_fewer_kernels_are_not_reused(fresh_plan):
+    """A plan cached by a process that could run fewer kernels (a build without AVX-512, or
+    without OpenBLAS) is another file: a process that runs more probes its shapes anew instead
+    of taking choices that never timed its other kernels. With the same kernels, the same
+    file."""
+    from llm_serving.model_executor.layers import gemm
+    layer, _ = _bf16_layer(256, 512)
+    full = gemm.cache_path()
+    assert full.exists() and "bf16:256,512" in full.read_text()
+    real_bf16, real_gemm = gemm.bf16_kernels(), gemm.available()
+    fresh_plan.setattr(gemm, "bf16_kernels", lambda: ("widen",))
+    assert (gemm.cache_path() == full) == (real_bf16 == ("widen",))
+    fresh_plan.setattr(gemm, "bf16_kernels", lambda: real_bf16)
+    fresh_plan.setattr(gemm, "available", lambda: ("kernel",))
+    assert (gemm.cache_path() == full) == (real_gemm == ("kernel",))
+
+
 @pytest.mark.parametrize("m", [1, 2, 11, 12, 13, 15, 16, 17, 33, 100])
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 17), (67, 64), (130, 768), (300, 2048)])
 def test_bf16_activation_kernels_match_float64_on_rounded_inputs_and_weights(m, n, k):

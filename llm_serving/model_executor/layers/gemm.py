@@ -286,7 +286,11 @@ def cache_path() -> Path:
     home = os.environ.get("LLM_SERVING_HOME")
     root = Path(home) if home else Path.home() / ".cache" / "llm_serving"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    key = f"{_cpu_signature()}|cores={cores}|{_versions()}"
+    # The candidates too: a choice among fewer kernels (a build without AVX-512, e.g. with
+    # LLM_SERVING_CXX, or no scipy-openblas32) must not stand for a process that runs more;
+    # such a plan had widen serving bf16 B=64 decode at 1.4x dot's time (AMD Zen 4).
+    cands = f"gemm={','.join(available())}|bf16={','.join(bf16_kernels())}"
+    key = f"{_cpu_signature()}|cores={cores}|{_versions()}|{cands}"
     return root / "gemm" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
