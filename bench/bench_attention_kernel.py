@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_serving.model_executor.attention import kernels as K  # noqa: E402
+from llm_serving.model_executor.attention.cpu import host_zeros  # noqa: E402
 
 H, KVH, D = 12, 12, 64
 SCALE = 1.0 / np.sqrt(D)
@@ -79,11 +80,16 @@ class Batch:
         nb = batch * nbps
         bf16 = cache_dtype == "bfloat16"       # bf16 bits: the high half of the float32
 
-        def fill(x):
-            v = np.float32(x)
-            return (np.uint16(v.view(np.uint32) >> 16), np.uint16) if bf16 else (v, np.float32)
-        self.k = [np.full((nb, block_size, KVH, D), *fill(0.01)) for _ in range(layers)]
-        self.v = [np.full((nb, block_size, KVH, D), *fill(1.0)) for _ in range(layers)]
+        def cache():
+            # as the engine allocates it (host_zeros: committed, on huge pages where the
+            # kernel allows), random values (the softmax's running max moves as in a model)
+            shape = (nb, block_size, KVH, D)
+            c = host_zeros(shape, np.uint16 if bf16 else np.float32)
+            r = rng.standard_normal(shape, dtype=np.float32)
+            c[...] = (r.view(np.uint32) >> 16).astype(np.uint16) if bf16 else r
+            return c
+        self.k = [cache() for _ in range(layers)]
+        self.v = [cache() for _ in range(layers)]
         self.itemsize = 2 if bf16 else 4
         self.bt = rng.permutation(nb).astype(np.int32).reshape(batch, nbps)
         self.T = batch * qlen
