@@ -2,7 +2,8 @@
 """Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
 vocab 8000, fp32): decode step time (median over --steps steps) at several batch sizes and
 prefill throughput (median of 3), against the memory-bandwidth floor measured in the same run
-(weight bytes / read bandwidth with every core reading).
+(weight bytes / read bandwidth with every core reading; each decode case's own bandwidth,
+measured between its steps, since it drifts on a shared VM).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
                                 [--arms fp32,bf16]
@@ -29,23 +30,29 @@ import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
 
 
-def read_bandwidth(n_bytes: int = 1 << 30, reps: int = 5) -> float:
-    """Bytes/s of a streaming read of a 1 GiB buffer with all cores (OpenMP, C++)."""
-    import ctypes
-    from pathlib import Path
-    from llm_serving.model_executor.cpp_build import load_cpp_library
-    # -fopenmp: without it the pragma is ignored and this measures one core (about half).
-    lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")), ("-fopenmp",))
-    lib.sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.sum_f32.restype = ctypes.c_double
-    a = np.ones(n_bytes // 4, np.float32)
-    lib.sum_f32(a.ctypes.data, a.size)
-    best = 0.0
-    for _ in range(reps):
+class ReadBandwidth:
+    """Streaming reads of a buffer larger than any L3 with all cores (OpenMP, C++): the memory
+    bandwidth the batch-1 and KV floors divide by. It drifts on these shared VMs (33 to 60 GB/s
+    within one session on AMD Zen 4), so each decode case takes its own, one pass after each
+    round of its steps (the median), instead of one figure for the whole run."""
+
+    def __init__(self, n_bytes: int = 512 << 20):
+        import ctypes
+        from pathlib import Path
+        from llm_serving.model_executor.cpp_build import load_cpp_library
+        # -fopenmp: without it the pragma is ignored and this measures one core (about half).
+        self.lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")),
+                                    ("-fopenmp",))
+        self.lib.sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self.lib.sum_f32.restype = ctypes.c_double
+        self.a = np.ones(n_bytes // 4, np.float32)
+        self()
+
+    def __call__(self) -> float:
+        """Bytes/s of one pass."""
         t = time.perf_counter()
-        lib.sum_f32(a.ctypes.data, a.size)
-        best = max(best, n_bytes / (time.perf_counter() - t))
-    return best
+        self.lib.sum_f32(self.a.ctypes.data, self.a.size)
+        return self.a.nbytes / (time.perf_counter() - t)
 
 
 def _busy_seconds(pids=()) -> tuple[float, float]:
@@ -116,7 +123,8 @@ def main() -> None:
         if not os.path.exists(os.path.join(model, "config.json")):
             make_tiny_model(model, **PRESETS["bench"])
 
-    bw = read_bandwidth()
+    probe_bw = ReadBandwidth()
+    bw = float(np.median([probe_bw() for _ in range(5)]))   # the prefill's and the header's
     from llm_serving import LLM, SamplingParams
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.context
@@ -165,7 +173,8 @@ def main() -> None:
     for arm in arms:
         dt = float(np.median(pre[arm]))
         rows.append((arm, "prefill", f"{n_prompts}x{ctx} tokens", f"{dt * 1e3:.1f} ms",
-                     f"{n_prompts * ctx / dt:.0f} tok/s", "", "", "", "", f"{load.cores:.2f}"))
+                     f"{n_prompts * ctx / dt:.0f} tok/s", "", "", "", "", f"{load.cores:.2f}",
+                     ""))
 
     for b in batches:
         prompts = [rng.integers(3, mc.vocab_size, ctx).tolist() for _ in range(b)]
@@ -180,6 +189,7 @@ def main() -> None:
         times = {arm: [] for arm in arms}
         gemms = {arm: GemmAlone(e, b) for arm, e in engines.items()}
         gemm_times = {arm: [] for arm in arms}
+        bws = []
         with OtherLoad() as load:
             for _ in range(args.steps):
                 for arm, e in engines.items():     # interleaved: the same load for each arm
@@ -187,26 +197,30 @@ def main() -> None:
                     step(arm, e)
                     times[arm].append(time.perf_counter() - t)
                     gemm_times[arm].append(gemms[arm]())
+                bws.append(probe_bw())
+        case_bw = float(np.median(bws))
         for arm, e in engines.items():
             step_ms = float(np.median(times[arm])) * 1e3   # median: robust to a busy neighbour
             gemm_ms = float(np.median(gemm_times[arm])) * 1e3
             # attention must read every K and V of the context once: its bandwidth floor
-            kv_ms = (b * (ctx + 3 + args.steps / 2) * kv_bytes_per_token[arm]) / bw * 1e3
+            kv_ms = (b * (ctx + 3 + args.steps / 2) * kv_bytes_per_token[arm]) / case_bw * 1e3
+            floor = weight_mb[arm] * 1e6 / case_bw * 1e3
             for r in rids[arm]:
                 e.abort_request(r)
             rows.append((arm, f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
                          f"{b / step_ms * 1e3:.0f} tok/s",
-                         f"{step_ms / floor_ms[arm]:.2f}x floor" if b == 1 else "",
+                         f"{step_ms / floor:.2f}x {floor:.1f} ms" if b == 1 else "",
                          f"{gemm_ms:.1f} ms ({step_ms / gemm_ms:.2f}x)",
                          f"{kv_ms:.1f} ms", f"{step_ms - gemm_ms - kv_ms:.1f} ms",
-                         f"{load.cores:.2f}"))
+                         f"{load.cores:.2f}", f"{case_bw / 1e9:.1f} GB/s"))
 
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
           f"{cpu_description()}")
     for arm in arms:
         print(f"model: {model}, {arm}: {weight_mb[arm]:.0f} MB of weights read per decode step "
-              f"-> batch-1 floor {floor_ms[arm]:.1f} ms/step")
-    print(f"read bandwidth, all cores: {bw / 1e9:.1f} GB/s")
+              f"-> batch-1 floor {floor_ms[arm]:.1f} ms/step at the start's bandwidth")
+    print(f"read bandwidth, all cores, at the start: {bw / 1e9:.1f} GB/s; bandwidth: each decode "
+          "case's own (median of a pass after each round of its steps), which its floors use")
     print("GEMM alone: the step's linear layers (every projection and the LM head) on the "
           "same rows, through the GEMM the plan chose for each shape, timed right after each "
           "step (ratio: step / GEMM alone)")
@@ -216,14 +230,14 @@ def main() -> None:
     print("other load: cores kept busy by other processes during the case (0 = quiet machine)")
     print()
     print(f"| {'arm':<12} | {'case':<14} | {'shape':<16} | {'time':<14} | {'throughput':<12} "
-          f"| {'vs floor':<11} | {'GEMM alone':<18} | {'KV floor':<9} | {'rest':<9} "
-          f"| other load |")
-    print(f"|{'-' * 14}|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 13}|{'-' * 20}"
-          f"|{'-' * 11}|{'-' * 11}|{'-' * 12}|")
+          f"| {'vs floor':<15} | {'GEMM alone':<18} | {'KV floor':<9} | {'rest':<9} "
+          f"| other load | bandwidth  |")
+    print(f"|{'-' * 14}|{'-' * 16}|{'-' * 18}|{'-' * 16}|{'-' * 14}|{'-' * 17}|{'-' * 20}"
+          f"|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 12}|")
     rows.sort(key=lambda r: (r[1] != "prefill", int(r[1].split("=")[1]) if "=" in r[1] else 0))
     for r in rows:
-        print(f"| {r[0]:<12} | {r[1]:<14} | {r[2]:<16} | {r[3]:<14} | {r[4]:<12} | {r[5]:<11} "
-              f"| {r[6]:<18} | {r[7]:<9} | {r[8]:<9} | {r[9]:<10} |")
+        print(f"| {r[0]:<12} | {r[1]:<14} | {r[2]:<16} | {r[3]:<14} | {r[4]:<12} | {r[5]:<15} "
+              f"| {r[6]:<18} | {r[7]:<9} | {r[8]:<9} | {r[9]:<10} | {r[10]:<10} |")
     if len(arms) > 1:
         base = arms[0]
         print(f"\ntime ratio to {base} (below 1: faster):")
