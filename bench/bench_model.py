@@ -141,16 +141,16 @@ def main() -> None:
                                max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
     eng = engines[arms[0]]
     mc = eng.model_config
-    floor_ms, weight_mb, kv_bytes_per_token = {}, {}, {}
+    floor_ms, weight_bytes, kv_bytes_per_token = {}, {}, {}
     for arm, e in engines.items():
         kv_bytes_per_token[arm] = kv_bytes_per_block(mc, 1, 1, ARMS[arm][1])
         # the bytes the weights take (bf16 linear weights: 2 per element)
-        weight_bytes = sum(int(np.prod(p.shape)) * p.itemsize
-                           for _, p in e.runner.model.parameters_and_names())
+        wb = sum(int(np.prod(p.shape)) * p.itemsize
+                 for _, p in e.runner.model.parameters_and_names())
         if not mc.tie_word_embeddings:  # decode gathers embedding rows; it does not read them all
-            weight_bytes -= 4 * mc.vocab_size * mc.hidden_size
-        floor_ms[arm] = weight_bytes / bw * 1e3
-        weight_mb[arm] = weight_bytes / 1e6
+            wb -= 4 * mc.vocab_size * mc.hidden_size
+        weight_bytes[arm] = wb
+        floor_ms[arm] = wb / bw * 1e3
 
     def step(arm, e):
         e.step()
@@ -204,7 +204,7 @@ def main() -> None:
             gemm_ms = float(np.median(gemm_times[arm])) * 1e3
             # attention must read every K and V of the context once: its bandwidth floor
             kv_ms = (b * (ctx + 3 + args.steps / 2) * kv_bytes_per_token[arm]) / case_bw * 1e3
-            floor = weight_mb[arm] * 1e6 / case_bw * 1e3
+            floor = weight_bytes[arm] / case_bw * 1e3
             for r in rids[arm]:
                 e.abort_request(r)
             rows.append((arm, f"decode B={b}", f"ctx~{ctx}", f"{step_ms:.1f} ms/step",
@@ -217,7 +217,7 @@ def main() -> None:
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
           f"{cpu_description()}")
     for arm in arms:
-        print(f"model: {model}, {arm}: {weight_mb[arm]:.0f} MB of weights read per decode step "
+        print(f"model: {model}, {arm}: {weight_bytes[arm] / 1e6:.0f} MB of weights read per decode step "
               f"-> batch-1 floor {floor_ms[arm]:.1f} ms/step at the start's bandwidth")
     print(f"read bandwidth, all cores, at the start: {bw / 1e9:.1f} GB/s; bandwidth: each decode "
           "case's own (median of a pass after each round of its steps), which its floors use")

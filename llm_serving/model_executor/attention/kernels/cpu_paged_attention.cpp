@@ -509,12 +509,11 @@ template <class C>
 struct NextTile {
   const C* k[kTile];
   const C* v[kTile];
-  int n = 0;           // its positions (0: past the context)
-  int64_t bytes = 0;   // of one position's rows (the item's kv heads)
-  void set(const AttnArgs& a, const int32_t* bt, int64_t t0, int64_t nctx, int64_t kv0,
-           int64_t nkv) {
+  int n = 0;            // its positions (0: past the context)
+  const int64_t bytes;  // of one position's rows (the item's kv heads)
+  NextTile(const AttnArgs& a, int64_t nkv) : bytes(nkv * a.D * (int64_t)sizeof(C)) {}
+  void set(const AttnArgs& a, const int32_t* bt, int64_t t0, int64_t nctx, int64_t kv0) {
     n = t0 < nctx ? (int)std::min<int64_t>(kTile, nctx - t0) : 0;
-    bytes = nkv * a.D * (int64_t)sizeof(C);
     if (n) tile_pointers<C>(a, bt, t0, n, kv0, k, v);
   }
   void prefetch_k(int j) const { if (j < n) prefetch_l2(k[j], bytes); }
@@ -791,10 +790,10 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   float* LLS_RESTRICT pw = sc.p;
   const C** kp = sc.kp;
   const C** vp = sc.vp;
-  NextTile<C> next;
+  NextTile<C> next(a, nkv);
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
-    next.set(a, bt, t0 + kTile, nctx, kv0, nkv);
+    next.set(a, bt, t0 + kTile, nctx, kv0);
     // q.k partial sums, position-major; lanes of positions past n are zeros (masked below)
     for (int j = 0; j < kTile; ++j) {
       next.prefetch_k(j);
@@ -1053,10 +1052,10 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   float* LLS_RESTRICT s = sc.p;
   const C** kp = sc.kp;
   const C** vp = sc.vp;
-  NextTile<C> next;
+  NextTile<C> next(a, nkv);
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
-    next.set(a, bt, t0 + kTile, nctx, kv0, nkv);
+    next.set(a, bt, t0 + kTile, nctx, kv0);
     for (int j = 0; j < n; ++j) {
       next.prefetch_k(j);
       for (int64_t m = 0; m < M; ++m)
