@@ -615,6 +615,7 @@ struct Bf16Args {
   int64_t Mp, Kp;            // Mp: rows of xb, M padded (AMX: to 16 from 16 up; dot: 12)
   int tile_rows;             // AMX: rows of the x and sum tiles, min(M, 16)
   int64_t strips, per_item;  // 32-column strips, strips per item
+  int64_t pair = 1;          // per_item is a multiple of this
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -633,11 +634,20 @@ constexpr int kDotRows = 12;  // 24 accumulators + 2 weight vectors + broadcasts
 // and 4 accumulator chains in flight. From 2 rows up one strip at a time reads the weights
 // faster (AMD Zen 4, 12 layers' projections, with the prefetch below: M=4 7.7 -> 6.6 ms).
 constexpr int kDotPairRows = 2;
-// The first row tile of a strip, which brings it in from memory, asks for each 2 KB k block's
-// 32 lines at once before loading them (all the misses in flight together), not 4 KB ahead as
-// the AMX kernel does: on AMD Zen 4 (the CPU the probe picks this kernel on) that was faster at
-// every row count, 1 to 64 (M=4: 10.7 -> 6.6 ms; M=1: 8.2 -> 7.2 ms; M=16: 13.6 -> 12.2 ms).
-constexpr int64_t kDotPrefetchBytes = 0;
+// The first row tile of a strip brings it in from memory, and asks for it ahead of its loads in
+// one of two ways (on AMD Zen 4, the CPU the probe picks this kernel on; 12 layers'
+// projections, interleaved runs):
+// - a tile of few rows (2 <= R < kDotSlideRows) asks for each 2 KB k block's 32 lines at once
+//   before loading them: all its misses in flight together, while the little arithmetic runs
+//   ahead of them (M=4: 10.7 -> 6.6 ms against 4 KB ahead a line at a time);
+// - a tile of many rows has too much arithmetic per block for the next block's loads to be
+//   reached in time, and one row (two strips) keeps two streams going: these keep a window of
+//   kDotSlideBytes<S> ahead of each strip, requested with the first block and then two lines
+//   per k pair as the loads advance. Against the block at once: M=16 8.9 -> 7.4 ms, M=64 27.7
+//   -> 26.2, M=128 53.1 -> 52.0, M=1 5.5 -> 5.35 (a window of 2 KB there: 5.45).
+constexpr int kDotSlideRows = 10;
+template <int S>
+constexpr int64_t kDotSlideBytes = S == 2 ? 4096 : 2048;
 
 // x for the dot kernel: rounded to bf16 like round_rows_bf16, in blocks of kDotRows rows, each
 // block k pair-major: pair p of block row i (an int32 of two bf16) at xp[(blk * Kp / 2 + p) *
@@ -670,18 +680,36 @@ inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, fl
     for (int i = 0; i < R; ++i) acc[s][0][i] = acc[s][1][i] = _mm512_setzero_ps();
   const int32_t* x = reinterpret_cast<const int32_t*>(g.xb) + m0 * (g.Kp / 2);
   const int64_t strip = g.Kp / 32 * 1024;  // bf16 values per strip
+  // the strips come from memory (pf): how they are asked for ahead of the loads (see above)
+  constexpr bool kSlide = R >= kDotSlideRows || S == 2;
+  constexpr int64_t ahead = kSlide ? kDotSlideBytes<S> : 0;
+  if (pf && kSlide) {
+    #pragma GCC unroll 16
+    for (int s = 0; s < S; ++s) {
+      const char* p = reinterpret_cast<const char*>(w + s * strip);
+      for (int l = 0; l < ahead; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    }
+  }
   for (int64_t kb = 0; kb < g.Kp / 32; ++kb) {
     const bf16_t* wk = w + kb * 1024;
-    if (pf) {  // the strips come from memory: ask for them ahead of the loads
+    if (pf && !kSlide) {
       #pragma GCC unroll 16
       for (int s = 0; s < S; ++s) {
-        const char* p = reinterpret_cast<const char*>(wk + s * strip) + kDotPrefetchBytes;
+        const char* p = reinterpret_cast<const char*>(wk + s * strip);
         for (int l = 0; l < 2048; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
       }
     }
     const int32_t* xk = x + kb * 16 * kDotRows;
     for (int r = 0; r < 16; ++r) {
       __m512bh wv[S][2];
+      if (pf && kSlide) {  // this k pair's 128 bytes, `ahead` further on (past the strip's end:
+        #pragma GCC unroll 16  // the next strip's, or nothing a prefetch can fault on)
+        for (int s = 0; s < S; ++s) {
+          const char* p = reinterpret_cast<const char*>(wk + s * strip + r * 64) + ahead;
+          _mm_prefetch(p, _MM_HINT_T0);
+          _mm_prefetch(p + 64, _MM_HINT_T0);
+        }
+      }
       #pragma GCC unroll 16
       for (int s = 0; s < S; ++s) {
         wv[s][0] = (__m512bh)_mm512_load_si512(wk + s * strip + r * 32);
@@ -769,6 +797,7 @@ int run_bf16(Bf16Args& g, TaskFn item, RoundFn round, const float* x, int64_t ld
   g.strips = (N + 31) / 32;
   const int64_t want = bf16_items_per_call();
   g.per_item = (g.strips + want - 1) / want;
+  g.per_item = (g.per_item + g.pair - 1) / g.pair * g.pair;
   const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
   parallel_for(item, &g, items, M * N * K >= (1 << 18), g_linger_us);
   return 0;
@@ -950,6 +979,9 @@ int lls_linear_bf16_dot(const float* x, int64_t ldx, const bf16_t* wt, const flo
 #ifdef LLS_BF16DOT
   Bf16Args g;
   g.tile_rows = 0;
+  // one row's strips go two at a time: an even run per item, so that none ends on a single
+  // strip's one stream (M=1 -2 to -3%, AMD Zen 4)
+  g.pair = M < kDotPairRows ? 2 : 1;
   return run_bf16(g, dot_item, round_pack_rows_dot, x, ldx, wt, bias, M, N, K, nparts, split,
                   out, ld, (M + kDotRows - 1) / kDotRows * kDotRows);
 #else
