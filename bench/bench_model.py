@@ -217,13 +217,14 @@ def main() -> None:
     print(f"# llm_serving model benchmark, {datetime.date.today()}, {platform.node()}, "
           f"{cpu_description()}")
     for arm in arms:
-        print(f"model: {model}, {arm}: {weight_bytes[arm] / 1e6:.0f} MB of weights read per decode step "
-              f"-> batch-1 floor {floor_ms[arm]:.1f} ms/step at the start's bandwidth")
+        print(f"model: {model}, {arm}: {weight_bytes[arm] / 1e6:.0f} MB of weights read per "
+              f"decode step -> batch-1 floor {floor_ms[arm]:.1f} ms/step at the start's "
+              "bandwidth")
     print(f"read bandwidth, all cores, at the start: {bw / 1e9:.1f} GB/s; bandwidth: each decode "
           "case's own (median of a pass after each round of its steps), which its floors use")
-    print("GEMM alone: the step's linear layers (every projection and the LM head) on the "
-          "same rows, through the GEMM the plan chose for each shape, timed right after each "
-          "step (ratio: step / GEMM alone)")
+    print("GEMM alone: the kernel calls of the step's linear layers (every projection and the "
+          "LM head) on the same rows, through the GEMM the plan chose for each shape, as a "
+          "replayed step calls them, timed right after each step (ratio: step / GEMM alone)")
     print("KV floor: the K and V bytes a decode step's attention reads / the read bandwidth; "
           "rest: step - GEMM alone - KV floor (norms, RoPE, activations, sampling, Python, and "
           "attention above its floor)")
