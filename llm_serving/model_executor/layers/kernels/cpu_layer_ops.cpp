@@ -634,20 +634,23 @@ constexpr int kDotRows = 12;  // 24 accumulators + 2 weight vectors + broadcasts
 // and 4 accumulator chains in flight. From 2 rows up one strip at a time reads the weights
 // faster (AMD Zen 4, 12 layers' projections, with the prefetch below: M=4 7.7 -> 6.6 ms).
 constexpr int kDotPairRows = 2;
-// The first row tile of a strip brings it in from memory, and asks for it ahead of its loads in
-// one of two ways (on AMD Zen 4, the CPU the probe picks this kernel on; 12 layers'
-// projections, interleaved runs):
-// - a tile of few rows (2 <= R < kDotSlideRows) asks for each 2 KB k block's 32 lines at once
-//   before loading them: all its misses in flight together, while the little arithmetic runs
-//   ahead of them (M=4: 10.7 -> 6.6 ms against 4 KB ahead a line at a time);
-// - a tile of many rows has too much arithmetic per block for the next block's loads to be
-//   reached in time, and one row (two strips) keeps two streams going: these keep a window of
-//   kDotSlideBytes<S> ahead of each strip, requested with the first block and then two lines
-//   per k pair as the loads advance. Against the block at once: M=16 8.9 -> 7.4 ms, M=64 27.7
-//   -> 26.2, M=128 53.1 -> 52.0, M=1 5.5 -> 5.35 (a window of 2 KB there: 5.45).
-constexpr int kDotSlideRows = 10;
-template <int S>
-constexpr int64_t kDotSlideBytes = S == 2 ? 4096 : 2048;
+// A strip's k block is 2 KB: 16 k pairs x two halves of 16 columns, 1 KB each (a tile row of
+// one half is one 64-byte line). The first row tile of a strip brings it in from memory and
+// keeps a window of kDotAheadBytes requested ahead of its loads: the first window at the
+// strip's start, then one line further per line loaded. How a tile goes through a block (AMD
+// Zen 4, the CPU the probe picks this kernel on; 12 layers' projections, interleaved runs):
+// - a tile of few rows (R < kDotManyRows: decode batches up to 9) reads one half's 16 lines,
+//   then the other's: the loads run in address order, as the window does. Each half's sums
+//   are their own chains, so the order changes no bit. Against both halves per k pair (lines
+//   r and 16 + r) with each block's 32 lines asked for at once: M=1 5.41 -> 5.25 ms and 5.30
+//   -> 5.08 (the widen kernel's time: the same stream and window), M=8 5.97 -> 5.46 and 5.80 ->
+//   5.25, M=4 the same;
+// - a tile of many rows loads both halves per k pair, 2R chains in flight for each weight
+//   load, and asks for two lines per k pair (M=16 8.9 -> 7.4 ms, M=64 27.7 -> 26.2, M=128 53.1
+//   -> 52.0 against each block asked for at once). Half after half measured slower there (M=16
+//   7.7 -> 9.1 ms).
+constexpr int kDotManyRows = 10;
+constexpr int64_t kDotAheadBytes = 2048;
 
 // x for the dot kernel: rounded to bf16 like round_rows_bf16, in blocks of kDotRows rows, each
 // block k pair-major: pair p of block row i (an int32 of two bf16) at xp[(blk * Kp / 2 + p) *
@@ -680,10 +683,9 @@ inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, fl
     for (int i = 0; i < R; ++i) acc[s][0][i] = acc[s][1][i] = _mm512_setzero_ps();
   const int32_t* x = reinterpret_cast<const int32_t*>(g.xb) + m0 * (g.Kp / 2);
   const int64_t strip = g.Kp / 32 * 1024;  // bf16 values per strip
-  // the strips come from memory (pf): how they are asked for ahead of the loads (see above)
-  constexpr bool kSlide = R >= kDotSlideRows || S == 2;
-  constexpr int64_t ahead = kSlide ? kDotSlideBytes<S> : 0;
-  if (pf && kSlide) {
+  // (requests past a strip's end fall on the next strip's, or on nothing a prefetch can fault on)
+  constexpr int64_t ahead = kDotAheadBytes;
+  if (pf) {
     #pragma GCC unroll 16
     for (int s = 0; s < S; ++s) {
       const char* p = reinterpret_cast<const char*>(w + s * strip);
@@ -692,36 +694,48 @@ inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, fl
   }
   for (int64_t kb = 0; kb < g.Kp / 32; ++kb) {
     const bf16_t* wk = w + kb * 1024;
-    if (pf && !kSlide) {
-      #pragma GCC unroll 16
-      for (int s = 0; s < S; ++s) {
-        const char* p = reinterpret_cast<const char*>(wk + s * strip);
-        for (int l = 0; l < 2048; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-      }
-    }
     const int32_t* xk = x + kb * 16 * kDotRows;
-    for (int r = 0; r < 16; ++r) {
-      __m512bh wv[S][2];
-      if (pf && kSlide) {  // this k pair's 128 bytes, `ahead` further on (past the strip's end:
-        #pragma GCC unroll 16  // the next strip's, or nothing a prefetch can fault on)
-        for (int s = 0; s < S; ++s) {
-          const char* p = reinterpret_cast<const char*>(wk + s * strip + r * 64) + ahead;
-          _mm_prefetch(p, _MM_HINT_T0);
-          _mm_prefetch(p + 64, _MM_HINT_T0);
+    if (R < kDotManyRows && pf) {  // half after half, each half's lines in address order
+      #pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < 16; ++r) {
+          __m512bh wv[S];
+          #pragma GCC unroll 16
+          for (int s = 0; s < S; ++s) {
+            const bf16_t* p = wk + s * strip + h * 512 + r * 32;
+            _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
+            wv[s] = (__m512bh)_mm512_load_si512(p);
+          }
+          #pragma GCC unroll 16
+          for (int i = 0; i < R; ++i) {
+            const __m512bh xi = (__m512bh)_mm512_set1_epi32(xk[r * kDotRows + i]);
+            #pragma GCC unroll 16
+            for (int s = 0; s < S; ++s) acc[s][h][i] = _mm512_dpbf16_ps(acc[s][h][i], xi, wv[s]);
+          }
         }
       }
-      #pragma GCC unroll 16
-      for (int s = 0; s < S; ++s) {
-        wv[s][0] = (__m512bh)_mm512_load_si512(wk + s * strip + r * 32);
-        wv[s][1] = (__m512bh)_mm512_load_si512(wk + s * strip + 512 + r * 32);
-      }
-      #pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) {
-        const __m512bh xi = (__m512bh)_mm512_set1_epi32(xk[r * kDotRows + i]);
+    } else {  // both halves per k pair (a tile of few rows too when the strip is in cache:
+      // 2R chains in flight rather than R; half after half, M=16 = 12 + 4 rows read 2-3% slower)
+      for (int r = 0; r < 16; ++r) {
+        __m512bh wv[S][2];
         #pragma GCC unroll 16
         for (int s = 0; s < S; ++s) {
-          acc[s][0][i] = _mm512_dpbf16_ps(acc[s][0][i], xi, wv[s][0]);
-          acc[s][1][i] = _mm512_dpbf16_ps(acc[s][1][i], xi, wv[s][1]);
+          if (pf) {  // this k pair's two lines, `ahead` further on
+            const char* p = reinterpret_cast<const char*>(wk + s * strip + r * 64) + ahead;
+            _mm_prefetch(p, _MM_HINT_T0);
+            _mm_prefetch(p + 64, _MM_HINT_T0);
+          }
+          wv[s][0] = (__m512bh)_mm512_load_si512(wk + s * strip + r * 32);
+          wv[s][1] = (__m512bh)_mm512_load_si512(wk + s * strip + 512 + r * 32);
+        }
+        #pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          const __m512bh xi = (__m512bh)_mm512_set1_epi32(xk[r * kDotRows + i]);
+          #pragma GCC unroll 16
+          for (int s = 0; s < S; ++s) {
+            acc[s][0][i] = _mm512_dpbf16_ps(acc[s][0][i], xi, wv[s][0]);
+            acc[s][1][i] = _mm512_dpbf16_ps(acc[s][1][i], xi, wv[s][1]);
+          }
         }
       }
     }
