@@ -630,10 +630,12 @@ struct Bf16Args {
 // from acc = 0. Every output is that one chain whatever M, R, the row's place or the thread:
 // batch-invariant (other sums than AMX's).
 constexpr int kDotRows = 12;  // 24 accumulators + 2 weight vectors + broadcasts of 32 zmm
-// Below this many rows (so at one row: batch-1 decode), two strips at once: two weight streams
-// and 4 accumulator chains in flight. From 2 rows up one strip at a time reads the weights
-// faster (AMD Zen 4, 12 layers' projections, with the prefetch below: M=4 7.7 -> 6.6 ms).
-constexpr int kDotPairRows = 2;
+// Rows for which a tile takes two strips at once (two weight streams in flight) rather than
+// one (AMD Zen 4, 12 layers' projections, interleaved runs, with the reading below): one row,
+// and 3 or 4 rows (M=4 5.70 -> 5.29 ms and 5.55 -> 5.30, M=3 5.57 -> 5.33 and 5.21 -> 5.24);
+// not 2 rows (5.35-5.68 -> 5.62-5.96 ms) nor 5 and up (more accumulators than registers soon).
+constexpr int kDotPairRows = 5;  // above the largest row count that pairs
+inline bool dot_pairs(int64_t M) { return M == 1 || (M >= 3 && M < kDotPairRows); }
 // A strip's k block is 2 KB: 16 k pairs x two halves of 16 columns, 1 KB each (a tile row of
 // one half is one 64-byte line). The first row tile of a strip brings it in from memory and
 // keeps a window of kDotAheadBytes requested ahead of its loads: the first window at the
@@ -673,7 +675,7 @@ void round_pack_rows_dot(const float* x, int64_t ldx, int64_t M, int64_t K, bf16
   }
 }
 
-// R rows x S strips (S * 32 columns; S = 2 below kDotPairRows rows), sums into c [R, S * 32].
+// R rows x S strips (S * 32 columns; S = 2 where dot_pairs), sums into c [R, S * 32].
 template <int R, int S>
 inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, float* c) {
   __m512 acc[S][2][R];
@@ -763,7 +765,7 @@ void dot_item(void* p, int64_t item) {
   const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
   const int64_t strip = g.Kp / 32 * 1024;
   int64_t j = j0;
-  if (a.M < kDotPairRows) {
+  if (dot_pairs(a.M)) {
     for (; j + 1 < j1; j += 2) {
       const int64_t n0 = 32 * j, n1 = n0 + 64 < a.N ? n0 + 64 : a.N;
       dot_tile_rows<2>(int(a.M), g, static_cast<const bf16_t*>(a.w) + j * strip, 0, true, c,
@@ -995,7 +997,7 @@ int lls_linear_bf16_dot(const float* x, int64_t ldx, const bf16_t* wt, const flo
   g.tile_rows = 0;
   // one row's strips go two at a time: an even run per item, so that none ends on a single
   // strip's one stream (M=1 -2 to -3%, AMD Zen 4)
-  g.pair = M < kDotPairRows ? 2 : 1;
+  g.pair = dot_pairs(M) ? 2 : 1;
   return run_bf16(g, dot_item, round_pack_rows_dot, x, ldx, wt, bias, M, N, K, nparts, split,
                   out, ld, (M + kDotRows - 1) / kDotRows * kDotRows);
 #else
