@@ -115,6 +115,7 @@ def main() -> None:
         ap.error(f"unknown arm {bad[0]!r} (known: {', '.join(ARMS)})")
 
     from llm_serving.config import kv_bytes_per_block
+    from llm_serving.model_executor.cpu_graph import STEADY_STEPS
     from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
     model = args.model
     if model is None:
@@ -184,7 +185,9 @@ def main() -> None:
             while any(s.num_computed_tokens < len(s.prompt_token_ids)
                       for r in rids[arm] for s in e.requests[r].seqs):
                 step(arm, e)
-            for _ in range(3):      # (a size's decode steps: run, captured, verified; replayed)
+            # a size's decode steps: run, captured, verified, then replayed (above
+            # --max-capture-batch, captured once it has run STEADY_STEPS steps in a row)
+            for _ in range(3 + STEADY_STEPS):
                 step(arm, e)
         times = {arm: [] for arm in arms}
         gemms = {arm: GemmAlone(e, b) for arm, e in engines.items()}

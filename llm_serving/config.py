@@ -117,9 +117,10 @@ class EngineArgs:
         "run every step op by op (CPU: decode steps are otherwise replayed from a capture "
         "of their kernel calls, one per batch size; vLLM's flag for its CUDA graphs)")
     max_capture_batch: int = _arg(MAX_CAPTURE_BATCH,
-        "largest decode batch replayed from a capture; larger ones run op by op (their "
-        "Python is a small part of their time, and each new size costs an extra step to "
-        "capture and check)")
+        "largest decode batch replayed from a capture as soon as it is seen; a larger one "
+        "(up to max_num_seqs) only once it has kept its size for 8 steps in a row (each new "
+        "size costs an extra step to capture and check, which a draining batch would pay "
+        "for every size)")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,

@@ -12,7 +12,7 @@ import pytest
 from llm_serving import LLM, SamplingParams
 from llm_serving.executor.protocol import StepInput
 from llm_serving.model_executor import cpu_graph
-from llm_serving.model_executor.cpu_graph import CpuGraphs
+from llm_serving.model_executor.cpu_graph import STEADY_STEPS, CpuGraphs
 
 
 def _generate(model_dir, enforce_eager, prompts, params):
@@ -144,6 +144,27 @@ def test_a_batch_size_is_eager_then_captured_then_verified_then_replayed():
     before = kept.copy()
     _run(graphs, 3, 80)
     assert np.array_equal(kept, before)
+
+
+def test_a_size_above_max_batch_is_captured_only_once_steady():
+    """Above --max-capture-batch, a batch that changes size every step (one draining as its
+    requests finish) is never captured; a size that runs STEADY_STEPS decode steps in a row is
+    captured, checked and replayed, up to max_steady_batch (--max-num-seqs)."""
+    fwd = _Forward()
+    graphs = CpuGraphs(fwd, max_batch=2, max_blocks_per_seq=4, max_steady_batch=8)
+    for i in range(3 * STEADY_STEPS):
+        assert _run(graphs, 3 + i % 2, 10 * i) is None
+    assert fwd.calls == 0 and graphs.stats.captured == []
+    for i in range(STEADY_STEPS):                           # steady: eager until the last
+        assert _run(graphs, 5, 10 * i) is None
+    assert _run(graphs, 5, 100) is not None and fwd.calls == 1     # captured while run
+    assert _run(graphs, 5, 110) is not None and fwd.calls == 2     # replayed and run: equal
+    assert graphs.stats.captured == [5]
+    assert _run(graphs, 5, 120) is not None and fwd.calls == 2
+    assert graphs.stats.replayed_steps == 1
+    assert _run(graphs, 2, 130) is None                     # at or below max_batch: at once
+    assert _run(graphs, 2, 140) is not None and fwd.calls == 3
+    assert not graphs.replayable(_step(range(9), range(9)))        # above max_steady_batch
 
 
 def test_steps_it_cannot_replay_are_refused():

@@ -106,7 +106,8 @@ class ModelRunner:
                 and ex.max_capture_batch > 0):
             from llm_serving.model_executor.cpu_graph import CpuGraphs
             self.graphs = CpuGraphs(self._forward_logits, ex.max_capture_batch,
-                                    -(-m.max_model_len // block_size))
+                                    -(-m.max_model_len // block_size),
+                                    config.scheduler.max_num_seqs)
         self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
         self._results: collections.deque = collections.deque()   # submitted, not collected
