@@ -167,6 +167,22 @@ def test_a_size_above_max_batch_is_captured_only_once_steady():
     assert not graphs.replayable(_step(range(9), range(9)))        # above max_steady_batch
 
 
+def test_a_steady_size_is_not_captured_past_the_capture_memory_bound(monkeypatch):
+    """A capture keeps its step's outputs on fresh memory: a size above --max-capture-batch
+    whose capture the earlier ones put above STEADY_CAPTURE_BYTES stays eager."""
+    fwd = _Forward(extra=True)                  # b * b * 64 floats more per step
+    graphs = CpuGraphs(fwd, max_batch=2, max_blocks_per_seq=4, max_steady_batch=8)
+    assert _run(graphs, 2, 0) is None and _run(graphs, 2, 10) is not None      # captured
+    per_row = graphs._row_bytes
+    assert per_row >= 2 * 64 * 4
+    monkeypatch.setattr(cpu_graph, "STEADY_CAPTURE_BYTES", int(per_row * 5) - 1)
+    for i in range(3 * STEADY_STEPS):
+        assert _run(graphs, 5, 100 + 10 * i) is None
+    assert fwd.calls == 1 and 5 not in graphs.graphs
+    monkeypatch.setattr(cpu_graph, "STEADY_CAPTURE_BYTES", int(per_row * 5))
+    assert _run(graphs, 5, 500) is None and _run(graphs, 5, 510) is not None   # captured
+
+
 def test_steps_it_cannot_replay_are_refused():
     graphs = CpuGraphs(_Forward(), max_batch=4, max_blocks_per_seq=2)
     assert not graphs.replayable(_step(range(5), range(5)))           # above max_batch
