@@ -11,7 +11,7 @@ import pytest
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import LLMServingError
 from llm_serving.executor.multiproc_executor import AgentDiedError
-from llm_serving.executor.shm_channel import segments_of
+from llm_serving.executor.shm_channel import ShmSegment, segments_of
 
 PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
            "Write a haiku about the sea.", "Explain paged attention in one sentence, then "
@@ -61,6 +61,30 @@ def test_agent_process_gives_the_same_outputs_and_cleans_up(tiny_model_dir):
     llm.engine.shutdown()
     assert agent.wait(10) == 0
     assert not mine & our_segments()
+
+
+def test_a_server_start_removes_segments_left_by_a_killed_server(tiny_model_dir):
+    """A server killed with its whole process group (its resource tracker too) leaves its
+    segments in /dev/shm; the next server's start unlinks those of masters that no longer run,
+    and no one else's."""
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = f"llm_serving_{dead.pid}_0123456789ab"
+    with open(f"/dev/shm/{left}", "wb") as f:
+        f.write(b"\0" * 4096)
+    live = ShmSegment(4096)                         # this (running) process's: kept
+    try:
+        llm = LLM(tiny_model_dir, distributed_executor_backend="mp", num_blocks=16,
+                  block_size=8, max_num_seqs=2)
+        llm.engine.shutdown()
+        assert not os.path.exists(f"/dev/shm/{left}")
+        assert live.name in segments_of()
+    finally:
+        live.close()
+        if os.path.exists(f"/dev/shm/{left}"):
+            os.unlink(f"/dev/shm/{left}")
 
 
 def test_a_killed_agent_is_reported_at_once(tiny_model_dir):

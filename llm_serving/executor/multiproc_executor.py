@@ -79,6 +79,10 @@ class MultiprocExecutor:
         self.tp_size = tp
         self._procs = p = _Procs()
         segments: list[ch.ShmSegment] = []
+        stale = ch.remove_stale_segments()
+        if stale:
+            logger.info("removed %d shared-memory segments left in /dev/shm by servers that "
+                        "no longer run", len(stale))
         device = config.device.device
         try:
             s, c = config.scheduler, config.cache

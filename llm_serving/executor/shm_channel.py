@@ -37,6 +37,38 @@ def segments_of(pid: Optional[int] = None) -> set[str]:
     """The segments in /dev/shm created by master process ``pid`` (default: this one)."""
     prefix = segment_prefix(pid)
     return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)}
+
+
+def remove_segments(pid: int) -> list[str]:
+    """Unlink every segment of master process ``pid``; return their names."""
+    left = sorted(segments_of(pid))
+    for name in left:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except (FileNotFoundError, PermissionError):
+            pass
+    return left
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments of masters that no longer run. A master frees its segments when it
+    shuts down, even on an error, and its resource tracker frees them if it alone is killed;
+    a kill of the whole process group (SIGKILL to the server and the tracker, a machine's
+    container stopped) leaves them in /dev/shm, where they hold memory until reboot."""
+    pids = set()
+    for name in os.listdir("/dev/shm"):
+        head = name[len(SHM_PREFIX):].split("_", 1)[0]
+        if name.startswith(SHM_PREFIX) and head.isdigit():
+            pids.add(int(head))
+    removed = []
+    for pid in sorted(pids):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            removed += remove_segments(pid)
+        except PermissionError:         # another user's live process
+            pass
+    return removed
 _ALIGN = 64
 _DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "float64", "bool", "uint8")]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}

@@ -141,6 +141,7 @@ class TrialServer:
             except (ProcessLookupError, PermissionError):
                 pass
             _wait_group_gone(self.proc.pid, 10.0)
+            from llm_serving.executor.shm_channel import remove_segments
             remove_segments(self.proc.pid)
             self._log.close()
         finally:
@@ -163,17 +164,6 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
         except (ProcessLookupError, PermissionError):
             return
         time.sleep(0.05)
-
-
-def remove_segments(pid: int) -> list[str]:
-    from llm_serving.executor.shm_channel import segments_of
-    left = sorted(segments_of(pid))
-    for name in left:
-        try:
-            os.unlink(f"/dev/shm/{name}")
-        except FileNotFoundError:
-            pass
-    return left
 
 
 def run_client(url: str, workload: Workload, num_prompts: int, slo: tuple = (),
