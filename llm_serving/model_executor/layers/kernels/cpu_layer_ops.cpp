@@ -630,23 +630,27 @@ struct Bf16Args {
 // from acc = 0. Every output is that one chain whatever M, R, the row's place or the thread:
 // batch-invariant (other sums than AMX's).
 constexpr int kDotRows = 12;  // 24 accumulators + 2 weight vectors + broadcasts of 32 zmm
-// Rows for which a tile takes two strips at once (two weight streams in flight) rather than
-// one (AMD Zen 4, 12 layers' projections, interleaved runs, with the reading below): one row,
-// and 3 or 4 rows (M=4 5.70 -> 5.29 ms and 5.55 -> 5.30, M=3 5.57 -> 5.33 and 5.21 -> 5.24);
-// not 2 rows (5.35-5.68 -> 5.62-5.96 ms) nor 5 and up (more accumulators than registers soon).
+// Up to 4 rows (kDotPairRows - 1), a tile takes two strips at once (two weight streams in
+// flight) and leaves them to the hardware prefetchers: it asks for no line ahead. Against one
+// strip, or a window of software prefetches (AMD Zen 4, 12 layers' projections, interleaved
+// runs in read bandwidths of 33 to 66 GB/s; ms per pass): with the window, two strips won at 1,
+// 3 and 4 rows (M=4 5.70 -> 5.29 ms) and lost at 2; without it, M=1 5.33 -> 4.50, 5.52 -> 5.13,
+// 4.97 -> 4.42 (-7 to -15%), M=2 5.09 -> 4.81, 4.68 -> 3.80 (-5 to -19%), M=4 -1 to -7%; one strip
+// without the window reads 10-20% slower at M=1. The requests ahead took line fill buffers of
+// L1 that the hardware's streams into L2 use better. From 5 rows a tile takes one strip (more
+// accumulators than registers soon) and keeps the window (M=8 3-10% faster with it).
 constexpr int kDotPairRows = 5;  // above the largest row count that pairs
-inline bool dot_pairs(int64_t M) { return M == 1 || (M >= 3 && M < kDotPairRows); }
+inline bool dot_pairs(int64_t M) { return M < kDotPairRows; }
 // A strip's k block is 2 KB: 16 k pairs x two halves of 16 columns, 1 KB each (a tile row of
-// one half is one 64-byte line). The first row tile of a strip brings it in from memory and
-// keeps a window of kDotAheadBytes requested ahead of its loads: the first window at the
-// strip's start, then one line further per line loaded. How a tile goes through a block (AMD
-// Zen 4, the CPU the probe picks this kernel on; 12 layers' projections, interleaved runs):
+// one half is one 64-byte line). The first row tile of a strip brings it in from memory; from 5
+// rows it keeps a window of kDotAheadBytes requested ahead of its loads: the first window at
+// the strip's start, then one line further per line loaded. How a tile goes through a block
+// (AMD Zen 4, the CPU the probe picks this kernel on; 12 layers' projections, interleaved runs):
 // - a tile of few rows (R < kDotManyRows: decode batches up to 9) reads one half's 16 lines,
-//   then the other's: the loads run in address order, as the window does. Each half's sums
-//   are their own chains, so the order changes no bit. Against both halves per k pair (lines
-//   r and 16 + r) with each block's 32 lines asked for at once: M=1 5.41 -> 5.25 ms and 5.30
-//   -> 5.08 (the widen kernel's time: the same stream and window), M=8 5.97 -> 5.46 and 5.80 ->
-//   5.25, M=4 the same;
+//   then the other's: the loads run in address order, as the window and the hardware's streams
+//   do. Each half's sums are their own chains, so the order changes no bit. Against both halves
+//   per k pair (lines r and 16 + r) with each block's 32 lines asked for at once: M=1 5.41 ->
+//   5.25 ms and 5.30 -> 5.08, M=8 5.97 -> 5.46 and 5.80 -> 5.25, M=4 the same;
 // - a tile of many rows loads both halves per k pair, 2R chains in flight for each weight
 //   load, and asks for two lines per k pair (M=16 8.9 -> 7.4 ms, M=64 27.7 -> 26.2, M=128 53.1
 //   -> 52.0 against each block asked for at once). Half after half measured slower there (M=16
@@ -687,7 +691,8 @@ inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, fl
   const int64_t strip = g.Kp / 32 * 1024;  // bf16 values per strip
   // (requests past a strip's end fall on the next strip's, or on nothing a prefetch can fault on)
   constexpr int64_t ahead = kDotAheadBytes;
-  if (pf) {
+  constexpr bool window = R >= kDotPairRows;  // fewer rows: the hardware prefetchers alone
+  if (window && pf) {
     #pragma GCC unroll 16
     for (int s = 0; s < S; ++s) {
       const char* p = reinterpret_cast<const char*>(w + s * strip);
@@ -705,7 +710,8 @@ inline void dot_tile(const Bf16Args& g, const bf16_t* w, int64_t m0, bool pf, fl
           #pragma GCC unroll 16
           for (int s = 0; s < S; ++s) {
             const bf16_t* p = wk + s * strip + h * 512 + r * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
+            if constexpr (window) _mm_prefetch(reinterpret_cast<const char*>(p) + ahead,
+                                               _MM_HINT_T0);
             wv[s] = (__m512bh)_mm512_load_si512(p);
           }
           #pragma GCC unroll 16
