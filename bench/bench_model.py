@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
-vocab 8000, fp32): decode step time (median over --steps steps) at several batch sizes and
-prefill throughput (median of 3), against the memory-bandwidth floor measured in the same run
-(weight bytes / read bandwidth with every core reading; each decode case's own bandwidth,
-measured between its steps, since it drifts on a shared VM).
+vocab 8000, fp32): decode step time (median over --steps steps, each timed right after an
+untimed one, as steady decoding runs them) at several batch sizes and prefill throughput
+(median of 3), against the memory-bandwidth floor measured in the same run (weight bytes /
+read bandwidth with every core reading; each decode case's own bandwidth, measured between its
+steps, since it drifts on a shared VM).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
                                 [--arms fp32,bf16]
@@ -133,12 +134,14 @@ def main() -> None:
     n_prompts = max(1, args.prefill_tokens // ctx)
     seqs = max(max_b, n_prompts)    # else a partial run (--batches 1) prefills one prompt a step
     engines = {}
+    # each sequence's KV: its prompt, the warm-up steps, then two steps a round (see below)
+    blocks_per_seq = (ctx + 3 + STEADY_STEPS + 2 * args.steps + 16) // 16 + 2
     for arm in arms:
         dtype, kv, eager, kernel = ARMS[arm]
         with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
             engines[arm] = LLM(model, max_num_seqs=seqs, block_size=16, dtype=dtype,
                                kv_cache_dtype=kv, enforce_eager=eager,
-                               num_blocks=seqs * ((ctx + args.steps + 20) // 16 + 2),
+                               num_blocks=seqs * blocks_per_seq,
                                max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
     eng = engines[arms[0]]
     mc = eng.model_config
@@ -195,6 +198,12 @@ def main() -> None:
         bws = []
         with OtherLoad() as load:
             for _ in range(args.steps):
+                # Steady decoding runs steps back to back. A step right after the bandwidth
+                # pass below paid ~1 ms more at B=1 (AMD Zen 4, bf16: 7.3 ms back to back,
+                # 8.2-8.6 after the pass, 7.3-7.5 after the pass and one step): so each arm
+                # first runs one step untimed.
+                for arm, e in engines.items():
+                    step(arm, e)
                 for arm, e in engines.items():     # interleaved: the same load for each arm
                     t = time.perf_counter()
                     step(arm, e)
@@ -205,8 +214,10 @@ def main() -> None:
         for arm, e in engines.items():
             step_ms = float(np.median(times[arm])) * 1e3   # median: robust to a busy neighbour
             gemm_ms = float(np.median(gemm_times[arm])) * 1e3
-            # attention must read every K and V of the context once: its bandwidth floor
-            kv_ms = (b * (ctx + 3 + args.steps / 2) * kv_bytes_per_token[arm]) / case_bw * 1e3
+            # attention must read every K and V of the context once: its bandwidth floor, at
+            # the timed steps' mean context (after the warm-up steps; two steps a round)
+            kv_ms = (b * (ctx + 3 + STEADY_STEPS + args.steps) * kv_bytes_per_token[arm]
+                     / case_bw * 1e3)
             floor = weight_bytes[arm] / case_bw * 1e3
             for r in rids[arm]:
                 e.abort_request(r)
