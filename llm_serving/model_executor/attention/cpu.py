@@ -15,6 +15,7 @@ import numpy as np
 from llm_serving.errors import ConfigError
 from llm_serving.model_executor.attention import kernels
 from llm_serving.model_executor.attention.backend import AttentionBackend, AttentionMetadata
+from llm_serving.model_executor.host_memory import HUGE_PAGE, huge_page_buffer
 
 
 class CPUAttentionBackend(AttentionBackend):
@@ -65,9 +66,6 @@ class CPUAttentionBackend(AttentionBackend):
                                          self.scale)
 
 
-_HUGE_PAGE = 2 << 20
-
-
 def host_zeros(shape, dtype) -> np.ndarray:
     """A zeroed cache array, its memory committed now and, where the kernel allows it
     (transparent huge pages in "madvise" mode, the usual default), on 2 MB pages.
@@ -81,21 +79,14 @@ def host_zeros(shape, dtype) -> np.ndarray:
     the array is larger than the memory the kernel reports available."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes < _HUGE_PAGE:
+    if nbytes < HUGE_PAGE:
         return np.zeros(shape, dtype)
     avail = _available_memory()
     if avail is not None and nbytes > avail:
         raise ConfigError("kv_cache_space", f"the KV cache does not fit in memory: one layer's K "
                           f"or V takes {nbytes / 2**30:.2f} GiB, {avail / 2**30:.2f} GiB is "
                           "available; lower kv_cache_space (or num_blocks)")
-    mem = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mem.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):       # no THP on this kernel or platform: 4 KB pages
-        pass
-    raw = np.frombuffer(mem, np.uint8)
-    start = -raw.ctypes.data % _HUGE_PAGE   # whole huge pages from the array's first byte
-    flat = raw[start:start + nbytes]
+    flat = huge_page_buffer(nbytes)
     flat[::mmap.PAGESIZE] = 0               # fault every page in (anonymous memory is zero)
     return flat.view(dtype).reshape(shape)
 

@@ -132,14 +132,16 @@ def packed_shape(n: int, k: int, width: int | None = None) -> tuple[int, int, in
     return -(-n // width), k, width
 
 
-def pack_weight(w: np.ndarray, width: int | None = None) -> np.ndarray:
+def pack_weight(w: np.ndarray, width: int | None = None, alloc=aligned_empty) -> np.ndarray:
     """W [N, K] (float32, or uint16 bf16 bits) in the kernels' layout: [ceil(N / width), K,
-    width], panel p holding columns [p * width, (p + 1) * width) of y, zero-padded past N."""
+    width], panel p holding columns [p * width, (p + 1) * width) of y, zero-padded past N.
+    ``alloc(shape, dtype)``: where the packed array goes (a model's weights:
+    ``host_memory.WEIGHTS.empty``)."""
     n, k = w.shape
     shape = packed_shape(n, k, width)
     width = shape[2]
     full, rest = divmod(n, width)
-    out = aligned_empty(shape, w.dtype)
+    out = alloc(shape, w.dtype)
     if full:
         out[:full] = w[:full * width].reshape(full, width, k).transpose(0, 2, 1)
     if rest:
@@ -176,18 +178,18 @@ def amx_packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
     return -(-n // 32), -(-k // AMX_TILE_K), 2 * AMX_TILE_ROWS, AMX_TILE_K
 
 
-def pack_weight_amx(bits: np.ndarray) -> np.ndarray:
+def pack_weight_amx(bits: np.ndarray, alloc=aligned_empty) -> np.ndarray:
     """W [N, K] as bf16 bits (uint16) in the AMX kernel's tiles (``lls_linear_bf16_amx``):
     out[j, kb, 16 t + r] is row r of the tile of columns [32 j + 16 t, 32 j + 16 t + 16) of y
     over k in [32 kb, 32 kb + 32): the pairs (W[n, 32 kb + 2r], W[n, 32 kb + 2r + 1]) for its
-    16 n, interleaved."""
+    16 n, interleaved. ``alloc`` as for ``pack_weight``."""
     n, k = bits.shape
     nj, kt, _, _ = amx_packed_shape(n, k)
     padded = np.zeros((nj * 32, kt * 32), np.uint16)
     padded[:n, :k] = bits
     # [j, t, n16, kb, r, 2] -> [j, kb, t, r, n16, 2]
     tiles = padded.reshape(nj, 2, 16, kt, 16, 2).transpose(0, 3, 1, 4, 2, 5)
-    out = aligned_empty(amx_packed_shape(n, k), np.uint16)
+    out = alloc(amx_packed_shape(n, k), np.uint16)
     out[...] = tiles.reshape(out.shape)
     return out
 

@@ -29,6 +29,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor import cpu_graph
+from llm_serving.model_executor.host_memory import WEIGHTS
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
                                                     aligned_empty, amx_packed_shape, cpu_linear,
@@ -140,7 +141,7 @@ class Linear(CustomOp):
             raise ValueError(f"weight of shape {value.shape} for a layer of {self.gemm_shape}")
         if self.packed:
             pack = pack_weight_amx if self.tiled else pack_weight
-            self.weight.set_data(Tensor.from_numpy(pack(value)))
+            self.weight.set_data(Tensor.from_numpy(pack(value, alloc=WEIGHTS.empty)))
         else:
             self.weight.set_data(Tensor(value))
 
@@ -278,7 +279,8 @@ class VocabEmbedding(CustomOp):
         """The weight packed for our kernels (made on first use after each new weight)."""
         src = self.weight.data_ptr()
         if self._head is None or self._head[0] != src:
-            self._head = (src, Tensor.from_numpy(pack_weight(self.weight.asnumpy())))
+            self._head = (src, Tensor.from_numpy(pack_weight(self.weight.asnumpy(),
+                                                             alloc=WEIGHTS.empty)))
         return self._head[1]
 
     def gemm(self, impl: str, hidden_states):
