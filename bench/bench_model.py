@@ -134,8 +134,11 @@ def main() -> None:
     n_prompts = max(1, args.prefill_tokens // ctx)
     seqs = max(max_b, n_prompts)    # else a partial run (--batches 1) prefills one prompt a step
     engines = {}
+    # a size's decode steps before the timed ones: run, captured, verified, then replayed
+    # (above --max-capture-batch, captured once it has run STEADY_STEPS steps in a row)
+    warm_steps = 3 + STEADY_STEPS
     # each sequence's KV: its prompt, the warm-up steps, then two steps a round (see below)
-    blocks_per_seq = (ctx + 3 + STEADY_STEPS + 2 * args.steps + 16) // 16 + 2
+    blocks_per_seq = (ctx + warm_steps + 2 * args.steps + 16) // 16 + 2
     for arm in arms:
         dtype, kv, eager, kernel = ARMS[arm]
         with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
@@ -188,9 +191,7 @@ def main() -> None:
             while any(s.num_computed_tokens < len(s.prompt_token_ids)
                       for r in rids[arm] for s in e.requests[r].seqs):
                 step(arm, e)
-            # a size's decode steps: run, captured, verified, then replayed (above
-            # --max-capture-batch, captured once it has run STEADY_STEPS steps in a row)
-            for _ in range(3 + STEADY_STEPS):
+            for _ in range(warm_steps):
                 step(arm, e)
         times = {arm: [] for arm in arms}
         gemms = {arm: GemmAlone(e, b) for arm, e in engines.items()}
@@ -198,10 +199,9 @@ def main() -> None:
         bws = []
         with OtherLoad() as load:
             for _ in range(args.steps):
-                # Steady decoding runs steps back to back. A step right after the bandwidth
-                # pass below paid ~1 ms more at B=1 (AMD Zen 4, bf16: 7.3 ms back to back,
-                # 8.2-8.6 after the pass, 7.3-7.5 after the pass and one step): so each arm
-                # first runs one step untimed.
+                # Steady decoding runs steps back to back, and a step right after the
+                # bandwidth pass below was slower (~1 ms at B=1, docs/benchmarks.md): each
+                # arm first runs one step untimed.
                 for arm, e in engines.items():
                     step(arm, e)
                 for arm, e in engines.items():     # interleaved: the same load for each arm
@@ -216,7 +216,7 @@ def main() -> None:
             gemm_ms = float(np.median(gemm_times[arm])) * 1e3
             # attention must read every K and V of the context once: its bandwidth floor, at
             # the timed steps' mean context (after the warm-up steps; two steps a round)
-            kv_ms = (b * (ctx + 3 + STEADY_STEPS + args.steps) * kv_bytes_per_token[arm]
+            kv_ms = (b * (ctx + warm_steps + args.steps) * kv_bytes_per_token[arm]
                      / case_bw * 1e3)
             floor = weight_bytes[arm] / case_bw * 1e3
             for r in rids[arm]:

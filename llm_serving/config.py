@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
+from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 
 if TYPE_CHECKING:
@@ -118,9 +119,9 @@ class EngineArgs:
         "of their kernel calls, one per batch size; vLLM's flag for its CUDA graphs)")
     max_capture_batch: int = _arg(MAX_CAPTURE_BATCH,
         "largest decode batch replayed from a capture as soon as it is seen; a larger one "
-        "(up to max_num_seqs) only once it has kept its size for 8 steps in a row (each new "
-        "size costs an extra step to capture and check, which a draining batch would pay "
-        "for every size)")
+        f"(up to max_num_seqs) only once it has kept its size for {STEADY_STEPS} steps in a row "
+        "(each new size costs an extra step to capture and check, which a draining batch "
+        "would pay for every size)")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,

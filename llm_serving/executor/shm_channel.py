@@ -55,11 +55,9 @@ def remove_stale_segments() -> list[str]:
     shuts down, even on an error, and its resource tracker frees them if it alone is killed;
     a kill of the whole process group (SIGKILL to the server and the tracker, a machine's
     container stopped) leaves them in /dev/shm, where they hold memory until reboot."""
-    pids = set()
-    for name in os.listdir("/dev/shm"):
-        head = name[len(SHM_PREFIX):].split("_", 1)[0]
-        if name.startswith(SHM_PREFIX) and head.isdigit():
-            pids.add(int(head))
+    heads = {name[len(SHM_PREFIX):].split("_", 1)[0]
+             for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+    pids = {int(h) for h in heads if h.isdigit()}
     removed = []
     for pid in sorted(pids):
         try:
@@ -69,6 +67,8 @@ def remove_stale_segments() -> list[str]:
         except PermissionError:         # another user's live process
             pass
     return removed
+
+
 _ALIGN = 64
 _DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "float64", "bool", "uint8")]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
