@@ -364,11 +364,6 @@ struct Scratch {
     m = mbuf.get(mrows);
     l = lbuf.get(mrows);
   }
-  std::vector<int64_t> koffs;
-  int64_t* koff(size_t mrows) {  // grows, never shrinks
-    if (koffs.size() < mrows) koffs.resize(mrows);
-    return koffs.data();
-  }
   void ensure_decode(size_t mrows) {
 #if LLS_AVX512
     part = sbuf.get(mrows * kTile * 16);  // the portable path keeps no partial sums
@@ -1104,22 +1099,26 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   float* LLS_RESTRICT s = sc.p;
   const C** kp = sc.kp;
   const C** vp = sc.vp;
-  int64_t* koff = sc.koff(M);  // query row m reads kv head m / G, at this offset of a row
-  for (int64_t m = 0; m < M; ++m) koff[m] = (m / G) * D;
   NextTile<C> next(a, nkv);
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
     next.set(a, bt, t0 + kTile, nctx, kv0);
     for (int j = 0; j < n; ++j) {
       next.prefetch_k(j);
-      for (int64_t m = 0; m < M; ++m)
-        s[m * kTile + j] = dot_lanes(sc.q + m * D, kp[j] + koff[m], D);
+      // query row m reads kv head m / G, at offset off of the row (no division per row)
+      for (int64_t m = 0, g = 0, off = 0; m < M; ++m) {
+        s[m * kTile + j] = dot_lanes(sc.q + m * D, kp[j] + off, D);
+        if (++g == G) { g = 0; off += D; }
+      }
     }
     for (int64_t m = 0; m < M; ++m)
       softmax_tile(s + m * kTile, n, sc.m[m], sc.l[m], sc.o + m * D, D);
     for (int j = 0; j < n; ++j) {
       next.prefetch_v(j);
-      for (int64_t m = 0; m < M; ++m) axpy(sc.o + m * D, s[m * kTile + j], vp[j] + koff[m], D);
+      for (int64_t m = 0, g = 0, off = 0; m < M; ++m) {
+        axpy(sc.o + m * D, s[m * kTile + j], vp[j] + off, D);
+        if (++g == G) { g = 0; off += D; }
+      }
     }
   }
 }
