@@ -1002,6 +1002,7 @@ inline __m256 load8(const bf16_t* p) {
 template <class C>
 inline float dot8(const float* LLS_RESTRICT q, const C* LLS_RESTRICT k, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 16
   for (int64_t d = 0; d < D; d += 8)
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
   const __m256 h = _mm256_hadd_ps(acc, acc);  // [l0+l1, l2+l3, ., . | l4+l5, l6+l7, ., .]
@@ -1012,6 +1013,7 @@ inline float dot8(const float* LLS_RESTRICT q, const C* LLS_RESTRICT k, int64_t 
 template <class C>
 inline void axpy8(float* LLS_RESTRICT o, float p, const C* LLS_RESTRICT v, int64_t D) {
   const __m256 pv = _mm256_set1_ps(p);
+#pragma GCC unroll 16
   for (int64_t d = 0; d < D; d += 8)
     _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(o + d)));
 }
@@ -1092,10 +1094,10 @@ inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
 // Against head by head (AMD Zen 4 built -mno-avx512f, ctx 256, per layer call): decode B=64
 // 6.3-6.7 -> 4.0 ms float32 and 5.2-5.6 -> 3.2-3.3 ms bfloat16, B=16 1.6-1.7 -> 0.94 ms and
 // 2.1 -> 0.74 ms (bench_attention_kernel.py).
-template <class C>
+template <int DC, class C>
 void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv0, int64_t nkv,
-                  int64_t G, int64_t D, Scratch<C>& sc) {
-  const int64_t M = G * nkv;
+                  int64_t G, Scratch<C>& sc) {
+  const int64_t D = DC ? DC : a.D, M = G * nkv;
   float* LLS_RESTRICT s = sc.p;
   const C** kp = sc.kp;
   const C** vp = sc.vp;
@@ -1123,9 +1125,18 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   }
 }
 
-template <int NC, class C>
-void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
-  const int64_t D = a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
+// An item's rows over their context. DC: the head size when known at compile time (16 * NC,
+// else 0), so the q.k and p.v loops of 8-wide FMAs unroll: left as loops, each dot product's
+// 8 FMAs waited on the loop's branch and on each other. The same operations in the same order
+// (the same bits). AMD Zen 3, ctx 256, per layer call, against the runtime D, interleaved:
+// caches evicted between calls by a bf16 GEMV (as in a step), bfloat16 decode B=1 -7%, B=2 -9%,
+// B=4 -14%, B=16 -5 to -9%, float32 B=1 -7% (B=4 and up within noise); caches in L3, bfloat16
+// B=1 -25 to -29%, B=4 -19%, B=16 -8%; a 512-token prefill -34% (float32) and -32% (bfloat16).
+// Tried and not kept: 8 rows' q.k at once with one shared reduction (within +-2%, float32 B=4
+// +7%); starting the prefetch one tile earlier, or two tiles ahead (the same, or 6-12% slower).
+template <int DC, class C>
+void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
+  const int64_t D = DC ? DC : a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
   const int64_t M = nrows * G * nkv;
   sc.ensure(M, D);
   float* LLS_RESTRICT qb = sc.q;
@@ -1151,7 +1162,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   float s[kTile];
   if (nrows == 1) {  // decode: read each tile's cache rows in address order
     sc.ensure_decode(M);
-    decode_tiles<C>(a, bt, nctx, it.kv0, nkv, G, D, sc);
+    decode_tiles<DC, C>(a, bt, nctx, it.kv0, nkv, G, sc);
   } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, nctx, it.kv0, kp, vp);
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
@@ -1178,6 +1189,12 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
         float* dst = a.out + (qrow0 + r) * a.out_stride + ((it.kv0 + hh) * G + gh) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = ob[m * D + d] * inv;
       }
+}
+
+template <int NC, class C>
+void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
+  if (NC > 0 && a.D == 16 * NC) item_rows<16 * NC, C>(a, it, sc);
+  else item_rows<0, C>(a, it, sc);
 }
 
 #endif
