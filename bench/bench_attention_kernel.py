@@ -13,6 +13,16 @@ Prints
 
 Times are medians and 10th percentiles (p10). The machine has two cores; anything else running
 on it shows up as noise (the load average is printed first); p10 approximates an idle machine.
+
+    python bench/bench_attention_kernel.py --before REV [--cache-dtype bfloat16] [--in-step]
+                                           [--batches 1,4,16,64] [--reps 10]
+
+instead times the kernel now against the one in git revision REV (its cpu_paged_attention.cpp
+built on the side), interleaved call by call: us per layer call (median) of decode at each
+--batches size and of a --prefill prefill, and whether both gave the same bits. ``--in-step``
+streams --evict-mb of bf16 weights through a GEMV on the same thread pool before each timed
+call, as a decode step's weights stream between two attention calls: the K/V come from memory
+and the pool's helpers are awake, as in a step ("cold" above is L3-resident below B=64).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_serving.model_executor.attention import kernels as K  # noqa: E402
 from llm_serving.model_executor.attention.cpu import host_zeros  # noqa: E402
+from revision import source_at  # noqa: E402 (bench/revision.py)
 
 H, KVH, D = 12, 12, 64
 SCALE = 1.0 / np.sqrt(D)
@@ -268,6 +279,95 @@ def interference_table(args):
         K._libs[()] = default
 
 
+class WeightStream:
+    """A GEMV over ``mb`` MB of bf16 weights on a kernel library's thread pool: what a decode
+    step reads between two attention calls (it evicts their K/V from the caches and leaves
+    the pool's helpers spinning, as the step's linear layers do)."""
+
+    def __init__(self, mb: int):
+        import ctypes
+        from llm_serving.model_executor.device import init_device
+        from llm_serving.model_executor.layers.custom_op import load_layer_ops
+        from llm_serving.model_executor.layers.gemm import pack_weight
+        init_device("cpu")
+        self.ops = load_layer_ops()
+        k = 1536
+        n = (mb << 20) // (2 * k)
+        bits = np.random.default_rng(1).integers(0x3C00, 0x3F80, (n, k), dtype=np.uint16)  # normal
+        self.w = pack_weight(bits)
+        self.x, self.y = np.ones((1, k), np.float32), np.empty((1, n), np.float32)
+        self.args = (self.x.ctypes.data, k, self.w.ctypes.data, None, 1, n, k, 1,
+                     (ctypes.c_int64 * 2)(0, n), (ctypes.c_void_p * 1)(self.y.ctypes.data),
+                     (ctypes.c_int64 * 1)(n))
+
+    def __call__(self, lib) -> None:
+        import ctypes
+        self.ops.lls_layer_ops_set_parallel_for(
+            ctypes.cast(lib.lls_parallel_for, ctypes.c_void_p).value)
+        if self.ops.lls_linear_bf16(*self.args):
+            raise RuntimeError("the weight-stream GEMV rejected its arguments")
+
+    def restore(self) -> None:
+        self.ops.lls_layer_ops_set_parallel_for(K.parallel_for_address())
+
+
+def before_after(args):
+    from llm_serving.cpu_info import cpu_description
+    from llm_serving.model_executor.cpp_build import load_cpp_library
+    old = load_cpp_library(source_at(args.before, str(K.SOURCE_PATH.relative_to(
+        Path(__file__).resolve().parents[1]))), K.ATTENTION_FLAGS)
+    K._declare(old)
+    libs = {"before": old, "now": K.load_library()}
+    for lib in libs.values():
+        lib.lls_set_num_threads(args.threads)
+    stream = WeightStream(args.evict_mb) if args.in_step else None
+    bf16 = args.cache_dtype == "bfloat16"
+    entry = "lls_paged_attention_bf16" if bf16 else "lls_paged_attention"
+    print(f"# attention kernel, {args.before} vs now, {cpu_description()}, cache "
+          f"{args.cache_dtype}, ctx {args.ctx}, block size {args.block_size}, "
+          + (f"in step (a {args.evict_mb} MB bf16 GEMV before each call)" if stream else
+             "back to back (cache rotated as in 'cold')"))
+    print(f"# us per layer call, median of {args.reps} rounds interleaved call by call; load "
+          f"average at start: {os.getloadavg()[0]:.2f}")
+    print("| case | before us | now us | now / before | same bits |")
+    print("|---|---|---|---|---|")
+    cases = [(b, args.ctx, 1) for b in map(int, args.batches.split(","))]
+    cases.append((1, args.prefill, args.prefill))
+    try:
+        for b, ctx, qlen in cases:
+            per_layer = b * ctx * KVH * D * (4 if bf16 else 8)
+            layers = 1 if qlen > 1 else int(min(args.layers,
+                                                max(2, -(-args.cold_bytes // per_layer))))
+            bt = Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
+            calls = [(bt.q.ctypes.data, H * D, bt.k[i].ctypes.data, bt.v[i].ctypes.data,
+                      bt.bt.ctypes.data, bt.bt.shape[1], bt.qsl.ctypes.data, bt.sl.ctypes.data,
+                      bt.B, bt.T, H, KVH, D, args.block_size, bt.k[0].shape[0], float(SCALE),
+                      bt.out.ctypes.data, H * D) for i in range(layers)]
+            per_round = max(3, min(40, 2000 // (b * ctx // 256 * (8 if qlen > 1 else 1))))
+            ts = {name: [] for name in libs}
+            outs = {}
+            for rnd in range(args.reps + 1):
+                for name, lib in libs.items():
+                    fn = getattr(lib, entry)
+                    for i in range(per_round):
+                        if stream:
+                            stream(lib)
+                        t = time.perf_counter()
+                        if fn(*calls[i % layers]):
+                            raise RuntimeError(f"{name} kernel rejected its arguments")
+                        if rnd:                      # round 0 warms up
+                            ts[name].append(time.perf_counter() - t)
+                    outs[name] = bt.out.copy()       # (the last call: layer of the same index)
+            before, now = (float(np.median(ts[n])) * 1e6 for n in ("before", "now"))
+            name = f"decode B={b}" if qlen == 1 else f"prefill {qlen} tokens"
+            print(f"| {name} | {before:.1f} | {now:.1f} | {now / before:.3f} | "
+                  f"{np.array_equal(outs['before'], outs['now'])} |", flush=True)
+            bt = None
+    finally:
+        if stream:
+            stream.restore()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ctx", type=int, default=256, help="decode context length")
@@ -280,7 +380,17 @@ def main():
     ap.add_argument("--no-mindspore", action="store_true", help="skip the bridge table")
     ap.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="KV cache storage (the kernel table)")
+    ap.add_argument("--before", metavar="REV",
+                    help="the kernel now against the one in git revision REV (see above)")
+    ap.add_argument("--batches", default="1,4,16,64", help="with --before: decode batch sizes")
+    ap.add_argument("--reps", type=int, default=10, help="with --before: rounds")
+    ap.add_argument("--in-step", action="store_true",
+                    help="with --before: stream weights between calls, as a decode step does")
+    ap.add_argument("--evict-mb", type=int, default=64,
+                    help="with --in-step: MB of bf16 weights streamed before each call")
     args = ap.parse_args()
+    if args.before:
+        return before_after(args)
     K.load_library()
     K.set_num_threads(args.threads)
     print(f"load average: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from revision import source_at  # noqa: E402 (bench/revision.py)
 
 
 def model_shapes(layers: int):
@@ -186,13 +185,9 @@ def before_after(args) -> None:
                                                         pack_weight, pack_weight_amx)
     init_device("cpu")
     lib = load_layer_ops()
-    rel = "llm_serving/model_executor/layers/kernels/cpu_layer_ops.cpp"
-    root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "-C", str(root), "show", f"{args.before}:{rel}"],
-                         check=True, capture_output=True, text=True).stdout
-    old_dir = Path(tempfile.mkdtemp(prefix="lls_before_"))
-    (old_dir / "cpu_layer_ops_before.cpp").write_text(src)
-    old = load_cpp_library(old_dir / "cpu_layer_ops_before.cpp", LAYER_OPS_FLAGS)
+    old_path = source_at(args.before, "llm_serving/model_executor/layers/kernels/cpu_layer_ops.cpp")
+    src = old_path.read_text()
+    old = load_cpp_library(old_path, LAYER_OPS_FLAGS)
     old.lls_layer_ops_set_parallel_for.argtypes = [ctypes.c_void_p]
     old.lls_layer_ops_set_parallel_for(attention_kernels.parallel_for_address())
     entry = "lls_linear_f32" if args.kernel == "fp32" else _BF16_ENTRY[args.kernel]
