@@ -1033,7 +1033,7 @@ inline float dot_lanes(const float* LLS_RESTRICT q, const C* LLS_RESTRICT k, int
   int64_t d = 0;
   for (; d + 8 <= D; d += 8)
     for (int l = 0; l < 8; ++l) acc[l] += q[d + l] * tof(k[d + l]);
-  for (; d < D; ++d) acc[d % 8] += q[d] * tof(k[d]);
+  for (int64_t t = 0; t < D % 8; ++t) acc[t] += q[d + t] * tof(k[d + t]);  // d % 8 == 0 here
   return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
