@@ -314,8 +314,9 @@ class WeightStream:
 def before_after(args):
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.cpp_build import load_cpp_library
-    old = load_cpp_library(source_at(args.before, str(K.SOURCE_PATH.relative_to(
-        Path(__file__).resolve().parents[1]))), K.ATTENTION_FLAGS)
+    old = load_cpp_library(source_at(
+        args.before, "llm_serving/model_executor/attention/kernels/cpu_paged_attention.cpp"),
+        K.ATTENTION_FLAGS)
     K._declare(old)
     libs = {"before": old, "now": K.load_library()}
     for lib in libs.values():
@@ -343,7 +344,8 @@ def before_after(args):
                       bt.bt.ctypes.data, bt.bt.shape[1], bt.qsl.ctypes.data, bt.sl.ctypes.data,
                       bt.B, bt.T, H, KVH, D, args.block_size, bt.k[0].shape[0], float(SCALE),
                       bt.out.ctypes.data, H * D) for i in range(layers)]
-            per_round = max(3, min(40, 2000 // (b * ctx // 256 * (8 if qlen > 1 else 1))))
+            work = max(1, b * ctx * (8 if qlen > 1 else 1) // 256)   # ~ a decode B=1 call
+            per_round = max(3, min(40, 2000 // work))
             ts = {name: [] for name in libs}
             outs = {}
             for rnd in range(args.reps + 1):

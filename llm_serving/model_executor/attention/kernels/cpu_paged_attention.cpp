@@ -1128,12 +1128,12 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
 // An item's rows over their context. DC: the head size when known at compile time (16 * NC,
 // else 0), so the q.k and p.v loops of 8-wide FMAs unroll: left as loops, each dot product's
 // 8 FMAs waited on the loop's branch and on each other. The same operations in the same order
-// (the same bits). AMD Zen 3, ctx 256, per layer call, against the runtime D, interleaved:
-// caches evicted between calls by a bf16 GEMV (as in a step), bfloat16 decode B=1 -7%, B=2 -9%,
-// B=4 -14%, B=16 -5 to -9%, float32 B=1 -7% (B=4 and up within noise); caches in L3, bfloat16
-// B=1 -25 to -29%, B=4 -19%, B=16 -8%; a 512-token prefill -34% (float32) and -32% (bfloat16).
-// Tried and not kept: 8 rows' q.k at once with one shared reduction (within +-2%, float32 B=4
-// +7%); starting the prefetch one tile earlier, or two tiles ahead (the same, or 6-12% slower).
+// (the same bits). AMD Zen 3, ctx 256, per layer call against the runtime D, interleaved
+// (bench_attention_kernel.py --before): in step (--in-step), bfloat16 decode -3 to -10% (B=1 to
+// 64), float32 within +-3%; back to back, bfloat16 -6 to -27%; a 512-token prefill -31 to -38%
+// in both. Tried and not kept: 8 rows' q.k at once with one shared reduction (within +-2%,
+// float32 B=4 +7%); starting the prefetch one tile earlier, or two tiles ahead (the same, or
+// 6-12% slower).
 template <int DC, class C>
 void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   const int64_t D = DC ? DC : a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
