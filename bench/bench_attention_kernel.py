@@ -314,9 +314,9 @@ class WeightStream:
 def before_after(args):
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.cpp_build import load_cpp_library
-    old = load_cpp_library(source_at(
-        args.before, "llm_serving/model_executor/attention/kernels/cpu_paged_attention.cpp"),
-        K.ATTENTION_FLAGS)
+    with source_at(args.before, "llm_serving/model_executor/attention/kernels/"
+                   "cpu_paged_attention.cpp") as path:
+        old = load_cpp_library(path, K.ATTENTION_FLAGS)
     K._declare(old)
     libs = {"before": old, "now": K.load_library()}
     for lib in libs.values():

@@ -185,9 +185,10 @@ def before_after(args) -> None:
                                                         pack_weight, pack_weight_amx)
     init_device("cpu")
     lib = load_layer_ops()
-    old_path = source_at(args.before, "llm_serving/model_executor/layers/kernels/cpu_layer_ops.cpp")
-    src = old_path.read_text()
-    old = load_cpp_library(old_path, LAYER_OPS_FLAGS)
+    with source_at(args.before,
+                   "llm_serving/model_executor/layers/kernels/cpu_layer_ops.cpp") as old_path:
+        src = old_path.read_text()
+        old = load_cpp_library(old_path, LAYER_OPS_FLAGS)
     old.lls_layer_ops_set_parallel_for.argtypes = [ctypes.c_void_p]
     old.lls_layer_ops_set_parallel_for(attention_kernels.parallel_for_address())
     entry = "lls_linear_f32" if args.kernel == "fp32" else _BF16_ENTRY[args.kernel]
