@@ -309,6 +309,51 @@ def test_strided_rows_from_fused_qkv():
     assert_close(out.reshape(T, h, d), ref)
 
 
+@pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",)], ids=["avx512", "avx2-build"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("h,kvh", [(12, 12), (8, 2)], ids=["mha", "gqa"])
+def test_a_decode_row_has_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
+        monkeypatch, lib_flags, cache_dtype, h, kvh):
+    """A decode step of fewer sequences than threads gives the segments of each long context
+    to different threads (the portable path), and folds them afterwards. A row's bits must
+    not depend on it: the last position of contexts of one, two and several 128-position
+    segments (and one just past a boundary), computed alone on 2 threads and on 1, in a batch
+    of four decodes, and inside a prefill chunk, is the same every time, and matches the
+    float64 reference."""
+    if lib_flags:
+        lib = K.load_library(list(lib_flags))
+        assert lib.lls_has_avx512() == 0
+        monkeypatch.setattr(K, "_default_lib", lib)
+    lens = {0: 700, 1: 129, 2: 100, 3: 256}
+    hs = PagedHarness(num_blocks=sum(lens.values()) // 16 + 8, block_size=16, h=h, kvh=kvh,
+                      d=64, max_blocks_per_seq=700 // 16 + 1, seed=5, cache_dtype=cache_dtype)
+    work = list(lens.items())
+    step = hs.make_step(work)
+    ref = hs.commit(work, step)
+    K.reshape_and_cache(step["key"], step["value"], hs.k_cache, hs.v_cache,
+                        step["slot_mapping"])
+    qsl, bt, q = step["query_start_loc"], step["block_tables"], step["query"]
+    last = qsl[1:] - 1                      # each sequence's last row
+    lens_arr = np.array(list(lens.values()), np.int32)
+
+    def decode(rows, threads):
+        K.set_num_threads(threads)
+        try:
+            return K.paged_attention(q[last[rows]], hs.k_cache, hs.v_cache, bt[rows],
+                                     np.arange(len(rows) + 1, dtype=np.int32), lens_arr[rows],
+                                     hs.scale)
+        finally:
+            K.set_num_threads(0)
+
+    batch = decode([0, 1, 2, 3], 2)
+    chunk = K.paged_attention(q, hs.k_cache, hs.v_cache, bt, qsl, lens_arr, hs.scale)
+    for i in range(len(lens)):
+        assert_close(batch[i].reshape(h, 64), ref[last[i]])
+        np.testing.assert_array_equal(decode([i], 2)[0], batch[i])
+        np.testing.assert_array_equal(decode([i], 1)[0], batch[i])
+        np.testing.assert_array_equal(chunk[last[i]], batch[i])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_thread_counts_agree(threads):
     try:

@@ -24,7 +24,9 @@
 // handed out dynamically (an atomic counter), most expensive first, to the calling thread and the
 // helper threads of a small pool (see ThreadPool below for why not OpenMP's runtime; build with
 // -DLLS_USE_OPENMP -fopenmp for an OpenMP "parallel for schedule(dynamic)" version). Inside an
-// item the context is walked in tiles of 16 positions with an online (running max) softmax. The
+// item the context is walked in tiles of 16 positions with an online (running max) softmax; the
+// portable path sums it in segments of 128 positions, folded in order, so that a decode step
+// of fewer sequences than threads can split a context between them (kSegment). The
 // AVX-512 path computes 16 q.k dot products per tile and reduces them with a transpose tree; a
 // portable path, written in C++ and vectorized by the compiler (AVX2 on AMD Zen 3), is compiled
 // when AVX-512 is unavailable (or with -DLLS_FORCE_SCALAR). In both, decode rows read a tile
@@ -306,6 +308,7 @@ struct AttnArgs {
   float scale;
   float* out;
   int64_t out_stride;
+  float* seg_out;  // SegmentSplit: per segment record, per query head (max, sum, output[D])
 };
 
 struct Item {
@@ -315,6 +318,8 @@ struct Item {
   int32_t kv0;    // first kv head
   int32_t nkv;    // number of kv heads (all query heads of each are processed)
   int64_t cost;
+  int32_t seg = -1;   // portable path, decode: only this context segment (SegmentSplit)
+  int32_t rec = 0;    // SegmentSplit: its record in AttnArgs::seg_out
 };
 
 // 64-byte aligned float buffer (AVX-512 aligned loads/stores), grown on demand.
@@ -353,8 +358,9 @@ inline bf16_t to_bf16(float f) {
 
 template <class C>
 struct Scratch {
-  AlignedBuf qbuf, obuf, mbuf, lbuf, sbuf, pbuf;
+  AlignedBuf qbuf, obuf, mbuf, lbuf, sbuf, pbuf, fobuf, fmbuf, flbuf;
   float *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
+  float *fo = nullptr, *fm = nullptr, *fl = nullptr;  // portable path: folded segments
   float *part = nullptr, *p = nullptr;  // decode tiles: per-position partial scores, weights
   const C* kp[kTile];
   const C* vp[kTile];
@@ -363,6 +369,11 @@ struct Scratch {
     o = obuf.get(mrows * dp);
     m = mbuf.get(mrows);
     l = lbuf.get(mrows);
+#if !LLS_AVX512
+    fo = fobuf.get(mrows * dp);
+    fm = fmbuf.get(mrows);
+    fl = flbuf.get(mrows);
+#endif
   }
   void ensure_decode(size_t mrows) {
 #if LLS_AVX512
@@ -539,6 +550,46 @@ inline float rescale_factor(float mold, float mnew) {
   return mold == mnew ? 1.f
          : mold == -std::numeric_limits<float>::infinity() ? 0.f
                                                            : std::exp(mold - mnew);
+}
+
+// Context segments. A row's context is summed in segments of kSegment positions from
+// position 0, each with an online softmax of its own; the segments' (max, sum, output) are then
+// folded in order (fold_segment). A decode batch of fewer sequences than threads can so give
+// one sequence's segments to several threads (SegmentSplit in run_attention): splitting its kv
+// heads instead left each thread a strided slice of every cache row, and two threads read no
+// faster than one (AMD Zen 3, bfloat16 cache, in step). Every row, decode or prefill, split or
+// not, at any batch size and thread count, goes through the same segments and the same folds:
+// the same bits. A row of one segment keeps the bits it had before segments. The folds cost a
+// 512-token prefill about 3% of its attention; 128 positions keep a context of 256 (the
+// benchmarks') in two halves.
+constexpr int64_t kSegment = 128;  // positions per segment: a multiple of kTile
+#if LLS_AVX512
+// The AVX-512 path still sums a row's context in one run: segments came on a CPU without
+// AVX-512, where that path and its tests cannot run.
+constexpr bool kSegments = false;
+#else
+constexpr bool kSegments = true;
+#endif
+
+inline int64_t num_segments(int64_t nctx) { return (nctx + kSegment - 1) / kSegment; }
+
+inline void reset_rows(float* LLS_RESTRICT m, float* LLS_RESTRICT l, float* LLS_RESTRICT o,
+                       int64_t M, int64_t D) {
+  std::fill(m, m + M, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + M, 0.f);
+  std::fill(o, o + M * D, 0.f);
+}
+
+// acc (mf, lf, of) <- acc (+) segment (m, l, o), both scaled to the larger max. Explicit fmas:
+// the same operations wherever the compiler inlines it. From the empty acc it copies the
+// segment exactly.
+inline void fold_segment(float& mf, float& lf, float* LLS_RESTRICT of, float m, float l,
+                         const float* LLS_RESTRICT o, int64_t D) {
+  const float mn = std::max(mf, m);
+  const float a = rescale_factor(mf, mn), b = rescale_factor(m, mn);
+  lf = std::fma(l, b, lf * a);
+  for (int64_t d = 0; d < D; ++d) of[d] = std::fma(o[d], b, of[d] * a);
+  mf = mn;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1087,24 +1138,24 @@ inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
   for (int64_t d = 0; d < D; ++d) o[d] *= corr;
 }
 
-// One query row per sequence (decode): the sums of process_item's tiles below, in the same
-// order (the same bits), with each tile's K rows, then its V rows, read in address order:
-// position by position, all of the item's kv heads of a position (one contiguous run of the
-// cache) at once, as the AVX-512 path's decode_tiles does. sc.p holds the M x kTile scores.
-// Against head by head (AMD Zen 4 built -mno-avx512f, ctx 256, per layer call): decode B=64
-// 6.3-6.7 -> 4.0 ms float32 and 5.2-5.6 -> 3.2-3.3 ms bfloat16, B=16 1.6-1.7 -> 0.94 ms and
-// 2.1 -> 0.74 ms (bench_attention_kernel.py).
+// One query row per sequence (decode), over positions [t_begin, t_end) of its context: the
+// sums of item_rows' prefill tiles below, in the same order (the same bits), with each tile's
+// K rows, then its V rows, read in address order: position by position, all of the item's kv
+// heads of a position (one contiguous run of the cache) at once, as the AVX-512 path's
+// decode_tiles does. sc.p holds the M x kTile scores. Against head by head (AMD Zen 4 built
+// -mno-avx512f, ctx 256, per layer call): decode B=64 6.3-6.7 -> 4.0 ms float32 and 5.2-5.6 ->
+// 3.2-3.3 ms bfloat16, B=16 1.6-1.7 -> 0.94 ms and 2.1 -> 0.74 ms (bench_attention_kernel.py).
 template <int DC, class C>
-void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv0, int64_t nkv,
-                  int64_t G, Scratch<C>& sc) {
+void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t t_end,
+                  int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
   const int64_t D = DC ? DC : a.D, M = G * nkv;
   float* LLS_RESTRICT s = sc.p;
   const C** kp = sc.kp;
   const C** vp = sc.vp;
   NextTile<C> next(a, nkv);
-  for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
-    next.set(a, bt, t0 + kTile, nctx, kv0);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int n = start_tile<C>(a, bt, t0, t_end, kv0, kp, vp);
+    next.set(a, bt, t0 + kTile, t_end, kv0);
     for (int j = 0; j < n; ++j) {
       next.prefetch_k(j);
       // query row m reads kv head m / G, at offset off of the row (no division per row)
@@ -1125,47 +1176,35 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   }
 }
 
-// An item's rows over their context. DC: the head size when known at compile time (16 * NC,
-// else 0), so the q.k and p.v loops of 8-wide FMAs unroll: left as loops, each dot product's
-// 8 FMAs waited on the loop's branch and on each other. The same operations in the same order
-// (the same bits). AMD Zen 3, ctx 256, per layer call against the runtime D, interleaved
-// (bench_attention_kernel.py --before): in step (--in-step), bfloat16 decode -3 to -10% (B=1 to
-// 64), float32 within +-3%; back to back, bfloat16 -6 to -27%; a 512-token prefill -31 to -38%
-// in both. Tried and not kept: 8 rows' q.k at once with one shared reduction (within +-2%,
-// float32 B=4 +7%); starting the prefetch one tile earlier, or two tiles ahead (the same, or
-// 6-12% slower).
+// Rows [m0, m1) of the scratch close their segment: folded into their accumulators, then
+// reset for the next one.
+template <class C>
+void close_segments(Scratch<C>& sc, int64_t m0, int64_t m1, int64_t D) {
+  for (int64_t m = m0; m < m1; ++m) {
+    fold_segment(sc.fm[m], sc.fl[m], sc.fo + m * D, sc.m[m], sc.l[m], sc.o + m * D, D);
+    reset_rows(sc.m + m, sc.l + m, sc.o + m * D, 1, D);
+  }
+}
+
+// Query rows pos0 .. pos0 + nrows - 1 of a prefill chunk over their context, head by head,
+// each row's segments closed as it goes past them (the last one is left open).
 template <int DC, class C>
-void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
-  const int64_t D = DC ? DC : a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
-  const int64_t M = nrows * G * nkv;
-  sc.ensure(M, D);
+void prefill_tiles(const AttnArgs& a, const int32_t* bt, int64_t pos0, int64_t nrows,
+                   int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
+  const int64_t D = DC ? DC : a.D, nctx = pos0 + nrows;
   float* LLS_RESTRICT qb = sc.q;
   float* LLS_RESTRICT ob = sc.o;
   float* LLS_RESTRICT mrow = sc.m;
   float* LLS_RESTRICT lrow = sc.l;
   const C** kp = sc.kp;
   const C** vp = sc.vp;
-  const int64_t qrow0 = a.qsl[it.seq] + it.row0;
-  const int64_t qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
-  const int64_t pos0 = a.seq_lens[it.seq] - qlen + it.row0;
-  for (int64_t hh = 0; hh < nkv; ++hh)
-    for (int64_t r = 0; r < nrows; ++r)
-      for (int64_t gh = 0; gh < G; ++gh) {
-        const float* src = a.q + (qrow0 + r) * a.q_stride + ((it.kv0 + hh) * G + gh) * D;
-        float* dst = qb + ((hh * nrows + r) * G + gh) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
-      }
-  std::fill(ob, ob + M * D, 0.f);
-  for (int64_t m = 0; m < M; ++m) { mrow[m] = -std::numeric_limits<float>::infinity(); lrow[m] = 0.f; }
-  const int32_t* bt = a.block_tables + (int64_t)it.seq * a.max_blocks;
-  const int64_t nctx = pos0 + nrows;
   float s[kTile];
-  if (nrows == 1) {  // decode: read each tile's cache rows in address order
-    sc.ensure_decode(M);
-    decode_tiles<DC, C>(a, bt, nctx, it.kv0, nkv, G, sc);
-  } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = start_tile<C>(a, bt, t0, nctx, it.kv0, kp, vp);
-    const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
+  for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
+    const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
+    const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);  // rows that see this tile
+    if (t0 > 0 && t0 % kSegment == 0)
+      for (int64_t hh = 0; hh < nkv; ++hh)
+        close_segments(sc, (hh * nrows + rfirst) * G, (hh + 1) * nrows * G, D);
     for (int64_t hh = 0; hh < nkv; ++hh) {
       const int64_t off = hh * D;
       for (int64_t r = rfirst; r < nrows; ++r) {
@@ -1181,13 +1220,66 @@ void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       }
     }
   }
+}
+
+// An item's rows over their context. DC: the head size when known at compile time (16 * NC,
+// else 0), so the q.k and p.v loops of 8-wide FMAs unroll: left as loops, each dot product's
+// 8 FMAs waited on the loop's branch and on each other. The same operations in the same order
+// (the same bits). AMD Zen 3, ctx 256, per layer call against the runtime D, interleaved
+// (bench_attention_kernel.py --before): in step (--in-step), bfloat16 decode -3 to -10% (B=1 to
+// 64), float32 within +-3%; back to back, bfloat16 -6 to -27%; a 512-token prefill -31 to -38%
+// in both. Tried and not kept: 8 rows' q.k at once with one shared reduction (within +-2%,
+// float32 B=4 +7%); starting the prefetch one tile earlier, or two tiles ahead (the same, or
+// 6-12% slower).
+// An item of one segment (it.seg >= 0, a decode row) leaves that segment's (max, sum, output)
+// per query head in a.seg_out, for run_attention to fold.
+template <int DC, class C>
+void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
+  const int64_t D = DC ? DC : a.D, G = a.H / a.KVH, nrows = it.nrows, nkv = it.nkv;
+  const int64_t M = nrows * G * nkv;
+  sc.ensure(M, D);
+  const int64_t qrow0 = a.qsl[it.seq] + it.row0;
+  const int64_t qlen = a.qsl[it.seq + 1] - a.qsl[it.seq];
+  const int64_t pos0 = a.seq_lens[it.seq] - qlen + it.row0;
+  for (int64_t hh = 0; hh < nkv; ++hh)
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t gh = 0; gh < G; ++gh) {
+        const float* src = a.q + (qrow0 + r) * a.q_stride + ((it.kv0 + hh) * G + gh) * D;
+        float* dst = sc.q + ((hh * nrows + r) * G + gh) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+      }
+  reset_rows(sc.fm, sc.fl, sc.fo, M, D);
+  reset_rows(sc.m, sc.l, sc.o, M, D);
+  const int32_t* bt = a.block_tables + (int64_t)it.seq * a.max_blocks;
+  const int64_t nctx = pos0 + nrows;
+  if (nrows == 1) {  // decode: read each tile's cache rows in address order
+    sc.ensure_decode(M);
+    if (it.seg >= 0) {
+      decode_tiles<DC, C>(a, bt, it.seg * kSegment, std::min(nctx, (it.seg + 1) * kSegment),
+                          it.kv0, nkv, G, sc);
+      for (int64_t m = 0; m < M; ++m) {  // query head (kv0 + m / G) * G + m % G = kv0 * G + m
+        float* rec = a.seg_out + ((int64_t)it.rec * a.H + it.kv0 * G + m) * (D + 2);
+        rec[0] = sc.m[m];
+        rec[1] = sc.l[m];
+        std::copy(sc.o + m * D, sc.o + (m + 1) * D, rec + 2);
+      }
+      return;
+    }
+    for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
+      decode_tiles<DC, C>(a, bt, t, std::min(nctx, t + kSegment), it.kv0, nkv, G, sc);
+      close_segments(sc, 0, M, D);
+    }
+  } else {
+    prefill_tiles<DC, C>(a, bt, pos0, nrows, it.kv0, nkv, G, sc);
+    close_segments(sc, 0, M, D);
+  }
   for (int64_t hh = 0; hh < nkv; ++hh)
     for (int64_t r = 0; r < nrows; ++r)
       for (int64_t gh = 0; gh < G; ++gh) {
         const int64_t m = (hh * nrows + r) * G + gh;
-        const float inv = 1.0f / lrow[m];
+        const float inv = 1.0f / sc.fl[m];
         float* dst = a.out + (qrow0 + r) * a.out_stride + ((it.kv0 + hh) * G + gh) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = ob[m * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) dst[d] = sc.fo[m * D + d] * inv;
       }
 }
 
@@ -1231,8 +1323,32 @@ void attn_task(void* p, int64_t i) {
   c.fn(*c.a, c.items[i], sc);
 }
 
+// SegmentSplit's last step: each split decode row's segment records folded in order and
+// written out, as item_rows does with the segments it sums itself (the same bits).
+void fold_split_segments(const AttnArgs& a, const std::vector<int32_t>& first_rec) {
+  const int64_t D = a.D, rec_len = D + 2;
+  thread_local AlignedBuf acc_buf;
+  float* of = acc_buf.get((size_t)D);
+  for (int64_t s = 0; s < a.S; ++s) {
+    if (first_rec[s] < 0) continue;
+    const int64_t rec = first_rec[s], nseg = num_segments(a.seq_lens[s]);
+    for (int64_t h = 0; h < a.H; ++h) {
+      float mf = -std::numeric_limits<float>::infinity(), lf = 0.f;
+      std::fill(of, of + D, 0.f);
+      for (int64_t k = 0; k < nseg; ++k) {
+        const float* r = a.seg_out + ((rec + k) * a.H + h) * rec_len;
+        fold_segment(mf, lf, of, r[0], r[1], r + 2, D);
+      }
+      const float inv = 1.0f / lf;
+      float* dst = a.out + (int64_t)a.qsl[s] * a.out_stride + h * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = of[d] * inv;
+    }
+  }
+}
+
 template <class C>
-void run_attention(const AttnArgs& a) {
+void run_attention(const AttnArgs& args) {
+  AttnArgs a = args;
   const int64_t G = a.H / a.KVH;
   const int64_t rows_per_item = std::max<int64_t>(1, kTargetRowsHeads / G);
   // zero query rows that belong to no sequence (padding), so the output is fully defined
@@ -1257,9 +1373,29 @@ void run_attention(const AttnArgs& a) {
     max_qlen = std::max(max_qlen, qlen);
     seq_cost[s] = qlen * (int64_t)a.seq_lens[s];
   }
+  // SegmentSplit (the portable path; see kSegment): a decode batch of fewer sequences than
+  // threads gives each segment of a context longer than one segment an item of its own, with
+  // all kv heads (whole cache rows), and folds the segments once the items ran
+  // (fold_split_segments). Per layer call at ctx 256, in step, B=1, AMD Zen 3: bfloat16 cache
+  // 128 -> 103 us, float32 206 -> 128 us (bench_attention_kernel.py --before 8a88963 --in-step).
+  std::vector<int32_t> first_rec;  // a split sequence's first segment record, else -1
+  int64_t nsegs = 0, units = nrb;  // segment records; items before any kv head split
+  if (kSegments && nt > 1 && max_qlen <= 1 && nrb < nt) {
+    first_rec.assign((size_t)a.S, -1);
+    for (int64_t s = 0; s < a.S; ++s) {
+      const int64_t nseg = num_segments(a.seq_lens[s]);
+      if (a.qsl[s + 1] > a.qsl[s] && nseg > 1) {
+        first_rec[s] = (int32_t)nsegs;
+        nsegs += nseg;
+        units += nseg - 1;
+      }
+    }
+  }
   const int64_t target = (max_qlen <= 1 ? 1 : 4) * (int64_t)nt;
-  const int64_t splits = nt > 1 ? std::min<int64_t>(a.KVH, std::max<int64_t>(1, (target + nrb - 1) / std::max<int64_t>(nrb, 1))) : 1;
+  const int64_t splits = nt > 1 ? std::min<int64_t>(a.KVH, std::max<int64_t>(1, (target + units - 1) / std::max<int64_t>(units, 1))) : 1;
   const int64_t hpi = (a.KVH + splits - 1) / splits;  // kv heads per item
+  static thread_local AlignedBuf seg_buf;
+  if (nsegs) a.seg_out = seg_buf.get((size_t)(nsegs * a.H * (a.D + 2)));
 
   // most expensive sequences first (dynamic scheduling then balances the tail)
   std::vector<int32_t> order((size_t)a.S);
@@ -1267,11 +1403,24 @@ void run_attention(const AttnArgs& a) {
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t x, int32_t y) { return seq_cost[x] > seq_cost[y]; });
   std::vector<Item> items;
-  items.reserve((size_t)(nrb * ((a.KVH + hpi - 1) / hpi) + 1));
+  items.reserve((size_t)(units * ((a.KVH + hpi - 1) / hpi) + 1));
   int64_t total = 0;
   for (int32_t s : order) {
     const int64_t qlen = a.qsl[s + 1] - a.qsl[s];
     if (qlen <= 0) continue;
+    if (nsegs && first_rec[s] >= 0) {  // SegmentSplit
+      const int64_t nseg = num_segments(a.seq_lens[s]);
+      for (int64_t k = 0; k < nseg; ++k)
+        for (int64_t g = 0; g < a.KVH; g += hpi) {
+          const int64_t nkv = std::min(hpi, a.KVH - g);
+          const int64_t cost =
+              G * nkv * (std::min<int64_t>(a.seq_lens[s], (k + 1) * kSegment) - k * kSegment);
+          items.push_back(Item{s, 0, 1, (int32_t)g, (int32_t)nkv, cost, (int32_t)k,
+                               first_rec[s] + (int32_t)k});
+          total += cost;
+        }
+      continue;
+    }
     const int64_t ctx0 = a.seq_lens[s] - qlen;
     const int64_t nblocks = (qlen + rows_per_item - 1) / rows_per_item;
     for (int64_t b = nblocks - 1; b >= 0; --b) {  // later rows see more context: first
@@ -1289,6 +1438,7 @@ void run_attention(const AttnArgs& a) {
   const int64_t nitems = (int64_t)items.size();
   const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= g_parallel_min_work;
   parallel_for(attn_task<C>, &ctx, nitems, par);
+  if (nsegs) fold_split_segments(a, first_rec);
 }
 
 }  // namespace
@@ -1341,7 +1491,7 @@ int paged_attention_impl(const float* q, int64_t q_stride, const C* k_cache, con
                          int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                          int64_t num_blocks, float scale, float* out, int64_t out_stride) {
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
-             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride};
+             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr};
   if (int rc = validate_attention(a)) return rc;
   run_attention<C>(a);
   return 0;
@@ -1356,7 +1506,7 @@ int attention_fused_impl(const float* q, int64_t q_stride, const float* key, int
                          int64_t D, int64_t block_size, int64_t num_blocks, float scale,
                          float* out, int64_t out_stride) {
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
-             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride};
+             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr};
   if (int rc = validate_attention(a)) return rc;
   if (int rc = validate_slots(slot_mapping, T_kv, num_blocks * block_size)) return rc;
   do_reshape_and_cache<C>(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping,
