@@ -71,25 +71,21 @@ class SamplingBatch:
                 | (self.presence_penalty != 0.0))
 
     @property
-    def constrained_rows(self) -> np.ndarray:
-        """bool [B]: rows with a logit bias or a token mask."""
-        rows = np.zeros(len(self), bool)
+    def has_penalties(self) -> bool:
+        return bool(self.penalized_rows.any())
+
+    @property
+    def modified_rows(self) -> np.ndarray:
+        """bool [B]: rows whose logits change before sampling: penalties, banned ids, a logit
+        bias or a token mask (only the fields some row uses are looked at)."""
+        rows = self.penalized_rows
+        if self.banned_token_ids is not None:
+            rows |= np.fromiter((len(b) > 0 for b in self.banned_token_ids), bool, len(self))
         if self.bias_rows is not None:
             rows[self.bias_rows] = True
         if self.mask_rows is not None:
             rows[self.mask_rows] = True
         return rows
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(self.penalized_rows.any())
-
-    @property
-    def banned_rows(self) -> np.ndarray:
-        """bool [B]: rows with at least one banned id."""
-        if self.banned_token_ids is None:
-            return np.zeros(len(self), bool)
-        return np.fromiter((len(b) > 0 for b in self.banned_token_ids), bool, len(self))
 
     @classmethod
     def from_params(

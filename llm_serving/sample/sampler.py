@@ -74,7 +74,7 @@ class Sampler:
                              f"got shape {logits.shape}")
         logits = np.ascontiguousarray(logits, dtype=np.float32)   # no copy if it already is
         b = logits.shape[0]
-        modified = batch.penalized_rows | batch.banned_rows | batch.constrained_rows
+        modified = batch.modified_rows
 
         greedy = batch.temperature < SAMPLING_EPS
         token_ids = np.empty(b, np.int64)
@@ -180,6 +180,8 @@ class Sampler:
         b, v = logits.shape
         want = num_logprobs >= 0
         lp = np.full(b, np.nan, np.float32)
+        if not (self.always_chosen_logprob or want.any()):
+            return SamplerOutput(token_ids=token_ids, logprobs=lp)  # no row asked (the usual)
         rows = np.arange(b) if self.always_chosen_logprob else np.flatnonzero(want)
         k = int(min(num_logprobs.max(), v)) if want.any() else -1
         ranks = top_ids = top_lp = None
