@@ -1377,7 +1377,8 @@ void run_attention(const AttnArgs& args) {
   // threads gives each segment of a context longer than one segment an item of its own, with
   // all kv heads (whole cache rows), and folds the segments once the items ran
   // (fold_split_segments). Per layer call at ctx 256, in step, B=1, AMD Zen 3: bfloat16 cache
-  // 128 -> 103 us, float32 206 -> 128 us (bench_attention_kernel.py --before 8a88963 --in-step).
+  // 138 -> 93 us, float32 223 -> 149 us (bench_attention_kernel.py --before 8a88963 --in-step;
+  // docs/benchmarks.md).
   std::vector<int32_t> first_rec;  // a split sequence's first segment record, else -1
   int64_t nsegs = 0, units = nrb;  // segment records; items before any kv head split
   if (kSegments && nt > 1 && max_qlen <= 1 && nrb < nt) {
