@@ -331,3 +331,30 @@ def test_a_capture_records_only_its_own_threads_kernels():
     thread.join(10)
     assert len(other_calls) == 1 and graphs.stats.replayed_steps == 5
     assert [fn for fn, _ in graphs.graphs[2].ops] == [_fill]
+
+
+def test_a_direct_call_computes_what_the_ctypes_call_computes():
+    """Replays call kernels through ``direct_call``: the arguments converted once, the
+    function without ctypes' per-call conversion. It must give the same result (a real
+    kernel with pointer, integer and float arguments), and leave Python callables alone."""
+    from llm_serving.model_executor.layers.custom_op import cpu_layer_ops
+    lib = cpu_layer_ops()
+    rng = np.random.default_rng(0)
+    x, r0, w = (rng.standard_normal(s).astype(np.float32) for s in ((3, 40), (3, 40), 40))
+    outs, residuals = [], []
+    for direct in (False, True):
+        out, res = np.empty_like(x), r0.copy()
+        call = (lib.add_rms_norm_f32, (x.ctypes.data, res.ctypes.data, w.ctypes.data,
+                                       out.ctypes.data, 3, 40, 1e-5))
+        fn, args = cpu_graph.direct_call(*call) if direct else call
+        fn(*args)
+        outs.append(out), residuals.append(res)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(residuals[1], residuals[0])
+    np.testing.assert_allclose(residuals[0], x + r0, rtol=1e-6)
+    fn, args = cpu_graph.direct_call(lib.add_rms_norm_f32, (0, 0, 0, 0, 0, 40, 1e-5))
+    assert fn.argtypes is None and fn.__name__ == "add_rms_norm_f32"
+
+    def py(a):
+        return a
+    assert cpu_graph.direct_call(py, (1,)) == (py, (1,))

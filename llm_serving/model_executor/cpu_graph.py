@@ -107,6 +107,21 @@ def launch(fn: Callable, *args):
     return rc
 
 
+def direct_call(fn: Callable, args: tuple) -> tuple:
+    """``(fn, args)`` ready to be called again and again with the same arguments. A ctypes
+    function with ``argtypes`` checks and converts every argument at every call: about 2 us a
+    call, 0.15-0.3 ms of a 97 M model's decode step (110 calls, AMD Zen 3). Here the arguments
+    are converted once, and the call goes through a copy of the function without ``argtypes``.
+    Other callables come back as they are."""
+    argtypes = getattr(fn, "argtypes", None)
+    if not isinstance(fn, ctypes._CFuncPtr) or argtypes is None or len(argtypes) != len(args):
+        return fn, args
+    raw = type(fn)(ctypes.cast(fn, ctypes.c_void_p).value)
+    raw.restype = fn.restype
+    raw.__name__ = fn.__name__
+    return raw, tuple(t.from_param(a) for t, a in zip(argtypes, args))
+
+
 def empty(shape, dtype=np.float32) -> np.ndarray:
     """A kernel's output buffer (fresh memory; during a capture, a buffer the capture lays
     out on the arena)."""
@@ -247,7 +262,8 @@ class _Layout:
             return np.ndarray(shape, dtype, buffer=arena, offset=self.offsets[b] + off,
                               strides=strides)
 
-        return [(fn, tuple(arg(a) for a in args)) for fn, args in self.ops], arg(self.logits)
+        return ([direct_call(fn, tuple(arg(a) for a in args)) for fn, args in self.ops],
+                arg(self.logits))
 
 
 @dataclass
