@@ -358,3 +358,6 @@ def test_a_direct_call_computes_what_the_ctypes_call_computes():
     def py(a):
         return a
     assert cpu_graph.direct_call(py, (1,)) == (py, (1,))
+    checked = ctypes.CDLL(lib._name).add_rms_norm_f32
+    checked.argtypes, checked.errcheck = lib.add_rms_norm_f32.argtypes, lambda r, f, a: r
+    assert cpu_graph.direct_call(checked, args)[0] is checked

@@ -112,9 +112,11 @@ def direct_call(fn: Callable, args: tuple) -> tuple:
     function with ``argtypes`` checks and converts every argument at every call: about 2 us a
     call, 0.15-0.3 ms of a 97 M model's decode step (110 calls, AMD Zen 3). Here the arguments
     are converted once, and the call goes through a copy of the function without ``argtypes``.
-    Other callables come back as they are."""
+    Other callables, and a ctypes function with an ``errcheck`` (which the copy would lose),
+    come back as they are."""
     argtypes = getattr(fn, "argtypes", None)
-    if not isinstance(fn, ctypes._CFuncPtr) or argtypes is None or len(argtypes) != len(args):
+    if (not isinstance(fn, ctypes._CFuncPtr) or argtypes is None or len(argtypes) != len(args)
+            or fn.errcheck is not None):
         return fn, args
     raw = type(fn)(ctypes.cast(fn, ctypes.c_void_p).value)
     raw.restype = fn.restype
