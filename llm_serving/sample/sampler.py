@@ -179,11 +179,12 @@ class Sampler:
         num_logprobs [B] >= 0. Also used for prompt logprobs (the model runner)."""
         b, v = logits.shape
         want = num_logprobs >= 0
+        any_want = bool(want.any())
         lp = np.full(b, np.nan, np.float32)
-        if not (self.always_chosen_logprob or want.any()):
+        if not (self.always_chosen_logprob or any_want):
             return SamplerOutput(token_ids=token_ids, logprobs=lp)  # no row asked (the usual)
         rows = np.arange(b) if self.always_chosen_logprob else np.flatnonzero(want)
-        k = int(min(num_logprobs.max(), v)) if want.any() else -1
+        k = int(min(num_logprobs.max(), v)) if any_want else -1
         ranks = top_ids = top_lp = None
         if k >= 0:
             ranks = np.zeros(b, np.int64)

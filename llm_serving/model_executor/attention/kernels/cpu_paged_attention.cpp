@@ -332,8 +332,8 @@ struct AlignedBuf {
       std::free(p);
       const size_t bytes = ((need * sizeof(float) + 63) / 64) * 64;
       p = static_cast<float*>(std::aligned_alloc(64, bytes));
+      n = p ? bytes / sizeof(float) : 0;  // a failed get leaves an empty buffer, not a stale size
       if (!p) throw std::bad_alloc();
-      n = bytes / sizeof(float);
     }
     return p;
   }
