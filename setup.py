@@ -14,7 +14,7 @@ setup(
     packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "clients",
                                     "clients.*"]),
     package_data={
-        "llm_serving": ["model_executor/attention/kernels/*.cpp",
+        "llm_serving": ["model_executor/*.cpp", "model_executor/attention/kernels/*.cpp",
                         "model_executor/layers/kernels/*.cpp", "data/*"],
         "clients": ["data/*.json"],
     },

@@ -290,7 +290,7 @@ class GemmAlone:
         if self.recorded.unsupported:
             self.recorded = None
         else:       # as a replay calls them
-            self.calls = [cpu_graph.direct_call(fn, args) for fn, args in self.recorded.ops]
+            self.calls = cpu_graph.Program(self.recorded.ops)
 
     def _layers(self):
         for layer, impl in zip(self.layers, self.impl):
@@ -302,8 +302,7 @@ class GemmAlone:
         if self.recorded is None:
             self._layers()
         else:
-            for fn, args in self.calls:
-                fn(*args)
+            self.calls()
         return time.perf_counter() - t
 
 

@@ -41,6 +41,9 @@ def test_replayed_decode_steps_give_the_eager_tokens_and_logprobs(model_dirs, va
     assert no_graphs is None
     assert graphs.stats.replayed_steps > 20 and len(graphs.stats.captured) >= 3
     assert not graphs.stats.failed
+    # every kernel is called from C; only the embedding's NumPy gather from Python
+    assert {tuple(graphs.graphs[b].program.python_calls) for b in graphs.stats.captured} == {
+        ("_take_rows",)}
     for r, e in zip(replayed, eager):
         assert r.outputs[0].token_ids == e.outputs[0].token_ids
         assert r.outputs[0].logprobs == e.outputs[0].logprobs
@@ -333,31 +336,56 @@ def test_a_capture_records_only_its_own_threads_kernels():
     assert [fn for fn, _ in graphs.graphs[2].ops] == [_fill]
 
 
-def test_a_direct_call_computes_what_the_ctypes_call_computes():
-    """Replays call kernels through ``direct_call``: the arguments converted once, the
-    function without ctypes' per-call conversion. It must give the same result (a real
-    kernel with pointer, integer and float arguments), and leave Python callables alone."""
+def test_a_program_calls_its_kernels_from_c_as_ctypes_would_and_names_the_one_that_fails():
+    """Replays run their kernels through a ``Program``: runs of C kernels called from C, each
+    through its own C type (pointer, int64, int and float arguments, ctypes arrays), Python
+    callables in between from Python, in order. It must compute what the ctypes calls compute,
+    and a kernel that returns an error must stop the run and be named."""
     from llm_serving.model_executor.layers.custom_op import cpu_layer_ops
+    from llm_serving.model_executor.layers.gemm import pack_weight
     lib = cpu_layer_ops()
     rng = np.random.default_rng(0)
-    x, r0, w = (rng.standard_normal(s).astype(np.float32) for s in ((3, 40), (3, 40), 40))
-    outs, residuals = [], []
-    for direct in (False, True):
-        out, res = np.empty_like(x), r0.copy()
-        call = (lib.add_rms_norm_f32, (x.ctypes.data, res.ctypes.data, w.ctypes.data,
-                                       out.ctypes.data, 3, 40, 1e-5))
-        fn, args = cpu_graph.direct_call(*call) if direct else call
-        fn(*args)
-        outs.append(out), residuals.append(res)
-    np.testing.assert_array_equal(outs[1], outs[0])
-    np.testing.assert_array_equal(residuals[1], residuals[0])
-    np.testing.assert_allclose(residuals[0], x + r0, rtol=1e-6)
-    fn, args = cpu_graph.direct_call(lib.add_rms_norm_f32, (0, 0, 0, 0, 0, 40, 1e-5))
-    assert fn.argtypes is None and fn.__name__ == "add_rms_norm_f32"
+    x, r0, nw = (rng.standard_normal(s).astype(np.float32) for s in ((3, 40), (3, 40), 40))
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    wp = pack_weight(w, lib.lls_layer_ops_panel_width())
 
-    def py(a):
-        return a
-    assert cpu_graph.direct_call(py, (1,)) == (py, (1,))
-    checked = ctypes.CDLL(lib._name).add_rms_norm_f32
-    checked.argtypes, checked.errcheck = lib.add_rms_norm_f32.argtypes, lambda r, f, a: r
-    assert cpu_graph.direct_call(checked, args)[0] is checked
+    def double(src, dst):
+        np.multiply(src, 2.0, out=dst)
+    results = []
+    for program in (False, True):
+        normed, res, y = np.empty_like(x), r0.copy(), np.full((3, 24), np.nan, np.float32)
+        doubled = np.empty_like(x)
+        split, ld = (ctypes.c_int64 * 2)(0, 24), (ctypes.c_int64 * 1)(24)
+        out = (ctypes.c_void_p * 1)(y.ctypes.data)
+        ops = [(lib.add_rms_norm_f32, (x.ctypes.data, res.ctypes.data, nw.ctypes.data,
+                                       normed.ctypes.data, 3, 40, 1e-5)),
+               (double, (normed, doubled)),          # Python, between two C runs
+               (lib.lls_linear_f32, (doubled.ctypes.data, 40, wp.ctypes.data, None, 3, 24, 40,
+                                     1, split, out, ld))]
+        if program:
+            prog = cpu_graph.Program(ops)
+            assert prog.python_calls == ["double"]
+            prog()
+        else:
+            for fn, args in ops:
+                fn(*args)
+        results.append((normed, res, y))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(b, a)
+    normed, res, y = results[0]
+    np.testing.assert_allclose(res, x + r0, rtol=1e-6)
+    ref = res / np.sqrt((res.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * nw
+    np.testing.assert_allclose(normed, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, 2 * normed @ w.T, rtol=1e-4, atol=1e-4)
+
+    # a row stride shorter than a row: lls_linear_f32 returns -1, and the run stops there
+    y[:] = np.nan
+    after = np.zeros(4, np.float32)
+    bad = cpu_graph.Program([
+        (lib.lls_linear_f32, (x.ctypes.data, 39, wp.ctypes.data, None, 3, 24, 40, 1, split,
+                              out, ld)),
+        (lib.silu_and_mul_f32, (np.ones(8, np.float32).ctypes.data, after.ctypes.data, 1, 4))])
+    with pytest.raises(RuntimeError, match="lls_linear_f32"):
+        bad()
+    assert np.isnan(y).all() and not after.any()
+
