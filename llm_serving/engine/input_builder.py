@@ -40,13 +40,16 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     """``constraints`` (engine.constraints.Constraints): adds logit_bias, bans and token
     masks to the sampling batch (it advances the rows' grammar matchers)."""
     seqs = batch.seqs
+    b = len(seqs)
     n = np.asarray(batch.num_tokens, np.int32)
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
-    totals = np.fromiter((s.num_tokens for s in seqs), np.int32, len(seqs))
-    prompt_lens = np.fromiter((len(s.prompt_token_ids) for s in seqs), np.int32, len(seqs))
-    qsl = np.zeros(len(n) + 1, np.int32)
+    starts, totals, prompt_lens = np.array(
+        [(s.num_computed_tokens, s.num_tokens, len(s.prompt_token_ids)) for s in seqs],
+        np.int32).reshape(b, 3).T
+    qsl = np.zeros(b + 1, np.int32)
     np.cumsum(n, out=qsl[1:])
-    positions = np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1] - starts, n)
+    one_each = int(qsl[-1]) == b            # one token a row: decodes (or 1-token chunks)
+    positions = (starts.copy() if one_each else
+                 np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1] - starts, n))
     ids = np.fromiter(itertools.chain.from_iterable(
         s.token_ids(a, a + k) for s, a, k in zip(seqs, starts.tolist(), n.tolist())),
         np.int32, count=int(qsl[-1]))
@@ -61,7 +64,7 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     tables = np.zeros((len(n), width), np.int32)
     for row, s in enumerate(seqs):
         tables[row, :len(s.block_table)] = s.block_table
-    seq_rows = np.repeat(np.arange(len(n)), n)
+    seq_rows = np.arange(b) if one_each else np.repeat(np.arange(b), n)
     slots = tables[seq_rows, positions // block_size] * block_size + positions % block_size
     # A sequence samples when this step reaches the end of its tokens; the pending n > 1
     # children of a sequence finishing its prompt sample from the same row (only then: with

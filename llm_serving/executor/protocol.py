@@ -106,25 +106,19 @@ class SamplingBatch:
         if len(prompt_ids) != b or len(output_ids) != b:
             raise ValueError(f"from_params: {b} params but {len(prompt_ids)} prompts and "
                              f"{len(output_ids)} outputs")
-        eos_rows = _eos_per_row(eos_token_ids, b)
-
-        def col(name, dtype):
-            return np.fromiter((getattr(p, name) for p in params), dtype, b)
-
-        output_lens = np.fromiter((len(o) for o in output_ids), np.int64, b)
+        # one array per kind of field, then a row per field (a decode step builds this batch)
+        floats = np.array([(p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                            p.frequency_penalty, p.repetition_penalty) for p in params],
+                          np.float32).reshape(b, 6).T.copy()
+        lens = [len(o) for o in output_ids]
+        ints = np.array([(p.top_k, -1 if p.seed is None else p.seed & _SEED_MASK,
+                          -1 if p.logprobs is None else p.logprobs, n)
+                         for p, n in zip(params, lens)], np.int64).reshape(b, 4).T.copy()
         batch = cls(
-            temperature=col("temperature", np.float32),
-            top_k=col("top_k", np.int32),
-            top_p=col("top_p", np.float32),
-            min_p=col("min_p", np.float32),
-            presence_penalty=col("presence_penalty", np.float32),
-            frequency_penalty=col("frequency_penalty", np.float32),
-            repetition_penalty=col("repetition_penalty", np.float32),
-            seeds=np.fromiter((-1 if p.seed is None else p.seed & _SEED_MASK for p in params),
-                              np.int64, b),
-            output_lens=output_lens,
-            num_logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params),
-                                     np.int32, b),
+            temperature=floats[0], top_p=floats[1], min_p=floats[2],
+            presence_penalty=floats[3], frequency_penalty=floats[4],
+            repetition_penalty=floats[5], top_k=ints[0].astype(np.int32), seeds=ints[1],
+            num_logprobs=ints[2].astype(np.int32), output_lens=ints[3],
         )
         pen = batch.penalized_rows
         if pen.any():
@@ -134,8 +128,11 @@ class SamplingBatch:
                                       for i in range(b)]
         banned = [_EMPTY_IDS] * b
         any_banned = False
+        eos_rows = None
         for i, p in enumerate(params):
-            if output_lens[i] < p.min_tokens:
+            if lens[i] < p.min_tokens:
+                if eos_rows is None:
+                    eos_rows = _eos_per_row(eos_token_ids, b)
                 ids = set(eos_rows[i]) | set(p.stop_token_ids)
                 if ids:
                     banned[i] = np.fromiter(sorted(ids), np.int64, len(ids))

@@ -77,6 +77,8 @@ class Sampler:
         modified = batch.modified_rows
 
         greedy = batch.temperature < SAMPLING_EPS
+        if greedy.all() and not modified.any():     # plain greedy rows (the usual decode)
+            return self.compute_logprobs(logits, logits.argmax(axis=1), batch.num_logprobs)
         token_ids = np.empty(b, np.int64)
         rows = np.flatnonzero(greedy)
         if rows.size:
