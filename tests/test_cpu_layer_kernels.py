@@ -161,10 +161,11 @@ def test_linear_is_one_fma_chain_per_output(lib, m, n, k, with_bias):
         assert np.isnan(o[:, p:]).all()
 
 
-@pytest.mark.parametrize("n,k", [(130, 768), (64, 2053)])
+@pytest.mark.parametrize("n,k", [(130, 768), (64, 2053), (300, 96)])
 def test_linear_row_alone_equals_row_in_any_batch(lib, n, k):
-    """Batch invariance at the kernel: a row's output has the same bits alone (two-panel
-    tiles) and at any position of batches of 3 to 700 rows (row tiles, K blocks, chunks)."""
+    """Batch invariance at the kernel: a row's output has the same bits alone (tiles of up to
+    four panels; 300 columns end in a group of three) and at any position of batches of 3 to
+    700 rows (two-panel tiles, row tiles, K blocks, chunks)."""
     rng = np.random.default_rng(n + k)
     w = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((700, k)).astype(np.float32)

@@ -158,6 +158,12 @@ constexpr int NP = NRV * VW;
 // Up to this many rows a tile spans two panels: two weight streams in flight, measured ~7%
 // more read bandwidth than one at M=1 (Intel Xeon, AVX-512).
 constexpr int kSmallRows = 2;
+// One row spans enough panels for 8 accumulator chains: two on the AVX-512 build, four on the
+// others. With the 4 chains of two AVX2 panels, a batch-1 step's bf16 projections read their
+// weights ~10% slower (0.78 against 0.85-0.87 of the all-core read probe, AMD Zen 3, 48
+// projections of the 97 M model interleaved; fp32 0.81 against 0.89): each chain's FMAs wait
+// on their loads, and four chains do not keep enough of them in flight.
+constexpr int kOneRowPanels = 8 / NRV;
 // Software prefetch of the weight stream, this far ahead (over the tile's panels), in the
 // first row tile of each K block, the one that brings the block in from memory.
 constexpr int64_t kPrefetchBytes = 4096;
@@ -303,7 +309,8 @@ inline void op_tile_rows(int r, bool pf, const float* x, int64_t ldx, const WT* 
   }
 }
 
-// Grows, never shrinks; one per thread. Bounded: tile sums by kMaxChunkRows x 2 panels, the
+// Grows, never shrinks; one per thread. Bounded: tile sums by kMaxChunkRows x 2 panels (one
+// row x kOneRowPanels), the
 // widened bf16 block by kc x NP.
 struct AlignedBuffer {
   float* p = nullptr;
@@ -325,7 +332,7 @@ thread_local AlignedBuffer t_sums, t_wide;
 struct OpArgs {
   LinearArgs a;
   int64_t panels;  // ceil(N / NP)
-  int G;           // panels per item: 2 for few rows, else 1
+  int G;           // panels per item: kOneRowPanels for one row, 2 for few, else 1
   int64_t mc;      // rows per chunk (a multiple of MR, or all rows)
   int64_t kc;      // K block
   int status;      // set to -1 by an item that could not allocate its buffers
@@ -362,6 +369,21 @@ void op_item(void* p, int64_t item) {
     const bool to_out = out && k0 + kn == K;
     float* const d = to_out ? out : c;
     const int64_t ldd = to_out ? ldo : ldc;
+    if constexpr (kOneRowPanels == 4) {
+      if (o.G == 4) {  // one row: a tile of four panels (of the last group's: two, one)
+        for (int q = 0, t; q < g; q += t) {
+          t = g - q >= 4 ? 4 : g - q >= 2 ? 2 : 1;
+          const WT* w0 = panel + (q * K + k0) * NP;
+          const WT* w[4] = {w0, w0 + K * NP, w0 + 2 * K * NP, w0 + 3 * K * NP};
+          const float* cq = c + q * NP;
+          float* dq = d + q * NP;
+          if (t == 4) op_tile<WT, 1, 4, true>(x, a.ldx, w, kn, cq, ldc, first, dq, ldd);
+          else if (t == 2) op_tile<WT, 1, 2, true>(x, a.ldx, w, kn, cq, ldc, first, dq, ldd);
+          else op_tile<WT, 1, 1, true>(x, a.ldx, w, kn, cq, ldc, first, dq, ldd);
+        }
+        continue;
+      }
+    }
     if (g == 2) {  // few rows (<= kSmallRows): one tile, two panels
       const WT* w[2] = {panel + k0 * NP, panel + K * NP + k0 * NP};
       op_tile_rows<WT, 2, kSmallRows>(int(rows), true, x, a.ldx, w, kn, c, ldc, first, d, ldd);
@@ -478,7 +500,7 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
   if (M == 0 || N == 0) return 0;
   const CacheSizes& cs = cache_sizes();
   o.panels = (N + NP - 1) / NP;
-  o.G = M <= kSmallRows ? 2 : 1;
+  o.G = M == 1 ? kOneRowPanels : M <= kSmallRows ? 2 : 1;
   int64_t mc = cs.l2 / 2 / (4 * (K > 0 ? K : 1)) / MR * MR;
   mc = mc < 96 ? 96 : mc > kMaxChunkRows ? kMaxChunkRows : mc;
   if (M <= mc) {
