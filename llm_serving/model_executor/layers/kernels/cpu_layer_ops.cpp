@@ -160,9 +160,10 @@ constexpr int NP = NRV * VW;
 constexpr int kSmallRows = 2;
 // One row spans enough panels for 8 accumulator chains: two on the AVX-512 build, four on the
 // others. With the 4 chains of two AVX2 panels, a batch-1 step's bf16 projections read their
-// weights ~10% slower (0.78 against 0.85-0.87 of the all-core read probe, AMD Zen 3, 48
-// projections of the 97 M model interleaved; fp32 0.81 against 0.89): each chain's FMAs wait
-// on their loads, and four chains do not keep enough of them in flight.
+// weights 5-10% slower (0.77-0.78 against 0.80-0.85 of the all-core read probe in three runs,
+// AMD Zen 3, the 97 M model's 48 projections, interleaved; fp32 0.81 against 0.89, one run):
+// each chain's FMAs wait on their loads, and four chains keep too few of them in flight
+// (docs/benchmarks.md, 2026-11-26, fourth session).
 constexpr int kOneRowPanels = 8 / NRV;
 // Software prefetch of the weight stream, this far ahead (over the tile's panels), in the
 // first row tile of each K block, the one that brings the block in from memory.
