@@ -169,6 +169,18 @@ constexpr int kOneRowPanels = 8 / NRV;
 // first row tile of each K block, the one that brings the block in from memory.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxChunkRows = 512;
+// bf16 weights: up to this many rows in a chunk, the tiles widen the weights as they load them
+// (each row tile again, from L1); above, a K block is widened to float32 once and the float32
+// tiles run on it. On the AVX2 build, widening in the tiles took 0.66-0.89x the time from 7 to
+// 32 rows (AMD Zen 3, bench_linear --kernel widen, the same bits) and bf16 decode steps of 8,
+// 16 and 32 sequences 0.80-0.92x (bench_model); at 64 rows bench_linear read 0.91-0.97x but
+// bench_model's steps 1.05-1.10x. The AVX-512 build keeps widening once above one row tile: it
+// has not been measured there.
+#if LLS_VW == 16
+constexpr int64_t kWidenOnceAbove = MR;
+#else
+constexpr int64_t kWidenOnceAbove = 32;
+#endif
 
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
@@ -392,8 +404,8 @@ void op_item(void* p, int64_t item) {
     }
     const WT* wb = panel + k0 * NP;
     if constexpr (!std::is_same<WT, float>::value) {
-      if (rows > MR) {
-        // Several row tiles reuse the block: widen it to float32 once (exact), then run the
+      if (rows > kWidenOnceAbove) {
+        // Many row tiles reuse the block: widen it to float32 once (exact), then run the
         // float32 tiles on it: the same values in the same chains, so the same bits.
         float* wide = t_wide.get(kn * NP);
         if (!wide) {
