@@ -113,6 +113,16 @@ def launch(fn: Callable, *args):
     return rc
 
 
+def _plain_argtypes(fn: Callable, args: tuple) -> Optional[list]:
+    """The argtypes of a ctypes function that declares one for each of ``args`` and has no
+    ``errcheck``; None for anything else."""
+    argtypes = getattr(fn, "argtypes", None)
+    if (not isinstance(fn, ctypes._CFuncPtr) or argtypes is None or len(argtypes) != len(args)
+            or fn.errcheck is not None):
+        return None
+    return argtypes
+
+
 def direct_call(fn: Callable, args: tuple) -> tuple:
     """``(fn, args)`` ready to be called again and again with the same arguments. A ctypes
     function with ``argtypes`` checks and converts every argument at every call: about 2 us a
@@ -120,9 +130,8 @@ def direct_call(fn: Callable, args: tuple) -> tuple:
     are converted once, and the call goes through a copy of the function without ``argtypes``.
     Other callables, and a ctypes function with an ``errcheck`` (which the copy would lose),
     come back as they are."""
-    argtypes = getattr(fn, "argtypes", None)
-    if (not isinstance(fn, ctypes._CFuncPtr) or argtypes is None or len(argtypes) != len(args)
-            or fn.errcheck is not None):
+    argtypes = _plain_argtypes(fn, args)
+    if argtypes is None:
         return fn, args
     raw = type(fn)(ctypes.cast(fn, ctypes.c_void_p).value)
     raw.restype = fn.restype
@@ -181,9 +190,8 @@ def _slot(argtype, arg) -> Optional[int]:
 def _c_call(fn: Callable, args: tuple) -> Optional[tuple]:
     """(function address, signature id, argument slots) to call ``fn(*args)`` from C, or None
     (not a ctypes function of a signature cpu_graph_replay.cpp has)."""
-    argtypes = getattr(fn, "argtypes", None)
-    if (not isinstance(fn, ctypes._CFuncPtr) or argtypes is None or len(argtypes) != len(args)
-            or fn.errcheck is not None or fn.restype not in _TYPE_CODES
+    argtypes = _plain_argtypes(fn, args)
+    if (argtypes is None or fn.restype not in _TYPE_CODES
             or any(t not in _TYPE_CODES for t in argtypes)):
         return None
     sig = _signature(_TYPE_CODES[fn.restype] + "".join(_TYPE_CODES[t] for t in argtypes))
@@ -204,15 +212,15 @@ class Program:
         self._arrays: list = []         # and the runs' arrays, which lls_replay reads
         self._steps: list = []          # (fn, args, names, a C run?)
         self.python_calls: list = []
-        run: list = []
+        run: list = []                  # (name, address, signature, slots) of C kernels
         for fn, args in ops:
+            name = getattr(fn, "__name__", repr(fn))
             c = _c_call(fn, args)
             if c is not None:
-                run.append((getattr(fn, "__name__", repr(fn)), c))
+                run.append((name, *c))
                 continue
             self._add_run(run)
             run = []
-            name = getattr(fn, "__name__", repr(fn))
             self.python_calls.append(name)
             self._steps.append((*direct_call(fn, args), [name], False))
         self._add_run(run)
@@ -220,17 +228,14 @@ class Program:
     def _add_run(self, run: list) -> None:
         if not run:
             return
-        names = [name for name, _ in run]
-        fns = np.array([addr for _, (addr, _, _) in run], np.uint64)
-        sigs = np.array([sig for _, (_, sig, _) in run], np.int32)
-        counts = [len(slots) for _, (_, _, slots) in run]
-        offsets = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
-        slots = np.array([v for _, (_, _, s) in run for v in s], np.int64)
-        arrays = (fns, sigs, offsets, slots)
+        names, addrs, sigs, slots = zip(*run)
+        offsets = np.cumsum([0] + [len(s) for s in slots[:-1]])
+        arrays = (np.array(addrs, np.uint64), np.array(sigs, np.int32),
+                  offsets.astype(np.int64), np.array([v for s in slots for v in s], np.int64))
         fn, args = direct_call(_replay_library().lls_replay,
                                tuple(a.ctypes.data for a in arrays) + (len(run),))
         self._arrays.append(arrays)
-        self._steps.append((fn, args, names, True))
+        self._steps.append((fn, args, list(names), True))
 
     def __call__(self) -> None:
         for fn, args, names, c_run in self._steps:
