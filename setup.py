@@ -30,6 +30,9 @@ setup(
         "tqdm",
         "fastapi",
         "uvicorn",
+        # uvicorn's C HTTP parser (picked when installed): ~10% less CPU in the server process
+        # than its pure-Python h11 under W1's 200 streams.
+        "httptools",
         "prometheus-client",
         "llguidance>=1.9,<2",   # structured outputs: a Rust core, no torch
         "aiohttp",

@@ -86,6 +86,27 @@ class Server:
         self.stop()
         raise RuntimeError(f"{name} did not become healthy in 600 s")
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds (user + system) used so far by the process serving HTTP (ours: the
+        master; vLLM: its API server) and by the rest of its session (our WorkAgents; vLLM's
+        engine core)."""
+        front = rest = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getsid(int(pid)) != self.proc.pid:
+                    continue
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:      # gone meanwhile
+                continue
+            t = (int(fields[11]) + int(fields[12])) / tick
+            if int(pid) == self.proc.pid:
+                front += t
+            else:
+                rest += t
+        return front, rest
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -231,24 +252,31 @@ def main() -> None:
                 srv = (ours(model, extra, str(logs / "ours.log")) if who == "ours"
                        else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
                 with srv:
+                    cpu0 = srv.cpu_seconds()
                     row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
                                 if case == "bench-serve"
                                 else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
                                                args.num_prompts))
+                    row[who]["cpu"] = [b - a for a, b in zip(cpu0, srv.cpu_seconds())]
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
     print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
           f"# model: {model}; precision: {args.dtype}; ours: start.py defaults {' '.join(extra)}; "
           f"W1 prompts: {args.num_prompts}; machine load (1-min average) at the end: "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("| case | server | duration | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | failed |")
-    print("|---|---|---|---|---|---|---|")
+    print("server CPU: CPU seconds during the run of the process answering HTTP (ours: the "
+          "master; vLLM: its API server) / of the rest (ours: the WorkAgent; vLLM: its engine "
+          "core)\n")
+    print("| case | server | duration | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | failed "
+          "| server CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for case, row in res.items():
         for who, s in row.items():
             lat = (f"{s['ttft']:.0f} / {s['ttft99']:.0f} | {s['tpot']:.1f}" if "ttft" in s
                    else "in process | ")
+            cpu = f"{s['cpu'][0]:.1f} / {s['cpu'][1]:.1f}" if "cpu" in s else ""
             print(f"| {case} | {who} | {s['dur']:.1f} s | {s['toks']:.1f} | {lat} | "
-                  f"{s['failed']} |")
+                  f"{s['failed']} | {cpu} |")
     ratios = [(case, row["ours"], row["vLLM"]) for case, row in res.items() if "vLLM" in row]
     if ratios:
         print("\nours / vLLM (throughput: higher is better; latencies: lower is better)\n")

@@ -64,6 +64,25 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+class _ApiKey:
+    """ASGI middleware: every route but /health and /live needs ``Authorization: Bearer <key>``
+    (401 otherwise). Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which carries every
+    streamed chunk through a memory stream and a task group: with it, the server process spent
+    5.0-5.2 CPU seconds under W1 all at once (200 streams), without it 3.3-3.6."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/live"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if given.decode("latin-1") != self.expected:
+                return await error_response(401, "missing or wrong API key (Authorization: "
+                                            "Bearer)", kind="authentication_error")(
+                    scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def _not_serving(state: ServerState) -> str:
     return state.load_error or ("loading the model" if state.engine is None else
                                 "the engine loop stopped" if state.engine.is_dead else
@@ -124,15 +143,6 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         err = translate_error(e)
         return error_response(err.status, err.message, err.param, err.kind, err.headers)
 
-    @app.middleware("http")
-    async def _auth_and_log(request: Request, call_next):
-        path = request.url.path
-        if state.api_key and path not in ("/health", "/live"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return error_response(401, "missing or wrong API key (Authorization: Bearer)",
-                                      kind="authentication_error")
-        return await call_next(request)
-
     @app.get("/live")
     async def live():
         """The process is up (it may still be loading the model)."""
@@ -167,6 +177,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     app.include_router(openai_routes.router)
     app.include_router(llm_serving_routes.router)
+    if state.api_key:
+        app.add_middleware(_ApiKey, key=state.api_key)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     return app
 

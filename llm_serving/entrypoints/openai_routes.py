@@ -66,6 +66,15 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from all the streams as they come; closing it aborts them."""
+    if len(streams) == 1:   # one prompt: read it directly, no pump task and queue hop per output
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        except Exception as e:   # noqa: BLE001 - as the pump hands it over
+            raise translate_error(e) from None
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
