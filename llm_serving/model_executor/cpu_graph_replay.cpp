@@ -104,10 +104,12 @@ int lls_replay_signature(const char* code) {
 
 // Call n kernels in order: kernel i is fns[i], of signature sigs[i] (an id from
 // lls_replay_signature), with its arguments in slots[offsets[i]...]. Returns 0, or i + 1 for
-// the first kernel that returned non-zero (the later ones are not called).
+// the first kernel that returned non-zero or has no such signature (it and the later ones are
+// then not called).
 int64_t lls_replay(const uint64_t* fns, const int32_t* sigs, const int64_t* offsets,
                    const int64_t* slots, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
+    if (sigs[i] < 0 || sigs[i] >= kNumSignatures) return i + 1;
     void* fn = reinterpret_cast<void*>(fns[i]);
     if (kSignatures[sigs[i]].call(fn, slots + offsets[i]) != 0) return i + 1;
   }

@@ -323,8 +323,7 @@ inline void op_tile_rows(int r, bool pf, const float* x, int64_t ldx, const WT* 
 }
 
 // Grows, never shrinks; one per thread. Bounded: tile sums by kMaxChunkRows x 2 panels (one
-// row x kOneRowPanels), the
-// widened bf16 block by kc x NP.
+// row x kOneRowPanels), the widened bf16 block by kc x NP.
 struct AlignedBuffer {
   float* p = nullptr;
   int64_t n = 0;
