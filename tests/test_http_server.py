@@ -444,22 +444,32 @@ def test_a_non_streaming_client_that_resets_the_connection_is_aborted(server, pa
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1):
-    """SIGKILL agent ``rank`` during a stream: the request fails naming the model process,
-    /ready is 503 until a new set of agents is up, then the server generates again."""
+def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
+                                route="llm_serving"):
+    """SIGKILL agent ``rank`` during a stream (llm-serving's generate_stream, or OpenAI's
+    streamed completions): the request fails naming the model process, /ready is 503 until a
+    new set of agents is up, then the server generates again."""
     agents = agent_pids(server_pid)
     assert len(agents) == num_agents
-    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200}}
-    with requests.post(url + "/models/llama2/generate_stream", json=body, stream=True,
-                       timeout=60) as r:
-        lines = r.iter_lines()
+    if route == "openai":
+        path, body = "/v1/completions", {"model": "tiny", "prompt": PROMPTS[0],
+                                         "max_tokens": 200, "stream": True}
+    else:
+        path, body = ("/models/llama2/generate_stream",
+                      {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200}})
+    with requests.post(url + path, json=body, stream=True, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
         next(lines)                                   # the request is running
         os.kill(agents[rank], signal.SIGKILL)
         t0 = time.monotonic()
-        rest = [json.loads(line) for line in lines]
+        rest = list(lines)
         detected = time.monotonic() - t0
     assert detected < 5
-    assert "model process failed" in rest[-1]["data"][0]["error"]
+    if route == "openai":
+        assert rest[-1] == b"data: [DONE]"
+        assert "model process failed" in json.loads(rest[-2][len(b"data: "):])["error"]["message"]
+    else:
+        assert "model process failed" in json.loads(rest[-1])["data"][0]["error"]
     assert requests.get(url + "/live").status_code == 200        # the process is up ...
     assert requests.get(url + "/health").status_code == 503      # ... but cannot serve yet
     assert requests.get(url + "/ready").status_code == 503
@@ -491,7 +501,8 @@ def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
             r = requests.post(url + "/v1/completions", json={
                 "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
             assert r.json()["choices"][0]["text"] == greedy(tiny_llm, prompt, 16).text
-        kill_an_agent_and_come_back(url, proc.pid, tiny_llm, rank=1, num_agents=2)
+        kill_an_agent_and_come_back(url, proc.pid, tiny_llm, rank=1, num_agents=2,
+                                    route="openai")
         children = agent_pids(proc.pid) + agent_pids(proc.pid, "llm_serving.executor.comm_scheduler")
         assert len(children) == 3
     finally:
