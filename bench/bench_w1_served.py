@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """W1 served, side by side: our server (start.py, model in a WorkAgent) and, with ``--peer
 vllm``, vLLM's CPU backend on the same model, driven by the same client
-(clients/benchmark_serving.py over the OpenAI API) in the same run; prints both and the
-ratios. Nothing is compared against numbers from another day or machine.
+(clients/benchmark_serving.py over the OpenAI API) in the same run; prints both, with the
+CPU seconds each server's processes used during the run, and the ratios. Nothing is compared
+against numbers from another day or machine.
 
 W1 = the first 200 prompts of alpaca_5010.json (instruction + ":" + input), each asking for
 its reference output's token count capped at 256, greedy, ignore_eos. Cases:

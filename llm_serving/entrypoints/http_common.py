@@ -107,10 +107,10 @@ def new_request_id(prefix: str) -> str:
 
 async def client_gone(request: Request) -> None:
     """Returns once the client has closed the connection (ASGI ``http.disconnect``), read
-    after the body. A real wait on ``receive``, not ``request.is_disconnected()``: behind a
-    ``BaseHTTPMiddleware`` that poll never sees the disconnect (its zero-timeout receive is
-    cancelled before the message arrives), so a non-streaming request ran on after its
-    client reset the connection. A receive that fails counts as gone."""
+    after the body. A real wait on ``receive``, not ``request.is_disconnected()``: that poll's
+    zero-timeout receive can be cancelled before the message arrives (it never saw the
+    disconnect behind the ``BaseHTTPMiddleware`` the app once had), so a non-streaming request
+    ran on after its client reset the connection. A receive that fails counts as gone."""
     try:
         while (await request.receive())["type"] != "http.disconnect":
             pass
