@@ -56,22 +56,24 @@ class ReadBandwidth:
         return self.a.nbytes / (time.perf_counter() - t)
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far; 0 if it is gone (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
 def _busy_seconds(pids=()) -> tuple[float, float]:
     """(CPU seconds busy on the whole machine, CPU seconds used by this process and by the
     processes ``pids``) so far."""
-    tick = os.sysconf("SC_CLK_TCK")
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     busy = sum(v) - v[3] - v[4]                      # minus idle and iowait
-    own = sum(os.times()[:2])
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            own += (int(fields[11]) + int(fields[12])) / tick    # utime, stime
-        except OSError:
-            pass
-    return busy / tick, own
+    own = sum(os.times()[:2]) + sum(process_cpu_seconds(pid) for pid in pids)
+    return busy / os.sysconf("SC_CLK_TCK"), own
 
 
 class OtherLoad:

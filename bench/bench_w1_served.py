@@ -40,6 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from bench_model import process_cpu_seconds  # noqa: E402 (bench/bench_model.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {   # name: (request rate, ours only)
@@ -92,20 +93,16 @@ class Server:
         master; vLLM: its API server) and by the rest of its session (our WorkAgents; vLLM's
         engine core)."""
         front = rest = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
             try:
-                if os.getsid(int(pid)) != self.proc.pid:
+                if os.getsid(pid) != self.proc.pid:
                     continue
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
             except OSError:      # gone meanwhile
                 continue
-            t = (int(fields[11]) + int(fields[12])) / tick
-            if int(pid) == self.proc.pid:
-                front += t
+            if pid == self.proc.pid:
+                front += process_cpu_seconds(pid)
             else:
-                rest += t
+                rest += process_cpu_seconds(pid)
         return front, rest
 
     def stop(self) -> None:
