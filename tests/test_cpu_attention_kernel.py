@@ -423,6 +423,52 @@ def test_works_in_forked_child():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
+def test_out_of_memory_is_an_error_not_the_end_of_the_process():
+    """Under an address-space limit, a call whose work buffers cannot be allocated raises
+    MemoryError, a pool whose helper threads the system refuses to start still runs, and the
+    same process goes on computing the same bits (before, both C++ exceptions ended it)."""
+    import resource
+
+    hs = PagedHarness(num_blocks=64, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=40,
+                      seed=16)
+    inp, out, ref = hs.run([(0, 300), (1, 20)])
+    assert_close(out, ref)
+    args = (inp["query"], hs.k_cache, hs.v_cache, inp["block_tables"], inp["query_start_loc"],
+            inp["seq_lens"], hs.scale)
+    # 20 M empty sequences: valid, but the call's per-sequence work lists need ~300 MB
+    s = 20_000_000
+    huge = (np.zeros((1, 8, 64), np.float32), hs.k_cache, hs.v_cache, np.zeros((s, 1), np.int32),
+            np.zeros(s + 1, np.int32), np.zeros(s, np.int32), hs.scale)
+    pid = os.fork()
+    if pid == 0:  # child: a fresh pool, no helper thread started yet
+        code = 1
+        try:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+            # 4 MB more address space: less than a thread's stack
+            resource.setrlimit(resource.RLIMIT_AS, ((vm + 4096) * 1024,) * 2)
+            K.set_num_threads(64)     # the pool asks for 63 helpers
+            code = 2
+            try:
+                same = np.array_equal(K.paged_attention(*args), out)
+            except MemoryError:       # a helper started but could not allocate: also an error
+                same = True
+            if same:
+                code = 3
+                try:
+                    K.paged_attention(*huge)
+                except MemoryError as e:
+                    code = 4 if "out of memory" in str(e) else 5
+            if code == 4:
+                K.set_num_threads(1)
+                code = 0 if np.array_equal(K.paged_attention(*args), out) else 6
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child was killed by signal {os.WTERMSIG(status)}"
+    assert os.WEXITSTATUS(status) == 0
+
+
 def test_scalar_fallback(monkeypatch):
     lib = K.load_library(["-DLLS_FORCE_SCALAR"])
     assert lib.lls_has_avx512() == 0

@@ -11,7 +11,8 @@ head_dim]``, C-contiguous, float32 or bfloat16. NumPy has no bfloat16, so a bf16
 ``uint16`` array of bf16 bits (``CACHE_DTYPES``): rows are written rounded to nearest even and
 widened to float32 on read; all arithmetic stays float32. A token's slot is ``block_id * block_size + offset``.
 
-NumPy API (no copies; inputs are checked and errors raised as :class:`KernelArgumentError`):
+NumPy API (no copies; inputs are checked and errors raised as :class:`KernelArgumentError`,
+or ``MemoryError`` when the kernel cannot allocate its work buffers):
 
 * :func:`reshape_and_cache` (key, value, k_cache, v_cache, slot_mapping)
 * :func:`paged_attention` (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
@@ -170,8 +171,13 @@ def set_num_threads(n: int) -> None:
     _lib().lls_set_num_threads(int(n))
 
 
+_OUT_OF_MEMORY = -5    # the kernel's return code when it cannot allocate its work buffers
+
+
 def _raise(rc: int, what: str) -> None:
     msg = _lib().lls_last_error().decode(errors="replace")
+    if rc == _OUT_OF_MEMORY:
+        raise MemoryError(f"{what}: {msg}")
     raise KernelArgumentError(f"{what}: {msg} (code {rc})")
 
 

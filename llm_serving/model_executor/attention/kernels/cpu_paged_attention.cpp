@@ -14,9 +14,10 @@
 //   lls_aot_paged_attention    attention only, aot signature
 //   lls_reshape_and_cache_bf16, lls_paged_attention_bf16, lls_attention_fused_bf16: the same
 //                              contracts with bfloat16 caches
-// Every function returns 0 on success and a negative code on bad input; lls_last_error() then
-// describes the problem. Nothing is written to the caches or the output when input validation
-// fails.
+// Every function returns 0 on success and a negative code on bad input, or -5 when the kernel
+// could not allocate its work buffers; lls_last_error() then describes the problem. Nothing is
+// written to the caches or the output when input validation fails. No C++ exception leaves an
+// entry point.
 //
 // Work split: one work item = (sequence, block of query rows, range of kv heads). All query heads
 // of a kv head group are processed together so each K/V row is read once per item; decode batches
@@ -49,6 +50,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #if defined(__linux__)
@@ -204,10 +206,16 @@ class ThreadPool {
 #endif
   }
 
+  // A helper the system refuses to start (a thread limit, no memory for its stack) is not an
+  // error: the job runs on the helpers there are, or on the caller alone.
   void ensure_helpers(int k) {
     while ((int)nthreads_ < k) {
-      const int idx = nthreads_++;
-      std::thread(&ThreadPool::helper, this, idx).detach();
+      try {
+        std::thread(&ThreadPool::helper, this, nthreads_).detach();
+      } catch (const std::system_error&) {
+        return;
+      }
+      ++nthreads_;
     }
   }
 
@@ -1314,13 +1322,20 @@ struct AttnTaskCtx {
   const AttnArgs* a;
   const Item* items;
   ItemFn<C> fn;
+  std::atomic<bool> out_of_memory{false};  // an item could not grow its scratch buffers
 };
 
+// Items run on the pool's helper threads too, where an exception would end the process: an
+// item that cannot allocate is recorded, and run_attention throws on the calling thread.
 template <class C>
 void attn_task(void* p, int64_t i) {
   static thread_local Scratch<C> sc;
-  const AttnTaskCtx<C>& c = *static_cast<const AttnTaskCtx<C>*>(p);
-  c.fn(*c.a, c.items[i], sc);
+  AttnTaskCtx<C>& c = *static_cast<AttnTaskCtx<C>*>(p);
+  try {
+    c.fn(*c.a, c.items[i], sc);
+  } catch (const std::bad_alloc&) {
+    c.out_of_memory.store(true, std::memory_order_relaxed);
+  }
 }
 
 // SegmentSplit's last step: each split decode row's segment records folded in order and
@@ -1439,7 +1454,21 @@ void run_attention(const AttnArgs& args) {
   const int64_t nitems = (int64_t)items.size();
   const bool par = nt > 1 && nitems > 1 && total * ((a.D + 15) / 16) >= g_parallel_min_work;
   parallel_for(attn_task<C>, &ctx, nitems, par);
+  if (ctx.out_of_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
   if (nsegs) fold_split_segments(a, first_rec);
+}
+
+// run_attention's buffers (work items, segment records, scratch) are allocated per call: one
+// that fails is this call's error, not an exception through the extern "C" entry points,
+// which would end the process.
+template <class C>
+int run_attention_or_error(const AttnArgs& a) {
+  try {
+    run_attention<C>(a);
+  } catch (const std::bad_alloc&) {
+    return set_error(-5, "attention: out of memory for the kernel's work buffers");
+  }
+  return 0;
 }
 
 }  // namespace
@@ -1494,8 +1523,7 @@ int paged_attention_impl(const float* q, int64_t q_stride, const C* k_cache, con
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
              S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr};
   if (int rc = validate_attention(a)) return rc;
-  run_attention<C>(a);
-  return 0;
+  return run_attention_or_error<C>(a);
 }
 
 template <class C>
@@ -1512,8 +1540,7 @@ int attention_fused_impl(const float* q, int64_t q_stride, const float* key, int
   if (int rc = validate_slots(slot_mapping, T_kv, num_blocks * block_size)) return rc;
   do_reshape_and_cache<C>(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping,
                           T_kv, KVH * D);
-  run_attention<C>(a);
-  return 0;
+  return run_attention_or_error<C>(a);
 }
 
 }  // namespace
