@@ -236,6 +236,7 @@ def main() -> None:
     extra = args.server_args.split()
     if args.dtype == "bfloat16":
         extra += ["--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"]
+    single_prompts = min(args.num_prompts, SINGLE_PROMPTS)
     res: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -258,21 +259,19 @@ def main() -> None:
                        else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
                 with srv:
                     cpu0 = srv.cpu_seconds()
-                    if case == "bench-serve":
-                        row[who] = vllm_bench_serve(venv, srv.url, model, tmp, who)
-                    elif case == "single":
-                        row[who] = w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
-                                             min(args.num_prompts, SINGLE_PROMPTS), 1)
-                    else:
-                        row[who] = w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
-                                             args.num_prompts)
+                    single = case == "single"
+                    row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
+                                if case == "bench-serve"
+                                else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
+                                               single_prompts if single else args.num_prompts,
+                                               1 if single else None))
                     row[who]["cpu"] = [b - a for a, b in zip(cpu0, srv.cpu_seconds())]
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
     print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
           f"# model: {model}; precision: {args.dtype}; ours: start.py defaults {' '.join(extra)}; "
           f"W1 prompts: {args.num_prompts}"
-          + (f" (single: the first {SINGLE_PROMPTS})" if "single" in cases else "")
+          + (f" (single: the first {single_prompts})" if "single" in cases else "")
           + f"; machine load (1-min average) at the end: {os.getloadavg()[0]:.1f}\n")
     print("server CPU: CPU seconds during the run of the process answering HTTP (ours: the "
           "master; vLLM: its API server) / of the rest (ours: the WorkAgent; vLLM: its engine "
