@@ -171,6 +171,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
 
 async def _stream(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
+    t0 = time.perf_counter()    # as _full and the OpenAI routes: from the request's admission
     tok = engine.tokenizer
     special = set(getattr(tok, "all_special_ids", ()) or ())
     protocol = req.parameters.return_protocol
@@ -179,7 +180,6 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
         # Per-token texts are only needed for the return_full_text line: each stream line
         # carries the step's incremental text, decoded once by the engine.
         texts, ids, lps, finish, n_prompt = [], [], [], None, 0
-        t0 = time.perf_counter()
         try:
             async for out in stream:
                 n_prompt = len(out.prompt_token_ids)
