@@ -50,6 +50,14 @@ def agent_pids(pid: int, module: str = "llm_serving.executor.worker") -> list[in
     return [p for _, p in sorted(out)]
 
 
+def wait_until(cond, timeout=15.0, message="condition never held", every=0.1):
+    """Poll ``cond()`` until it holds; fail with ``message`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, message
+        time.sleep(every)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -387,16 +395,11 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
     for t in threads:
         t.join(120)
     assert not errors and len(results) == 25 and all(results)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        metrics = requests.get(server + "/metrics").text
-        usage = [line for line in metrics.splitlines()
-                 if line.startswith("llm_serving:kv_cache_usage_perc ")]
-        running = [line for line in metrics.splitlines()
-                   if line.startswith("llm_serving:num_requests_running ")]
-        if usage == ["llm_serving:kv_cache_usage_perc 0.0"] and running[0].endswith(" 0.0"):
-            break
-        time.sleep(0.2)
+    wait_until(lambda: _gauge(server, "kv_cache_usage_perc") == 0
+               and _gauge(server, "num_requests_running") == 0, 10, every=0.2)
+    metrics = requests.get(server + "/metrics").text
+    usage = [line for line in metrics.splitlines()
+             if line.startswith("llm_serving:kv_cache_usage_perc ")]
     assert usage == ["llm_serving:kv_cache_usage_perc 0.0"], usage
     assert "llm_serving:time_to_first_token_seconds_count" in metrics
     # Counted as vLLM's request_success_total{finished_reason="abort"}: at least every
@@ -417,12 +420,8 @@ def test_an_openai_stream_hung_up_midway_is_aborted(server, path, body, prompts)
     with requests.post(server + path, json=body, stream=True, timeout=60) as r:
         chunks = (line for line in r.iter_lines() if line)
         assert next(chunks).startswith(b"data: {") and next(chunks).startswith(b"data: {")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if (_abort_count(server) - aborts_before >= prompts
-                and _gauge(server, "num_requests_running") == 0):
-            break
-        time.sleep(0.1)
+    wait_until(lambda: _abort_count(server) - aborts_before >= prompts
+               and _gauge(server, "num_requests_running") == 0, 10)
     assert _abort_count(server) - aborts_before >= prompts
     assert _gauge(server, "num_requests_running") == 0
     assert _gauge(server, "kv_cache_usage_perc") == 0
@@ -450,17 +449,13 @@ def test_a_non_streaming_client_that_resets_the_connection_is_aborted(server, pa
     sock = socket.create_connection((host, int(port)))
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    deadline = time.monotonic() + 30
-    while _gauge(server, "kv_cache_usage_perc") == 0:          # generating
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.05)
+    wait_until(lambda: _gauge(server, "kv_cache_usage_perc") != 0, 30,   # generating
+               "the request never started", every=0.05)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()                                                # RST, not FIN
-    deadline = time.monotonic() + 5
-    while _gauge(server, "kv_cache_usage_perc") != 0 or _gauge(
-            server, "num_requests_running") != 0:
-        assert time.monotonic() < deadline, "the request ran on after its client left"
-        time.sleep(0.05)
+    wait_until(lambda: _gauge(server, "kv_cache_usage_perc") == 0
+               and _gauge(server, "num_requests_running") == 0, 5,
+               "the request ran on after its client left", every=0.05)
     assert _abort_count(server) == aborts_before + 1
     # (ignore_eos: sampled at temperature 1, the tiny model ends ~0.3% of 4-token answers early)
     r = requests.post(server + "/v1/completions", timeout=60, json={
@@ -497,10 +492,8 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
     assert requests.get(url + "/live").status_code == 200        # the process is up ...
     assert requests.get(url + "/health").status_code == 503      # ... but cannot serve yet
     assert requests.get(url + "/ready").status_code == 503
-    deadline = time.monotonic() + 90
-    while requests.get(url + "/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the server did not come back"
-        time.sleep(0.2)
+    wait_until(lambda: requests.get(url + "/ready").status_code == 200, 90,
+               "the server did not come back", every=0.2)
     new_agents = agent_pids(server_pid)
     assert len(new_agents) == num_agents and not set(new_agents) & set(agents)
     r = requests.post(url + "/models/llama2/generate",

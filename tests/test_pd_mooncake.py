@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from test_http_server import free_port, start_server, stop_server
+from test_http_server import free_port, start_server, stop_server, wait_until
 from test_pd_proxy_routing import Procs
 
 PROMPTS = ["Give three tips for staying healthy, then explain each of them in a few words.",
@@ -47,13 +47,6 @@ def metric(url, name) -> float:
     text = requests.get(url + "/metrics", timeout=10).text
     m = re.search(rf"^llm_serving:{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
-
-
-def wait_until(cond, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.1)
 
 
 def p_then_d(urls, route, body, p_fields, ask):

@@ -18,8 +18,8 @@ import openai
 import pytest
 import requests
 
-from test_http_server import agent_pids, free_port, start_server, stop_server
-from test_pd_mooncake import kv_section, metric, wait_until
+from test_http_server import agent_pids, free_port, start_server, stop_server, wait_until
+from test_pd_mooncake import kv_section, metric
 from test_pd_proxy_routing import Procs
 from test_pd_proxy_routing import metric as proxy_metric
 
