@@ -10,6 +10,14 @@ candidates are interleaved, so all see the same machine load.
 
     python bench/bench_linear.py [--ms 1,4,16,32,64,128,256] [--reps 5]
 
+oneDNN's ``dnnl_sgemm`` (row-major, on the unpacked weights) runs beside them when its library
+loads: by default the one MindSpore's wheel ships (``mindspore/lib/libdnnl.so.3``, built for a
+thread pool it is not given here, so sequential: the columns are split between one thread per
+core), or ``--onednn-lib PATH`` (e.g. the ``onednn-cpu-gomp`` wheel's ``<venv>/lib/libdnnl.so.3``,
+OpenMP-threaded: one call). It is no candidate of the probe; the header says whether its rows
+are bitwise alike across row counts and positions (``gemm.rows_alike``, the probe's check), the
+condition for becoming one.
+
 ``--bf16`` instead times the bf16-weight kernels this CPU runs (widen, amx, dot; see gemm.py)
 on the same shapes, each on the weight layout it reads, and what the bf16 probe picks.
 
@@ -22,9 +30,11 @@ instead of the fp32 one (on bf16 weights; dot and amx where the CPU has them).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +67,8 @@ def main() -> None:
     ap.add_argument("--kernel", default="fp32", choices=("fp32", "widen", "dot", "amx"),
                     help="with --before: the kernel compared (fp32, or a bf16 one)")
     ap.add_argument("--bf16", action="store_true", help="the bf16-weight kernels instead")
+    ap.add_argument("--onednn-lib", metavar="PATH",
+                    help="the libdnnl to time (default: MindSpore's own; 'none' to skip)")
     args = ap.parse_args()
     if args.before:
         return before_after(args)
@@ -82,25 +94,40 @@ def main() -> None:
     del os.environ["LLM_SERVING_GEMM"]
     gemm._plan = None
     cands = gemm.available() + ("matmul",)
+    dnnl = OneDnnSgemm.load(args.onednn_lib)
+    if dnnl:
+        cands += ("onednn",)
     plan = gemm.GemmPlan(None)          # a fresh probe, not the cache
     print(f"# GEMM candidates, {datetime.date.today()}, {cpu_description()}")
     print(f"# {args.layers} layers x (qkv, o, gate_up, down), ms per pass; probe: what the "
           f"start-up probe picks per shape")
+    if dnnl:
+        alike = [dnnl.batch_invariant(*weights[i].shape) for i in range(4)]
+        print(f"# onednn: {dnnl}; rows bitwise alike across row counts (qkv, o, gate_up, "
+              f"down): {', '.join('yes' if a else 'no' for a in alike)}")
     print("| M | " + " | ".join(f"{c} ms" for c in cands) + " | fastest | probe picks "
           "(qkv, o, gate_up, down) | probe ms |")
     print("|---|" + "---|" * (len(cands) + 3))
     for m in [int(v) for v in args.ms.split(",")]:
         xs = {k: Tensor(rng.standard_normal((m, k), np.float32)) for k in (h, f)}
-        for c in cands:                      # warm-up
+        xn = {k: x.asnumpy() for k, x in xs.items()}
+        ys = [np.empty((m, w.shape[0]), np.float32) for w in weights]
+
+        def run(c):
+            if c == "onednn":
+                for w, y in zip(weights, ys):
+                    dnnl(xn[w.shape[1]], w, y)
+                return
             for layer in (unpacked if c == "matmul" else layers):
-                layer.gemm(c, xs[layer.input_size])
+                y = layer.gemm(c, xs[layer.input_size])
+            y.asnumpy()
+        for c in cands:                      # warm-up
+            run(c)
         ts = {c: [] for c in cands}
         for _ in range(args.reps):
             for c in cands:
                 t = time.perf_counter()
-                for layer in (unpacked if c == "matmul" else layers):
-                    y = layer.gemm(c, xs[layer.input_size])
-                y.asnumpy()
+                run(c)
                 ts[c].append(time.perf_counter() - t)
         res = {c: float(np.median(v)) * 1e3 for c, v in ts.items()}
         t = time.perf_counter()
@@ -108,6 +135,78 @@ def main() -> None:
         probe_ms = (time.perf_counter() - t) * 1e3
         print(f"| {m} | " + " | ".join(f"{res[c]:.1f}" for c in cands)
               + f" | {min(res, key=res.get)} | {', '.join(picks)} | {probe_ms:.0f} |", flush=True)
+
+
+class OneDnnSgemm:
+    """y = x @ W.T through oneDNN's ``dnnl_sgemm`` (row-major; W [N, K] unpacked). A build
+    with the OpenMP runtime threads itself; any other (MindSpore's is built for a thread pool,
+    which the C call cannot be given, so it runs sequentially) gets the columns split into
+    one block per core, each called from its own thread (ctypes releases the GIL)."""
+
+    _OMP = 2                            # dnnl_version_t.cpu_runtime: DNNL_RUNTIME_OMP
+
+    class _Version(ctypes.Structure):
+        _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                    ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
+                    ("gpu_runtime", ctypes.c_uint)]
+
+    @classmethod
+    def load(cls, path: str | None):
+        """From ``path``, or MindSpore's bundled library; None with 'none' or when absent."""
+        if path == "none":
+            return None
+        if path is None:
+            import mindspore
+            path = str(Path(mindspore.__file__).parent / "lib" / "libdnnl.so.3")
+            if not Path(path).exists():
+                return None
+        return cls(path)
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        lib.dnnl_version.restype = ctypes.POINTER(self._Version)
+        v = lib.dnnl_version().contents
+        self.omp = v.cpu_runtime == self._OMP
+        self.name = (f"oneDNN {v.major}.{v.minor}.{v.patch} ({path}; "
+                     f"{'OpenMP' if self.omp else 'one call per core'})")
+        self.fn = lib.dnnl_sgemm
+        i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+        self.fn.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, f32, ptr, i64, ptr,
+                            i64, f32, ptr, i64]
+        self.fn.restype = ctypes.c_int
+        self.parts = 1 if self.omp else len(os.sched_getaffinity(0))
+        self.pool = ThreadPoolExecutor(self.parts) if self.parts > 1 else None
+
+    def __str__(self) -> str:
+        return self.name
+
+    def _block(self, x, w, y, n0, n1) -> None:
+        (m, k), n = x.shape, w.shape[0]
+        if self.fn(b"N", b"T", m, n1 - n0, k, 1.0, x.ctypes.data, k, w[n0:].ctypes.data, k,
+                   0.0, y.ctypes.data + 4 * n0, n):
+            raise RuntimeError(f"dnnl_sgemm failed on [{m}, {k}] x [{n}, {k}]")
+
+    def __call__(self, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
+        n = w.shape[0]
+        if not self.pool:
+            return self._block(x, w, y, 0, n)
+        cuts = [n * i // self.parts // 16 * 16 for i in range(self.parts)] + [n]
+        for f in [self.pool.submit(self._block, x, w, y, a, b)
+                  for a, b in zip(cuts[:-1], cuts[1:])]:
+            f.result()
+
+    def batch_invariant(self, n: int, k: int) -> bool:
+        """``gemm.batch_invariant``'s check on this library: every row of a call on some rows
+        bitwise equal to the same row of one call on all of them."""
+        from llm_serving.model_executor.layers.gemm import rows_alike
+        rng = np.random.default_rng(1)
+        w = rng.standard_normal((n, k), dtype=np.float32)
+
+        def run(rows):
+            y = np.empty((len(rows), n), np.float32)
+            self(np.ascontiguousarray(rows), w, y)
+            return y
+        return rows_alike(run, k, rng)
 
 
 def bf16_kernels(args) -> None:
@@ -166,7 +265,6 @@ def bf16_kernels(args) -> None:
 def instruction_rates() -> tuple[float, float]:
     """GFLOP/s of one core issuing zmm VDPBF16PS, and zmm FMAs (bf16_dot_rate.cpp); zeros
     where the CPU has no AVX512-BF16."""
-    import ctypes
     from llm_serving.model_executor.cpp_build import load_cpp_library
     lib = load_cpp_library(str(Path(__file__).with_name("bf16_dot_rate.cpp")), ("-O2",))
     for fn in (lib.dpbf16_gflops, lib.fma_gflops):
@@ -176,7 +274,6 @@ def instruction_rates() -> tuple[float, float]:
 
 
 def before_after(args) -> None:
-    import ctypes
     from llm_serving.model_executor.attention import kernels as attention_kernels
     from llm_serving.model_executor.cpp_build import load_cpp_library
     from llm_serving.model_executor.device import init_device

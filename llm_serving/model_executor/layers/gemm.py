@@ -462,6 +462,13 @@ def batch_invariant(layer, impl: str) -> bool:
 
     def run(rows):
         return _rows(cpu_linear(Tensor(np.ascontiguousarray(rows)), w, call, None, split, impl))
+    return rows_alike(run, k, rng)
+
+
+def rows_alike(run, k: int, rng) -> bool:
+    """Whether ``run`` (rows [m, k] -> outputs [m, n]) computes each row bitwise alike
+    whatever the row count and the row's position: calls on slices of random rows against
+    one call on all of them."""
     x = rng.standard_normal((INVARIANCE_ROWS, k), dtype=np.float32)
     ref = run(x)
     return all(np.array_equal(run(x[off:off + m]), ref[off:off + m])
@@ -469,7 +476,7 @@ def batch_invariant(layer, impl: str) -> bool:
                               (100, 9)))
 
 
-# Rows of the reference call in ``batch_invariant``: more than a decode-sized tile, so kernels
+# Rows of the reference call in ``rows_alike``: more than a decode-sized tile, so kernels
 # with a separate path for many rows (prefill) are compared with their few-row path.
 INVARIANCE_ROWS = 160
 
