@@ -14,7 +14,8 @@ oneDNN's ``dnnl_sgemm`` (row-major, on the unpacked weights) runs beside them wh
 loads: by default the one MindSpore's wheel ships (``mindspore/lib/libdnnl.so.3``, built for a
 thread pool it is not given here, so sequential: the columns are split between one thread per
 core), or ``--onednn-lib PATH`` (e.g. the ``onednn-cpu-gomp`` wheel's ``<venv>/lib/libdnnl.so.3``,
-OpenMP-threaded: one call). It is no candidate of the probe; the header says whether its rows
+OpenMP-threaded: one call; run with ``OMP_WAIT_POLICY=passive``, or its threads spin into the
+other candidates' time). It is no candidate of the probe; the header says whether its rows
 are bitwise alike across row counts and positions (``gemm.rows_alike``, the probe's check), the
 condition for becoming one.
 
@@ -167,8 +168,13 @@ class OneDnnSgemm:
         lib.dnnl_version.restype = ctypes.POINTER(self._Version)
         v = lib.dnnl_version().contents
         self.omp = v.cpu_runtime == self._OMP
+        # An OpenMP build's threads spin after each call, on the cores the next candidate
+        # needs, unless OMP_WAIT_POLICY=passive when libgomp loads (with MindSpore, before
+        # this library).
+        spin = self.omp and os.environ.get("OMP_WAIT_POLICY", "").lower() != "passive"
+        note = "; OMP_WAIT_POLICY is not passive: its threads spin into the others' time"
         self.name = (f"oneDNN {v.major}.{v.minor}.{v.patch} ({path}; "
-                     f"{'OpenMP' if self.omp else 'one call per core'})")
+                     f"{'OpenMP' if self.omp else 'one call per core'}{note if spin else ''})")
         self.fn = lib.dnnl_sgemm
         i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
         self.fn.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, f32, ptr, i64, ptr,

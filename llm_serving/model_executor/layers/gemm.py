@@ -34,7 +34,10 @@ whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 14
 B=64 302 vs 232 ms, prefill 526 vs 578 tok/s; bench/bench_model.py with LLM_SERVING_GEMM, see
 docs/benchmarks.md), and once its own threads have run they slow the candidates around it,
 which a probe of one GEMM at a time does not see. ``LLM_SERVING_GEMM=matmul`` still forces it,
-for benchmarks: the weights then stay unpacked.
+for benchmarks: the weights then stay unpacked. Nor is oneDNN's ``dnnl_sgemm`` (the libdnnl
+MindSpore ships, or PyPI's ``onednn-cpu-gomp``): on AMD Zen 3 its rows are not bitwise alike
+across row counts (``rows_alike``) on any of the 97 M model's shapes, and its time was within
+the machine's noise of our kernel's (``bench/bench_linear.py`` times it and prints the check).
 
 No single one wins every shape, and the winner changes with the CPU. So the first time a layer
 shape (N, K) is used, a short probe times every candidate on the model's own weights of that
