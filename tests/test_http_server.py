@@ -463,19 +463,34 @@ def test_a_non_streaming_client_that_resets_the_connection_is_aborted(server, pa
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+def _generate_stream_error(lines):
+    """The error llm-serving's generate_stream ends a failed stream with."""
+    return json.loads(lines[-1])["data"][0]["error"]
+
+
+def _openai_stream_error(lines):
+    """The error an OpenAI stream sends before its closing [DONE]."""
+    assert lines[-1] == b"data: [DONE]"
+    return json.loads(lines[-2][len(b"data: "):])["error"]["message"]
+
+
+# A long streamed request on each surface: (path, body, the error its failed stream ends with).
+GENERATE_STREAM = ("/models/llama2/generate_stream",
+                   {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200}},
+                   _generate_stream_error)
+OPENAI_STREAM = ("/v1/completions",
+                 {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "stream": True},
+                 _openai_stream_error)
+
+
 def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
-                                route="llm_serving"):
-    """SIGKILL agent ``rank`` during a stream (llm-serving's generate_stream, or OpenAI's
-    streamed completions): the request fails naming the model process, /ready is 503 until a
-    new set of agents is up, then the server generates again."""
+                                stream=GENERATE_STREAM):
+    """SIGKILL agent ``rank`` during a ``stream`` (GENERATE_STREAM or OPENAI_STREAM): the
+    request fails naming the model process, /ready is 503 until a new set of agents is up,
+    then the server generates again."""
     agents = agent_pids(server_pid)
     assert len(agents) == num_agents
-    if route == "openai":
-        path, body = "/v1/completions", {"model": "tiny", "prompt": PROMPTS[0],
-                                         "max_tokens": 200, "stream": True}
-    else:
-        path, body = ("/models/llama2/generate_stream",
-                      {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 200}})
+    path, body, error_of = stream
     with requests.post(url + path, json=body, stream=True, timeout=60) as r:
         lines = (line for line in r.iter_lines() if line)
         next(lines)                                   # the request is running
@@ -484,11 +499,7 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
         rest = list(lines)
         detected = time.monotonic() - t0
     assert detected < 5
-    if route == "openai":
-        assert rest[-1] == b"data: [DONE]"
-        assert "model process failed" in json.loads(rest[-2][len(b"data: "):])["error"]["message"]
-    else:
-        assert "model process failed" in json.loads(rest[-1])["data"][0]["error"]
+    assert "model process failed" in error_of(rest)
     assert requests.get(url + "/live").status_code == 200        # the process is up ...
     assert requests.get(url + "/health").status_code == 503      # ... but cannot serve yet
     assert requests.get(url + "/ready").status_code == 503
@@ -519,7 +530,7 @@ def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
                 "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
             assert r.json()["choices"][0]["text"] == greedy(tiny_llm, prompt, 16).text
         kill_an_agent_and_come_back(url, proc.pid, tiny_llm, rank=1, num_agents=2,
-                                    route="openai")
+                                    stream=OPENAI_STREAM)
         children = agent_pids(proc.pid) + agent_pids(proc.pid, "llm_serving.executor.comm_scheduler")
         assert len(children) == 3
     finally:
