@@ -15,7 +15,8 @@ its reference output's token count capped at 256, greedy, ignore_eos. Cases:
 - offline: the same workload through our bare engine in this process (LLM.generate): the
   served "all" row's loss against it is the serving overhead;
 - bench-serve: vLLM's own client, ``vllm bench serve`` (random 64 in / 64 out, 100 prompts at
-  8 req/s), against both servers (needs --peer vllm: the client lives in vLLM's venv).
+  8 req/s), against both servers (ours only with ``--peer none``); the client runs from vLLM's
+  venv, which must exist either way.
 
 The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`` creates
 /work/venv-vllm; ``--vllm-venv`` or $VLLM_VENV to point elsewhere).
@@ -229,8 +230,9 @@ def main() -> None:
     venv = Path(args.vllm_venv)
     if args.peer == "vllm" and not (venv / "bin" / "python").exists():
         ap.error(f"no vLLM venv at {venv}: run bash bench/setup_vllm_peer.sh {venv}")
-    if "bench-serve" in cases and args.peer != "vllm":
-        ap.error("the bench-serve case needs --peer vllm (vLLM's client lives in its venv)")
+    if "bench-serve" in cases and not (venv / "bin" / "python").exists():
+        ap.error(f"the bench-serve case runs vLLM's client, from its venv: none at {venv} "
+                 f"(bash bench/setup_vllm_peer.sh {venv}, or --vllm-venv)")
     from llm_serving.model_executor.tiny_model import ensure_tiny_model
     model = args.model or ensure_tiny_model(preset="bench")
     extra = args.server_args.split()
