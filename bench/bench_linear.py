@@ -153,15 +153,21 @@ class OneDnnSgemm:
 
     @classmethod
     def load(cls, path: str | None):
-        """From ``path``, or MindSpore's bundled library; None with 'none' or when absent."""
+        """From ``path`` (exits naming it when it is no oneDNN library), or MindSpore's bundled
+        library (None when it is absent or unusable); None with 'none'."""
         if path == "none":
             return None
-        if path is None:
+        given = path is not None
+        if not given:
             import mindspore
             path = str(Path(mindspore.__file__).parent / "lib" / "libdnnl.so.3")
-            if not Path(path).exists():
-                return None
-        return cls(path)
+        try:
+            return cls(path)
+        except (OSError, AttributeError) as e:      # not loadable, or no dnnl_sgemm in it
+            if given:
+                raise SystemExit(f"--onednn-lib {path}: not a oneDNN library ({e})") from None
+            print(f"# onednn: not timed: MindSpore's {path} did not load ({e})")
+            return None
 
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)

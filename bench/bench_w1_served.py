@@ -256,17 +256,17 @@ def main() -> None:
                                             args.num_prompts)
                 continue
             peers = ["ours"] + ([] if ours_only or args.peer == "none" else ["vLLM"])
+            # the client's prompts and concurrency: W1's, or the single case's one at a time
+            prompts, limit = (single_prompts, 1) if case == "single" else (args.num_prompts, None)
             for who in peers:          # one server at a time: they would share the 2 cores
                 srv = (ours(model, extra, str(logs / "ours.log")) if who == "ours"
                        else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
                 with srv:
                     cpu0 = srv.cpu_seconds()
-                    single = case == "single"
                     row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
                                 if case == "bench-serve"
                                 else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
-                                               single_prompts if single else args.num_prompts,
-                                               1 if single else None))
+                                               prompts, limit))
                     row[who]["cpu"] = [b - a for a, b in zip(cpu0, srv.cpu_seconds())]
                 print(f"[{case}] {who}: {row[who]}", file=sys.stderr, flush=True)
 
