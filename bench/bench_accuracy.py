@@ -85,7 +85,8 @@ def compare_arm(ref_dir: Path, arm_dir: Path, ref, arm) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,bench",
-                    help="comma-separated: tiny, bench (the 97M model) or model directories")
+                    help="comma-separated: built-in presets (tiny, bench, bench-gqa) or model "
+                    "directories")
     ap.add_argument("--num-prompts", type=int, default=521)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--every", type=int, default=8, help="dump every N output positions")
@@ -97,7 +98,7 @@ def main() -> None:
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.device import init_device
     from llm_serving.model_executor.layers.gemm import bf16_kernels
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
+    from llm_serving.model_executor.tiny_model import model_path
     init_device("cpu")
     runs = bf16_kernels()
     arms = ([a.strip() for a in args.arms.split(",")] if args.arms else
@@ -116,7 +117,7 @@ def main() -> None:
           "| tokens before first difference |")
     print("|---|---|---|---|---|---|---|---|---|")
     for spec in args.models.split(","):
-        model = (ensure_tiny_model(preset=spec) if spec in ("tiny", "bench") else spec)
+        model = model_path(spec)
         work = Path(tempfile.mkdtemp(prefix="bf16acc_"))
         try:
             dirs, toks = {}, {}

@@ -19,6 +19,7 @@ import datetime
 import platform
 import time
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 
 def step_time(llm, batch: int, tokens: int) -> float:
@@ -79,13 +80,12 @@ def served_rate(model: str, batch: int, tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     from llm_serving import LLM
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     res = {}
     for name, backend, overlap in (("uni", "uni", False), ("mp", "mp", False),

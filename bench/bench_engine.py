@@ -20,6 +20,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "clients" / "data" / "alpaca_5010.json"
@@ -43,7 +44,7 @@ def run(llm, prompts, params):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--batch-sizes", default="1,16,64,128")
@@ -54,8 +55,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from llm_serving import LLM, SamplingParams
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
 
     from llm_serving.cpu_info import cpu_description
     print(f"# llm_serving engine benchmark, {datetime.date.today()}, {platform.node()}, "

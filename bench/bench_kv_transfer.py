@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 
 def _free_port() -> int:
@@ -108,14 +109,13 @@ def run(model, connector, lengths, repeats, master):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--lengths", default="256,1024,2000",
                     help="prompt lengths (each + 1 output token within the model length)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--connectors", default="MooncakeConnector,MooncakeStoreConnector")
     args = ap.parse_args()
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
     port = _free_port()
     master = subprocess.Popen([shutil.which("mooncake_master"), f"--port={port}",

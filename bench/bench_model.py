@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
-vocab 8000, fp32): decode step time (median over --steps steps, each timed right after an
+vocab 8000, fp32; ``--model bench-gqa`` for the 287 M one with GQA, or a directory): decode step time (median over --steps steps, each timed right after an
 untimed one, as steady decoding runs them) at several batch sizes and prefill throughput
 (median of 3), against the memory-bandwidth floor measured in the same run (weight bytes /
 read bandwidth with every core reading; each decode case's own bandwidth, measured between its
 steps, since it drifts on a shared VM).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
-                                [--arms fp32,bf16]
+                                [--arms fp32,bf16] [--model bench|bench-gqa|DIR]
 
 ``--arms`` compares configurations in one run, interleaved step by step (each case alternates
 the arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
@@ -29,6 +29,7 @@ from unittest import mock
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP  # noqa: E402
 
 
 class ReadBandwidth:
@@ -105,7 +106,7 @@ ARMS = {"fp32": ("float32", "float32", False, None),
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="model dir (default: generate the 97M model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
     ap.add_argument("--steps", type=int, default=20)
@@ -119,13 +120,8 @@ def main() -> None:
 
     from llm_serving.config import kv_bytes_per_block
     from llm_serving.model_executor.cpu_graph import STEADY_STEPS
-    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
-    model = args.model
-    if model is None:
-        home = os.environ.get("LLM_SERVING_HOME", os.path.expanduser("~/.cache/llm_serving"))
-        model = os.path.join(home, "models", "bench-97m")
-        if not os.path.exists(os.path.join(model, "config.json")):
-            make_tiny_model(model, **PRESETS["bench"])
+    from llm_serving.model_executor.tiny_model import model_path
+    model = model_path(args.model)
 
     probe_bw = ReadBandwidth()
     bw = float(np.median([probe_bw() for _ in range(5)]))   # the prefill's and the header's

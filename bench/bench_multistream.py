@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 ALWAYS = dict(min_total_tokens=2, min_prefill_tokens=0, max_imbalance=1.0)
 CASES = {
@@ -72,7 +73,7 @@ class Case:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--batches", default="16,64,128")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
@@ -88,8 +89,7 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so the servers this started are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from llm_serving import SamplingParams
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     n_pre, pre_len = (int(x) for x in args.prefill.split("x"))
     ctx = args.context

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_w1_served import Server, free_port  # noqa: E402
 from clients.benchmark_serving import DATA, arrival_gaps, send, summarize  # noqa: E402
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 
 def workload(tokenizer_dir: str, n: int, long_every: int, long_tokens: int, max_output: int):
@@ -234,7 +235,7 @@ def run_pd(connector: str, model: str, work, args, logs: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--long-every", type=int, default=10)
@@ -251,8 +252,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     if os.cpu_count() < 2:
         ap.error("needs 2 cores (P and D are pinned to cores 0 and 1)")
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     work = workload(model, args.num_prompts, args.long_every, args.long_tokens,
                     args.max_output)
     res = {}

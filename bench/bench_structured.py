@@ -27,6 +27,7 @@ import os
 import statistics
 import time
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 
 class Timer:
@@ -102,11 +103,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--steps", type=int, default=12, help="decode steps measured per run")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, interleaved")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     args = ap.parse_args()
     from llm_serving import LLM
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     batches = [int(x) for x in args.batches.split(",")]
     engines = {mode: LLM(model, max_num_seqs=max(batches), distributed_executor_backend="mp",
                          async_scheduling=mode == "async") for mode in ("async", "sync")}

@@ -23,6 +23,7 @@ import numpy as np
 
 from bench_model import OtherLoad
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 
 class Case:
@@ -49,7 +50,7 @@ class Case:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
@@ -58,8 +59,7 @@ def main() -> None:
     ap.add_argument("--cases", default="1,1@0,2@0|1,2")
     args = ap.parse_args()
     from llm_serving import SamplingParams
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     ctx = args.context
     n_prompts = max(1, args.prefill_tokens // ctx)

@@ -25,7 +25,10 @@ The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`
 following; ours ``--dtype bfloat16 --kv-cache-dtype bfloat16``); the offline case stays fp32.
 
     python bench/bench_w1_served.py [--peer vllm] [--cases all,rate4,bench-serve]
-                                    [--dtype float32|bfloat16]
+                                    [--dtype float32|bfloat16] [--model bench|bench-gqa|DIR]
+
+``--model bench-gqa`` serves the 287 M model with grouped-query attention (16 query heads on 4
+kv heads, 24 layers) instead of the 97 M one; both are generated locally on first use.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 from llm_serving.cpu_info import cpu_description  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 from bench_model import process_cpu_seconds  # noqa: E402 (bench/bench_model.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +211,7 @@ def run_offline(model: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: the 97M bench model)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--cases", default="all,rate4",
                     help=f"comma-separated, of: {', '.join(CASES)}")
     ap.add_argument("--peer", choices=("none", "vllm"), default="none")
@@ -233,8 +237,7 @@ def main() -> None:
     if "bench-serve" in cases and not (venv / "bin" / "python").exists():
         ap.error(f"the bench-serve case runs vLLM's client, from its venv: none at {venv} "
                  f"(bash bench/setup_vllm_peer.sh {venv}, or --vllm-venv)")
-    from llm_serving.model_executor.tiny_model import ensure_tiny_model
-    model = args.model or ensure_tiny_model(preset="bench")
+    model = model_path(args.model)
     extra = args.server_args.split()
     if args.dtype == "bfloat16":
         extra += ["--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"]

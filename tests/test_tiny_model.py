@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from llm_serving.model_executor import tiny_model
-from llm_serving.model_executor.tiny_model import default_model_dir, ensure_tiny_model, make_tiny_model
+from llm_serving.model_executor.tiny_model import (default_model_dir, ensure_tiny_model, make_tiny_model,
+                                                   model_path)
 
 
 def _files(d):
@@ -142,6 +143,19 @@ def test_default_dir_and_ensure(tmp_path, monkeypatch):
     assert _files(other) == _files(d)
     monkeypatch.delenv("LLM_SERVING_HOME")
     assert default_model_dir() == str(Path.home() / ".cache" / "llm_serving" / "models" / "tiny-llama")
+
+
+def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
+    # a benchmark's --model: a preset's name gives its built-in model (made on first use),
+    # anything else is a directory, passed through; None is the default preset's
+    monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
+    d = model_path("tiny")
+    assert d == default_model_dir("tiny") and (Path(d) / "config.json").is_file()
+    assert model_path(None, default="tiny") == d
+    own = make_tiny_model(str(tmp_path / "own"), num_layers=1)
+    assert model_path(own) == own
+    assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
+    assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]
 
 
 def test_cli(tmp_path, capsys):

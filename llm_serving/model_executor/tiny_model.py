@@ -61,6 +61,17 @@ PRESETS: Dict[str, Dict[str, object]] = {
         intermediate_size=2048,
         vocab_size=8000,
     ),
+    # ~287M parameters with grouped-query attention (16 query heads on 4 kv heads, 24 layers):
+    # shaped like a small Llama 3 or Qwen2.5, to check on a model 3x the bench model's size,
+    # and with GQA, what the bench model shows (bench/bench_w1_served.py --model bench-gqa).
+    "bench-gqa": dict(
+        hidden_size=1024,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=4,
+        intermediate_size=2816,
+        vocab_size=8000,
+    ),
 }
 
 LLAMA3_ROPE_SCALING = {
@@ -107,12 +118,12 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 # ---------------------------------------------------------------------------------------------
 
 
-_PRESET_DIRS = {"tiny": "tiny-llama", "bench": "bench-97m"}
+_PRESET_DIRS = {"tiny": "tiny-llama", "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
 
 
 def default_model_dir(preset: str = "tiny") -> str:
     """Where a built-in model lives: ``$LLM_SERVING_HOME/models/<name>`` if the variable is set,
-    else ``~/.cache/llm_serving/models/<name>``, with name tiny-llama or bench-97m."""
+    else ``~/.cache/llm_serving/models/<name>``: ``_PRESET_DIRS[preset]``."""
     home = os.environ.get("LLM_SERVING_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "llm_serving"
     return str(base / "models" / _PRESET_DIRS[preset])
@@ -144,6 +155,17 @@ def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+MODEL_HELP = ("a model directory, or a built-in model's preset: "
+              + ", ".join(PRESETS) + " (default: bench, the 97M model)")
+
+
+def model_path(spec: Optional[str], default: str = "bench") -> str:
+    """A benchmark's ``--model``: a preset's name (its built-in model, made on first use), a
+    model directory, or None for ``default``'s."""
+    spec = default if spec is None else spec
+    return ensure_tiny_model(preset=spec) if spec in PRESETS else spec
 
 
 def corpus_texts() -> Tuple[List[str], str]:
