@@ -1,6 +1,7 @@
 """Benchmark the CPU paged-attention kernels and the MindSpore bridge.
 
     python bench/bench_attention_kernel.py [--ctx 256] [--block-size 16] [--no-mindspore]
+                                           [--heads 12 --kv-heads 12]
 
 Prints
   1. the kernel alone: decode at B=1,16,64,128 (context --ctx) and a prefill of --prefill
@@ -23,6 +24,9 @@ built on the side), interleaved call by call: us per layer call (median) of deco
 streams --evict-mb of bf16 weights through a GEMV on the same thread pool before each timed
 call, as a decode step's weights stream between two attention calls: the K/V come from memory
 and the pool's helpers are awake, as in a step ("cold" above is L3-resident below B=64).
+
+``--heads`` and ``--kv-heads`` set the attention's shape in either mode (default: the 97 M
+model's 12 heads, MHA); ``--heads 16 --kv-heads 4`` is the bench-gqa model's GQA.
 """
 
 from __future__ import annotations
@@ -371,6 +375,7 @@ def before_after(args):
 
 
 def main():
+    global H, KVH
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ctx", type=int, default=256, help="decode context length")
     ap.add_argument("--prefill", type=int, default=512, help="prefill length")
@@ -379,6 +384,9 @@ def main():
     ap.add_argument("--cold-bytes", type=int, default=1 << 30,
                     help="rotate enough layers to touch this many K/V bytes (capped by --layers)")
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all cores)")
+    ap.add_argument("--heads", type=int, default=H, help="query heads (the 97 M model's: 12)")
+    ap.add_argument("--kv-heads", type=int, default=KVH,
+                    help="kv heads (12: the 97 M model's MHA; 16 heads on 4: bench-gqa's GQA)")
     ap.add_argument("--no-mindspore", action="store_true", help="skip the bridge table")
     ap.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="KV cache storage (the kernel table)")
@@ -391,6 +399,9 @@ def main():
     ap.add_argument("--evict-mb", type=int, default=64,
                     help="with --in-step: MB of bf16 weights streamed before each call")
     args = ap.parse_args()
+    H, KVH = args.heads, args.kv_heads
+    if H % KVH:
+        ap.error(f"--heads {H} is not a multiple of --kv-heads {KVH}")
     if args.before:
         return before_after(args)
     K.load_library()
