@@ -1,7 +1,8 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
-``python -m llm_serving.model_executor.tiny_model --out DIR [--preset tiny|bench] [flags]`` writes a directory that
-``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load:
+``python -m llm_serving.model_executor.tiny_model --out DIR [--preset tiny|bench|bench-gqa] [flags]``
+writes a directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving
+both load:
 
 * ``config.json`` (LlamaForCausalLM, or Qwen2ForCausalLM when the q/k/v projections have biases),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
@@ -539,7 +540,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); bench: the ~97M model")
+                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); bench: the ~97M model; "
+                        "bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)
