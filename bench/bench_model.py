@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Model benchmark on the 97 M random Llama (hidden 768, 12 layers, 12 heads, FFN 2048,
-vocab 8000, fp32; ``--model bench-gqa`` for the 287 M one with GQA, or a directory): decode step time (median over --steps steps, each timed right after an
-untimed one, as steady decoding runs them) at several batch sizes and prefill throughput
-(median of 3), against the memory-bandwidth floor measured in the same run (weight bytes /
-read bandwidth with every core reading; each decode case's own bandwidth, measured between its
-steps, since it drifts on a shared VM).
+vocab 8000, fp32; ``--model bench-gqa`` for the 287 M one with GQA, or a directory): decode
+step time (median over --steps steps, each timed right after an untimed one, as steady
+decoding runs them) at several batch sizes and prefill throughput (median of 3), against the
+memory-bandwidth floor measured in the same run (weight bytes / read bandwidth with every core
+reading; each decode case's own bandwidth, measured between its steps, since it drifts on a
+shared VM).
 
     python bench/bench_model.py [--batches 1,16,64,128] [--context 256] [--steps 20]
                                 [--arms fp32,bf16] [--model bench|bench-gqa|DIR]
@@ -29,7 +30,7 @@ from unittest import mock
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
-from llm_serving.model_executor.tiny_model import MODEL_HELP  # noqa: E402
+from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
 
 
 class ReadBandwidth:
@@ -120,7 +121,6 @@ def main() -> None:
 
     from llm_serving.config import kv_bytes_per_block
     from llm_serving.model_executor.cpu_graph import STEADY_STEPS
-    from llm_serving.model_executor.tiny_model import model_path
     model = model_path(args.model)
 
     probe_bw = ReadBandwidth()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from llm_serving.model_executor import tiny_model
-from llm_serving.model_executor.tiny_model import (default_model_dir, ensure_tiny_model, make_tiny_model,
-                                                   model_path)
+from llm_serving.model_executor.tiny_model import (default_model_dir, ensure_tiny_model,
+                                                   make_tiny_model, model_path)
 
 
 def _files(d):
@@ -154,6 +154,8 @@ def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     assert model_path(None, default="tiny") == d
     own = make_tiny_model(str(tmp_path / "own"), num_layers=1)
     assert model_path(own) == own
+    with pytest.raises(FileNotFoundError, match="bench-gq.*tiny, bench, bench-gqa"):
+        model_path("bench-gq")                            # a typo: neither a preset nor a model
     assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
     assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]
 

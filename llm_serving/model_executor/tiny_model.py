@@ -1,8 +1,8 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
-``python -m llm_serving.model_executor.tiny_model --out DIR [--preset tiny|bench|bench-gqa] [flags]``
-writes a directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving
-both load:
+``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
+bench or bench-gqa) writes a directory that ``transformers.AutoModelForCausalLM`` /
+``AutoTokenizer`` and llm_serving both load:
 
 * ``config.json`` (LlamaForCausalLM, or Qwen2ForCausalLM when the q/k/v projections have biases),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
@@ -166,7 +166,12 @@ def model_path(spec: Optional[str], default: str = "bench") -> str:
     """A benchmark's ``--model``: a preset's name (its built-in model, made on first use), a
     model directory, or None for ``default``'s."""
     spec = default if spec is None else spec
-    return ensure_tiny_model(preset=spec) if spec in PRESETS else spec
+    if spec in PRESETS:
+        return ensure_tiny_model(preset=spec)
+    if not (Path(spec).expanduser() / "config.json").is_file():
+        raise FileNotFoundError(f"--model {spec!r}: no model directory (with a config.json) "
+                                f"there, and no preset of that name ({', '.join(PRESETS)})")
+    return spec
 
 
 def corpus_texts() -> Tuple[List[str], str]:
@@ -540,8 +545,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); bench: the ~97M model; "
-                        "bench-gqa: ~287M, 16 query heads on 4 kv heads")
+                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); bench: the ~97M "
+                        "model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)
