@@ -232,11 +232,9 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     venv = Path(args.vllm_venv)
-    if args.peer == "vllm" and not (venv / "bin" / "python").exists():
-        ap.error(f"no vLLM venv at {venv}: run bash bench/setup_vllm_peer.sh {venv}")
-    if "bench-serve" in cases and not (venv / "bin" / "python").exists():
-        ap.error(f"the bench-serve case runs vLLM's client, from its venv: none at {venv} "
-                 f"(bash bench/setup_vllm_peer.sh {venv}, or --vllm-venv)")
+    if (args.peer == "vllm" or "bench-serve" in cases) and not (venv / "bin" / "python").exists():
+        ap.error(f"no vLLM venv at {venv} (the peer, and the bench-serve case's client, run from "
+                 f"it): bash bench/setup_vllm_peer.sh {venv}, or --vllm-venv")
     model = model_path(args.model)
     extra = args.server_args.split()
     if args.dtype == "bfloat16":
