@@ -35,8 +35,8 @@ CPU_ALLREDUCE = ("shm", "mccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # KV cache storage (vLLM's --kv-cache-dtype): auto is the backend's own (float32 on CPU,
-# float16 on Ascend); bfloat16 halves a CPU block's bytes.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# float16 on Ascend); float16 and bfloat16 halve a CPU block's bytes.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
@@ -110,8 +110,10 @@ class EngineArgs:
         "that measures faster; "
         "docs/benchmarks.md has its accuracy cost)")
     kv_cache_dtype: str = _arg("auto",
-        "KV cache storage: auto (float32 on CPU, float16 on Ascend), float32, or bfloat16 "
-        "(CPU: half the bytes per block, so kv_cache_space holds twice the tokens)")
+        "KV cache storage: auto (float32 on CPU, float16 on Ascend), float32, float16 or "
+        "bfloat16 (CPU: half the bytes per block, so kv_cache_space holds twice the tokens, "
+        "and decode attention reads half; float16 keeps 3 more bits than bfloat16, and stores "
+        "values beyond +-65504 as +-65504; docs/benchmarks.md has their accuracy cost)")
     device: str = _arg("auto",
         "auto, cpu or ascend")
     enforce_eager: bool = _arg(False,
@@ -249,9 +251,9 @@ class EngineArgs:
         """The KV cache storage dtype this configuration runs with."""
         if on_cpu:
             return "float32" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in ("auto", "float16"):
             raise ConfigError("kv_cache_dtype", "the Ascend attention backend stores KV in "
-                              "float16 (its PagedAttention kernel's dtype); use auto")
+                              "float16 (its PagedAttention kernel's dtype); use auto or float16")
         return "float16"
 
     def create_engine_config(self) -> "EngineConfig":
@@ -339,8 +341,9 @@ class ModelSettings:
     checkpoint: Optional[str]      # a MindSpore .ckpt to load instead of safetensors
     dtype: str
     kv_cache_dtype: str            # as asked (auto: the attention backend's own)
-    kv_storage_dtype: str          # what it resolves to on this device (float32 or bfloat16
-                                   # on CPU, float16 on Ascend): what the KV pool was sized for
+    kv_storage_dtype: str          # what it resolves to on this device (float32, float16 or
+                                   # bfloat16 on CPU, float16 on Ascend): what the KV pool was
+                                   # sized for
     max_model_len: int             # resolved: the model's, capped by the KV pool
     seed: int                      # the sampler's seed for requests without their own
     chat_template: Optional[str]

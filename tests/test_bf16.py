@@ -330,12 +330,16 @@ PROMPT_LENS = [1, 17, 64, 129]
 NEW_TOKENS = 16
 
 
-def _round_kv_attention(module, query, key, value, attention_mask, **kw):
-    """HF's sdpa attention over keys and values rounded to bf16: what a bf16 KV cache holds."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    key = key.to(torch.bfloat16).to(torch.float32)
-    value = value.to(torch.bfloat16).to(torch.float32)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+def _rounding_kv_attention(dtype):
+    """HF's sdpa attention over keys and values rounded to ``dtype`` (torch's rounding): what
+    a KV cache of that dtype holds."""
+    def attention(module, query, key, value, attention_mask, **kw):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        key = key.to(dtype).to(torch.float32)
+        value = value.to(dtype).to(torch.float32)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    return attention
+
 
 
 def _round_input(module, args):
@@ -349,7 +353,7 @@ def hf_bf16(model_dirs):
     fp32, as ours), and for bf16 activations its linear layers' inputs rounded too; its logits
     over each prompt and its greedy tokens."""
     from llm_serving.model_executor.layers.gemm import bf16_kernels
-    transformers.AttentionInterface.register("bf16_kv", _round_kv_attention)
+    transformers.AttentionInterface.register("bf16_kv", _rounding_kv_attention(torch.bfloat16))
     acts = [False] + ([True] if set(bf16_kernels()) - {"widen"} else [])
     out = {}
     for name, path in model_dirs.items():
@@ -417,18 +421,21 @@ def test_engine_matches_hf_with_the_same_rounding(model_dirs, hf_bf16, fresh_pla
         eng.shutdown()
 
 
-def test_bf16_kv_cache_without_bf16_weights_matches_hf(model_dirs):
-    """--kv-cache-dtype bfloat16 alone: HF with fp32 weights and rounded K/V."""
-    transformers.AttentionInterface.register("bf16_kv", _round_kv_attention)
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_16_bit_kv_cache_without_bf16_weights_matches_hf(model_dirs, kv):
+    """--kv-cache-dtype bfloat16 or float16 alone: HF with fp32 weights and K/V rounded to it
+    by torch."""
+    transformers.AttentionInterface.register(f"{kv}_kv",
+                                             _rounding_kv_attention(getattr(torch, kv)))
     name = "llama3-gqa"
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dirs[name], dtype=torch.float32, attn_implementation="bf16_kv").eval()
+        model_dirs[name], dtype=torch.float32, attn_implementation=f"{kv}_kv").eval()
     prompt = np.random.default_rng(9).integers(3, 1024, 40).tolist()
     with torch.no_grad():
         g = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    llm = LLM(model_dirs[name], kv_cache_dtype="bfloat16", num_blocks=64)
+    llm = LLM(model_dirs[name], kv_cache_dtype=kv, num_blocks=64)
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                       min_tokens=NEW_TOKENS))[0]
@@ -436,20 +443,22 @@ def test_bf16_kv_cache_without_bf16_weights_matches_hf(model_dirs):
     llm.engine.shutdown()
 
 
-def test_bf16_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir):
-    """With a bf16 KV cache, sequences swapped out to the (bf16) host pool and back, and
-    prompts served from cached prefix blocks, give the tokens of an unpressured run."""
+@pytest.mark.parametrize("kv,storage", [("bfloat16", np.uint16), ("float16", np.float16)])
+def test_16_bit_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir, kv, storage):
+    """With a bf16 or fp16 KV cache, sequences swapped out to the host pool (of the same
+    dtype) and back, and prompts served from cached prefix blocks, give the tokens of an
+    unpressured run."""
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 1024, 48).tolist()
     prompts = [{"prompt_token_ids": prefix + rng.integers(3, 1024, 8).tolist()}
                for _ in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(tiny_model_dir, kv_cache_dtype="bfloat16", num_blocks=256)
+    roomy = LLM(tiny_model_dir, kv_cache_dtype=kv, num_blocks=256)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy)]
     roomy.engine.shutdown()
-    tight = LLM(tiny_model_dir, kv_cache_dtype="bfloat16", num_blocks=24,
+    tight = LLM(tiny_model_dir, kv_cache_dtype=kv, num_blocks=24,
                 preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True)
-    assert tight.engine.runner.host_caches[0][0].dtype == np.uint16
+    assert tight.engine.runner.host_caches[0][0].dtype == storage
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
     stats = tight.engine.get_stats()
     again = tight.generate(prompts[0], greedy)[0]
@@ -475,12 +484,14 @@ def test_tensor_parallel_with_bf16_weights_and_kv(tiny_model_dir):
 
 # ---- configuration ---------------------------------------------------------------------------
 
-def test_bf16_kv_doubles_the_blocks_of_the_same_space(tiny_model_dir):
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_16_bit_kv_doubles_the_blocks_of_the_same_space(tiny_model_dir, kv):
     f32 = EngineArgs(tiny_model_dir, kv_cache_space=0.01).create_engine_config()
     b16 = EngineArgs(tiny_model_dir, kv_cache_space=0.01,
-                     kv_cache_dtype="bfloat16").create_engine_config()
+                     kv_cache_dtype=kv).create_engine_config()
     assert b16.cache.num_blocks // 2 == f32.cache.num_blocks     # the same bytes (floored)
-    assert (f32.model.kv_cache_dtype, b16.model.kv_cache_dtype) == ("auto", "bfloat16")
+    assert (f32.model.kv_cache_dtype, b16.model.kv_cache_dtype) == ("auto", kv)
+    assert b16.model.kv_storage_dtype == kv
 
 
 @pytest.mark.parametrize("kwargs,key", [
@@ -494,6 +505,16 @@ def test_unsupported_precisions_name_the_key(tiny_model_dir, kwargs, key):
     with pytest.raises(ConfigError) as e:
         EngineArgs(tiny_model_dir, **kwargs).create_engine_config()
     assert e.value.key == key
+
+
+def test_ascend_takes_float16_kv_by_name(tiny_model_dir):
+    """Ascend's KV cache is float16 whatever is asked: auto and float16 both give it, sized
+    at 2 bytes a value (float32 and bfloat16 are refused above)."""
+    auto, f16 = (EngineArgs(tiny_model_dir, kv_cache_dtype=kv, device="ascend",
+                            kv_cache_space=0.01).create_engine_config()
+                 for kv in ("auto", "float16"))
+    assert auto.model.kv_storage_dtype == f16.model.kv_storage_dtype == "float16"
+    assert auto.cache.num_blocks == f16.cache.num_blocks
 
 
 def test_bf16_weights_need_our_kernels(tiny_model_dir, monkeypatch):

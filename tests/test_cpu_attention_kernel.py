@@ -39,11 +39,22 @@ def bf16_round(x):
     return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).float().numpy()
 
 
+def f16_round(x):
+    """float32 -> nearest float16 (ties to even; beyond +-65504: +-65504, as our caches store
+    it) -> float32, by NumPy (independent of ours). Clipped in float32: a float64 clip would
+    round twice."""
+    x = np.ascontiguousarray(x, np.float32)
+    return np.clip(x, np.float32(-65504), np.float32(65504)).astype(np.float16).astype(np.float32)
+
+
+STORED = {"float32": lambda x: x, "bfloat16": bf16_round, "float16": f16_round}
+
+
 def widen(cache):
     """A cache's values as float32 (bf16 caches hold uint16 bits)."""
     if cache.dtype == np.uint16:
         return (cache.astype(np.uint32) << 16).view(np.float32)
-    return cache
+    return cache.astype(np.float32)
 
 
 class PagedHarness:
@@ -54,8 +65,9 @@ class PagedHarness:
         self.max_blocks = max_blocks_per_seq
         # NaN-filled so that reading an unwritten slot shows up in the result
         shape = (num_blocks, block_size, kvh, d)
-        self.bf16 = cache_dtype == "bfloat16"
-        fill = (np.uint16(0x7FC0), np.uint16) if self.bf16 else (np.nan, np.float32)
+        self.cache_dtype = cache_dtype
+        fill = {"float32": (np.nan, np.float32), "bfloat16": (np.uint16(0x7FC0), np.uint16),
+                "float16": (np.nan, np.float16)}[cache_dtype]
         self.k_cache = np.full(shape, *fill)
         self.v_cache = np.full(shape, *fill)
         self.free = list(self.rng.permutation(num_blocks))  # shuffled, non-contiguous ids
@@ -100,7 +112,7 @@ class PagedHarness:
         """Append this step's K/V to the history and return the per-row reference output."""
         ref = np.zeros(inp["query"].shape, np.float64)
         qsl = inp["query_start_loc"]
-        stored = bf16_round if self.bf16 else (lambda x: x)   # what the cache holds
+        stored = STORED[self.cache_dtype]   # what the cache holds
         for i, (sid, n) in enumerate(work):
             a, b = qsl[i], qsl[i + 1]
             inp = dict(inp, key=stored(inp["key"]), value=stored(inp["value"]))
@@ -161,15 +173,16 @@ def test_mixed_ragged_batches(block_size, h, kvh):
     hs.check_cache()
 
 
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [8, 40, 64, 128, 160, 256])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_bf16_cache(block_size, d):
-    """A bfloat16 cache holds each K/V value rounded to nearest even (bits as torch rounds
-    them) and attention over it equals float64 attention over those rounded values, to the
-    float32 tolerance: only the storage loses precision, not the arithmetic."""
+def test_16_bit_caches(block_size, d, cache_dtype):
+    """A bfloat16 or float16 cache holds each K/V value rounded to nearest even (bits as torch,
+    or NumPy, rounds them) and attention over it equals float64 attention over those rounded
+    values, to the float32 tolerance: only the storage loses precision, not the arithmetic."""
     hs = PagedHarness(num_blocks=(400 // block_size + 8) * 2, block_size=block_size, h=8,
                       kvh=2, d=d, max_blocks_per_seq=200 // block_size + 2, seed=d + block_size,
-                      cache_dtype="bfloat16")
+                      cache_dtype=cache_dtype)
     for i, work in enumerate(MIXED_STEPS):
         inp, out, ref = hs.run(work, fused=(i % 2 == 0))
         assert_close(out, ref)
@@ -187,6 +200,42 @@ def test_bf16_cache_rounds_ties_to_even_and_keeps_specials():
     nan = np.array([[np.nan] * k.shape[1]], np.float32)
     K.reshape_and_cache(nan, nan, hs.k_cache, hs.v_cache, np.array([6], np.int32))
     assert np.isnan(widen(hs.k_cache[1, 2, 0])).all()
+
+
+F16_EDGES = np.array([[1.0, 1 + 2**-11, 1 + 3 * 2**-11, -2 - 2**-10, 65504, 65519, 65520, 1e6,
+                        -1e6, np.inf, -np.inf, 2**-24, 3 * 2**-25, 2**-25, 5 * 2**-26, 1e-5,
+                        -0.0, 1e-40, 6.1e-5]], np.float32)
+# exact, tie to even (down), tie to even (up), a negative tie, the largest half, rounds to it,
+# rounds past it (saturates), far past, infinities (saturate), the smallest subnormal, subnormal
+# ties (up to even, down to zero), just above a tie, a subnormal, -0, a float32 denormal, just
+# below the smallest normal half
+
+
+@pytest.mark.parametrize("lib_flags", [(), ("-mno-f16c",), ("-DLLS_FORCE_SCALAR",)],
+                         ids=["native", "no-f16c", "scalar"])
+def test_f16_cache_rounds_ties_to_even_saturates_and_keeps_nan(monkeypatch, lib_flags):
+    """Every build stores float16 as NumPy rounds it, to nearest even, and a value beyond the
+    range (infinities too) as +-65504: F16C's conversions, and the portable C++ one that a
+    build without F16C (a CPU other than x86) runs, over edge cases and 200 k random values of
+    every magnitude from subnormal to overflow. A NaN stays a NaN."""
+    monkeypatch.setattr(K, "_default_lib", K.load_library(list(lib_flags)))
+    rng = np.random.default_rng(7)
+    rand = (rng.standard_normal((3200, 64))
+            * np.exp(rng.uniform(-25, 12, (3200, 64)))).astype(np.float32)
+    for x in (F16_EDGES, rand):
+        t, d = x.shape
+        k = np.full((t // 4 + 1, 4, 1, d), np.nan, np.float16)
+        v = k.copy()
+        K.reshape_and_cache(x, -x, k, v, np.arange(t, dtype=np.int32))
+        got_k, got_v = k.reshape(-1, d)[:t], v.reshape(-1, d)[:t]
+        np.testing.assert_array_equal(got_k.view(np.uint16),
+                                      f16_round(x).astype(np.float16).view(np.uint16))
+        np.testing.assert_array_equal(got_v.view(np.uint16),
+                                      f16_round(-x).astype(np.float16).view(np.uint16))
+    nan = np.full((1, 8), np.nan, np.float32)
+    k = np.zeros((1, 4, 1, 8), np.float16)
+    K.reshape_and_cache(nan, nan, k, k.copy(), np.array([2], np.int32))
+    assert np.isnan(k[0, 2, 0]).all() and not np.isnan(k[0, :2]).any()
 
 
 def test_cache_dtype_mismatch_is_refused():
@@ -230,7 +279,7 @@ def test_chunked_prefill_matches_one_shot():
 
 
 @pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",)], ids=["avx512", "avx2-build"])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("h,kvh,d,bs", [(12, 12, 64, 16), (8, 2, 36, 16), (6, 1, 160, 1)],
                          ids=["mha-d64", "gqa-d36", "mqa-d160"])
 def test_decode_row_equals_the_same_row_in_a_prefill_chunk(monkeypatch, lib_flags, cache_dtype,
@@ -310,7 +359,7 @@ def test_strided_rows_from_fused_qkv():
 
 
 @pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",)], ids=["avx512", "avx2-build"])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("h,kvh", [(12, 12), (8, 2)], ids=["mha", "gqa"])
 def test_a_decode_row_has_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
         monkeypatch, lib_flags, cache_dtype, h, kvh):
@@ -644,7 +693,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("cache_dtype,itemsize", [("auto", 4), ("bfloat16", 2)])
+@pytest.mark.parametrize("cache_dtype,itemsize", [("auto", 4), ("bfloat16", 2), ("float16", 2)])
 def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
     """The CPU backend's cache arrays are zeros of the kernels' storage type, writable and
     contiguous, and their memory is committed at allocation (start-up), not page by page by
@@ -660,7 +709,7 @@ def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
     assert grown >= 0.9 * (k.nbytes + v.nbytes)
     # and the kernels take them
     hs = PagedHarness(num_blocks=1024, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=8,
-                      cache_dtype="bfloat16" if itemsize == 2 else "float32")
+                      cache_dtype="float32" if cache_dtype == "auto" else cache_dtype)
     hs.k_cache, hs.v_cache = k, v
     for work in MIXED_STEPS[:2]:
         _, out, ref = hs.run(work)

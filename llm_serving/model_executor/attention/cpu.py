@@ -2,9 +2,9 @@
 one ragged batch of new prefills, continuing prefill chunks and decodes, with no padding: the
 work follows the real token and context counts. The KV cache lives in host memory owned by
 this backend, one ``[num_blocks, block_size, KVH, D]`` array per layer for keys and values,
-float32, or bfloat16 bits (uint16) with ``kv_cache_dtype="bfloat16"``: the kernels write K/V
-rounded to nearest even and widen them on read (fp32 arithmetic). The swap pool uses the same
-storage, so block moves and KV transfers copy bytes as they are.
+float32, or with ``kv_cache_dtype`` float16 or bfloat16 (bits in uint16) half of it: the
+kernels write K/V rounded to nearest even and widen them on read (fp32 arithmetic). The swap
+pool uses the same storage, so block moves and KV transfers copy bytes as they are.
 """
 from __future__ import annotations
 

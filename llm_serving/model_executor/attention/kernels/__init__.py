@@ -7,9 +7,11 @@ or another machine gets its own build. Builds go to a temporary name and are ren
 so processes building at the same time never see a half-written library.
 
 KV cache layout (per layer): ``k_cache``, ``v_cache`` ``[num_blocks, block_size, num_kv_heads,
-head_dim]``, C-contiguous, float32 or bfloat16. NumPy has no bfloat16, so a bf16 cache is a
-``uint16`` array of bf16 bits (``CACHE_DTYPES``): rows are written rounded to nearest even and
-widened to float32 on read; all arithmetic stays float32. A token's slot is ``block_id * block_size + offset``.
+head_dim]``, C-contiguous, float32, bfloat16 or float16. NumPy has no bfloat16, so a bf16 cache
+is a ``uint16`` array of bf16 bits; a float16 cache is a ``float16`` array (``CACHE_DTYPES``).
+16-bit rows are written rounded to nearest even and widened to float32 on read; all arithmetic
+stays float32. A float16 cache stores values beyond its range (infinities included) as
++-65504, its largest finite value. A token's slot is ``block_id * block_size + offset``.
 
 NumPy API (no copies; inputs are checked and errors raised as :class:`KernelArgumentError`,
 or ``MemoryError`` when the kernel cannot allocate its work buffers):
@@ -86,7 +88,8 @@ SOURCE_PATH = Path(__file__).with_name("cpu_paged_attention.cpp")
 ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread", "-fno-trapping-math")
 ABI_VERSION = 2
 # Cache storage per KV cache dtype name (engine argument kv_cache_dtype).
-CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
+CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16),
+                "float16": np.dtype(np.float16)}
 
 
 class KernelArgumentError(LLMServingError, ValueError):
@@ -122,7 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lls_parallel_for.argtypes = [P, P, I, ctypes.c_int, I]
     lib.lls_set_parallel_threshold.restype = None
     lib.lls_set_parallel_threshold.argtypes = [I]
-    for sfx in ("", "_bf16"):
+    for sfx in _CACHE_SUFFIX.values():
         fn = getattr(lib, "lls_reshape_and_cache" + sfx)
         fn.restype, fn.argtypes = ctypes.c_int, [P, I, P, I, P, P, P, I, I, I, I]
         fn = getattr(lib, "lls_paged_attention" + sfx)
@@ -194,7 +197,7 @@ def _check_cache(k_cache: np.ndarray, v_cache: np.ndarray) -> Tuple[int, int, in
             raise KernelArgumentError(f"{name} must be a numpy.ndarray, got {type(c).__name__}")
         if c.dtype not in _CACHE_SUFFIX or c.ndim != 4 or not c.flags.c_contiguous:
             raise KernelArgumentError(
-                f"{name} must be a C-contiguous float32 (or uint16 bfloat16 bits) array "
+                f"{name} must be a C-contiguous float32, float16 (or uint16 bfloat16 bits) array "
                 f"[num_blocks, block_size, num_kv_heads, head_dim]; got dtype={c.dtype}, "
                 f"shape={c.shape}, contiguous={c.flags.c_contiguous}"
             )
@@ -208,7 +211,7 @@ def _check_cache(k_cache: np.ndarray, v_cache: np.ndarray) -> Tuple[int, int, in
 
 
 # Entry point suffix per cache storage dtype.
-_CACHE_SUFFIX = {_F32: "", np.dtype(np.uint16): "_bf16"}
+_CACHE_SUFFIX = {_F32: "", np.dtype(np.uint16): "_bf16", np.dtype(np.float16): "_f16"}
 
 
 def _fn(name: str, k_cache: np.ndarray):
@@ -443,7 +446,8 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
     """One layer of attention for the MindSpore model: writes k/v into the cache, attends.
 
     q: Tensor [T, H*D]; k, v: Tensor [T, KVH*D] (float32, rows may be strided views).
-    k_cache/v_cache: NumPy float32 (or uint16 bfloat16 bits) [num_blocks, block_size, KVH, D]
+    k_cache/v_cache: NumPy float32, float16 (or uint16 bfloat16 bits) [num_blocks, block_size,
+    KVH, D]
     owned by the caller.
     slot_mapping int32 [T], block_tables int32 [S, max_blocks], query_start_loc int32 [S+1],
     seq_lens int32 [S] as NumPy arrays. Returns a new Tensor [T, H*D] that wraps the kernel's

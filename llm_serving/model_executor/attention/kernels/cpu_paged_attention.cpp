@@ -1,10 +1,12 @@
 // CPU kernels for attention over a paged KV cache with ragged (unpadded) batches.
 //
 // Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
-// contiguous, float32 or bfloat16 (uint16 bits; the *_bf16 entry points): bf16 caches are
-// written rounded to nearest even and widened to float32 on read, so all arithmetic stays
-// float32 and only the stored K/V lose precision. A token's slot is block_id * block_size + offset; its K row for kv head g starts at
-// (slot * num_kv_heads + g) * head_dim.
+// contiguous, float32, bfloat16 (uint16 bits; the *_bf16 entry points) or float16 (IEEE half
+// bits; the *_f16 entry points): 16-bit caches are written rounded to nearest even and widened
+// to float32 on read, so all arithmetic stays float32 and only the stored K/V lose precision.
+// A float16 cache stores what lies beyond its range (infinities included) as +-65504, its
+// largest finite value; NaN stays NaN. A token's slot is block_id * block_size + offset; its K
+// row for kv head g starts at (slot * num_kv_heads + g) * head_dim.
 //
 // Entry points (all extern "C", loaded with ctypes or through MindSpore's ops.Custom "aot"):
 //   lls_reshape_and_cache      write this step's K/V rows into their slots (slot < 0: skip)
@@ -13,7 +15,7 @@
 //   lls_aot_attention          the fused call with MindSpore's CPU aot signature
 //   lls_aot_paged_attention    attention only, aot signature
 //   lls_reshape_and_cache_bf16, lls_paged_attention_bf16, lls_attention_fused_bf16: the same
-//                              contracts with bfloat16 caches
+//                              contracts with bfloat16 caches; *_f16: with float16 caches
 // Every function returns 0 on success and a negative code on bad input, or -5 when the kernel
 // could not allocate its work buffers; lls_last_error() then describes the problem. Nothing is
 // written to the caches or the output when input validation fails. No C++ exception leaves an
@@ -71,12 +73,22 @@
 #else
 #define LLS_AVX512 0
 #endif
-// The portable path built for AVX2 with FMA (AMD Zen 3, or -mno-avx512f): see dot8.
-#if !LLS_AVX512 && defined(__AVX2__) && defined(__FMA__) && !defined(LLS_FORCE_SCALAR)
+// The portable path built for AVX2 with FMA and F16C (AMD Zen 3, or -mno-avx512f): see dot8.
+#if !LLS_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !defined(LLS_FORCE_SCALAR)
 #include <immintrin.h>
 #define LLS_AVX2 1
 #else
 #define LLS_AVX2 0
+#endif
+
+// float16 caches convert with F16C's instructions where the CPU has them (every x86 CPU with
+// AVX2 this project runs on), and in portable C++ elsewhere (see tof(f16_t)).
+#if defined(__F16C__)
+#include <immintrin.h>
+#define LLS_F16C 1
+#else
+#define LLS_F16C 0
 #endif
 
 #define LLS_RESTRICT __restrict__
@@ -306,7 +318,7 @@ void parallel_for(TaskFn fn, void* ctx, int64_t n, bool parallel, int64_t linger
 struct AttnArgs {
   const float* q;
   int64_t q_stride;  // floats between consecutive tokens of q
-  const void* k_cache;  // float or uint16_t (bf16 bits): the element type is a template argument
+  const void* k_cache;  // float, bf16_t or f16_t: the element type is a template argument
   const void* v_cache;
   const int32_t* block_tables;
   int64_t max_blocks;
@@ -347,8 +359,13 @@ struct AlignedBuf {
   }
 };
 
-// Cache elements: float, or uint16_t holding bfloat16 bits.
+// Cache elements: float, uint16_t holding bfloat16 bits, or f16_t holding IEEE half bits (a
+// struct, so that it is a type of its own beside bf16_t).
 typedef uint16_t bf16_t;
+struct f16_t {
+  uint16_t bits;
+};
+static_assert(sizeof(f16_t) == 2, "f16_t must be two bytes, as the cache's elements are");
 inline float tof(float x) { return x; }
 inline float tof(bf16_t b) {
   const uint32_t u = (uint32_t)b << 16;
@@ -362,6 +379,59 @@ inline bf16_t to_bf16(float f) {
   std::memcpy(&u, &f, 4);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16_t)((u >> 16) | 0x40u);
   return (bf16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+constexpr float kF16Max = 65504.f;  // the largest finite float16
+
+inline float tof(f16_t h) {
+#if LLS_F16C
+  return _cvtsh_ss(h.bits);
+#else
+  const uint32_t sign = (uint32_t)(h.bits & 0x8000u) << 16;
+  const uint32_t e = (h.bits >> 10) & 0x1Fu, man = h.bits & 0x3FFu;
+  uint32_t u;
+  if (e == 0) {                        // zero or subnormal: man * 2^-24, exact in float
+    const float f = (float)man * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else if (e == 31) {                // infinity or NaN
+    u = sign | 0x7F800000u | (man << 13);
+  } else {
+    u = sign | ((e + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// float -> float16, round to nearest even; beyond the range (infinities included): +-65504;
+// NaN stays a NaN.
+inline f16_t to_f16(float f) {
+#if LLS_F16C
+  if (!(f != f)) f = std::min(std::max(f, -kF16Max), kF16Max);
+  return f16_t{(uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)};
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return f16_t{(uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu))};
+  if (a >= 0x477FF000u) return f16_t{(uint16_t)(sign | 0x7BFFu)};  // rounds to 65520 or more
+  if (a < 0x38800000u) {
+    // below 2^-14 (half's subnormals): adding 0.5 leaves the sum's last bit worth 2^-24, so the
+    // float addition rounds |f| to a multiple of the half's subnormal step, to nearest even
+    float af;
+    std::memcpy(&af, &a, 4);
+    const float t = af + 0.5f;
+    uint32_t tu;
+    std::memcpy(&tu, &t, 4);
+    return f16_t{(uint16_t)(sign | (tu - 0x3F000000u))};
+  }
+  // normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even
+  a += (uint32_t)(15 - 127) * (1u << 23) + 0xFFFu + ((a >> 13) & 1u);
+  return f16_t{(uint16_t)(sign | (a >> 13))};
+#endif
 }
 
 template <class C>
@@ -451,6 +521,19 @@ inline void store_row(float* dst, const float* src, int64_t n) {
 }
 inline void store_row(bf16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+inline void store_row(f16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if LLS_F16C
+  const __m256 hi = _mm256_set1_ps(kF16Max), lo = _mm256_set1_ps(-kF16Max);
+  for (; i + 8 <= n; i += 8) {
+    // min/max return their second operand when it is NaN: a NaN passes through
+    const __m256 x = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(src + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_f16(src[i]);
 }
 
 template <class C>
@@ -664,6 +747,20 @@ inline __m512 ld16(__mmask16 m, const bf16_t* p) {
   for (int i = 0; i < 16; ++i)
     if (m >> i & 1) t[i] = p[i];
   return widen16(_mm256_load_si256(reinterpret_cast<const __m256i*>(t)));
+#endif
+}
+
+inline __m512 ld16(const f16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 ld16(__mmask16 m, const f16_t* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+#else
+  alignas(32) uint16_t t[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) t[i] = p[i].bits;
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t)));
 #endif
 }
 
@@ -1054,6 +1151,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // q . k: 8 partial sums (element d in lane d % 8, one FMA chain per lane in the order of d),
@@ -1581,6 +1681,7 @@ extern "C" {
 
 LLS_CACHE_ENTRY_POINTS(, float)
 LLS_CACHE_ENTRY_POINTS(_bf16, bf16_t)
+LLS_CACHE_ENTRY_POINTS(_f16, f16_t)
 
 // ---------------------------------------------------------------------------------------------
 // MindSpore CPU aot entry points:
