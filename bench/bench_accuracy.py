@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Accuracy cost of lower precision: bf16 weights, bf16 KV cache and both, against fp32, with
-the logits harness (``--dump-logits``) on the bundled 521 alpaca prompts.
+"""Accuracy cost of lower precision: bf16 weights, a bf16 or fp16 KV cache, and bf16 both,
+against fp32, with the logits harness (``--dump-logits``) on the bundled 521 alpaca prompts.
 
     python bench/bench_accuracy.py [--models tiny,bench] [--num-prompts 521] [--max-tokens 32]
 
@@ -36,6 +36,7 @@ DATA = ROOT / "clients" / "data" / "alpaca_521.json"
 # to bf16 (where the CPU has them).
 ARMS = {"fp32": ("float32", "float32", None), "bf16 weights": ("bfloat16", "float32", None),
         "bf16 KV": ("float32", "bfloat16", None), "bf16 both": ("bfloat16", "bfloat16", None),
+        "fp16 KV": ("float32", "float16", None),
         **{f"bf16 weights ({k})": ("bfloat16", "float32", k) for k in ("widen", "amx", "dot")},
         **{f"bf16 both ({k})": ("bfloat16", "bfloat16", k) for k in ("widen", "amx", "dot")}}
 ATOL = 5e-3
