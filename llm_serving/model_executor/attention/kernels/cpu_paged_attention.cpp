@@ -736,33 +736,26 @@ inline __m512 ld16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m
 inline __m512 widen16(__m256i b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
+// The 16-bit elements of p in the lanes of `m`, zero elsewhere (bf16_t and f16_t alike).
+inline __m256i ld16_bits(__mmask16 m, const void* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_loadu_epi16(m, p);
+#else
+  alignas(32) uint16_t t[16] = {};
+  const uint16_t* u = static_cast<const uint16_t*>(p);
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) t[i] = u[i];
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+#endif
+}
 inline __m512 ld16(const bf16_t* p) {
   return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 ld16(__mmask16 m, const bf16_t* p) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return widen16(_mm256_maskz_loadu_epi16(m, p));
-#else
-  alignas(32) bf16_t t[16] = {};
-  for (int i = 0; i < 16; ++i)
-    if (m >> i & 1) t[i] = p[i];
-  return widen16(_mm256_load_si256(reinterpret_cast<const __m256i*>(t)));
-#endif
-}
-
+inline __m512 ld16(__mmask16 m, const bf16_t* p) { return widen16(ld16_bits(m, p)); }
 inline __m512 ld16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 ld16(__mmask16 m, const f16_t* p) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-#else
-  alignas(32) uint16_t t[16] = {};
-  for (int i = 0; i < 16; ++i)
-    if (m >> i & 1) t[i] = p[i].bits;
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(t)));
-#endif
-}
+inline __m512 ld16(__mmask16 m, const f16_t* p) { return _mm512_cvtph_ps(ld16_bits(m, p)); }
 
 // Scores of one (pre-scaled, zero-padded) query row against 16 context rows (kp[j] + off).
 template <int NC, class C>
