@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -44,8 +45,12 @@ def serve(args) -> None:
     resolved = engine_args.create_engine_config()
     engine_args = dataclasses.replace(engine_args, num_blocks=resolved.cache.num_blocks,
                                       max_model_len=resolved.model.max_model_len)
+    from llm_serving.config import describe_kv_cache
     if args.dry_run:    # what would be launched (devices, environment, commands), then exit
-        from llm_serving.executor.launch_plan import print_plan; return print_plan(resolved)  # noqa: E702
+        from llm_serving.executor.launch_plan import print_plan
+        print(describe_kv_cache(resolved))
+        return print_plan(resolved)
+    logging.getLogger("llm_serving.server").info(describe_kv_cache(resolved))
     # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     stop_with = os.environ.get(STOP_WITH_PARENT_ENV)
@@ -131,7 +136,6 @@ def remedy(e: Exception) -> Optional[str]:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    import logging
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ["LLM_SERVING_LOG_LEVEL"] = args.log_level.upper()    # for the WorkAgents

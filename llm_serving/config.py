@@ -467,6 +467,23 @@ def kv_bytes_per_block(config: "ModelConfig", block_size: int, tp_size: int = 1,
             * KV_DTYPE_BYTES[kv_cache_dtype])
 
 
+def describe_kv_cache(config: "EngineConfig") -> str:
+    """The KV pool in one line, as start.py logs it before starting (and --dry-run prints it):
+    its blocks, tokens, storage dtype and size on each rank, and the swap pool's."""
+    c, m = config.cache, config.model
+    block = kv_bytes_per_block(m.hf, c.block_size, config.parallel.tensor_parallel_size,
+                               m.kv_storage_dtype)
+    def size(n):
+        b = n * block
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+    line = (f"KV cache: {c.num_blocks} blocks of {c.block_size} tokens "
+            f"({c.num_blocks * c.block_size} tokens), {m.kv_storage_dtype}, "
+            f"{size(c.num_blocks)} per rank")
+    if c.num_cpu_blocks:
+        line += f"; swap pool: {c.num_cpu_blocks} blocks, {size(c.num_cpu_blocks)} per rank"
+    return line
+
+
 def check_tensor_parallel(config: "ModelConfig", tp_size: int) -> None:
     """Raise a ConfigError naming tensor_parallel_size if the model cannot be split that way."""
     if tp_size == 1:

@@ -79,3 +79,20 @@ def test_the_plan_matches_what_each_agent_will_select(tiny_model_dir, device, tp
     assert plan.comm_backend == (None if tp == 1 else "hccl" if device == "ascend" else "mccl")
     cmd = plan.agents[0].command(control_fd=9, shm_in="a,b", shm_out="c,d")
     assert cmd[cmd.index("--control-fd") + 1] == "9" and cmd[cmd.index("--shm-in") + 1] == "a,b"
+
+
+@pytest.mark.parametrize("kv,itemsize", [("float32", 4), ("float16", 2), ("bfloat16", 2)])
+def test_dry_run_states_the_kv_pool_it_would_allocate(tiny_model_dir, kv, itemsize):
+    """The KV pool's line (start.py logs it before starting): blocks, tokens, the storage
+    dtype asked for, and its bytes, computed here from the model's config.json."""
+    import json
+    hf = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    kvh = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    d = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    res = subprocess.run([sys.executable, "start.py", "--model", str(tiny_model_dir),
+                          "--device", "cpu", "--num-blocks", "300", "--kv-cache-dtype", kv,
+                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    mib = 2 * hf["num_hidden_layers"] * 300 * 16 * kvh * d * itemsize / 2**20
+    assert res.stdout.splitlines()[0] == (
+        f"KV cache: 300 blocks of 16 tokens (4800 tokens), {kv}, {mib:.1f} MiB per rank")
