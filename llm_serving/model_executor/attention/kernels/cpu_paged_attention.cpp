@@ -409,7 +409,7 @@ inline float tof(f16_t h) {
 // NaN stays a NaN.
 inline f16_t to_f16(float f) {
 #if LLS_F16C
-  if (!(f != f)) f = std::min(std::max(f, -kF16Max), kF16Max);
+  if (!std::isnan(f)) f = std::min(std::max(f, -kF16Max), kF16Max);
   return f16_t{(uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)};
 #else
   uint32_t u;
