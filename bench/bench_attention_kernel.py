@@ -93,19 +93,21 @@ class Batch:
         self.B, self.ctx, self.qlen, self.L = batch, ctx, qlen, layers
         nbps = (ctx + block_size - 1) // block_size
         nb = batch * nbps
-        bf16 = cache_dtype == "bfloat16"       # bf16 bits: the high half of the float32
+        storage = K.CACHE_DTYPES[cache_dtype]
 
         def cache():
             # as the engine allocates it (host_zeros: committed, on huge pages where the
             # kernel allows), random values (the softmax's running max moves as in a model)
             shape = (nb, block_size, KVH, D)
-            c = host_zeros(shape, np.uint16 if bf16 else np.float32)
+            c = host_zeros(shape, storage)
             r = rng.standard_normal(shape, dtype=np.float32)
-            c[...] = (r.view(np.uint32) >> 16).astype(np.uint16) if bf16 else r
+            # bf16 bits: the high half of the float32
+            c[...] = ((r.view(np.uint32) >> 16).astype(np.uint16) if cache_dtype == "bfloat16"
+                      else r)
             return c
         self.k = [cache() for _ in range(layers)]
         self.v = [cache() for _ in range(layers)]
-        self.itemsize = 2 if bf16 else 4
+        self.itemsize = storage.itemsize
         self.bt = rng.permutation(nb).astype(np.int32).reshape(batch, nbps)
         self.T = batch * qlen
         self.qsl = (np.arange(batch + 1) * qlen).astype(np.int32)
@@ -150,7 +152,7 @@ def kernel_table(args):
           f"{'p10GB/s':>7s} {'GFLOP/s':>7s} {'hot us':>8s} {'hotGB/s':>7s} {'fused us':>9s}")
     cases = [(b, args.ctx, 1) for b in (1, 16, 64, 128)] + [(1, args.prefill, args.prefill)]
     for b, ctx, qlen in cases:
-        per_layer = b * ctx * KVH * D * (4 if args.cache_dtype == "bfloat16" else 8)
+        per_layer = b * ctx * KVH * D * 2 * K.CACHE_DTYPES[args.cache_dtype].itemsize
         layers = 1 if qlen > 1 else int(min(args.layers, max(2, -(-args.cold_bytes // per_layer))))
         bt = Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
         cold, cold10 = time_us(bt.attention)
@@ -326,8 +328,8 @@ def before_after(args):
     for lib in libs.values():
         lib.lls_set_num_threads(args.threads)
     stream = WeightStream(args.evict_mb) if args.in_step else None
-    bf16 = args.cache_dtype == "bfloat16"
-    entry = "lls_paged_attention_bf16" if bf16 else "lls_paged_attention"
+    storage = K.CACHE_DTYPES[args.cache_dtype]
+    entry = "lls_paged_attention" + K._CACHE_SUFFIX[storage]
     print(f"# attention kernel, {args.before} vs now, {cpu_description()}, cache "
           f"{args.cache_dtype}, ctx {args.ctx}, block size {args.block_size}, "
           + (f"in step (a {args.evict_mb} MB bf16 GEMV before each call)" if stream else
@@ -340,7 +342,7 @@ def before_after(args):
     cases.append((1, args.prefill, args.prefill))
     try:
         for b, ctx, qlen in cases:
-            per_layer = b * ctx * KVH * D * (4 if bf16 else 8)
+            per_layer = b * ctx * KVH * D * 2 * storage.itemsize
             layers = 1 if qlen > 1 else int(min(args.layers,
                                                 max(2, -(-args.cold_bytes // per_layer))))
             bt = Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
@@ -388,7 +390,7 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=KVH,
                     help="kv heads (12: the 97 M model's MHA; 16 heads on 4: bench-gqa's GQA)")
     ap.add_argument("--no-mindspore", action="store_true", help="skip the bridge table")
-    ap.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
+    ap.add_argument("--cache-dtype", choices=tuple(K.CACHE_DTYPES), default="float32",
                     help="KV cache storage (the kernel table)")
     ap.add_argument("--before", metavar="REV",
                     help="the kernel now against the one in git revision REV (see above)")
