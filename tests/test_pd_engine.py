@@ -108,18 +108,21 @@ def test_p_then_d_is_token_identical_to_colocated_with_logprobs_within_1e_5(pd, 
     assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
 
 
-def test_bf16_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir):
-    """--kv-cache-dtype bfloat16 on both sides: P then D gives the tokens of a colocated bf16
-    engine and moves bf16 blocks (2 bytes a value); a consumer with a float32 cache does not
-    load them (it would read garbage) but computes the prompt under the recompute policy."""
+@pytest.mark.parametrize("kv,other", [("bfloat16", "float32"), ("float16", "bfloat16")])
+def test_16_bit_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir, kv,
+                                                                          other):
+    """--kv-cache-dtype bfloat16 or float16 on both sides: P then D gives the tokens of a
+    colocated engine of that dtype and moves 16-bit blocks (2 bytes a value); a consumer with
+    another cache dtype (float32, or the other 16-bit one: the same bytes, other values) does
+    not load them (it would read garbage) but computes the prompt under the recompute policy."""
     from llm_serving.config import kv_bytes_per_block
 
-    def engine(role=None, eid=None, kv_dtype="bfloat16"):
+    def engine(role=None, eid=None, kv_dtype=kv):
         cfg = None if role is None else {"kv_connector": "InProcessConnector", "kv_role": role,
                                          "engine_id": eid, "kv_transfer_timeout": 5}
         return LLMEngine(EngineArgs(tiny_model_dir, num_blocks=96, block_size=BS,
                                     kv_cache_dtype=kv_dtype, kv_transfer_config=cfg))
-    colo, P, D = engine(), engine("kv_producer", "P-bf16"), engine("kv_consumer", "D-bf16")
+    colo, P, D = engine(), engine("kv_producer", f"P-{kv}"), engine("kv_consumer", f"D-{kv}")
     for i, ids in enumerate(PROMPTS):
         colo.add_request({"prompt_token_ids": ids}, greedy(12), request_id=f"c{i}")
     ref = drive(colo)
@@ -132,10 +135,10 @@ def test_bf16_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_mode
     st = D.get_stats()
     assert st.kv_transfers == {"done": 3}
     hf = D.model_config
-    assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, "bfloat16")
+    assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, kv)
     settle(P, D)
 
-    D32 = engine("kv_consumer", "D-f32", kv_dtype="float32")
+    D32 = engine("kv_consumer", f"D-{other}", kv_dtype=other)
     params = prefill_on_p(P, PROMPTS[:1])
     D32.add_request({"prompt_token_ids": PROMPTS[0]}, greedy(12, params[0]), request_id="x")
     out = drive(D32, [P])["x"]
