@@ -27,10 +27,10 @@
 // handed out dynamically (an atomic counter), most expensive first, to the calling thread and the
 // helper threads of a small pool (see ThreadPool below for why not OpenMP's runtime; build with
 // -DLLS_USE_OPENMP -fopenmp for an OpenMP "parallel for schedule(dynamic)" version). Inside an
-// item the context is walked in tiles of 16 positions with an online (running max) softmax; the
-// portable path sums it in segments of 128 positions, folded in order, so that a decode step
-// of fewer sequences than threads can split a context between them (kSegment). The
-// AVX-512 path computes 16 q.k dot products per tile and reduces them with a transpose tree; a
+// item the context is walked in tiles of 16 positions with an online (running max) softmax,
+// summed in segments of 128 positions folded in order, so that a decode step of fewer
+// sequences than threads can split a context between them (kSegment). The AVX-512 path
+// computes 16 q.k dot products per tile and reduces them with a transpose tree; a
 // portable path, written in C++ and vectorized by the compiler (AVX2 on AMD Zen 3), is compiled
 // when AVX-512 is unavailable (or with -DLLS_FORCE_SCALAR). In both, decode rows read a tile
 // position by position and prefill chunks head by head (see decode_tiles), with the same
@@ -338,7 +338,7 @@ struct Item {
   int32_t kv0;    // first kv head
   int32_t nkv;    // number of kv heads (all query heads of each are processed)
   int64_t cost;
-  int32_t seg = -1;   // portable path, decode: only this context segment (SegmentSplit)
+  int32_t seg = -1;   // decode: only this context segment (SegmentSplit)
   int32_t rec = 0;    // SegmentSplit: its record in AttnArgs::seg_out
 };
 
@@ -438,7 +438,7 @@ template <class C>
 struct Scratch {
   AlignedBuf qbuf, obuf, mbuf, lbuf, sbuf, pbuf, fobuf, fmbuf, flbuf;
   float *q = nullptr, *o = nullptr, *m = nullptr, *l = nullptr;
-  float *fo = nullptr, *fm = nullptr, *fl = nullptr;  // portable path: folded segments
+  float *fo = nullptr, *fm = nullptr, *fl = nullptr;  // the segments folded so far
   float *part = nullptr, *p = nullptr;  // decode tiles: per-position partial scores, weights
   const C* kp[kTile];
   const C* vp[kTile];
@@ -447,11 +447,9 @@ struct Scratch {
     o = obuf.get(mrows * dp);
     m = mbuf.get(mrows);
     l = lbuf.get(mrows);
-#if !LLS_AVX512
     fo = fobuf.get(mrows * dp);
     fm = fmbuf.get(mrows);
     fl = flbuf.get(mrows);
-#endif
   }
   void ensure_decode(size_t mrows) {
 #if LLS_AVX512
@@ -654,13 +652,6 @@ inline float rescale_factor(float mold, float mnew) {
 // 512-token prefill about 3% of its attention; 128 positions keep a context of 256 (the
 // benchmarks') in two halves.
 constexpr int64_t kSegment = 128;  // positions per segment: a multiple of kTile
-#if LLS_AVX512
-// The AVX-512 path still sums a row's context in one run: segments came on a CPU without
-// AVX-512, where that path and its tests cannot run.
-constexpr bool kSegments = false;
-#else
-constexpr bool kSegments = true;
-#endif
 
 inline int64_t num_segments(int64_t nctx) { return (nctx + kSegment - 1) / kSegment; }
 
@@ -681,6 +672,16 @@ inline void fold_segment(float& mf, float& lf, float* LLS_RESTRICT of, float m, 
   lf = std::fma(l, b, lf * a);
   for (int64_t d = 0; d < D; ++d) of[d] = std::fma(o[d], b, of[d] * a);
   mf = mn;
+}
+
+// Rows [m0, m1) of the scratch close their segment: folded into their accumulators, then
+// reset for the next one. D: the scratch's row length (the AVX-512 path's padded DP).
+template <class C>
+void close_segments(Scratch<C>& sc, int64_t m0, int64_t m1, int64_t D) {
+  for (int64_t m = m0; m < m1; ++m) {
+    fold_segment(sc.fm[m], sc.fl[m], sc.fo + m * D, sc.m[m], sc.l[m], sc.o + m * D, D);
+    reset_rows(sc.m + m, sc.l + m, sc.o + m * D, 1, D);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -925,7 +926,9 @@ inline float softmax_tile(__m512 s, __mmask16 valid, float& m, float& l, float* 
   return corr;
 }
 
-// One query row per sequence (decode): the same sums as the tiles of process_item below, in
+// One query row per sequence (decode), over positions [t_begin, t_end) of its context (one
+// segment; the next tile's rows are prefetched up to t_ahead, the context's end when the item
+// goes on to the next segment): the same sums as the tiles of process_item below, in
 // the same order (so the same bits), but each tile's K rows, then its V rows, are read in
 // address order: position by position, all of the item's kv heads of a position (one
 // contiguous run of the cache) at once. Going head by head instead (16 rows 256 bytes each,
@@ -934,8 +937,9 @@ inline float softmax_tile(__m512 s, __mmask16 valid, float& m, float& l, float* 
 // go to sc.part, in the lane order reduce16 takes; the weights to sc.p; the output rows stay
 // in sc.o (L1-sized: 16 x 16 floats of partial sums and D floats of output per query head).
 template <int NC, class C>
-void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv0, int64_t nkv,
-                  int64_t G, int nc, __mmask16 tail, int64_t D, int64_t DP, Scratch<C>& sc) {
+void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t t_end,
+                  int64_t t_ahead, int64_t kv0, int64_t nkv, int64_t G, int nc, __mmask16 tail,
+                  int64_t D, int64_t DP, Scratch<C>& sc) {
   constexpr bool kPairs = LLS_BF16_PAIRS && std::is_same<C, bf16_t>::value;
   constexpr int NP = NC > 0 ? (NC + 1) / 2 : 0;
   const int np = (int)((D + 31) / 32);
@@ -947,9 +951,9 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   const C** kp = sc.kp;
   const C** vp = sc.vp;
   NextTile<C> next(a, nkv);
-  for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
-    const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
-    next.set(a, bt, t0 + kTile, nctx, kv0);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int n = start_tile<C>(a, bt, t0, t_end, kv0, kp, vp);
+    next.set(a, bt, t0 + kTile, t_ahead, kv0);
     // q.k partial sums, position-major; lanes of positions past n are zeros (masked below)
     for (int j = 0; j < kTile; ++j) {
       next.prefetch_k(j);
@@ -1022,6 +1026,25 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t nctx, int64_t kv
   }
 }
 
+// A scratch output row (DP floats, in paired order for a bf16 cache read in pairs) * s -> D
+// floats of dst in natural order.
+template <class C>
+inline void store_output(float* dst, const float* LLS_RESTRICT src, __m512 s, int64_t D, int np,
+                         int nc, __mmask16 tail) {
+#if LLS_BF16_PAIRS
+  if constexpr (LLS_BF16_PAIRS && std::is_same<C, bf16_t>::value) {
+    for (int c = 0; c < np; ++c)
+      from_pairs(dst + 32 * c, pair_mask(D, c, np), _mm512_load_ps(src + 32 * c),
+                 _mm512_load_ps(src + 32 * c + 16), s);
+    return;
+  }
+#endif
+  for (int c = 0; c < nc; ++c) {
+    const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
+    _mm512_mask_storeu_ps(dst + 16 * c, mk, _mm512_mul_ps(_mm512_load_ps(src + 16 * c), s));
+  }
+}
+
 // Scratch row m = (hh * nrows + r) * G + gh holds query row r, query head gh of kv head kv0+hh.
 template <int NC, class C>
 void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
@@ -1072,17 +1095,37 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
         }
       }
   for (int64_t m = 0; m < M; ++m) { mrow[m] = -std::numeric_limits<float>::infinity(); lrow[m] = 0.f; }
+  reset_rows(sc.fm, sc.fl, sc.fo, M, DP);
 
   const int32_t* bt = a.block_tables + (int64_t)it.seq * a.max_blocks;
   const int64_t nctx = pos0 + nrows;  // positions 0 .. last row's position
   alignas(64) float p[16];
   if (nrows == 1) {  // decode: read each tile's cache rows in address order
     sc.ensure_decode(M);
-    decode_tiles<NC, C>(a, bt, nctx, it.kv0, nkv, G, nc, tail, D, DP, sc);
+    if (it.seg >= 0) {
+      const int64_t t_end = std::min(nctx, (it.seg + 1) * kSegment);
+      decode_tiles<NC, C>(a, bt, it.seg * kSegment, t_end, t_end, it.kv0, nkv, G, nc, tail, D,
+                          DP, sc);
+      for (int64_t m = 0; m < M; ++m) {  // query head (kv0 + m / G) * G + m % G = kv0 * G + m
+        float* rec = a.seg_out + ((int64_t)it.rec * a.H + it.kv0 * G + m) * (D + 2);
+        rec[0] = mrow[m];
+        rec[1] = lrow[m];
+        store_output<C>(rec + 2, ob + m * DP, _mm512_set1_ps(1.f), D, np, nc, tail);
+      }
+      return;
+    }
+    for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
+      decode_tiles<NC, C>(a, bt, t, std::min(nctx, t + kSegment), nctx, it.kv0, nkv, G, nc,
+                          tail, D, DP, sc);
+      close_segments(sc, 0, M, DP);
+    }
   } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, nctx, it.kv0, kp, vp);
     // rows whose position is below t0 see nothing of this tile
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
+    if (t0 > 0 && t0 % kSegment == 0)  // the rows that see it close their segment
+      for (int64_t hh = 0; hh < nkv; ++hh)
+        close_segments(sc, (hh * nrows + rfirst) * G, (hh + 1) * nrows * G, DP);
     for (int64_t hh = 0; hh < nkv; ++hh) {
       const int64_t off = hh * D;
       for (int64_t r = rfirst; r < nrows; ++r) {
@@ -1108,25 +1151,13 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       }
     }
   }
+  if (nrows > 1) close_segments(sc, 0, M, DP);  // (a decode row closed its last one above)
   for (int64_t hh = 0; hh < nkv; ++hh)
     for (int64_t r = 0; r < nrows; ++r)
       for (int64_t gh = 0; gh < G; ++gh) {
         const int64_t m = (hh * nrows + r) * G + gh;
-        const __m512 inv = _mm512_set1_ps(1.0f / lrow[m]);
         float* dst = a.out + (qrow0 + r) * a.out_stride + ((it.kv0 + hh) * G + gh) * D;
-#if LLS_BF16_PAIRS
-        if constexpr (kPairs) {
-          for (int c = 0; c < np; ++c)
-            from_pairs(dst + 32 * c, pair_mask(D, c, np), _mm512_load_ps(ob + m * DP + 32 * c),
-                       _mm512_load_ps(ob + m * DP + 32 * c + 16), inv);
-          continue;
-        }
-#endif
-        for (int c = 0; c < nc; ++c) {
-          const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
-          _mm512_mask_storeu_ps(dst + 16 * c, mk,
-                                _mm512_mul_ps(_mm512_load_ps(ob + m * DP + 16 * c), inv));
-        }
+        store_output<C>(dst, sc.fo + m * DP, _mm512_set1_ps(1.0f / sc.fl[m]), D, np, nc, tail);
       }
 }
 
@@ -1239,8 +1270,9 @@ inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
   for (int64_t d = 0; d < D; ++d) o[d] *= corr;
 }
 
-// One query row per sequence (decode), over positions [t_begin, t_end) of its context: the
-// sums of item_rows' prefill tiles below, in the same order (the same bits), with each tile's
+// One query row per sequence (decode), over positions [t_begin, t_end) of its context
+// (prefetching up to t_ahead, as in the AVX-512 path's decode_tiles): the sums of item_rows'
+// prefill tiles below, in the same order (the same bits), with each tile's
 // K rows, then its V rows, read in address order: position by position, all of the item's kv
 // heads of a position (one contiguous run of the cache) at once, as the AVX-512 path's
 // decode_tiles does. sc.p holds the M x kTile scores. Against head by head (AMD Zen 4 built
@@ -1248,7 +1280,7 @@ inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
 // 3.2-3.3 ms bfloat16, B=16 1.6-1.7 -> 0.94 ms and 2.1 -> 0.74 ms (bench_attention_kernel.py).
 template <int DC, class C>
 void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t t_end,
-                  int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
+                  int64_t t_ahead, int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
   const int64_t D = DC ? DC : a.D, M = G * nkv;
   float* LLS_RESTRICT s = sc.p;
   const C** kp = sc.kp;
@@ -1256,7 +1288,7 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t
   NextTile<C> next(a, nkv);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, t_end, kv0, kp, vp);
-    next.set(a, bt, t0 + kTile, t_end, kv0);
+    next.set(a, bt, t0 + kTile, t_ahead, kv0);
     for (int j = 0; j < n; ++j) {
       next.prefetch_k(j);
       // query row m reads kv head m / G, at offset off of the row (no division per row)
@@ -1274,16 +1306,6 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t
         if (++g == G) { g = 0; off += D; }
       }
     }
-  }
-}
-
-// Rows [m0, m1) of the scratch close their segment: folded into their accumulators, then
-// reset for the next one.
-template <class C>
-void close_segments(Scratch<C>& sc, int64_t m0, int64_t m1, int64_t D) {
-  for (int64_t m = m0; m < m1; ++m) {
-    fold_segment(sc.fm[m], sc.fl[m], sc.fo + m * D, sc.m[m], sc.l[m], sc.o + m * D, D);
-    reset_rows(sc.m + m, sc.l + m, sc.o + m * D, 1, D);
   }
 }
 
@@ -1356,8 +1378,8 @@ void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
   if (nrows == 1) {  // decode: read each tile's cache rows in address order
     sc.ensure_decode(M);
     if (it.seg >= 0) {
-      decode_tiles<DC, C>(a, bt, it.seg * kSegment, std::min(nctx, (it.seg + 1) * kSegment),
-                          it.kv0, nkv, G, sc);
+      const int64_t t_end = std::min(nctx, (it.seg + 1) * kSegment);
+      decode_tiles<DC, C>(a, bt, it.seg * kSegment, t_end, t_end, it.kv0, nkv, G, sc);
       for (int64_t m = 0; m < M; ++m) {  // query head (kv0 + m / G) * G + m % G = kv0 * G + m
         float* rec = a.seg_out + ((int64_t)it.rec * a.H + it.kv0 * G + m) * (D + 2);
         rec[0] = sc.m[m];
@@ -1367,7 +1389,7 @@ void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       return;
     }
     for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
-      decode_tiles<DC, C>(a, bt, t, std::min(nctx, t + kSegment), it.kv0, nkv, G, sc);
+      decode_tiles<DC, C>(a, bt, t, std::min(nctx, t + kSegment), nctx, it.kv0, nkv, G, sc);
       close_segments(sc, 0, M, D);
     }
   } else {
@@ -1481,15 +1503,17 @@ void run_attention(const AttnArgs& args) {
     max_qlen = std::max(max_qlen, qlen);
     seq_cost[s] = qlen * (int64_t)a.seq_lens[s];
   }
-  // SegmentSplit (the portable path; see kSegment): a decode batch of fewer sequences than
+  // SegmentSplit (see kSegment): a decode batch of fewer sequences than
   // threads gives each segment of a context longer than one segment an item of its own, with
   // all kv heads (whole cache rows), and folds the segments once the items ran
   // (fold_split_segments). Per layer call at ctx 256, in step, B=1, AMD Zen 3: bfloat16 cache
   // 138 -> 93 us, float32 223 -> 149 us (bench_attention_kernel.py --before 8a88963 --in-step;
-  // docs/benchmarks.md).
+  // docs/benchmarks.md). AMD Zen 4, the AVX-512 path: float32 -7 to -8%, bfloat16 -11 to -31%,
+  // float16 -6 to -11%; B >= 16 within 1-4% (the folds; two compiles of one source differ as
+  // much), a 512-token prefill +2 to +7%.
   std::vector<int32_t> first_rec;  // a split sequence's first segment record, else -1
   int64_t nsegs = 0, units = nrb;  // segment records; items before any kv head split
-  if (kSegments && nt > 1 && max_qlen <= 1 && nrb < nt) {
+  if (nt > 1 && max_qlen <= 1 && nrb < nt) {
     first_rec.assign((size_t)a.S, -1);
     for (int64_t s = 0; s < a.S; ++s) {
       const int64_t nseg = num_segments(a.seq_lens[s]);
