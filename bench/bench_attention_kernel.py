@@ -85,6 +85,15 @@ def interleaved_us(fns, rounds=8, budget_s=0.15):
             for name, v in ts.items()}
 
 
+def case_batch(args, b, ctx, qlen):
+    """The Batch of one case: a prefill over one layer of cache; a decode over as many layers
+    (2 to --layers) as rotating through them reads --cold-bytes of K/V, so "cold" comes from
+    memory."""
+    per_layer = b * ctx * KVH * D * 2 * K.CACHE_DTYPES[args.cache_dtype].itemsize
+    layers = 1 if qlen > 1 else int(min(args.layers, max(2, -(-args.cold_bytes // per_layer))))
+    return Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
+
+
 class Batch:
     """A decode (q_len 1) or prefill batch over `layers` layers of paged cache."""
 
@@ -152,16 +161,14 @@ def kernel_table(args):
           f"{'p10GB/s':>7s} {'GFLOP/s':>7s} {'hot us':>8s} {'hotGB/s':>7s} {'fused us':>9s}")
     cases = [(b, args.ctx, 1) for b in (1, 16, 64, 128)] + [(1, args.prefill, args.prefill)]
     for b, ctx, qlen in cases:
-        per_layer = b * ctx * KVH * D * 2 * K.CACHE_DTYPES[args.cache_dtype].itemsize
-        layers = 1 if qlen > 1 else int(min(args.layers, max(2, -(-args.cold_bytes // per_layer))))
-        bt = Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
+        bt = case_batch(args, b, ctx, qlen)
         cold, cold10 = time_us(bt.attention)
         fused, _ = time_us(bt.fused)
         bt.L = 1
         hot, hot10 = time_us(bt.attention)
         name = f"decode B={b} ctx={ctx}" if qlen == 1 else f"prefill {qlen} tokens"
         gb = bt.kv_bytes() / 1e3
-        print(f"{name:24s} {layers:6d} {cold:9.1f} {cold10:9.1f} {gb / cold:6.1f} {gb / cold10:7.1f} "
+        print(f"{name:24s} {len(bt.k):6d} {cold:9.1f} {cold10:9.1f} {gb / cold:6.1f} {gb / cold10:7.1f} "
               f"{bt.flops() / cold10 / 1e3:7.1f} {hot:8.1f} {gb / hot:7.1f} {fused:9.1f}")
         del bt
 
@@ -342,10 +349,8 @@ def before_after(args):
     cases.append((1, args.prefill, args.prefill))
     try:
         for b, ctx, qlen in cases:
-            per_layer = b * ctx * KVH * D * 2 * storage.itemsize
-            layers = 1 if qlen > 1 else int(min(args.layers,
-                                                max(2, -(-args.cold_bytes // per_layer))))
-            bt = Batch(b, ctx, qlen, layers, args.block_size, cache_dtype=args.cache_dtype)
+            bt = case_batch(args, b, ctx, qlen)
+            layers = len(bt.k)
             calls = [(bt.q.ctypes.data, H * D, bt.k[i].ctypes.data, bt.v[i].ctypes.data,
                       bt.bt.ctypes.data, bt.bt.shape[1], bt.qsl.ctypes.data, bt.sl.ctypes.data,
                       bt.B, bt.T, H, KVH, D, args.block_size, bt.k[0].shape[0], float(SCALE),

@@ -364,11 +364,11 @@ def test_strided_rows_from_fused_qkv():
 def test_a_decode_row_has_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
         monkeypatch, lib_flags, cache_dtype, h, kvh):
     """A decode step of fewer sequences than threads gives the segments of each long context
-    to different threads (in the AVX-512 path and the portable one), and folds them afterwards. A row's bits must
-    not depend on it: the last position of contexts of one, two and several 128-position
-    segments (and one just past a boundary), computed alone on 2 threads and on 1, in a batch
-    of four decodes, and inside a prefill chunk, is the same every time, and matches the
-    float64 reference."""
+    to different threads (in the AVX-512 path and the portable one), and folds them
+    afterwards. A row's bits must not depend on it: the last position of contexts of one, two
+    and several 128-position segments (and one just past a boundary), computed alone on 2
+    threads and on 1, in a batch of four decodes, and inside a prefill chunk, is the same every
+    time, and matches the float64 reference."""
     if lib_flags:
         lib = K.load_library(list(lib_flags))
         assert lib.lls_has_avx512() == 0

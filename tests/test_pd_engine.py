@@ -138,13 +138,13 @@ def test_16_bit_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_mo
     assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, kv)
     settle(P, D)
 
-    D32 = engine("kv_consumer", f"D-{other}", kv_dtype=other)
+    D_other = engine("kv_consumer", f"D-{other}", kv_dtype=other)
     params = prefill_on_p(P, PROMPTS[:1])
-    D32.add_request({"prompt_token_ids": PROMPTS[0]}, greedy(12, params[0]), request_id="x")
-    out = drive(D32, [P])["x"]
+    D_other.add_request({"prompt_token_ids": PROMPTS[0]}, greedy(12, params[0]), request_id="x")
+    out = drive(D_other, [P])["x"]
     assert len(out.outputs[0].token_ids) == 12
-    assert D32.get_stats().kv_transfers.get("done", 0) == 0
-    settle(P, D32)
+    assert D_other.get_stats().kv_transfers.get("done", 0) == 0
+    settle(P, D_other)
 
 
 def test_an_unread_offer_is_released_after_the_timeout(tiny_model_dir):

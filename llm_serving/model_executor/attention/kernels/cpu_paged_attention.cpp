@@ -684,6 +684,18 @@ void close_segments(Scratch<C>& sc, int64_t m0, int64_t m1, int64_t D) {
   }
 }
 
+// SegmentSplit: a one-segment decode item's record for scratch row m (query head
+// (kv0 + m / G) * G + m % G = kv0 * G + m) in a.seg_out, which fold_split_segments reads:
+// (max, sum) written here, the D floats of output left to the caller at the pointer returned.
+template <class C>
+inline float* segment_record(const AttnArgs& a, const Item& it, int64_t G, int64_t m,
+                             const Scratch<C>& sc) {
+  float* rec = a.seg_out + ((int64_t)it.rec * a.H + it.kv0 * G + m) * (a.D + 2);
+  rec[0] = sc.m[m];
+  rec[1] = sc.l[m];
+  return rec + 2;
+}
+
 // ---------------------------------------------------------------------------------------------
 #if LLS_AVX512
 
@@ -1081,8 +1093,6 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
             to_pairs(src + 32 * c, pair_mask(D, c, np), ev, od);
             _mm512_store_ps(qb + m * DP + 32 * c, _mm512_mul_ps(ev, vscale));
             _mm512_store_ps(qb + m * DP + 32 * c + 16, _mm512_mul_ps(od, vscale));
-            _mm512_store_ps(ob + m * DP + 32 * c, _mm512_setzero_ps());
-            _mm512_store_ps(ob + m * DP + 32 * c + 16, _mm512_setzero_ps());
           }
           continue;
         }
@@ -1091,11 +1101,10 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
           const __mmask16 mk = c == nc - 1 ? tail : (__mmask16)0xFFFF;
           _mm512_store_ps(qb + m * DP + 16 * c,
                           _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, src + 16 * c), vscale));
-          _mm512_store_ps(ob + m * DP + 16 * c, _mm512_setzero_ps());
         }
       }
-  for (int64_t m = 0; m < M; ++m) { mrow[m] = -std::numeric_limits<float>::infinity(); lrow[m] = 0.f; }
   reset_rows(sc.fm, sc.fl, sc.fo, M, DP);
+  reset_rows(mrow, lrow, ob, M, DP);
 
   const int32_t* bt = a.block_tables + (int64_t)it.seq * a.max_blocks;
   const int64_t nctx = pos0 + nrows;  // positions 0 .. last row's position
@@ -1106,12 +1115,9 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       const int64_t t_end = std::min(nctx, (it.seg + 1) * kSegment);
       decode_tiles<NC, C>(a, bt, it.seg * kSegment, t_end, t_end, it.kv0, nkv, G, nc, tail, D,
                           DP, sc);
-      for (int64_t m = 0; m < M; ++m) {  // query head (kv0 + m / G) * G + m % G = kv0 * G + m
-        float* rec = a.seg_out + ((int64_t)it.rec * a.H + it.kv0 * G + m) * (D + 2);
-        rec[0] = mrow[m];
-        rec[1] = lrow[m];
-        store_output<C>(rec + 2, ob + m * DP, _mm512_set1_ps(1.f), D, np, nc, tail);
-      }
+      for (int64_t m = 0; m < M; ++m)
+        store_output<C>(segment_record(a, it, G, m, sc), ob + m * DP, _mm512_set1_ps(1.f), D,
+                        np, nc, tail);
       return;
     }
     for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
@@ -1380,12 +1386,8 @@ void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
     if (it.seg >= 0) {
       const int64_t t_end = std::min(nctx, (it.seg + 1) * kSegment);
       decode_tiles<DC, C>(a, bt, it.seg * kSegment, t_end, t_end, it.kv0, nkv, G, sc);
-      for (int64_t m = 0; m < M; ++m) {  // query head (kv0 + m / G) * G + m % G = kv0 * G + m
-        float* rec = a.seg_out + ((int64_t)it.rec * a.H + it.kv0 * G + m) * (D + 2);
-        rec[0] = sc.m[m];
-        rec[1] = sc.l[m];
-        std::copy(sc.o + m * D, sc.o + (m + 1) * D, rec + 2);
-      }
+      for (int64_t m = 0; m < M; ++m)
+        std::copy(sc.o + m * D, sc.o + (m + 1) * D, segment_record(a, it, G, m, sc));
       return;
     }
     for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
