@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -316,6 +317,31 @@ def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
     assert json.loads(info.removeprefix("data: "))["model_id"] == "tiny"
 
 
+def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tiny_llm):
+    """llm-serving's clients count a stream's lines and read each line's token. With twelve
+    streams at once the engine steps faster than each handler is scheduled, and the tokens of
+    two steps must still reach the client as two lines. (ignore_eos, vLLM's, is honoured.)"""
+    n = 32
+    refs = {p: tiny_llm.generate(p, SamplingParams(temperature=0.0, max_tokens=n,
+                                                   ignore_eos=True))[0].outputs[0]
+            for p in PROMPTS}
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": n, "ignore_eos": True,
+                                                 "return_full_text": True}}
+        r = requests.post(server + "/models/llama2/generate_stream", json=body, timeout=120)
+        return prompt, [json.loads(line)["data"][0] for line in r.text.splitlines()]
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    for prompt, lines in results:
+        *steps, full = lines
+        assert [s["tokens"]["id"] for s in steps] == refs[prompt].token_ids
+        assert "".join(s["generated_text"] for s in steps) == refs[prompt].text
+        assert full["generated_tokens"] == len(steps) == n
+
+
 @pytest.mark.parametrize("path, body, status, needle", [
     ("/v1/completions", "{not json", 400, "JSON"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
@@ -330,6 +356,10 @@ def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
     ("/models/llama2/generate", {"inputs": ""}, 400, "inputs"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_p": 2}}, 400, "top_p"),
     ("/models/other/generate", {"inputs": "x"}, 404, "other"),
+    # llm-serving dropped fields it did not know; a client relying on one must hear of it.
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"best_of": 2}}, 400,
+     "parameters.best_of"),
+    ("/models/llama2/generate_stream", {"inputs": "x", "max_tokens": 9}, 400, "max_tokens"),
     # Started without --enable-auto-tool-choice: tools with tool_choice "auto" (the default
     # with tools) cannot be read back, so they are refused (as vLLM).
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

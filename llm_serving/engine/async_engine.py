@@ -6,7 +6,9 @@ engine thread owns the ``LLMEngine``: it takes new requests and aborts between s
 steps while there is work, and sleeps otherwise. Outputs go back to the event loop in one
 call per step, so a waiting HTTP handler never holds up a step and a step never holds up
 the event loop. A stream whose consumer falls behind coalesces what piled up: for DELTA
-outputs, the pending deltas are concatenated; otherwise only the latest output is kept.
+outputs, the pending deltas are concatenated; otherwise only the latest output is kept. A
+stream opened with ``coalesce=False`` hands out every step's output on its own instead
+(llm-serving's stream sends one line per token).
 
 Leaving an iteration early (a client disconnect cancels the handler) aborts the request,
 which frees its KV blocks at the next step boundary.
@@ -17,6 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from typing import AsyncIterator, Optional, Union
 
 from llm_serving.config import EngineArgs, EngineConfig
@@ -36,12 +39,14 @@ _HEALTH_POLL_S = 1.0      # how often an idle loop checks that the model runner 
 class RequestStream:
     """Async iterator of one request's outputs; lives on the caller's event loop."""
 
-    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None):
+    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None,
+                 coalesce: bool = True):
         self.request_id = request_id
         self.kind = kind
         self._abort = abort
+        self._one_at_a_time = kind is RequestOutputKind.DELTA and not coalesce
         self.finished = False
-        self._pending: list[RequestOutput] = []
+        self._pending: deque[RequestOutput] = deque()
         self._error: Optional[BaseException] = None
         self._ready = asyncio.Event()
 
@@ -73,14 +78,20 @@ class RequestStream:
                 raise StopAsyncIteration
             self._ready.clear()
             await self._ready.wait()
-        outs, self._pending = self._pending, []
-        out = _merge_deltas(outs) if self.kind is RequestOutputKind.DELTA else outs[-1]
+        if self._one_at_a_time:
+            out = self._pending.popleft()
+        elif self.kind is RequestOutputKind.DELTA:
+            out = _merge_deltas(self._pending)
+            self._pending = deque()
+        else:
+            out = self._pending[-1]
+            self._pending.clear()
         if out.finished:
             self.finished = True
         return out
 
 
-def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
+def _merge_deltas(outs: deque[RequestOutput]) -> RequestOutput:
     if len(outs) == 1:
         return outs[0]
     last = outs[-1]
@@ -149,9 +160,12 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None,
-                          priority: int = 0, strict_length: bool = False) -> RequestStream:
+                          priority: int = 0, strict_length: bool = False,
+                          coalesce: bool = True) -> RequestStream:
         """Queue a request and return its stream of outputs (in ``params.output_kind``:
-        DELTA gives the new token ids and text of each step).
+        DELTA gives the new token ids and text of each step). With ``coalesce`` (vLLM's way)
+        a reader that falls behind gets what piled up as one output; without, DELTA outputs
+        come one step at a time whatever the reader's pace.
 
         Raises ValueError for bad input, QueueFullError when the waiting queue is full, and
         EngineDeadError when the engine loop has stopped.
@@ -172,7 +186,7 @@ class AsyncLLMEngine:
             new = self.engine.process_request(prompt, params, request_id, priority,
                                               strict_length=strict_length)
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
-        stream = RequestStream(request_id, new.params.output_kind, self.abort)
+        stream = RequestStream(request_id, new.params.output_kind, self.abort, coalesce)
         self._streams[request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))

@@ -135,6 +135,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         if err["type"] == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {err['msg']}", "body")
         loc = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
+        if err["type"] == "extra_forbidden":
+            return error_response(400, f"{loc}: not a field this route supports", loc)
         return error_response(400, f"{loc}: {err['msg']}", loc)
 
     @app.exception_handler(Exception)

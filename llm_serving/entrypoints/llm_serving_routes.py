@@ -2,7 +2,8 @@
 (``LLM_SERVING_COMPAT.md``), so its clients (performance_serving among them) work unchanged.
 
 - ``POST /models/{model}/generate``: one JSON line.
-- ``POST /models/{model}/generate_stream``: one JSON line per step's new text. With
+- ``POST /models/{model}/generate_stream``: one JSON line per generated token, however far
+  the client lags (its clients count lines and read each line's token). With
   return_protocol "sse" (the default) each line is
   ``{"event":"message","retry":30000,"data":[{...}]}``; with any other protocol it is
   ``data:{...}``. With return_full_text, a last line carries the whole text.
@@ -10,8 +11,9 @@
 - ``GET /serving/get_bs``, ``/serving/get_request_numbers``, ``/serving/get_serverd_model_info``.
 
 ``{model}`` is the served model name; ``llama2`` is always accepted. Unlike llm-serving, the
-seed, stop strings, repetition penalty and per-request temperature are honoured, and the last
-token's text is never lost.
+seed, stop strings, repetition penalty and per-request temperature are honoured, the last
+token's text is never lost, and a field the routes do not know is refused with a 400 naming
+it (llm-serving dropped it silently).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ class Grammar(BaseModel):
 
 
 class Parameters(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     do_sample: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     temperature: float = Field(1.0, ge=0)
@@ -65,6 +67,7 @@ class Parameters(BaseModel):
     details: bool = False
     decoder_input_details: bool = False
     top_n_tokens: int = Field(0, ge=0, le=20)
+    ignore_eos: bool = False        # vLLM's, for benchmarks: generate max_new_tokens tokens
     # TGI's structured output: {"type": "json" | "json_schema" | "regex", "value": ...}.
     grammar: Optional[Grammar] = None
     # PD disaggregation (vLLM's kv_transfer_params; refused without a kv_transfer config).
@@ -76,7 +79,7 @@ class Parameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     inputs: str = Field(min_length=1)
     parameters: Parameters = Field(default_factory=Parameters)
     stream: bool = False
@@ -88,7 +91,7 @@ def _params(p: Parameters) -> SamplingParams:
     return SamplingParams(
         temperature=p.temperature if sample else 0.0, top_k=p.top_k if sample else 0,
         top_p=p.top_p if sample else 1.0, repetition_penalty=p.repetition_penalty,
-        seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens,
+        seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens, ignore_eos=p.ignore_eos,
         kv_transfer_params=p.kv_transfer_params,
         logprobs=p.top_n_tokens if want_lp else None, output_kind=RequestOutputKind.DELTA,
         structured_outputs=p.grammar.structured() if p.grammar is not None else None)
@@ -105,7 +108,7 @@ def _line(obj: dict, protocol: str) -> bytes:
     return f"data:{json.dumps(obj, ensure_ascii=False)}\n".encode()
 
 
-async def _start(request: Request, model: str, req: GenerateRequest):
+async def _start(request: Request, model: str, req: GenerateRequest, coalesce: bool = True):
     state: ServerState = request.app.state.server
     if model not in ("llama2", state.served_model_name):
         raise HTTPError(404, f"model {model!r} does not exist; this server serves "
@@ -116,7 +119,8 @@ async def _start(request: Request, model: str, req: GenerateRequest):
     try:
         params = _params(req.parameters)
         rid = new_request_id("gen")
-        stream = await engine.add_request(rid, req.inputs, params, strict_length=True)
+        stream = await engine.add_request(rid, req.inputs, params, strict_length=True,
+                                          coalesce=coalesce)
     except Exception as e:
         err = translate_error(e)
         if err.param == "structured_outputs":     # the grammar did not compile
@@ -170,7 +174,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
 
 
 async def _stream(request: Request, model: str, req: GenerateRequest):
-    state, engine, req, stream = await _start(request, model, req)
+    state, engine, req, stream = await _start(request, model, req, coalesce=False)
     t0 = time.perf_counter()    # as _full and the OpenAI routes: from the request's admission
     tok = engine.tokenizer
     special = set(getattr(tok, "all_special_ids", ()) or ())
