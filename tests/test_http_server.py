@@ -317,6 +317,24 @@ def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
     assert json.loads(info.removeprefix("data: "))["model_id"] == "tiny"
 
 
+def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
+    """llm-serving's Python client posts every field of its Parameters model, the unset ones
+    as null, and `parameters` itself may be null: llm-serving took null as the default."""
+    params = {"do_sample": False, "repetition_penalty": None, "temperature": None,
+              "top_k": None, "top_p": None, "max_new_tokens": 12, "return_full_text": True,
+              "return_protocol": "sse", "decoder_input_details": False, "details": False,
+              "seed": 0, "stop": [], "top_n_tokens": 0, "truncate": False, "typical_p": 0,
+              "watermark": False}
+    r = requests.post(server + "/models/llama2/generate",
+                      json={"inputs": PROMPTS[1], "parameters": params, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[1], 12).text
+    r = requests.post(server + "/models/llama2",
+                      json={"inputs": PROMPTS[2], "parameters": None, "stream": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[2], 300).text
+
+
 def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tiny_llm):
     """llm-serving's clients count a stream's lines and read each line's token. With twelve
     streams at once the engine steps faster than each handler is scheduled, and the tokens of

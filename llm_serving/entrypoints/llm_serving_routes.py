@@ -13,7 +13,7 @@
 ``{model}`` is the served model name; ``llama2`` is always accepted. Unlike llm-serving, the
 seed, stop strings, repetition penalty and per-request temperature are honoured, the last
 token's text is never lost, and a field the routes do not know is refused with a 400 naming
-it (llm-serving dropped it silently).
+it (llm-serving dropped it silently). A null field takes its default, as in llm-serving.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
@@ -52,8 +52,21 @@ class Grammar(BaseModel):
         return StructuredOutputsParams(json=value)
 
 
-class Parameters(BaseModel):
+class _LlmServingBody(BaseModel):
+    """A field we do not know is refused by name. A null field takes its default:
+    llm-serving's own client sends every field of its model, the unset ones as null, and
+    llm-serving filled them in."""
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class Parameters(_LlmServingBody):
     do_sample: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     temperature: float = Field(1.0, ge=0)
@@ -78,8 +91,7 @@ class Parameters(BaseModel):
     watermark: Optional[bool] = None
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GenerateRequest(_LlmServingBody):
     inputs: str = Field(min_length=1)
     parameters: Parameters = Field(default_factory=Parameters)
     stream: bool = False
