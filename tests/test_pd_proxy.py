@@ -92,8 +92,9 @@ def test_greedy_outputs_through_the_proxy_match_colocated(pd, order):
     assert out["generated_text"] == ref["generated_text"]
     lines = requests.post(u[order] + "/models/llama2/generate_stream", json=body,
                           timeout=60).text.splitlines()
-    assert "".join(json.loads(x)["data"][0]["generated_text"] for x in lines) == \
-        ref["generated_text"]
+    steps = [json.loads(x)["data"][0] for x in lines]
+    assert "".join(s["generated_text"] for s in steps) == ref["generated_text"]
+    assert [s["tokens"]["id"] for s in steps] == [t["id"] for t in ref["tokens"]]  # a line each
     pools_empty(u["P"], u["D"])
 
 
