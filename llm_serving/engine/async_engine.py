@@ -6,9 +6,9 @@ engine thread owns the ``LLMEngine``: it takes new requests and aborts between s
 steps while there is work, and sleeps otherwise. Outputs go back to the event loop in one
 call per step, so a waiting HTTP handler never holds up a step and a step never holds up
 the event loop. A stream whose consumer falls behind coalesces what piled up: for DELTA
-outputs, the pending deltas are concatenated; otherwise only the latest output is kept. A
-stream opened with ``coalesce=False`` hands out every step's output on its own instead
-(llm-serving's stream sends one line per token).
+outputs, the pending deltas are concatenated; otherwise only the latest output is kept.
+``steps()`` reads the same stream without merging: each read is the list of step outputs
+that piled up (llm-serving's stream sends a line per token, in one write per read).
 
 Leaving an iteration early (a client disconnect cancels the handler) aborts the request,
 which frees its KV blocks at the next step boundary.
@@ -19,7 +19,6 @@ import asyncio
 import logging
 import queue
 import threading
-from collections import deque
 from typing import AsyncIterator, Optional, Union
 
 from llm_serving.config import EngineArgs, EngineConfig
@@ -39,14 +38,12 @@ _HEALTH_POLL_S = 1.0      # how often an idle loop checks that the model runner 
 class RequestStream:
     """Async iterator of one request's outputs; lives on the caller's event loop."""
 
-    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None,
-                 coalesce: bool = True):
+    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None):
         self.request_id = request_id
         self.kind = kind
         self._abort = abort
-        self._one_at_a_time = kind is RequestOutputKind.DELTA and not coalesce
         self.finished = False
-        self._pending: deque[RequestOutput] = deque()
+        self._pending: list[RequestOutput] = []
         self._error: Optional[BaseException] = None
         self._ready = asyncio.Event()
 
@@ -69,7 +66,8 @@ class RequestStream:
             self._abort(self.request_id)
         self._abort = None
 
-    async def __anext__(self) -> RequestOutput:
+    async def _take(self) -> list[RequestOutput]:
+        """Every output delivered since the last read, waiting for one."""
         while not self._pending:
             if self._error is not None:
                 self.finished = True
@@ -78,20 +76,26 @@ class RequestStream:
                 raise StopAsyncIteration
             self._ready.clear()
             await self._ready.wait()
-        if self._one_at_a_time:
-            out = self._pending.popleft()
-        elif self.kind is RequestOutputKind.DELTA:
-            out = _merge_deltas(self._pending)
-            self._pending = deque()
-        else:
-            out = self._pending[-1]
-            self._pending.clear()
-        if out.finished:
+        outs, self._pending = self._pending, []
+        if outs[-1].finished:
             self.finished = True
-        return out
+        return outs
+
+    async def __anext__(self) -> RequestOutput:
+        outs = await self._take()
+        return _merge_deltas(outs) if self.kind is RequestOutputKind.DELTA else outs[-1]
+
+    async def steps(self) -> AsyncIterator[list[RequestOutput]]:
+        """The step outputs that piled up since the last read, one per step, not merged."""
+        while True:
+            try:
+                outs = await self._take()
+            except StopAsyncIteration:
+                return
+            yield outs
 
 
-def _merge_deltas(outs: deque[RequestOutput]) -> RequestOutput:
+def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
     if len(outs) == 1:
         return outs[0]
     last = outs[-1]
@@ -160,12 +164,9 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None,
-                          priority: int = 0, strict_length: bool = False,
-                          coalesce: bool = True) -> RequestStream:
+                          priority: int = 0, strict_length: bool = False) -> RequestStream:
         """Queue a request and return its stream of outputs (in ``params.output_kind``:
-        DELTA gives the new token ids and text of each step). With ``coalesce`` (vLLM's way)
-        a reader that falls behind gets what piled up as one output; without, DELTA outputs
-        come one step at a time whatever the reader's pace.
+        DELTA gives the new token ids and text of each step).
 
         Raises ValueError for bad input, QueueFullError when the waiting queue is full, and
         EngineDeadError when the engine loop has stopped.
@@ -186,7 +187,7 @@ class AsyncLLMEngine:
             new = self.engine.process_request(prompt, params, request_id, priority,
                                               strict_length=strict_length)
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
-        stream = RequestStream(request_id, new.params.output_kind, self.abort, coalesce)
+        stream = RequestStream(request_id, new.params.output_kind, self.abort)
         self._streams[request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))

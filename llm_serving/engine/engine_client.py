@@ -38,7 +38,11 @@ class EngineLimits:
 
 
 class RequestStream(Protocol):
-    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Outputs; DELTA outputs that piled up behind a slow reader come merged."""
+
+    def steps(self) -> AsyncIterator[list[RequestOutput]]:
+        """Outputs in the batches that piled up, one per engine step, not merged."""
 
     async def aclose(self) -> None: ...
 
@@ -53,10 +57,9 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None, priority: int = 0,
-                          strict_length: bool = False, coalesce: bool = True) -> RequestStream:
-        """Queue a request; its outputs come on the stream (DELTA outputs that pile up
-        behind a slow reader are merged into one, unless ``coalesce`` is False). Raises
-        ValueError (bad input), QueueFullError, EngineDeadError."""
+                          strict_length: bool = False) -> RequestStream:
+        """Queue a request; its outputs come on the stream. Raises ValueError (bad input),
+        QueueFullError, EngineDeadError."""
 
     def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
                  request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -120,7 +120,7 @@ def _line(obj: dict, protocol: str) -> bytes:
     return f"data:{json.dumps(obj, ensure_ascii=False)}\n".encode()
 
 
-async def _start(request: Request, model: str, req: GenerateRequest, coalesce: bool = True):
+async def _start(request: Request, model: str, req: GenerateRequest):
     state: ServerState = request.app.state.server
     if model not in ("llama2", state.served_model_name):
         raise HTTPError(404, f"model {model!r} does not exist; this server serves "
@@ -131,8 +131,7 @@ async def _start(request: Request, model: str, req: GenerateRequest, coalesce: b
     try:
         params = _params(req.parameters)
         rid = new_request_id("gen")
-        stream = await engine.add_request(rid, req.inputs, params, strict_length=True,
-                                          coalesce=coalesce)
+        stream = await engine.add_request(rid, req.inputs, params, strict_length=True)
     except Exception as e:
         err = translate_error(e)
         if err.param == "structured_outputs":     # the grammar did not compile
@@ -186,7 +185,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
 
 
 async def _stream(request: Request, model: str, req: GenerateRequest):
-    state, engine, req, stream = await _start(request, model, req, coalesce=False)
+    state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()    # as _full and the OpenAI routes: from the request's admission
     tok = engine.tokenizer
     special = set(getattr(tok, "all_special_ids", ()) or ())
@@ -194,30 +193,40 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
 
     async def gen():
         # Per-token texts are only needed for the return_full_text line: each stream line
-        # carries the step's incremental text, decoded once by the engine.
-        texts, ids, lps, finish, n_prompt = [], [], [], None, 0
+        # carries its step's incremental text, decoded once by the engine. A line per step
+        # (one token), whatever piled up while this handler waited; they go out in one write.
+        texts, ids, lps, finish, n_prompt, failed = [], [], [], None, 0, False
         try:
-            async for out in stream:
-                n_prompt = len(out.prompt_token_ids)
-                c = out.outputs[0]
-                finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason, out.error)
-                if out.error:
-                    yield _line({"details": None, "generated_text": "", "finish_reason": finish,
-                                 "error": out.error}, protocol)
+            async for outs in stream.steps():
+                lines = []
+                for out in outs:
+                    n_prompt = len(out.prompt_token_ids)
+                    c = out.outputs[0]
+                    finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason,
+                                                       out.error)
+                    if out.error:
+                        lines.append(_line({"details": None, "generated_text": "",
+                                            "finish_reason": finish, "error": out.error},
+                                           protocol))
+                        failed = True
+                        break
+                    if not c.token_ids and not c.text:
+                        continue
+                    new_lps = _chosen_logprobs(c)
+                    ids.extend(c.token_ids)
+                    lps.extend(new_lps)
+                    texts.append(c.text)
+                    last = (_token(c.token_ids[-1], c.text, new_lps[-1], special)
+                            if c.token_ids else _token(-1, c.text, None, special))
+                    piece = {"details": None, "generated_text": c.text, "tokens": last,
+                             "top_tokens": [last]}
+                    if c.finish_reason is not None:
+                        piece["finish_reason"] = finish
+                    lines.append(_line(piece, protocol))
+                if lines:
+                    yield b"".join(lines)
+                if failed:
                     return
-                if not c.token_ids and not c.text:
-                    continue
-                new_lps = _chosen_logprobs(c)
-                ids.extend(c.token_ids)
-                lps.extend(new_lps)
-                texts.append(c.text)
-                last = (_token(c.token_ids[-1], c.text, new_lps[-1], special) if c.token_ids
-                        else _token(-1, c.text, None, special))
-                piece = {"details": None, "generated_text": c.text, "tokens": last,
-                         "top_tokens": [last]}
-                if c.finish_reason is not None:
-                    piece["finish_reason"] = finish
-                yield _line(piece, protocol)
             if req.parameters.return_full_text:
                 yield _line(_summary(_token_list(tok, ids, lps), "".join(texts), finish,
                                      req.parameters.seed), protocol)
