@@ -378,6 +378,11 @@ def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tin
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"best_of": 2}}, 400,
      "parameters.best_of"),
     ("/models/llama2/generate_stream", {"inputs": "x", "max_tokens": 9}, 400, "max_tokens"),
+    # Ignored by llm-serving, whose client sends them switched off; asked for, refused.
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"watermark": True}}, 400,
+     "parameters.watermark: not supported"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"typical_p": 0.9}}, 400,
+     "parameters.typical_p"),
     # Started without --enable-auto-tool-choice: tools with tool_choice "auto" (the default
     # with tools) cannot be read back, so they are refused (as vLLM).
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

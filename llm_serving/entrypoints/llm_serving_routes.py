@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
@@ -78,17 +78,31 @@ class Parameters(_LlmServingBody):
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     details: bool = False
-    decoder_input_details: bool = False
     top_n_tokens: int = Field(0, ge=0, le=20)
     ignore_eos: bool = False        # vLLM's, for benchmarks: generate max_new_tokens tokens
     # TGI's structured output: {"type": "json" | "json_schema" | "regex", "value": ...}.
     grammar: Optional[Grammar] = None
     # PD disaggregation (vLLM's kv_transfer_params; refused without a kv_transfer config).
     kv_transfer_params: Optional[dict[str, Any]] = None
-    # Accepted and ignored, as in llm-serving.
+    # Not supported. llm-serving's client sends them on every request, switched off (and
+    # llm-serving ignored them): switched off they are accepted, asked for they are a 400.
+    decoder_input_details: bool = False
     truncate: Optional[Union[bool, int]] = None
     typical_p: Optional[float] = None
     watermark: Optional[bool] = None
+
+    @field_validator("decoder_input_details", "truncate", "typical_p", "watermark")
+    @classmethod
+    def _switched_off(cls, value, info):
+        off = _OFF[info.field_name]
+        if value not in off:
+            raise ValueError("not supported; accepted only switched off ("
+                             + " or ".join(json.dumps(v) for v in off) + ")")
+        return value
+
+
+_OFF = {"decoder_input_details": (False,), "truncate": (False, 0), "typical_p": (0, 1),
+        "watermark": (False,)}     # null is the default, off, for each
 
 
 class GenerateRequest(_LlmServingBody):
