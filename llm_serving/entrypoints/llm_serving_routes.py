@@ -174,26 +174,46 @@ def _token_list(tok, ids: list, lps: list) -> list[dict]:
     return [_token(tid, tok.decode([tid]), lp, special) for tid, lp in zip(ids, lps)]
 
 
+class _Generated:
+    """What a request has generated so far, gathered from its delta outputs."""
+
+    def __init__(self):
+        self.texts, self.ids, self.lps = [], [], []
+        self.finish, self.error, self.n_prompt, self.kv = None, None, 0, None
+
+    def add(self, out):
+        """Take one output; returns its completion delta and the delta's logprobs, or None
+        when it failed or carries nothing new."""
+        self.n_prompt = len(out.prompt_token_ids)
+        self.kv = out.kv_transfer_params or self.kv
+        c = out.outputs[0]
+        self.error = out.error
+        self.finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason, out.error)
+        if out.error or (not c.token_ids and not c.text):
+            return None
+        new_lps = _chosen_logprobs(c)
+        self.texts.append(c.text)
+        self.ids.extend(c.token_ids)
+        self.lps.extend(new_lps)
+        return c, new_lps
+
+    def summary(self, tok, seed) -> dict:
+        return _summary(_token_list(tok, self.ids, self.lps), "".join(self.texts), self.finish,
+                        seed)
+
+
 async def _full(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()
-    texts, ids, lps, finish, error, n_prompt, kv = [], [], [], None, None, 0, None
+    g = _Generated()
     async for out in stream_or_disconnect(request, stream):
-        n_prompt = len(out.prompt_token_ids)
-        kv = out.kv_transfer_params or kv
-        c = out.outputs[0]
-        error = out.error
-        texts.append(c.text)
-        ids.extend(c.token_ids)
-        lps.extend(_chosen_logprobs(c))
-        finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason, error)
-    if error:
-        raise HTTPError(503, error, kind="service_unavailable")
-    body = _summary(_token_list(engine.tokenizer, ids, lps), "".join(texts), finish,
-                    req.parameters.seed)
-    if kv is not None:
-        body["kv_transfer_params"] = kv
-    log_request(stream.request_id, n_prompt, len(ids), t0)
+        g.add(out)
+    if g.error:
+        raise HTTPError(503, g.error, kind="service_unavailable")
+    body = g.summary(engine.tokenizer, req.parameters.seed)
+    if g.kv is not None:
+        body["kv_transfer_params"] = g.kv
+    log_request(stream.request_id, g.n_prompt, len(g.ids), t0)
     return Response((json.dumps(body, ensure_ascii=False) + "\n").encode(),
                     media_type="application/json")
 
@@ -205,48 +225,39 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
     special = set(getattr(tok, "all_special_ids", ()) or ())
     protocol = req.parameters.return_protocol
 
+    def step_line(g: _Generated, out) -> bytes:
+        """A step's line: its token, with the step's incremental text (decoded once, by the
+        engine), or the error that ended the request."""
+        new = g.add(out)
+        if g.error:
+            return _line({"details": None, "generated_text": "", "finish_reason": g.finish,
+                          "error": g.error}, protocol)
+        if new is None:
+            return b""
+        c, new_lps = new
+        last = (_token(c.token_ids[-1], c.text, new_lps[-1], special) if c.token_ids
+                else _token(-1, c.text, None, special))
+        piece = {"details": None, "generated_text": c.text, "tokens": last, "top_tokens": [last]}
+        if c.finish_reason is not None:
+            piece["finish_reason"] = g.finish
+        return _line(piece, protocol)
+
     async def gen():
-        # Per-token texts are only needed for the return_full_text line: each stream line
-        # carries its step's incremental text, decoded once by the engine. A line per step
-        # (one token), whatever piled up while this handler waited; they go out in one write.
-        texts, ids, lps, finish, n_prompt, failed = [], [], [], None, 0, False
+        # A line per step (one token) whatever piled up while this handler waited, sent in
+        # one write. Per-token texts are only decoded for the return_full_text line.
+        g = _Generated()
         try:
             async for outs in stream.steps():
-                lines = []
-                for out in outs:
-                    n_prompt = len(out.prompt_token_ids)
-                    c = out.outputs[0]
-                    finish = llm_serving_finish_reason(c.finish_reason, c.stop_reason,
-                                                       out.error)
-                    if out.error:
-                        lines.append(_line({"details": None, "generated_text": "",
-                                            "finish_reason": finish, "error": out.error},
-                                           protocol))
-                        failed = True
-                        break
-                    if not c.token_ids and not c.text:
-                        continue
-                    new_lps = _chosen_logprobs(c)
-                    ids.extend(c.token_ids)
-                    lps.extend(new_lps)
-                    texts.append(c.text)
-                    last = (_token(c.token_ids[-1], c.text, new_lps[-1], special)
-                            if c.token_ids else _token(-1, c.text, None, special))
-                    piece = {"details": None, "generated_text": c.text, "tokens": last,
-                             "top_tokens": [last]}
-                    if c.finish_reason is not None:
-                        piece["finish_reason"] = finish
-                    lines.append(_line(piece, protocol))
-                if lines:
-                    yield b"".join(lines)
-                if failed:
+                chunk = b"".join(step_line(g, out) for out in outs)
+                if chunk:
+                    yield chunk
+                if g.error:
                     return
             if req.parameters.return_full_text:
-                yield _line(_summary(_token_list(tok, ids, lps), "".join(texts), finish,
-                                     req.parameters.seed), protocol)
+                yield _line(g.summary(tok, req.parameters.seed), protocol)
         finally:
             await stream.aclose()
-            log_request(stream.request_id, n_prompt, len(ids), t0)
+            log_request(stream.request_id, g.n_prompt, len(g.ids), t0)
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 
