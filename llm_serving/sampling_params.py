@@ -23,6 +23,10 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_BAD_WORDS = 100
+# Stop strings and ids are checked on the engine thread at every token of the request: bounded
+# so that one request cannot slow every step (OpenAI allows 4 stop strings).
+MAX_STOPS = 100
+MAX_STOP_CHARS = 4096      # all of a request's stop strings together
 
 
 @dataclass
@@ -298,6 +302,13 @@ class SamplingParams:
                 need(0 <= value <= MAX_LOGPROBS,
                      f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
         need("" not in self.stop, "stop must not contain an empty string")
+        need(len(self.stop) <= MAX_STOPS,
+             f"stop must hold at most {MAX_STOPS} strings, got {len(self.stop)}")
+        need(sum(map(len, self.stop)) <= MAX_STOP_CHARS,
+             f"stop must hold at most {MAX_STOP_CHARS} characters in all, "
+             f"got {sum(map(len, self.stop))}")
+        need(len(self.stop_token_ids) <= MAX_STOPS,
+             f"stop_token_ids must hold at most {MAX_STOPS} ids, got {len(self.stop_token_ids)}")
         if self.kv_transfer_params is not None:
             need(isinstance(self.kv_transfer_params, dict),
                  f"kv_transfer_params must be a JSON object, got {self.kv_transfer_params!r}")

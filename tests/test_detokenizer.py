@@ -181,6 +181,28 @@ def test_stop_strings_random(tok, data):
         assert joined == (full[: i + len(s)] if include else full[:i])
 
 
+@settings(max_examples=300, **SETTINGS)
+@given(data=st.data())
+def test_text_is_held_back_only_where_a_stop_string_could_start(tok, data):
+    """A stream holds back only the end of the text that could still begin a stop string (the
+    longest end that is a proper beginning of one); everything before it goes out at once."""
+    alphabet = st.sampled_from(list("ab c"))
+    text = "".join(data.draw(st.lists(alphabet, max_size=30), label="text"))
+    stops = data.draw(st.lists(st.lists(alphabet, min_size=1, max_size=8).map("".join),
+                               min_size=1, max_size=4), label="stops")
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], stop=stops)
+    emitted = ""
+    for n in range(1, len(ids) + 1):
+        emitted += d.step([ids[n - 1]])
+        if d.stop_reason is not None:
+            break
+        so_far = tok.decode(ids[:n])
+        held = max((k for s in stops for k in range(1, min(len(s), len(so_far) + 1))
+                    if so_far.endswith(s[:k])), default=0)
+        assert emitted == so_far[:len(so_far) - held]
+
+
 def test_step_cost_does_not_grow(tok):
     """Per-step work is bounded: the token window stays short however long the output gets."""
     ids = tok.encode(" ".join(corpus_texts()[0][:200]), add_special_tokens=False)

@@ -370,6 +370,8 @@ def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tin
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [str(i) for i in range(101)]},
+     400, "stop must hold at most 100 strings"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/models/llama2/generate", {"inputs": ""}, 400, "inputs"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_p": 2}}, 400, "top_p"),

@@ -91,6 +91,9 @@ def test_output_text_buffer_length():
     (dict(seed="abc"), "seed", "integer"),
     (dict(stop=[""]), "stop", "empty"),
     (dict(stop=[1]), "stop", "string"),
+    (dict(stop=[f"s{i}" for i in range(101)]), "stop", "at most 100 strings"),
+    (dict(stop=["x" * 2049, "y" * 2048]), "stop", "at most 4096 characters"),
+    (dict(stop_token_ids=list(range(101))), "stop_token_ids", "at most 100 ids"),
     (dict(stop_token_ids=[-1]), "stop_token_ids", ">= 0"),
     (dict(stop_token_ids=["a"]), "stop_token_ids", ">= 0"),
     (dict(ignore_eos="yes"), "ignore_eos", "True or False"),
@@ -113,6 +116,8 @@ def test_error_message_shows_the_bad_value():
     dict(presence_penalty=-2.0), dict(frequency_penalty=2.0), dict(repetition_penalty=0.01),
     dict(logprobs=0), dict(logprobs=20), dict(prompt_logprobs=0), dict(seed=-7),
     dict(min_tokens=16, max_tokens=16), dict(temperature=0.0), dict(temperature=5.0),
+    dict(stop=[f"s{i:03}" for i in range(100)]), dict(stop=["x" * 4096]),
+    dict(stop_token_ids=list(range(100))),
 ])
 def test_boundary_values_are_accepted(kwargs):
     SamplingParams(**kwargs)

@@ -176,11 +176,16 @@ class IncrementalDetokenizer:
         return delta
 
     def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+        Only the places where a stop string's first character occurs are tried: a scan of
+        the text per stop string, not one comparison per candidate length (which made long
+        stop strings cost milliseconds per token on the engine thread)."""
+        longest, n = 0, len(text)
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
+            i = text.find(s[0], max(n - len(s) + 1, 0), n - longest)
+            while i != -1:
+                if s.startswith(text[i:]):
+                    longest = n - i
                     break
+                i = text.find(s[0], i + 1, n - longest)
         return longest
