@@ -152,6 +152,36 @@ def test_streaming_with_usage_adds_up(client, tiny_llm):
     assert finish in ("stop", "length")
 
 
+def test_continuous_usage_stats_count_each_choice_as_it_goes(client, tiny_llm):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
+    far (and the last, choiceless chunk the request's)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    ref = greedy(tiny_llm, PROMPTS[0], 16)
+    n_prompt = len(tiny_llm.get_tokenizer().encode(PROMPTS[0]))
+    seen, final = {0: 0, 1: 0}, None
+    for chunk in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
+                                           temperature=0, n=2, stream=True,
+                                           stream_options=opts):
+        if not chunk.choices:
+            final = chunk.usage
+            continue
+        u, idx = chunk.usage, chunk.choices[0].index
+        assert u.prompt_tokens == n_prompt and u.total_tokens == n_prompt + u.completion_tokens
+        assert u.completion_tokens >= seen[idx]
+        seen[idx] = u.completion_tokens
+    assert seen == {0: len(ref.token_ids), 1: len(ref.token_ids)}
+    assert final.completion_tokens == 2 * len(ref.token_ids)
+
+    msgs = [{"role": "user", "content": "Hello there"}]
+    chat_ref = tiny_llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0]
+    usages = [c.usage for c in client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
+        stream_options=opts)]
+    assert all(u is not None for u in usages)
+    assert usages[0].completion_tokens == 0                      # the role chunk
+    assert usages[-1].completion_tokens == len(chat_ref.token_ids)
+
+
 def test_chat_uses_the_template_and_streams(client, tiny_llm):
     msgs = [{"role": "user", "content": "Hello there"}]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,

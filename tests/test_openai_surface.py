@@ -445,10 +445,14 @@ def test_every_spec_field_is_honoured_or_refused_by_name(server, path, spec, bas
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
     url, logs = server
     r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
-                                       extra_body={"frobnicate": 1, "zorp": "a"})
+                                       extra_body={"frobnicate": 1, "zorp": "a"},
+                                       stream=True, stream_options={"include_usage": True,
+                                                                    "blorp": 2})
+    r = list(r)[-2]          # the last choice chunk (before the usage chunk)
     assert r.choices[0].finish_reason in ("stop", "length")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not any("frobnicate" in x for x in list(logs)):
         time.sleep(0.1)
     warned = [line for line in list(logs) if "frobnicate" in line]
     assert len(warned) == 1 and "zorp" in warned[0] and "ignored" in warned[0]
+    assert "stream_options.blorp" in warned[0]

@@ -35,7 +35,13 @@ _REFUSED_CHAT = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool = False
+
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _SamplingFields(BaseModel):
@@ -108,7 +114,8 @@ class _SamplingFields(BaseModel):
         return None
 
     def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or ())
+        nested = self.stream_options.model_extra if self.stream_options else None
+        return sorted([*(self.model_extra or ()), *(f"stream_options.{k}" for k in nested or ())])
 
     def structured(self) -> Optional[StructuredOutputsParams]:
         """The one structured-output request among response_format, guided_* and

@@ -248,10 +248,11 @@ async def completions(req: CompletionRequest, request: Request):
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous())
 
         async def gen():
             prompt_tokens, completion_tokens = {}, 0
-            offsets = {}
+            offsets, choice_tokens = {}, {}
             try:
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
@@ -274,6 +275,7 @@ async def completions(req: CompletionRequest, request: Request):
                         elif not text and not ntok and c.finish_reason is None:
                             continue
                         completion_tokens += ntok
+                        choice_tokens[idx] = choice_tokens.get(idx, 0) + ntok
                         lp = None
                         if req.logprobs is not None:
                             lp = _completion_logprobs(entries, gen_start, req.logprobs,
@@ -284,7 +286,8 @@ async def completions(req: CompletionRequest, request: Request):
                                  "choices": [{"index": idx, "text": text, "logprobs": lp,
                                               "finish_reason": openai_finish_reason(c.finish_reason)}]}
                         if include_usage:
-                            chunk["usage"] = None
+                            chunk["usage"] = (_usage(prompt_tokens[i], choice_tokens[idx])
+                                              if continuous else None)
                         yield sse(chunk)
                 if include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created,
@@ -401,13 +404,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous())
+        choice_tokens: dict[int, int] = {}
 
         def chunk(idx, delta, finish=None, lp=None):
             c = {"id": rid, "object": "chat.completion.chunk", "created": created,
                  "model": model, "choices": [{"index": idx, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish}]}
             if include_usage:
-                c["usage"] = None
+                c["usage"] = (_usage(len(ids), choice_tokens.get(idx, 0)) if continuous
+                              else None)
             return sse(c)
 
         async def gen():
@@ -431,6 +437,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 calls[c.index] = tool_calls.CallStream(
                                     "required" if choice == "required" else args.tool_call_parser)
                         completion_tokens += len(c.token_ids)
+                        choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
                         lp = _chat_logprobs(c.logprobs, top) if c.logprobs else None
                         if tool_mode is None:
                             if c.text or lp:
