@@ -363,6 +363,32 @@ def test_the_chat_template_receives_the_tools(server, client):
     assert usage == [tok(MSG[0]["content"]), tok(MSG[0]["content"] + "[get_weather][get_time]")]
 
 
+def test_tokenize_counts_the_prompt_chat_will_use(server, client):
+    """vLLM's /tokenize on messages renders them as the chat route does: the generation
+    prompt, a request's own template and its kwargs, and the tools, so its count is chat's
+    prompt_tokens. An option it does not know is refused by name."""
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if tools %}{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}"
+                "{% endif %}{% if add_generation_prompt %}>{{ who }}{% endif %}")
+    for gen_prompt in (True, False):
+        opts = {"chat_template": template, "chat_template_kwargs": {"who": "bot"},
+                "add_generation_prompt": gen_prompt}
+        chat = client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=1, temperature=0, tools=[WEATHER],
+            tool_choice="required", extra_body=opts).usage.prompt_tokens
+        r = requests.post(server[0] + "/tokenize", json={"messages": MSG, "tools": [WEATHER],
+                                                         "return_token_strs": True, **opts})
+        assert r.status_code == 200, r.text
+        assert r.json()["count"] == chat
+        assert len(r.json()["token_strs"]) == chat
+        text = MSG[0]["content"] + "[get_weather]" + (">bot" if gen_prompt else "")
+        plain = requests.post(server[0] + "/tokenize",
+                              json={"prompt": text, "add_special_tokens": False}).json()
+        assert plain["tokens"] == r.json()["tokens"]
+    r = requests.post(server[0] + "/tokenize", json={"prompt": "x", "frobnicate": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
 @pytest.mark.parametrize("body, field", [
     ({"tool_choice": "required"}, "tool_choice"),                        # no tools
     ({"tools": [WEATHER], "tool_choice": {"type": "function",

@@ -281,14 +281,22 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """vLLM's /tokenize: a prompt, or messages rendered as the chat route renders them. A
+    field it does not know is refused by name."""
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
+    # Default: True for a prompt, False for messages (the template writes them), as vLLM.
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     tokens: list[int]

@@ -363,16 +363,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         if forced is not None and structured is not None:
             raise ValueError("tool_choice: a forced tool call cannot be combined with "
                              "response_format or guided decoding")
-        messages = [m.for_template() for m in req.messages]
-        text = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt,
-            chat_template=req.chat_template or state.chat_template,
-            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-            **(req.chat_template_kwargs or {}))
     except ValueError as e:
         raise translate_error(e) from None
-    except Exception as e:   # noqa: BLE001 - a template error is the request's fault
-        raise HTTPError(400, f"messages: the chat template failed: {e}", param="messages")
+    text = _chat_prompt(state, engine.tokenizer, req, tools)
     ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
@@ -486,6 +479,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             "choices": out, "usage": _usage(len(ids), completion_tokens), **extra}
 
 
+def _chat_prompt(state: ServerState, tok, req, tools) -> str:
+    """The prompt text the chat template makes of a request's messages (the chat route's
+    and /tokenize's, so that /tokenize counts what chat will)."""
+    try:
+        return tok.apply_chat_template(
+            [m.for_template() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=req.chat_template or state.chat_template,
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            **(req.chat_template_kwargs or {}))
+    except ValueError as e:
+        raise translate_error(e) from None
+    except Exception as e:   # noqa: BLE001 - a template error is the request's fault
+        raise HTTPError(400, f"messages: the chat template failed: {e}", param="messages")
+
+
 # ---- models, tokenizer -------------------------------------------------------------------
 
 @router.get("/v1/models")
@@ -505,16 +514,16 @@ async def tokenize(req: TokenizeRequest, request: Request):
     engine = state.require_engine()
     tok = engine.tokenizer
     if req.messages is not None:
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()}
-                                        for m in req.messages],
-                                       add_generation_prompt=True,
-                                       chat_template=state.chat_template)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(_chat_prompt(state, tok, req, req.tools),
+                         add_special_tokens=bool(req.add_special_tokens))
     elif req.prompt is not None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
         raise HTTPError(400, "prompt: give a prompt or messages", param="prompt")
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
+    body = {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
+    if req.return_token_strs:
+        body["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return body
 
 
 @router.post("/detokenize")
