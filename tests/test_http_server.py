@@ -415,6 +415,8 @@ def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tin
      "parameters.watermark: not supported"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"typical_p": 0.9}}, 400,
      "parameters.typical_p"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"grammar": {
+        "type": "regex", "value": "a+", "whitespace": " "}}}, 400, "parameters.grammar.whitespace"),
     # Started without --enable-auto-tool-choice: tools with tool_choice "auto" (the default
     # with tools) cannot be read back, so they are refused (as vLLM).
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

@@ -38,6 +38,7 @@ DEFAULT_MAX_NEW_TOKENS = 300      # llm-serving's default
 
 
 class Grammar(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["json", "json_schema", "regex"]
     value: Union[str, dict[str, Any]]
 
