@@ -304,9 +304,9 @@ class SamplingParams:
         need("" not in self.stop, "stop must not contain an empty string")
         need(len(self.stop) <= MAX_STOPS,
              f"stop must hold at most {MAX_STOPS} strings, got {len(self.stop)}")
-        need(sum(map(len, self.stop)) <= MAX_STOP_CHARS,
-             f"stop must hold at most {MAX_STOP_CHARS} characters in all, "
-             f"got {sum(map(len, self.stop))}")
+        stop_chars = sum(map(len, self.stop))
+        need(stop_chars <= MAX_STOP_CHARS,
+             f"stop must hold at most {MAX_STOP_CHARS} characters in all, got {stop_chars}")
         need(len(self.stop_token_ids) <= MAX_STOPS,
              f"stop_token_ids must hold at most {MAX_STOPS} ids, got {len(self.stop_token_ids)}")
         if self.kv_transfer_params is not None:

@@ -137,8 +137,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         loc = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
         if err["type"] == "extra_forbidden":
             return error_response(400, f"{loc}: not a field this route supports", loc)
-        msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
-        return error_response(400, f"{loc}: {msg}", loc)
+        return error_response(400, f"{loc}: {err['msg']}", loc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

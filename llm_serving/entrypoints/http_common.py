@@ -72,6 +72,17 @@ class ServerState:
                             kind="not_found_error")
 
 
+def refuse_unsupported(body, refused: dict, prefix: str = "") -> None:
+    """A 400 naming the first field of ``refused`` (field -> the values that mean "not
+    used"; None always does) that ``body`` sets to anything else. ``prefix`` locates the body
+    in the request (e.g. ``parameters.``)."""
+    for name, ok in refused.items():
+        value = getattr(body, name, None)
+        if value is not None and value not in ok:
+            raise HTTPError(400, f"{prefix}{name}: not supported by this server (got "
+                            f"{value!r})", param=prefix + name)
+
+
 def error_response(status: int, message: str, param: Optional[str] = None,
                    kind: str = "invalid_request_error",
                    headers: Optional[dict] = None) -> JSONResponse:

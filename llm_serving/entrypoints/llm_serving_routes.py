@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
-                                                new_request_id, sse, stream_or_disconnect,
-                                                translate_error)
+                                                new_request_id, refuse_unsupported, sse,
+                                                stream_or_disconnect, translate_error)
 from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -92,18 +92,8 @@ class Parameters(_LlmServingBody):
     typical_p: Optional[float] = None
     watermark: Optional[bool] = None
 
-    @field_validator("decoder_input_details", "truncate", "typical_p", "watermark")
-    @classmethod
-    def _switched_off(cls, value, info):
-        off = _OFF[info.field_name]
-        if value not in off:
-            raise ValueError("not supported; accepted only switched off ("
-                             + " or ".join(json.dumps(v) for v in off) + ")")
-        return value
-
-
-_OFF = {"decoder_input_details": (False,), "truncate": (False, 0), "typical_p": (0, 1),
-        "watermark": (False,)}     # null is the default, off, for each
+    REFUSED: ClassVar[dict] = {"decoder_input_details": (False,), "truncate": (False, 0),
+                               "typical_p": (0, 1), "watermark": (False,)}
 
 
 class GenerateRequest(_LlmServingBody):
@@ -142,6 +132,7 @@ async def _start(request: Request, model: str, req: GenerateRequest):
                         f"{state.served_model_name!r} (also reachable as 'llama2')",
                         param="model", kind="not_found_error")
     engine = state.require_engine()
+    refuse_unsupported(req.parameters, req.parameters.REFUSED, "parameters.")
     await remote_prefill.resolve(request, req.parameters)   # first D, then P: ask P now
     try:
         params = _params(req.parameters)

@@ -2,9 +2,9 @@
 pydantic: a wrong type or an out-of-range value is a 400 naming the field and the rule.
 
 No field is silently dropped. Every field of OpenAI's spec and of vLLM's extensions is
-declared: honoured, or listed in ``_REFUSED`` with the values we can honour (a request that
-sets it otherwise is a 400 naming it, ``refused_fields``). Fields neither knows are kept in
-``model_extra`` and the route logs one warning naming them, as vLLM does.
+declared: honoured, or listed in ``REFUSED`` with the values we can honour (a request that
+sets it otherwise is a 400 naming it: ``http_common.refuse_unsupported``). Fields neither
+knows are kept in ``model_extra`` and the route logs one warning naming them, as vLLM does.
 """
 from __future__ import annotations
 
@@ -103,15 +103,7 @@ class _SamplingFields(BaseModel):
     prompt_cache_key: Any = None
     safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
 
-    _REFUSED: ClassVar[dict] = _REFUSED_COMMON
-
-    def refused_field(self) -> Optional[str]:
-        """The first field set to a value this server cannot honour (None: all fine)."""
-        for name, ok in self._REFUSED.items():
-            value = getattr(self, name, None)
-            if value is not None and value not in ok:
-                return name
-        return None
+    REFUSED: ClassVar[dict] = _REFUSED_COMMON
 
     def unknown_fields(self) -> list[str]:
         nested = self.stream_options.model_extra if self.stream_options else None
@@ -277,7 +269,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Any = None
     echo: Any = None
 
-    _REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
+    REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
 
 class TokenizeRequest(BaseModel):

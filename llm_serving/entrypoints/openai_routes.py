@@ -11,8 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_request,
-                                                new_request_id, openai_finish_reason, sse,
-                                                stream_or_disconnect, translate_error)
+                                                new_request_id, openai_finish_reason,
+                                                refuse_unsupported, sse, stream_or_disconnect,
+                                                translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.entrypoints import remote_prefill, tool_calls
@@ -25,10 +26,7 @@ logger = logging.getLogger("llm_serving.server")
 
 def _check_fields(req) -> None:
     """A field we cannot honour is a 400 naming it; unknown fields are logged once (vLLM)."""
-    name = req.refused_field()
-    if name is not None:
-        raise HTTPError(400, f"{name}: not supported by this server (got "
-                        f"{getattr(req, name)!r})", param=name)
+    refuse_unsupported(req, req.REFUSED)
     unknown = req.unknown_fields()
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s",
@@ -251,8 +249,7 @@ async def completions(req: CompletionRequest, request: Request):
         continuous = bool(req.stream_options and req.stream_options.continuous())
 
         async def gen():
-            prompt_tokens, completion_tokens = {}, 0
-            offsets, choice_tokens = {}, {}
+            prompt_tokens, offsets, choice_tokens = {}, {}, {}
             try:
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
@@ -274,7 +271,6 @@ async def completions(req: CompletionRequest, request: Request):
                             gen_start = len(prompt_text)
                         elif not text and not ntok and c.finish_reason is None:
                             continue
-                        completion_tokens += ntok
                         choice_tokens[idx] = choice_tokens.get(idx, 0) + ntok
                         lp = None
                         if req.logprobs is not None:
@@ -292,12 +288,13 @@ async def completions(req: CompletionRequest, request: Request):
                 if include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created,
                                 "model": model, "choices": [],
-                                "usage": _usage(sum(prompt_tokens.values()), completion_tokens)})
+                                "usage": _usage(sum(prompt_tokens.values()),
+                                                sum(choice_tokens.values()))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
-                log_request(rid, sum(prompt_tokens.values()), completion_tokens, t0)
+                log_request(rid, sum(prompt_tokens.values()), sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
@@ -410,7 +407,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             return sse(c)
 
         async def gen():
-            completion_tokens, prompt_tokens = 0, len(ids)
+            prompt_tokens = len(ids)
             started, calls = set(), {}
             parsed = tool_mode == "auto" or choice == "required"
             try:
@@ -429,7 +426,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             elif parsed:
                                 calls[c.index] = tool_calls.CallStream(
                                     "required" if choice == "required" else args.tool_call_parser)
-                        completion_tokens += len(c.token_ids)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
                         lp = _chat_logprobs(c.logprobs, top) if c.logprobs else None
                         if tool_mode is None:
@@ -457,12 +453,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 if include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
-                                "usage": _usage(prompt_tokens, completion_tokens)})
+                                "usage": _usage(prompt_tokens, sum(choice_tokens.values()))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
-                log_request(rid, prompt_tokens, completion_tokens, t0)
+                log_request(rid, prompt_tokens, sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
