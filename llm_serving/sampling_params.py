@@ -22,11 +22,12 @@ MAX_LOGPROBS = 20
 # OpenAI's bound on logit_bias (also its number of entries).
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_BAD_WORDS = 100
-# Stop strings and ids are checked on the engine thread at every token of the request: bounded
-# so that one request cannot slow every step (OpenAI allows 4 stop strings).
+# Stop strings and ids, and bad words, are checked on the engine thread at every token of the
+# request: bounded so that one request cannot slow every step (OpenAI allows 4 stop strings).
 MAX_STOPS = 100
 MAX_STOP_CHARS = 4096      # all of a request's stop strings together
+MAX_BAD_WORDS = 100
+MAX_BAD_WORD_CHARS = 4096  # all of a request's bad words together
 
 
 @dataclass
@@ -254,8 +255,12 @@ class SamplingParams:
                 raise ValueError(f"bad_words must be a list of non-empty strings, got "
                                  f"{self.bad_words!r}")
             if len(self.bad_words) > MAX_BAD_WORDS:
-                raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got "
+                raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
                                  f"{len(self.bad_words)}")
+            chars = sum(map(len, self.bad_words))
+            if chars > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words must hold at most {MAX_BAD_WORD_CHARS} characters "
+                                 f"in all, got {chars}")
             self.bad_words = list(self.bad_words) or None
         so = self.structured_outputs
         if isinstance(so, dict):

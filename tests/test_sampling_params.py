@@ -94,6 +94,8 @@ def test_output_text_buffer_length():
     (dict(stop=[f"s{i}" for i in range(101)]), "stop", "at most 100 strings"),
     (dict(stop=["x" * 2049, "y" * 2048]), "stop", "at most 4096 characters"),
     (dict(stop_token_ids=list(range(101))), "stop_token_ids", "at most 100 ids"),
+    (dict(bad_words=[f"w{i}" for i in range(101)]), "bad_words", "at most 100 words"),
+    (dict(bad_words=["x" * 2049, "y" * 2048]), "bad_words", "at most 4096 characters"),
     (dict(stop_token_ids=[-1]), "stop_token_ids", ">= 0"),
     (dict(stop_token_ids=["a"]), "stop_token_ids", ">= 0"),
     (dict(ignore_eos="yes"), "ignore_eos", "True or False"),
