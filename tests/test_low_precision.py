@@ -1,11 +1,11 @@
 """Lower precision on CPU: ``--dtype bfloat16`` (linear weights stored bf16; on a CPU with
 AMX or avx512_bf16 the linear layers' inputs may be rounded to bf16 too and multiplied on AMX
 tiles or with AVX512-BF16 dot products, else fp32 arithmetic) and ``--kv-cache-dtype
-bfloat16`` (KV stored bf16).
+bfloat16`` or ``float16`` (KV stored bf16 or IEEE half, with fp32 or bf16 weights).
 
-References are independent of our code: torch rounds fp32 to bf16 (round to nearest even),
+References are independent of our code: torch rounds fp32 to bf16 or fp16 (to nearest even),
 NumPy computes the GEMM in float64, HF transformers runs the model with the same values
-rounded (its linear weights, for bf16 activations its linear layers' inputs, and for a bf16
+rounded (its linear weights, for bf16 activations its linear layers' inputs, and for a 16-bit
 KV cache its keys and values through a registered attention function). Since the rounding is
 the same and the sums stay fp32, our results must match those references as closely as fp32
 matches fp32: the parity suite's 5e-3 on logits and identical greedy tokens."""
