@@ -183,6 +183,38 @@ def test_stop_strings_random(tok, data):
 
 @settings(max_examples=300, **SETTINGS)
 @given(data=st.data())
+def test_stop_strings_count_only_past_min_tokens(tok, data):
+    """vLLM's min_tokens rule: a stop string counts only if it ends in text that came after
+    the first min_tokens tokens (the text those released: whole tokens of whole characters)."""
+    alphabet = st.sampled_from(list("ab c\n你😀"))
+    text = "".join(data.draw(st.lists(alphabet, max_size=30), label="text"))
+    stops = data.draw(st.lists(st.lists(alphabet, min_size=1, max_size=4).map("".join),
+                               min_size=1, max_size=3), label="stops")
+    include = data.draw(st.booleans(), label="include")
+    ids = tok.encode(text, add_special_tokens=False)
+    min_tokens = data.draw(st.integers(0, len(ids)), label="min_tokens")
+    full = tok.decode(ids)
+    released = max(j for j in range(min_tokens + 1)
+                   if j == 0 or not tok.decode(ids[:j]).endswith("\ufffd"))
+    off = len(tok.decode(ids[:released]))
+    best = None
+    for s in stops:
+        i = full.find(s, max(off - len(s) + 1, 0))
+        if i != -1 and (best is None or (i + len(s), i) < (best[0] + len(best[1]), best[0])):
+            best = (i, s)
+    deltas, d = run(tok, ids, stop=stops, include_stop_str_in_output=include,
+                    min_tokens=min_tokens)
+    joined = "".join(deltas)
+    if best is None:
+        assert joined == full and d.stop_reason is None
+    else:
+        i, s = best
+        assert d.stop_reason == s
+        assert joined == (full[: i + len(s)] if include else full[:max(i, off)])
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(data=st.data())
 def test_text_is_held_back_only_where_a_stop_string_could_start(tok, data):
     """A stream holds back only the end of the text that could still begin a stop string (the
     longest end that is a proper beginning of one); everything before it goes out at once."""

@@ -78,8 +78,35 @@ def test_stop_strings_and_stop_token_ids(tiny_llm):
     out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24,
                                                     stop_token_ids=[tid], ignore_eos=True))[0]
     first = base.token_ids.index(tid)
+    tok = tiny_llm.get_tokenizer()
     assert out.outputs[0].token_ids == base.token_ids[:first + 1]
     assert out.outputs[0].stop_reason == tid
+    # The stop id's text is left out, as vLLM does, unless include_stop_str_in_output.
+    assert out.outputs[0].text == tok.decode(base.token_ids[:first])
+    out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24,
+                                                    stop_token_ids=[tid], ignore_eos=True,
+                                                    include_stop_str_in_output=True))[0]
+    assert out.outputs[0].text == tok.decode(base.token_ids[:first + 1])
+
+
+def test_stop_strings_count_only_after_min_tokens(tiny_llm):
+    """vLLM's rule: a stop string that ends within the first min_tokens tokens' text does
+    not stop the output; the first one that ends after it does."""
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True, min_tokens=10)
+    base = tiny_llm.generate("Hello", SamplingParams(**greedy))[0].outputs[0]
+    tok = tiny_llm.get_tokenizer()
+    early = tok.decode(base.token_ids[:3])
+    stop = early[-2:]
+    assert stop.strip() and "\ufffd" not in early
+    off = len(tok.decode(base.token_ids[:10]))
+    assert base.text.index(stop) + len(stop) <= off      # it would stop within the first 10
+    out = tiny_llm.generate("Hello", SamplingParams(**greedy, stop=[stop]))[0]
+    later = base.text.find(stop, off - len(stop) + 1)
+    if later == -1:
+        assert out.outputs[0].finish_reason == "length" and out.outputs[0].text == base.text
+    else:
+        assert out.outputs[0].stop_reason == stop
+        assert out.outputs[0].text == base.text[:later]
 
 
 def test_chat_uses_the_models_chat_template(tiny_llm):

@@ -29,6 +29,8 @@ class IncrementalDetokenizer:
     ``step(new_token_ids)`` returns the newly visible text; ``flush()`` returns what was held back
     once the sequence is finished. ``output_text`` is everything returned so far, ``stop_reason``
     the stop string that matched (None until one does); after a match, steps return "".
+    With ``min_tokens``, a stop string counts only if it ends in the text of a later token
+    (vLLM's rule): text within the first ``min_tokens`` tokens is released as it comes.
 
     Joined deltas equal ``tokenizer.decode(output_ids)`` when no stop string matched, for
     tokenizers whose decode does not depend on the preceding text (byte-level BPE). A Llama-style
@@ -43,6 +45,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -50,6 +53,10 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop_reason: Optional[str] = None
         self.finished = False
+        # As vLLM: a stop string counts only if it ends in the text of a token after the
+        # first min_tokens; until then every delta is released whole.
+        self._stop_free = min_tokens
+        self._stops_on = min_tokens == 0
 
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         context = self._ids_to_tokens(list(prompt_token_ids)[-(_PROMPT_CONTEXT_TOKENS + _MAX_BACKTRACK):])
@@ -76,6 +83,9 @@ class IncrementalDetokenizer:
         """Add generated token ids; return the newly visible text (possibly "")."""
         if self.finished or not new_token_ids:
             return ""
+        if not self._stops_on:
+            self._stops_on = len(new_token_ids) > self._stop_free
+            self._stop_free = max(self._stop_free - len(new_token_ids), 0)
         new_tokens = self._ids_to_tokens(new_token_ids)
         if new_tokens:
             self._tokens.extend(new_tokens)
@@ -140,39 +150,38 @@ class IncrementalDetokenizer:
         pending = self._pending
         if not pending:
             return ""
-        if not self.stop:
-            self._pending = ""
-            self._chunks.append(pending)
-            return pending
-        tail = self._tail
-        text = tail + pending  # short: stop strings can only start in the tail or the new text
-        # The match that completes first wins (ties: the one starting first), so the result does
-        # not depend on how the tokens were grouped into steps.
-        best, match, best_end = -1, None, -1
-        for s in self.stop:
-            i = text.find(s)
-            if i != -1:
-                end = i + len(s)
-                if match is None or end < best_end or (end == best_end and i < best):
-                    best, match, best_end = i, s, end
-        if match is not None:
-            self.stop_reason = match
-            self.finished = True
-            cut = best + len(match) if self.include_stop_str_in_output else best
-            delta = text[len(tail) : max(cut, len(tail))]
-            self._pending = ""
-            if delta:
-                self._chunks.append(delta)
-            return delta
         hold = 0
-        if not final and not self.include_stop_str_in_output:
-            hold = min(self._partial_stop_len(text), len(pending))
+        if self.stop and self._stops_on:
+            tail = self._tail
+            text = tail + pending  # short: stop strings can only start in the tail or the new text
+            # The match that completes first wins (ties: the one starting first), so the result
+            # does not depend on how the tokens were grouped into steps. A match ends in the new
+            # text (the tail was searched before, or was released before stop strings counted).
+            best, match, best_end = -1, None, -1
+            for s in self.stop:
+                i = text.find(s, max(len(tail) - len(s) + 1, 0))
+                if i != -1:
+                    end = i + len(s)
+                    if match is None or end < best_end or (end == best_end and i < best):
+                        best, match, best_end = i, s, end
+            if match is not None:
+                self.stop_reason = match
+                self.finished = True
+                cut = best + len(match) if self.include_stop_str_in_output else best
+                delta = text[len(tail) : max(cut, len(tail))]
+                self._pending = ""
+                if delta:
+                    self._chunks.append(delta)
+                return delta
+            if not final and not self.include_stop_str_in_output:
+                hold = min(self._partial_stop_len(text), len(pending))
         delta = pending[: len(pending) - hold]
         self._pending = pending[len(pending) - hold :]
         if delta:
             self._chunks.append(delta)
             keep = self._max_stop_len - 1
-            self._tail = (tail + delta)[-keep:] if keep > 0 else ""
+            if keep > 0:
+                self._tail = (self._tail + delta)[-keep:]
         return delta
 
     def _partial_stop_len(self, text: str) -> int:

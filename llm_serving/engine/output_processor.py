@@ -91,7 +91,8 @@ class OutputProcessor:
                            arrival_order, new.arrival_time)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
-                stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output)
+                stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens)
             seqs.append(seq)
         seqs[0].pending_children = seqs[1:]
         if params.prompt_logprobs is not None:
@@ -146,8 +147,11 @@ class OutputProcessor:
             seq.last_token_time = now
             if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
                 self._record_logprobs(seq, row, token, result)
-            seq.detokenizer.step([token])
-            status = self._check_stop(seq, token)
+            status = self._stop_token(seq, token)
+            if status is None or seq.params.include_stop_str_in_output:
+                seq.detokenizer.step([token])   # an EOS or stop id's text is left out (vLLM)
+            if status is None:
+                status = self._check_stop(seq)
             if status is not None:
                 seq.detokenizer.flush()
                 seq.forget_in_flight()
@@ -158,19 +162,26 @@ class OutputProcessor:
         outputs = (self._request_output(self.requests[rid]) for rid in touched)
         return [o for o in outputs if o is not None]
 
-    def _check_stop(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
+    def _stop_token(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
+        """The token ends the sequence: EOS (stop_reason None) or one of stop_token_ids."""
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            return None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            seq.stop_reason = None
+            return SequenceStatus.FINISHED_STOPPED
+        if p.stop_token_ids and token in p.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        return None
+
+    def _check_stop(self, seq: Sequence) -> Optional[SequenceStatus]:
+        """After the token's text: a stop string (the detokenizer looks for them only past
+        min_tokens), max_tokens or the model length."""
+        if seq.detokenizer.stop_reason is not None:
+            seq.stop_reason = seq.detokenizer.stop_reason
+            return SequenceStatus.FINISHED_STOPPED
         n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.stop_reason = None
-                return SequenceStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token in p.stop_token_ids:
-                seq.stop_reason = token
-                return SequenceStatus.FINISHED_STOPPED
-            if seq.detokenizer.stop_reason is not None:
-                seq.stop_reason = seq.detokenizer.stop_reason
-                return SequenceStatus.FINISHED_STOPPED
         if n_out >= seq.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
