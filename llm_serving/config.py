@@ -124,10 +124,16 @@ class EngineArgs:
         f"(up to max_num_seqs) only once it has kept its size for {STEADY_STEPS} steps in a row "
         "(each new size costs an extra step to capture and check, which a draining batch "
         "would pay for every size)")
+    execute_model_timeout: float = _arg(300.0,
+        "seconds a model step may take before its WorkAgent is taken for hung: the requests "
+        "in flight fail and the agent is replaced (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,
         "a Jinja chat template overriding the tokenizer's")
+    trust_request_chat_template: bool = _arg(False,
+        "let a request bring its own chat_template (vLLM's flag; off, such a request is "
+        "refused: a template is a program the server runs)")
     enable_multi_stream: bool = _arg(False,
         "split large steps into two micro-batches and overlap one's tensor-parallel "
         "communication with the other's compute (docs/multistream.md)")
@@ -187,6 +193,7 @@ class EngineArgs:
                 raise ConfigError(key, f"expected a number {rng}, got {value!r}")
         number("swap_space", self.swap_space, 0)
         number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
+        number("execute_model_timeout", self.execute_model_timeout, 0, low_inclusive=False)
         number("watermark", self.watermark, 0, high=1)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         for key in ("start_device_id", "max_capture_batch"):
@@ -319,7 +326,8 @@ class EngineArgs:
             device=DeviceConfig(device=str(self.device).lower(),
                                 start_device_id=self.start_device_id),
             execution=ExecutionConfig(enforce_eager=self.enforce_eager,
-                                      max_capture_batch=self.max_capture_batch),
+                                      max_capture_batch=self.max_capture_batch,
+                                      execute_model_timeout=self.execute_model_timeout),
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
                   if self.dump_logits else None),
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
@@ -399,9 +407,11 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ExecutionConfig:
-    """How steps run: decode steps replayed from a capture (model_executor/cpu_graph.py)."""
+    """How steps run: decode steps replayed from a capture (model_executor/cpu_graph.py), and
+    how long one may take before its WorkAgent is taken for hung."""
     enforce_eager: bool = False
     max_capture_batch: int = MAX_CAPTURE_BATCH
+    execute_model_timeout: float = 300.0
 
 
 @dataclass(frozen=True)

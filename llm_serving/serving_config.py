@@ -28,6 +28,8 @@ present, is a ConfigError naming the key's path.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -35,6 +37,7 @@ from typing import Any, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llm_serving.config import EngineArgs
 from llm_serving.errors import ConfigError
 
 # Legacy keys we accept and ignore, and why (shown once, in the warning).
@@ -211,6 +214,13 @@ def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> Servi
         kw["multi_stream"] = knobs
     if cfg.kv_transfer is not None:
         kw["kv_transfer_config"] = dict(cfg.kv_transfer)
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in cfg.llm_serving or {}:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise ConfigError(f"llm_serving.{key}", "unknown key" + (
+                f" (did you mean {close[0]}?)" if close else " (python start.py --help lists "
+                "the engine arguments, by the same names)"))
     kw.update(cfg.llm_serving or {})
     kw.update(overrides or {})
     if sc is not None and len(sc.agent_ports) > 1:

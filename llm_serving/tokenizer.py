@@ -382,11 +382,58 @@ class _SentencePieceBackend:
 # ---------------------------------------------------------------------------------------------
 
 
+# The most characters a chat template may write (a prompt is at most the 4 MiB body, and the
+# template's own text around it): a template that writes more is stopped with an error.
+MAX_RENDERED_CHARS = 8 << 20
+
+
 @functools.lru_cache(maxsize=16)
 def _compile_chat_template(template: str):
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class _BoundedConcat(CodeGenerator):
+        """``a ~ b`` through the environment's bounded_concat (Jinja joins it inline)."""
+
+        def visit_Concat(self, node, frame):
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class _BoundedSandbox(ImmutableSandboxedEnvironment):
+        """Jinja's sandbox, where ``*``, ``+`` and ``~`` may not build a string or list longer
+        than MAX_RENDERED_CHARS (``{{ "x" * 10**9 }}`` would take gigabytes in one operation,
+        before the rendered length could be checked), nor ``**`` a number of thousands of
+        digits."""
+        intercepted_binops = frozenset(["*", "+", "**"])
+        code_generator_class = _BoundedConcat
+
+        @staticmethod
+        def bounded_concat(parts) -> str:
+            parts = [str(p) for p in parts]
+            if sum(map(len, parts)) > MAX_RENDERED_CHARS:
+                raise SecurityError(f"the chat template builds a value of more than "
+                                    f"{MAX_RENDERED_CHARS} items")
+            return "".join(parts)
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and abs(right) > 64 \
+                    and isinstance(left, (int, float)) and abs(left) > 1:
+                raise SecurityError("the chat template raises a number to a power over 64")
+            if operator in ("*", "+"):
+                sizes = [len(x) if isinstance(x, (str, list, tuple)) else
+                         x if isinstance(x, int) and operator == "*" else 1
+                         for x in (left, right)]
+                made = sizes[0] * sizes[1] if operator == "*" else sizes[0] + sizes[1]
+                if made > MAX_RENDERED_CHARS and any(isinstance(x, (str, list, tuple))
+                                                     for x in (left, right)):
+                    raise SecurityError(f"the chat template builds a value of more than "
+                                        f"{MAX_RENDERED_CHARS} items")
+            return super().call_binop(context, operator, left, right)
 
     class _GenerationTag(jinja2.ext.Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for training masks: render as-is.
@@ -410,7 +457,7 @@ def _compile_chat_template(template: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
@@ -435,6 +482,34 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _plain(dataclasses.asdict(value))
     return str(value)
+
+
+def _render_bounded(template, context: Dict[str, Any]) -> str:
+    """The template's text, written piece by piece and stopped once longer than
+    MAX_RENDERED_CHARS (a loop that writes without end)."""
+    parts, size = [], 0
+    for piece in template.generate(**context):
+        size += len(piece)
+        if size > MAX_RENDERED_CHARS:
+            raise ValueError(f"the chat template wrote more than {MAX_RENDERED_CHARS} "
+                             "characters")
+        parts.append(piece)
+    return "".join(parts)
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content, as the template wrote it (a
+    template that trims the content's surrounding spaces is followed)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    at = text.rfind(final.strip())
+    if at == -1:
+        raise ValueError("continue_final_message: the chat template does not write the last "
+                         "message's content as given, so it cannot be continued")
+    kept = final.lstrip()
+    end = at + (len(kept) if text.startswith(kept, at) else len(final.strip()))
+    return text[:end]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,6 +660,13 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token's text can have (its vocabulary string is at least
+        as long): a text longer than n times this needs more than n tokens, which is known
+        without tokenizing it."""
+        return max(len(t) for t in self.convert_ids_to_tokens(range(self.vocab_size)) if t) + 1
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size})"
 
@@ -595,12 +677,16 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` with the chat template (``chat_template`` overrides the model's).
 
         The template sees ``messages``, ``add_generation_prompt``, ``tools``/``documents`` (None
         unless given), the special tokens (``bos_token``, ``eos_token``, ...) and ``kwargs``.
+        ``continue_final_message`` (transformers' and vLLM's): the text ends where the last
+        message's content does, without what the template closes a turn with, so the model
+        carries on writing that message (an assistant reply begun by the caller).
         """
         template = chat_template if chat_template is not None else self.chat_template
         if isinstance(template, str) and template in self._named_templates:
@@ -621,7 +707,8 @@ class Tokenizer:
         context.update(_plain(kwargs))
         context["messages"] = _plain(list(messages))
         context["add_generation_prompt"] = add_generation_prompt
-        return _compile_chat_template(template).render(**context)
+        text = _render_bounded(_compile_chat_template(template), context)
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     @property
     def _named_templates(self) -> Dict[str, str]:

@@ -37,3 +37,32 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_llm(tiny_model_dir):
     from llm_serving import LLM
     return LLM(tiny_model_dir, num_blocks=256, block_size=16)
+
+
+def metric_value(text: str, name: str) -> float:
+    """A server's metric in /metrics ``text``: ``name`` without its prefix (vLLM's ``vllm:`` or
+    this server's ``llm_serving:``), with a sample suffix (``_total``, ``_count``) and maybe
+    labels to match (``request_success_total{finished_reason="abort"}``), summed over the
+    samples that have them. 0 for a labelled metric with no samples yet; a metric the server
+    does not declare fails the test (a renamed metric must not read as 0)."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+    m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})?", name)
+    base, want = m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+    total, declared = 0.0, False
+    for family in text_string_to_metric_families(text):
+        prefix, _, fam = family.name.partition(":")
+        if prefix not in ("vllm", "llm_serving") or not base.startswith(fam):
+            continue
+        declared |= base[len(fam):] in ("", "_total", "_count", "_sum", "_bucket")
+        for s in family.samples:
+            if s.name == f"{prefix}:{base}" and want.items() <= s.labels.items():
+                total += s.value
+    assert declared, f"the server has no metric {name}"
+    return total
+
+
+def metric(url: str, name: str) -> float:
+    import requests
+    return metric_value(requests.get(url + "/metrics", timeout=10).text, name)

@@ -22,6 +22,7 @@ import requests
 from llm_serving import SamplingParams
 from llm_serving.cli_args import STOP_WITH_PARENT_ENV
 from llm_serving.executor.shm_channel import segments_of
+from conftest import metric, metric_value
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Give three tips for staying healthy.", "What is the capital of France?",
@@ -124,6 +125,19 @@ def test_ready_line_health_and_models(server, client):
     assert requests.get(server + "/health").status_code == 200
     assert requests.get(server + "/ready").json() == {"ready": True}
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    # vLLM's /ping (GET and POST, SageMaker's health check) and /load (requests held).
+    assert requests.get(server + "/ping").status_code == 200
+    assert requests.post(server + "/ping").status_code == 200
+    assert requests.get(server + "/load").json() == {"server_load": 0}
+    longest = client.models.list().data[0].max_model_len - 16
+    with requests.post(server + "/v1/completions", stream=True, json={
+            "prompt": "Hello", "max_tokens": longest, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())
+        assert requests.get(server + "/load").json() == {"server_load": 1}
+    deadline = time.time() + 30
+    while requests.get(server + "/load").json()["server_load"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert requests.get(server + "/load").json() == {"server_load": 0}
 
 
 def test_completions_match_offline_greedy(client, tiny_llm):
@@ -199,7 +213,8 @@ def test_n_logprobs_stop_and_seed(client):
                                   temperature=1.0, seed=7, logprobs=2)
     assert len(r.choices) == 2 and {c.index for c in r.choices} == {0, 1}
     lp = r.choices[0].logprobs
-    assert all(v <= 0 for v in lp.token_logprobs) and len(lp.top_logprobs[0]) == 2
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(2 <= len(t) <= 3 and tok in t for tok, t in zip(lp.tokens, lp.top_logprobs))
     again = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, n=2,
                                       temperature=1.0, seed=7, logprobs=2)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
@@ -263,7 +278,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, tiny_llm):
                                       temperature=0, echo=True, logprobs=1)
         assert len(r.choices) == 2
         for c, p in zip(r.choices, [ids, other]):
-            text = tok.decode(p)
+            text = tok.decode(p, skip_special_tokens=False)     # as vLLM echoes token ids
             assert c.text.startswith(text) and (max_tokens or c.text == text)
             got = c.logprobs.token_logprobs
             assert len(got) == len(p) + max_tokens and got[0] is None
@@ -424,12 +439,48 @@ def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tin
      400, "--enable-auto-tool-choice"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {
         "grammar": {"type": "regex", "value": "(("}}}, 400, "grammar"),
+    # A text too long for the model by its length alone is refused before it is tokenized
+    # (megabytes would hold the event loop for seconds).
+    ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt: 3000000 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3_000_000}]},
+     400, "messages: 3000"),
+    ("/models/llama2/generate", {"inputs": "x" * 3_000_000}, 400, "characters"),
+    ("/tokenize", {"prompt": "x" * 3_000_000}, 400, "prompt: 3000000 characters"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, 400, "surrogate"),
+    # A template is a program: a request's own only with --trust-request-chat-template.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template": "{{ 1 }}"}, 400, "--trust-request-chat-template"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                   "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
+     "--trust-request-chat-template"),
+    # Bodies FastAPI cannot read, said in the API's error shape with what is wrong.
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "could not be read as JSON"),
+    ("/v1/completions", "[" * 100_000, 400, "could not be read as JSON"),
+    ("/v1/completions", '{"prompt": "x", "seed": ' + "9" * 5000 + "}", 400,
+     "could not be read as JSON"),
+    ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400,
+     "temperature: Input should be a finite number"),
+    ("/v1/completions", {"prompt": "x", "n": 100}, 400, "n: 100 is more than max_num_seqs"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 100, "max_tokens": 5}, 400,
+     "min_tokens must be <= max_tokens"),
 ])
 def test_bad_input_gets_a_4xx_naming_the_field(server, path, body, status, needle):
-    kw = {"data": body} if isinstance(body, str) else {"json": body}
+    kw = {"data": body} if isinstance(body, (str, bytes)) else {"json": body}
     r = requests.post(server + path, **kw)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
+    assert "=" not in (r.json()["error"].get("param") or "")      # a field's name, alone
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(server):
+    """Without a Content-Length the limit is found while reading: a 413 too, not a 400."""
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+    r = requests.post(server + "/v1/completions", data=chunks())
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
 
 
 def test_oversized_body_is_refused(server):
@@ -439,9 +490,7 @@ def test_oversized_body_is_refused(server):
 
 
 def _abort_count(server) -> float:
-    return sum(float(line.rsplit(" ", 1)[1])
-               for line in requests.get(server + "/metrics").text.splitlines()
-               if line.startswith('llm_serving:request_success_total{finished_reason="abort"}'))
+    return metric(server, 'request_success_total{finished_reason="abort"}')
 
 
 def test_disconnect_storm_frees_everything(server, tiny_llm):
@@ -485,10 +534,8 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
     wait_until(lambda: _gauge(server, "kv_cache_usage_perc") == 0
                and _gauge(server, "num_requests_running") == 0, 10, every=0.2)
     metrics = requests.get(server + "/metrics").text
-    usage = [line for line in metrics.splitlines()
-             if line.startswith("llm_serving:kv_cache_usage_perc ")]
-    assert usage == ["llm_serving:kv_cache_usage_perc 0.0"], usage
-    assert "llm_serving:time_to_first_token_seconds_count" in metrics
+    assert metric_value(metrics, "kv_cache_usage_perc") == 0.0
+    assert metric_value(metrics, "time_to_first_token_seconds_count") > 0
     # Counted as vLLM's request_success_total{finished_reason="abort"}: at least every
     # mid-stream hang-up (one closed before the server read it may never become a request).
     assert _abort_count(server) - aborts_before >= 12
@@ -515,8 +562,7 @@ def test_an_openai_stream_hung_up_midway_is_aborted(server, path, body, prompts)
 
 
 def _gauge(server, name) -> float:
-    text = requests.get(server + "/metrics", timeout=10).text
-    return float(re.search(rf"^llm_serving:{name} (\S+)$", text, re.M).group(1))
+    return metric(server, name)
 
 
 @pytest.mark.parametrize("path,body", [
@@ -571,17 +617,17 @@ OPENAI_STREAM = ("/v1/completions",
 
 
 def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
-                                stream=GENERATE_STREAM):
-    """SIGKILL agent ``rank`` during a ``stream`` (GENERATE_STREAM or OPENAI_STREAM): the
-    request fails naming the model process, /ready is 503 until a new set of agents is up,
-    then the server generates again."""
+                                stream=GENERATE_STREAM, sig=signal.SIGKILL):
+    """SIGKILL agent ``rank`` during a ``stream`` (GENERATE_STREAM or OPENAI_STREAM), or hang
+    it (SIGSTOP): the request fails naming the model process, /ready is 503 until a new set of
+    agents is up, then the server generates again."""
     agents = agent_pids(server_pid)
     assert len(agents) == num_agents
     path, body, error_of = stream
     with requests.post(url + path, json=body, stream=True, timeout=60) as r:
         lines = (line for line in r.iter_lines() if line)
         next(lines)                                   # the request is running
-        os.kill(agents[rank], signal.SIGKILL)
+        os.kill(agents[rank], sig)
         t0 = time.monotonic()
         rest = list(lines)
         detected = time.monotonic() - t0
@@ -601,6 +647,43 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
 
 def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
     kill_an_agent_and_come_back(server, SERVERS[server].pid, tiny_llm)
+
+
+def test_a_server_whose_agents_keep_dying_exits_with_an_error(tmp_path, tiny_model_dir):
+    """Every new WorkAgent killed as it starts: after RESTART_ATTEMPTS the engine loop gives
+    up, and the server exits non-zero (as vLLM's does, so that a supervisor restarts it)
+    instead of lingering unable to serve; nothing is left behind."""
+    from llm_serving.engine.async_engine import RESTART_ATTEMPTS
+    proc, url, _ = start_server(tmp_path, tiny_model_dir)
+    killed: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in set(agent_pids(proc.pid)) - killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            time.sleep(0.05)
+        assert proc.poll() is not None, "the server did not give up"
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+    assert proc.returncode != 0 and len(killed) >= 1 + RESTART_ATTEMPTS
+    assert "the engine loop stopped" in proc.stderr.read()
+    assert not agent_pids(proc.pid) and not segments_of(proc.pid)
+
+
+def test_a_hung_agent_is_replaced_after_the_step_timeout(tmp_path, tiny_model_dir, tiny_llm):
+    """A WorkAgent that stops answering (SIGSTOP) is taken for hung once a step has run
+    --execute-model-timeout seconds: its requests fail, it is killed and replaced."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--execute-model-timeout", "2")
+    try:
+        hung = agent_pids(proc.pid)
+        kill_an_agent_and_come_back(url, proc.pid, tiny_llm, sig=signal.SIGSTOP)
+        wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in hung), 10,
+                   "the hung WorkAgent was not killed")
+    finally:
+        assert stop_server(proc) == 0
+    assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
 def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
@@ -658,18 +741,24 @@ def test_stopping_while_the_model_loads_is_clean(tmp_path, tiny_model_dir, sig):
     assert not segments_of(proc.pid)
 
 
-def test_api_key_guards_every_route_but_health(tmp_path, tiny_model_dir):
+def test_api_key_guards_the_generation_routes(tmp_path, tiny_model_dir):
+    """As vLLM guards /v1/... (and llm-serving's generation routes here); health, metrics and
+    the info routes stay open for probes and scrapers."""
     proc, url, _ = start_server(tmp_path, tiny_model_dir, "--api-key", "s3cret")
     try:
-        assert requests.get(url + "/health").status_code == 200
-        for path in ("/ready", "/v1/models", "/metrics"):
-            assert requests.get(url + path).status_code == 401
-        assert requests.post(url + "/models/llama2/generate",
-                             json={"inputs": "x"}).status_code == 401
+        for path in ("/health", "/ping", "/ready", "/metrics", "/version", "/load"):
+            assert requests.get(url + path).status_code == 200, path
+        assert requests.post(url + "/tokenize", json={"prompt": "x"}).status_code == 200
+        assert requests.get(url + "/v1/models").status_code == 401
+        for path in ("/models/llama2/generate", "/models/llama2/generate_stream"):
+            assert requests.post(url + path, json={"inputs": "x"}).status_code == 401
+            assert requests.post(url + path, json={"inputs": "x"},
+                                 headers={"Authorization": "Bearer s3cret"}).status_code == 200
         ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret")
         assert ok.completions.create(model="tiny", prompt="x", max_tokens=2).choices
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url + "/v1", api_key="wrong").models.list()
+        for wrong in ("wrong", "s3cre", "s3crett"):
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url + "/v1", api_key=wrong).models.list()
     finally:
         assert stop_server(proc) == 0
 
@@ -733,7 +822,7 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
         assert "max_waiting_requests" in refused.json()["error"]["message"]
         for r in held:
             r.close()
-        while "llm_serving:num_requests_running 0.0" not in requests.get(url + "/metrics").text:
+        while _gauge(url, "num_requests_running"):
             time.sleep(0.1)
 
         schema = schemathesis.openapi.from_url(url + "/openapi.json")
@@ -816,12 +905,6 @@ def test_benchmark_serving_client_prints_vllm_block_and_saves_records(server, tm
     assert (tmp_path / "bench" / "timeline.png").read_bytes().startswith(b"\x89PNG")
 
 
-def _metric(text: str, name: str) -> float:
-    lines = [line for line in text.splitlines() if line.startswith(name + " ")]
-    assert len(lines) == 1, (name, lines)
-    return float(lines[0].split()[-1])
-
-
 def test_the_periodic_stats_line_and_every_request_in_the_histograms(tmp_path, tiny_model_dir):
     """vLLM users watch its stats line; ours gives the same figures. The llm-serving routes
     that read the engine's stats (get_bs) must not take finished requests away from
@@ -837,8 +920,13 @@ def test_the_periodic_stats_line_and_every_request_in_the_histograms(tmp_path, t
             assert requests.get(url + "/serving/get_bs").status_code == 200
         time.sleep(1.2)         # a period with the engine idle: the line saying so
         metrics = requests.get(url + "/metrics").text
-        assert _metric(metrics, "llm_serving:time_to_first_token_seconds_count") == 3
-        assert _metric(metrics, "llm_serving:e2e_request_latency_seconds_count") == 3
+        # vLLM's names and labels, so that its dashboards read this server.
+        labels = '{engine="0",model_name="tiny"}'
+        for sample in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                       "request_prompt_tokens_count"):
+            assert f"vllm:{sample}{labels} 3.0" in metrics.splitlines(), sample
+        assert metric_value(metrics, "request_generation_tokens_sum") == 3 * 48
+        assert metric_value(metrics, "generation_tokens_total") == 3 * 48
     finally:
         assert stop_server(proc) == 0
     log = proc.stderr.read()

@@ -21,6 +21,7 @@ from llm_serving.model_executor.multistream.split import (IMBALANCE, KIND_EXCLUD
                                                           SPLIT, TOO_FEW_PREFILL_TOKENS,
                                                           TOO_FEW_TOKENS, plan_split)
 from test_input_builder import EOS, batches
+from conftest import metric
 
 # Split every step that has two requests: the tests exercise the split, not the thresholds.
 ALWAYS = dict(min_total_tokens=2, min_prefill_tokens=0, max_imbalance=1.0)
@@ -214,7 +215,6 @@ def test_server_with_multi_stream_gives_greedy_outputs_and_counts_steps(tmp_path
     """start.py --enable-multi-stream with a multi_stream: YAML section: completions equal
     the offline engine's (multi-stream off), and /metrics counts split and unsplit steps."""
     import openai
-    import requests
     from test_http_server import start_server, stop_server
     section = ("multi_stream:\n  overlap: sequential\n  min_total_tokens: 2\n"
                "  min_prefill_tokens: 0\n  max_imbalance: 1.0\n")
@@ -227,10 +227,7 @@ def test_server_with_multi_stream_gives_greedy_outputs_and_counts_steps(tmp_path
                                         temperature=0)
         want = tiny_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         assert sorted(c.text for c in got.choices) == sorted(o.outputs[0].text for o in want)
-        metrics = requests.get(url + "/metrics").text
-        lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-                 if line.startswith("llm_serving:multistream_steps_total")}
-        assert lines['llm_serving:multistream_steps_total{outcome="split",reason="split"}'] > 0
+        assert metric(url, 'multistream_steps_total{outcome="split",reason="split"}') > 0
     finally:
         assert stop_server(proc) == 0
 

@@ -37,7 +37,7 @@ MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server(tmp_path_factory, tiny_model_dir):
     proc, url, _ = start_server(tmp_path_factory.mktemp("oai"), tiny_model_dir,
                                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                agent_ports=(free_port(),))
+                                "--trust-request-chat-template", agent_ports=(free_port(),))
     logs: list[str] = []
     readers = [threading.Thread(target=lambda f=f: logs.extend(iter(f.readline, "")),
                                 daemon=True) for f in (proc.stdout, proc.stderr)]
@@ -440,12 +440,12 @@ CHAT = {
                  "tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": False,
                  "add_generation_prompt": True, "chat_template": "{{ messages[0].content }}",
                  "chat_template_kwargs": {"x": 1}, "add_special_tokens": True,
-                 "modalities": ["text"], "structured_outputs": {"choice": ["a", "b"]}},
+                 "modalities": ["text"], "structured_outputs": {"choice": ["a", "b"]},
+                 "continue_final_message": True, "echo": True},
     "refused": {**_COMMON_REFUSED, "audio": {"voice": "alloy", "format": "wav"},
                 "modalities": ["text", "audio"], "function_call": "auto",
                 "functions": [WEATHER["function"]], "reasoning_effort": "low",
-                "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}],
-                "continue_final_message": True, "echo": True},
+                "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}]},
 }
 # Each field is sent alone (structured outputs and forced tools exclude each other).
 @pytest.mark.parametrize("path, spec, base", [
@@ -460,6 +460,8 @@ def test_every_spec_field_is_honoured_or_refused_by_name(server, path, spec, bas
             body["tools"] = [WEATHER]
         if field == "stream_options":
             body["stream"] = True
+        if field == "continue_final_message":
+            body["add_generation_prompt"] = False
         r = requests.post(url, json=body)
         assert r.status_code == 200, (field, r.text)
     for field, value in spec["refused"].items():
@@ -482,3 +484,240 @@ def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
     warned = [line for line in list(logs) if "frobnicate" in line]
     assert len(warned) == 1 and "zorp" in warned[0] and "ignored" in warned[0]
     assert "stream_options.blorp" in warned[0]
+
+
+# ---- where vLLM's answer differs from a strict reading of OpenAI's: vLLM's ------------------
+
+def test_max_tokens_beyond_the_context_is_lowered_as_vllm_does(server, client):
+    """A max_tokens that fits the model but not after the prompt is lowered to what is left
+    (scripts set max_tokens to the context size); one above max_model_len is a 400."""
+    longest = client.models.list().data[0].max_model_len
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=longest,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == longest
+    chat = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=longest,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == longest
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions",
+                                                                 {"messages": MSG})):
+        r = requests.post(server[0] + path, json={**body, "max_tokens": longest + 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert str(longest) in r.json()["error"]["message"]
+
+
+def test_stop_reason_names_what_ended_each_choice(client):
+    """vLLM's stop_reason: the stop string or stop token id that ended the choice, null for
+    EOS and for length; on every stream chunk (null until the last)."""
+    free = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    assert free.choices[0].stop_reason is None and free.choices[0].finish_reason == "length"
+    stop = text[4:7]
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12,
+                                  temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].stop_reason == stop and r.choices[0].finish_reason == "stop"
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=12, temperature=0, stop=[stop],
+        stream=True, extra_body={"ignore_eos": True}) if c.choices]
+    assert [c.stop_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].stop_reason == stop
+    chat = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=12,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    content = chat.choices[0].message.content
+    assert chat.choices[0].stop_reason is None
+    cut = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=12,
+                                         temperature=0, stop=[content[3:6]],
+                                         extra_body={"ignore_eos": True})
+    assert cut.choices[0].stop_reason == content[3:6]
+    last = [c for c in client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=12, temperature=0, stop=[content[3:6]],
+        stream=True, extra_body={"ignore_eos": True}) if c.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.stop_reason == content[3:6]
+
+
+def test_a_stop_token_id_is_named_and_its_text_left_out(server, client):
+    """stop_token_ids: stop_reason is the id; its text is not in the output unless
+    include_stop_str_in_output (vLLM)."""
+    ids = requests.post(server[0] + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    free = requests.post(server[0] + "/v1/completions", json={
+        "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0}).json()["choices"][0]
+    tokens = free["logprobs"]["tokens"]
+    out = requests.post(server[0] + "/tokenize", json={
+        "prompt": free["text"], "add_special_tokens": False}).json()["tokens"]
+    k = next(i for i in range(2, len(out)) if out[i] not in out[:i])   # its first occurrence
+    for include in (False, True):
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True, "stop_token_ids": [out[k]],
+                                                  "include_stop_str_in_output": include})
+        c = r.choices[0]
+        assert c.stop_reason == out[k] and c.finish_reason == "stop"
+        assert r.usage.completion_tokens == k + 1
+        assert c.text == "".join(tokens[:k + 1 if include else k])
+
+
+def test_completions_max_tokens_null_is_the_default(server):
+    r = requests.post(server[0] + "/v1/completions", json={
+        "prompt": "Hi", "max_tokens": None, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_completion_logprobs_hold_the_chosen_token_and_go_to_20(client):
+    """Legacy completions' top_logprobs (OpenAI's and vLLM's): the chosen token and the k most
+    likely at each position, so a sampled token is always there; logprobs up to 20."""
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=16,
+                                  temperature=2.0, seed=5, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert all(tok in top and top[tok] == chosen and 1 <= len(top) <= 2
+               for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs)       # sampled outside the top 1
+    zero = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4,
+                                     temperature=0, logprobs=0).choices[0].logprobs
+    assert [list(t) for t in zero.top_logprobs] == [[t] for t in zero.tokens]
+    wide = client.completions.create(model="tiny", prompt="Hello there", max_tokens=2,
+                                     temperature=0, logprobs=20).choices[0].logprobs
+    assert all(len(t) >= 19 for t in wide.top_logprobs)        # texts of ids may coincide
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=21)
+
+
+def test_detokenize_keeps_special_tokens(server, tiny_model_dir):
+    """vLLM's /detokenize decodes every id, special ones included (as the tokenizer library
+    does by default)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    ref = HFTokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
+    ids = requests.post(server[0] + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    ids = ids + [2]
+    got = requests.post(server[0] + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert got == ref.decode(ids, skip_special_tokens=False)
+    assert got != ref.decode(ids, skip_special_tokens=True)
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines(server):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    joined = requests.post(server[0] + "/tokenize", json={
+        "messages": [{"role": "user", "content": "Hello\nthere"}]}).json()
+    got = requests.post(server[0] + "/tokenize", json={
+        "messages": [{"role": "user", "content": parts}]}).json()
+    assert got["tokens"] == joined["tokens"]
+
+
+def test_x_request_id_names_the_response(server):
+    """vLLM takes a client's X-Request-Id as the response's id; two requests sent with the
+    same one at once are both served."""
+    def post(path, body):
+        return requests.post(server[0] + path, headers={"X-Request-Id": "trace-42"},
+                             json={**body, "max_tokens": 4})
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: post("/v1/completions", {"prompt": "Hi"}), range(2)))
+    assert [r.status_code for r in got] == [200, 200]
+    assert {r.json()["id"] for r in got} == {"cmpl-trace-42"}
+    assert post("/v1/chat/completions", {"messages": MSG}).json()["id"] == "chatcmpl-trace-42"
+    r = requests.post(server[0] + "/v1/completions", headers={"X-Request-Id": "x" * 300},
+                      json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+
+
+def test_any_role_reaches_the_chat_template(server, client):
+    """Roles beyond OpenAI's (Llama 3's "ipython" tool results) go to the template, as vLLM
+    hands them over; the template decides."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "ipython", "content": "42"}]
+    got = requests.post(server[0] + "/tokenize", json={
+        "messages": msgs, "chat_template": template, "add_generation_prompt": False}).json()
+    want = requests.post(server[0] + "/tokenize", json={
+        "prompt": "<user>Hi<ipython>42", "add_special_tokens": False}).json()
+    assert got["tokens"] == want["tokens"]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2,
+                                       extra_body={"chat_template": template})
+    assert r.usage.prompt_tokens == want["count"]
+    r = requests.post(server[0] + "/v1/chat/completions", json={
+        "messages": [{"role": "", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 400 and "role" in r.json()["error"]["param"]
+
+
+def test_continue_final_message_and_echo_carry_on_an_assistant_reply(server, client):
+    """vLLM's assistant prefill: with continue_final_message the prompt ends inside the last
+    message (no end-of-turn after it), and echo puts that message's text before the reply."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    msgs = [{"role": "user", "content": "Name a colour"},
+            {"role": "assistant", "content": "My favourite is"}]
+    opts = {"chat_template": template, "add_generation_prompt": False}
+    want = requests.post(server[0] + "/tokenize", json={
+        "prompt": "<user>Name a colour</s><assistant>My favourite is",
+        "add_special_tokens": False}).json()
+    got = requests.post(server[0] + "/tokenize", json={
+        "messages": msgs, "continue_final_message": True, **opts}).json()
+    assert got["tokens"] == want["tokens"]
+    free = client.completions.create(model="tiny", prompt=want["tokens"], max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    body = {"continue_final_message": True, "ignore_eos": True, **opts}
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                       temperature=0, extra_body=body)
+    assert r.usage.prompt_tokens == want["count"]
+    assert r.choices[0].message.content == free.choices[0].text
+    echo = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                          temperature=0, extra_body={**body, "echo": True})
+    assert echo.choices[0].message.content == "My favourite is" + free.choices[0].text
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                            temperature=0, stream=True,
+                                            extra_body={**body, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        "My favourite is" + free.choices[0].text
+    # Both at once cannot be: the generation prompt would close the message.
+    r = requests.post(server[0] + "/v1/chat/completions", json={
+        "messages": msgs, "continue_final_message": True, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_client_leaving_a_non_streaming_request_is_not_an_error(server):
+    """A client that gives up on a long non-streaming request (one prompt, several, chat)
+    aborts it quietly: no 'unexpected error' and no traceback in the server's log."""
+    url, logs = server
+    before = len(logs)
+    long = {"max_tokens": 1000, "ignore_eos": True, "n": 16}        # seconds of work
+    for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                       ("/v1/completions", {"prompt": ["Hello", "there"]}),
+                       ("/v1/chat/completions", {"messages": MSG})):
+        with pytest.raises(requests.Timeout):
+            requests.post(url + path, json={**body, **long}, timeout=0.3)
+    deadline = time.monotonic() + 30
+    while requests.get(url + "/load").json()["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert requests.get(url + "/load").json() == {"server_load": 0}     # all aborted
+    time.sleep(0.5)
+    new = list(logs)[before:]
+    assert not [line for line in new if "unexpected error" in line or "Traceback" in line], new
+
+
+def test_a_grammar_the_parser_cannot_follow_is_an_error_not_a_stop(server, client):
+    """llguidance gives up on a grammar too large for its parser (thousands of choices)
+    only while generating. The request then fails with a 400 naming why, instead of ending
+    as a "stop" with text outside its grammar; the log says so in one short line."""
+    url, logs = server
+    before = len(logs)
+    body = {"prompt": "Pick:", "max_tokens": 10, "temperature": 0,
+            "guided_choice": [f"opt{i}" for i in range(3000)]}
+    r = requests.post(url + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("structured_outputs: the grammar could "
+                                                   "not be followed")
+    events = [json.loads(line[len(b"data: "):]) for line in requests.post(
+        url + "/v1/completions", json={**body, "stream": True}).iter_lines()
+        if line.startswith(b"data: {")]
+    assert events[-1]["error"]["code"] == 400
+    assert all(c["choices"][0]["text"] in ("", "o", "op", "opt") for c in events[:-1])
+    time.sleep(0.5)
+    said = [line for line in list(logs)[before:] if "could not be followed" in line]
+    assert said and all(len(line) < 600 for line in said)
+    assert client.completions.create(model="tiny", prompt="Pick:", max_tokens=4,
+                                     extra_body={"guided_choice": ["yes", "no"]}
+                                     ).choices[0].text in ("yes", "no")
+    # A grammar that ends is no error: with ignore_eos the output stays the choice (EOS,
+    # the only token then allowed, is generated up to max_tokens and not shown).
+    done = client.completions.create(model="tiny", prompt="Pick:", max_tokens=8,
+                                     extra_body={"guided_choice": ["yes", "no"],
+                                                 "ignore_eos": True}).choices[0]
+    assert done.text in ("yes", "no") and done.finish_reason == "length"

@@ -8,7 +8,6 @@ missing."""
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import requests
 
 from test_http_server import free_port, start_server, stop_server, wait_until
 from test_pd_proxy_routing import Procs
+from conftest import metric
 
 PROMPTS = ["Give three tips for staying healthy, then explain each of them in a few words.",
            "What is the capital of France? Answer with the city and one fact about it.",
@@ -41,12 +41,6 @@ def servers(tmp_path_factory, tiny_model_dir):
     finally:
         codes = {name: stop_server(s[0]) for name, s in started.items()}
     assert codes == {"P": 0, "D": 0, "C": 0}
-
-
-def metric(url, name) -> float:
-    text = requests.get(url + "/metrics", timeout=10).text
-    m = re.search(rf"^llm_serving:{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def p_then_d(urls, route, body, p_fields, ask):

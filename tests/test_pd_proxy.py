@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -19,9 +18,10 @@ import pytest
 import requests
 
 from test_http_server import agent_pids, free_port, start_server, stop_server, wait_until
-from test_pd_mooncake import kv_section, metric
+from test_pd_mooncake import kv_section
 from test_pd_proxy_routing import Procs
 from test_pd_proxy_routing import metric as proxy_metric
+from conftest import metric, metric_value
 
 PROMPTS = ["Give three tips for staying healthy, then explain each of them in a few words.",
            "What is the capital of France? Answer with the city and one fact about it.",
@@ -154,9 +154,9 @@ def kill_when_busy(proc, url, at_least=3) -> None:
     KV held for a transfer): a fixed delay misses them all on a fast CPU."""
     def in_flight() -> float:
         text = requests.get(url + "/metrics", timeout=10).text
-        return sum(float(m.group(1)) for name in ("num_requests_running",
-                                                  "num_requests_waiting", "kv_blocks_held")
-                   for m in [re.search(rf"^llm_serving:{name} (\S+)$", text, re.M)] if m)
+        return sum(metric_value(text, name) for name in ("num_requests_running",
+                                                         "num_requests_waiting",
+                                                         "kv_blocks_held"))
     deadline = time.monotonic() + 30
     while in_flight() < at_least:
         assert time.monotonic() < deadline, "the server never had requests in flight"

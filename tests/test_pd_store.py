@@ -6,7 +6,6 @@ locally, never hang. Needs the ``pd`` extra (CI installs it with ``.[test]``).""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import threading
@@ -19,15 +18,10 @@ import requests
 from llm_serving import SamplingParams
 from test_http_server import free_port, start_server, stop_server
 from test_pd_proxy_routing import Procs
+from conftest import metric
 
 PROMPT = ("Give three tips for staying healthy, then explain each of them in a few words, "
           "and finish with a short summary.")
-
-
-def metric(url, name) -> float:
-    text = requests.get(url + "/metrics", timeout=10).text
-    m = re.search(rf"^llm_serving:{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 @pytest.fixture(scope="module")

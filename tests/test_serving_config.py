@@ -52,13 +52,17 @@ def test_cli_overrides_win_and_our_section_wins_over_legacy_keys(tmp_path):
     ("pa_config: {block_sise: 16}", "pa_config.block_sise"),
     ("modle_config: {}", "modle_config"),
     ("serving_config: {agent_ports: [1], server_port: 8835}", "llm_serving.model"),
+    ("llm_serving: {model: /m, max_num_seqz: 5}", "llm_serving.max_num_seqz"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, key):
     p = tmp_path / "c.yaml"
-    p.write_text(text + ("\nllm_serving: {model: /m}\n" if "llm_serving.model" != key else "\n"))
+    ours = "llm_serving" in text or key == "llm_serving.model"
+    p.write_text(text + ("\n" if ours else "\nllm_serving: {model: /m}\n"))
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert str(e.value).startswith(key + ":"), str(e.value)
+    if key == "llm_serving.max_num_seqz":
+        assert "did you mean max_num_seqs?" in str(e.value)
 
 
 def test_serve_with_only_a_model_takes_the_engine_defaults_not_the_tiny_models_file(tmp_path):

@@ -192,6 +192,55 @@ def test_chat_template_helpers(tiny_dir):
         tok.apply_chat_template([], chat_template="{{ messages.append(1) }}")
 
 
+def test_chat_template_cannot_build_huge_values(tiny_dir):
+    """A template may not make a value or a text of more than MAX_RENDERED_CHARS: one `*`, a
+    doubling loop with `~` or `+`, a power of thousands of digits, endless output. Each is
+    stopped at once instead of taking gigabytes; ordinary uses of the operators still match
+    transformers."""
+    import jinja2
+    from llm_serving.tokenizer import MAX_RENDERED_CHARS
+
+    tok = Tokenizer.from_pretrained(tiny_dir)
+    msgs = [{"role": "user", "content": "hi"}]
+    doubling = ("{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+                "{% set ns.s = ns.s OP ns.s %}{% endfor %}{{ ns.s }}")
+    for template in ('{{ "x" * 100000000 }}', doubling.replace("OP", "~"),
+                     doubling.replace("OP", "+"), "{{ 10 ** 100000 }}",
+                     "{{ [1] * 100000000 }}"):
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            tok.apply_chat_template(msgs, chat_template=template)
+    endless = "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}"
+    with pytest.raises(ValueError, match=f"more than {MAX_RENDERED_CHARS}"):
+        tok.apply_chat_template(msgs, chat_template=endless)
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ordinary = ("{{ bos_token ~ '[' ~ messages|length ~ ']' }}{% for m in messages %}"
+                "{{ m['role'] + ': ' + m['content'] * 2 }}{{ '-' * 3 }}{{ 2 ** 10 }}"
+                "{% endfor %}")
+    assert tok.apply_chat_template(msgs, chat_template=ordinary) == \
+        hf.apply_chat_template(msgs, chat_template=ordinary, tokenize=False) == \
+        "<s>[1]user: hihi---1024"
+
+
+def test_continue_final_message_matches_transformers(tiny_dir):
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    ours = Tokenizer.from_pretrained(tiny_dir)
+    trims = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>"
+             "{% endfor %}")
+    for template in (None, trims):
+        for last in ("The answer is", "The answer is  ", "  spaced out "):
+            msgs = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": last}]
+            want = hf.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                          add_generation_prompt=False,
+                                          continue_final_message=True)
+            assert ours.apply_chat_template(msgs, chat_template=template,
+                                            add_generation_prompt=False,
+                                            continue_final_message=True) == want
+    with pytest.raises(ValueError, match="continue_final_message"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}],
+                                 chat_template="{{ 'nothing of it' }}",
+                                 add_generation_prompt=False, continue_final_message=True)
+
+
 def test_no_chat_template_error(sp_dir):
     tok = Tokenizer.from_pretrained(sp_dir)
     with pytest.raises(ValueError, match="no chat template.*--chat-template"):

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Optional, Union
 
 from llm_serving.config import EngineArgs, EngineConfig
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.01       # how long to sleep when work is queued but nothing could be scheduled
 _HEALTH_POLL_S = 1.0      # how often an idle loop checks that the model runner is alive
+RESTART_ATTEMPTS = 3      # new WorkAgents tried, one after another, before the loop gives up
 
 
 class RequestStream:
@@ -286,14 +288,28 @@ class AsyncLLMEngine:
             self._post(self._fail_all, EngineDeadError(f"the engine loop stopped: {e!r}"))
 
     def _recover(self, reason: str) -> list[RequestOutput]:
-        """A WorkAgent died: fail the requests in flight (their KV is gone), start a new
-        agent, and serve again. Not ready meanwhile."""
+        """A WorkAgent died or hung: fail the requests in flight (their KV is gone), start a
+        new agent, and serve again. Not ready meanwhile. A new agent that dies too is tried
+        again RESTART_ATTEMPTS times in all; then the loop stops for good (/live fails, so a
+        supervisor restarts the server). Nothing is restarted once the server is stopping."""
+        from llm_serving.executor.multiproc_executor import AgentDiedError
         logger.error("%s; failing the requests in flight and restarting it", reason)
         self._restarting = True
         outs = self.engine.fail_all(f"the model process failed ({reason}); "
                                     "the request was dropped, retry it")
         self._post(self._deliver, outs)
-        self.engine.restart_runner()
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            if self._stopping:
+                return []
+            try:
+                self.engine.restart_runner()
+                break
+            except AgentDiedError as e:
+                if attempt == RESTART_ATTEMPTS:
+                    raise
+                logger.error("the new WorkAgent failed too (%s); trying again (%d of %d)", e,
+                             attempt + 1, RESTART_ATTEMPTS)
+                time.sleep(attempt)
         self.num_restarts += 1
         self._restarting = False
         logger.info("the WorkAgent was restarted; serving again")

@@ -200,6 +200,8 @@ class Constraints:
         else:
             for m, i in todo:
                 fill_next_token_bitmask(m, mask, i)
+        for m, i in todo:
+            self._note_error(seqs[i], m)
         for i, seq in enumerate(seqs):
             p = seq.params
             if seq.status.finished:
@@ -225,14 +227,23 @@ class Constraints:
             self._matchers[id(seq)] = entry
         m = entry[1]
         if entry[2] < len(out):
-            was_error = m.is_error()
-            if not m.consume_tokens(out[entry[2]:]) and not was_error:
-                # Only a token the mask allowed is sampled, unless every token was banned
-                # (min_tokens banning the EOS the grammar needs): said once.
-                logger.warning("request %s left its grammar: %s", seq.request_id,
-                               m.get_error())
+            if not m.is_stopped():      # after its end (ignore_eos), EOS again: nothing new
+                m.consume_tokens(out[entry[2]:])
             entry[2] = len(out)
+        self._note_error(seq, m)
         return m
+
+    @staticmethod
+    def _note_error(seq: "Sequence", m) -> None:
+        """A matcher that failed (a grammar too complex for llguidance's parser, or a token
+        outside it: every allowed one banned, as min_tokens banning the EOS the grammar
+        needs) ends its request with an error naming why, said once and shortly (the
+        parser's message goes on with its whole state)."""
+        if seq.grammar_error is None and m.is_error():
+            why = (m.get_error() or "").strip().splitlines()
+            seq.grammar_error = ("structured_outputs: the grammar could not be followed: "
+                                 + (why[0][:300] if why else "unknown error"))
+            logger.warning("request %s: %s", seq.request_id, seq.grammar_error)
 
     def release(self) -> None:
         """Drop the matchers of finished sequences (finished, aborted, timed out)."""

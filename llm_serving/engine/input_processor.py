@@ -18,6 +18,22 @@ from llm_serving.tokenizer import Tokenizer
 PromptType = Union[str, dict]
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str, max_model_len: int, field: str = "prompt",
+                  add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids; a text too long for max_model_len tokens by its length alone is
+    refused before it is tokenized (a body of megabytes would hold the caller's thread for
+    seconds: the HTTP event loop, for every other request)."""
+    most = max_model_len * tokenizer.max_chars_per_token
+    if len(text) > most:
+        raise ValueError(f"{field}: {len(text)} characters are more than the maximum model "
+                         f"length ({max_model_len} tokens) can hold")
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:       # the tokenizer library's answer to a lone surrogate ("\ud800")
+        raise ValueError(f"{field}: not a valid Unicode text (it holds an unpaired UTF-16 "
+                         "surrogate)") from None
+
+
 @dataclass
 class NewRequest:
     """A checked, tokenized request, ready to queue."""
@@ -57,7 +73,8 @@ class InputProcessor:
         if priority != 0 and self.policy != "priority":
             raise ValueError("priority is only used with scheduling_policy='priority'")
         if params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.max_num_seqs})")
+            raise ValueError(f"n: {params.n} is more than max_num_seqs ({self.max_num_seqs}), "
+                             "the most sequences a step runs")
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params.kv_transfer_params)
         if self.constraints is not None and (params.constrained or params.logit_bias):
@@ -101,7 +118,7 @@ class InputProcessor:
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: it is empty")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         else:
             raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
                             f"got {type(prompt).__name__}")

@@ -54,6 +54,11 @@ class EngineStats:
             setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
 
     @property
+    def num_unfinished(self) -> int:
+        """Sequences the engine holds: waiting, running and swapped out."""
+        return self.num_waiting + self.num_running + self.num_swapped
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
             else 0.0

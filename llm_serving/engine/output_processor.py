@@ -132,10 +132,18 @@ class OutputProcessor:
         self.stats.num_steps += 1
         now = time.time()
         touched: dict[str, None] = {}
+        ended: list[RequestOutput] = []        # requests ended with an error in this step
         generated = 0
         tokens = result.token_ids.tolist() if fl.sampled else ()
         for row, seq in enumerate(fl.sampled):
             if seq.status.finished:         # ended while the step ran (stop, abort, error)
+                continue
+            if seq.grammar_error is not None:     # sampled under a failed grammar: dropped
+                touched.pop(seq.request_id, None)
+                out = self.end_request(seq.request_id, SequenceStatus.FINISHED_ABORTED,
+                                       seq.grammar_error)
+                if out is not None:
+                    ended.append(out)
                 continue
             generated += 1
             if seq.pending_children:
@@ -160,7 +168,7 @@ class OutputProcessor:
             touched[seq.request_id] = None
         self.stats.num_generation_tokens += generated
         outputs = (self._request_output(self.requests[rid]) for rid in touched)
-        return [o for o in outputs if o is not None]
+        return ended + [o for o in outputs if o is not None]
 
     def _stop_token(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
         """The token ends the sequence: EOS (stop_reason None) or one of stop_token_ids."""

@@ -82,6 +82,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.stop_reason = None
         self.detokenizer = None
+        self.grammar_error: Optional[str] = None    # its grammar's matcher failed (why)
         # Timings (time.time(), for metrics).
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: Optional[float] = None

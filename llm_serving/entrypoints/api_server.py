@@ -14,6 +14,7 @@ and 503 (with Retry-After) for a full queue.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llm_serving
 from llm_serving.config import EngineArgs
@@ -65,18 +67,23 @@ class _BodyLimit:
 
 
 class _ApiKey:
-    """ASGI middleware: every route but /health and /live needs ``Authorization: Bearer <key>``
-    (401 otherwise). Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which carries every
+    """ASGI middleware: the OpenAI routes (``/v1/...``, as vLLM guards) and llm-serving's
+    generation routes (``/models/...``) need ``Authorization: Bearer <key>`` (401 otherwise);
+    health, metrics, /tokenize and the info routes stay open, as on vLLM. The key is compared
+    in constant time. Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which carries every
     streamed chunk through a memory stream and a task group: with it, the server process spent
     5.0-5.2 CPU seconds under W1 all at once (200 streams), without it 3.2-3.8."""
 
+    GUARDED = ("/v1/", "/models/")
+
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}"
+        self.app, self.expected = app, f"Bearer {key}".encode("latin-1")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in ("/health", "/live"):
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" \
+                and scope["path"].startswith(self.GUARDED):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if given.decode("latin-1") != self.expected:
+            if not hmac.compare_digest(given, self.expected):
                 return await error_response(401, "missing or wrong API key (Authorization: "
                                             "Bearer)", kind="authentication_error")(
                     scope, receive, send)
@@ -123,7 +130,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     app = FastAPI(title="llm_serving", version=llm_serving.__version__, lifespan=lifespan)
     app.state.server = state
-    state.metrics = ServerMetrics()
+    state.metrics = ServerMetrics(state.served_model_name)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
@@ -139,6 +146,21 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
             return error_response(400, f"{loc}: not a field this route supports", loc)
         return error_response(400, f"{loc}: {err['msg']}", loc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, e: StarletteHTTPException):
+        """FastAPI's own: a body it could not read (it hides why behind "There was an error
+        parsing the body"), said in the API's error shape; others (an unknown route: 404)
+        as FastAPI says them, as vLLM does."""
+        cause = e.__cause__
+        if isinstance(cause, HTTPError):            # the body limit, reached while reading
+            return error_response(cause.status, cause.message)
+        if e.status_code == 400:
+            return error_response(400, "the body could not be read as JSON: it must be UTF-8 "
+                                  f"JSON, nested at most a few hundred levels, with numbers of "
+                                  f"at most 4300 digits ({type(cause).__name__})", "body")
+        return JSONResponse({"detail": e.detail}, status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         logger.exception("unexpected error on %s", request.url.path)
@@ -147,7 +169,11 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     @app.get("/live")
     async def live():
-        """The process is up (it may still be loading the model)."""
+        """The process is up (it may still be loading the model); 503 once the engine loop
+        stopped for good (a WorkAgent that could not be replaced), so that a liveness probe
+        restarts the server."""
+        if state.engine is not None and state.engine.is_dead:
+            return error_response(503, _not_serving(state), kind="service_unavailable")
         return Response(status_code=200)
 
     @app.get("/health")
@@ -158,6 +184,19 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         if state.engine is None or not state.engine.is_running:
             return error_response(503, _not_serving(state), kind="service_unavailable")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) name for /health."""
+        return await health()
+
+    @app.get("/load")
+    async def load():
+        """vLLM's server load: the requests the engine holds (waiting, running, swapped)."""
+        if state.engine is None or not state.engine.is_running:
+            return {"server_load": 0}
+        stats = await state.stats()
+        return {"server_load": stats.num_unfinished}
 
     @app.get("/ready")
     async def ready():
@@ -234,6 +273,13 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
             return
         print(f"llm_serving ready: http://{host}:{port} (model {served_model_name!r})",
               flush=True)
+        # An engine loop that stopped for good (a WorkAgent that could not be replaced) ends
+        # the server with an error, as vLLM's does, so that a supervisor restarts it.
+        while not (state.engine.is_dead or state.draining):
+            await asyncio.sleep(1.0)
+        if not state.draining:
+            failed.append(_not_serving(state))
+            server.should_exit = True
 
     async def main():
         task = asyncio.ensure_future(announce())

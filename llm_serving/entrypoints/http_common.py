@@ -106,6 +106,15 @@ def translate_error(e: BaseException) -> HTTPError:
     return HTTPError(500, f"internal error: {type(e).__name__}", kind="internal_error")
 
 
+def output_error(message: str) -> HTTPError:
+    """The HTTP error of a request the engine ended with ``message``: the request's own fault
+    (a grammar the parser could not follow) is a 400, the server's (a failed model process)
+    a 503."""
+    if message.startswith("structured_outputs:"):
+        return HTTPError(400, message, param="structured_outputs")
+    return HTTPError(503, message, kind="service_unavailable")
+
+
 def log_request(rid: str, prompt_tokens: int, completion_tokens: int, t0: float) -> None:
     """The one access-log line of a request (nothing is logged per token)."""
     logger.info("request %s: %d prompt + %d completion tokens in %.3f s", rid, prompt_tokens,
@@ -114,6 +123,22 @@ def log_request(rid: str, prompt_tokens: int, completion_tokens: int, t0: float)
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+def response_id(request: Request, prefix: str, default: str) -> str:
+    """The id a response carries: ``<prefix>-<X-Request-Id>`` when the client sent that header
+    (vLLM's, for tracing a request through), else ``default``. The engine keeps its own
+    unique id, so two requests sent with the same header do not collide."""
+    given = request.headers.get("x-request-id")
+    if not given:
+        return default
+    if len(given) > MAX_REQUEST_ID_CHARS:
+        raise HTTPError(400, f"X-Request-Id: at most {MAX_REQUEST_ID_CHARS} characters, got "
+                        f"{len(given)}", param="X-Request-Id")
+    return f"{prefix}-{given}"
 
 
 async def client_gone(request: Request) -> None:
@@ -151,6 +176,9 @@ async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> Async
         gone.cancel()
         if not nxt.done():
             nxt.cancel()
+            # Let the cancelled __anext__ unwind before closing: closing a generator still
+            # running in it raises "aclose(): asynchronous generator is already running".
+            await asyncio.gather(nxt, return_exceptions=True)
         if hasattr(it, "aclose"):
             await it.aclose()
 

@@ -284,7 +284,7 @@ async def get_request_numbers(request: Request):
     state: ServerState = request.app.state.server
     stats = await state.stats()
     return _event({"event": "message", "retry": 30000,
-                   "data": stats.num_waiting + stats.num_running + stats.num_swapped})
+                   "data": stats.num_unfinished})
 
 
 @router.get("/serving/get_serverd_model_info")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llm_serving.sampling_params import (MAX_LOGPROBS, RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
@@ -30,7 +30,6 @@ _REFUSED_COMMON = {
 _REFUSED_CHAT = {
     "audio": (), "modalities": (["text"],), "function_call": (), "functions": (),
     "reasoning_effort": (), "web_search_options": (), "verbosity": (), "documents": (),
-    "continue_final_message": (False,), "echo": (False,),
 }
 
 
@@ -45,7 +44,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # A NaN or an infinity is refused as such (not as "should be >= 0").
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=128)
@@ -164,7 +164,7 @@ class _SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k, min_p=self.min_p, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -176,16 +176,24 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)     # 0 only with echo (checked by the route)
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    # 0 only with echo (checked by the route); null is the default, as vLLM (not "no limit").
+    max_tokens: Optional[int] = Field(16, ge=0)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=1)
     suffix: Optional[str] = None
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_default(cls, v):
+        return 16 if v is None else v
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # OpenAI's roles, and any other the chat template knows (Llama 3's "ipython", the older
+    # "function"): vLLM hands every role to the template, which refuses what it cannot render.
+    role: str = Field(min_length=1, max_length=64)
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
@@ -220,7 +228,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)          # as vLLM joins a message's text parts
 
 
 class FunctionDef(BaseModel):
@@ -266,8 +274,10 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Any = None
     verbosity: Any = None
     documents: Any = None
-    continue_final_message: Any = None
-    echo: Any = None
+    # vLLM's: the prompt ends inside the last message (add_generation_prompt false), and
+    # echo puts a last assistant message before the reply.
+    continue_final_message: bool = False
+    echo: bool = False
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
@@ -282,6 +292,7 @@ class TokenizeRequest(BaseModel):
     # Default: True for a prompt, False for messages (the template writes them), as vLLM.
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[Tool]] = None

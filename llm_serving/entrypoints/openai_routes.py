@@ -12,12 +12,14 @@ from fastapi.responses import StreamingResponse
 
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_request,
                                                 new_request_id, openai_finish_reason,
-                                                refuse_unsupported, sse, stream_or_disconnect,
-                                                translate_error)
+                                                output_error, refuse_unsupported,
+                                                response_id, sse,
+                                                stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.entrypoints import remote_prefill, tool_calls
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
+from llm_serving.engine.input_processor import encode_prompt
 from llm_serving.outputs import RequestOutput
 
 router = APIRouter()
@@ -40,17 +42,22 @@ def _state(request: Request) -> ServerState:
 async def _start(state: ServerState, rid: str, prompts: list, params, priority: int,
                  grammar_field: Optional[str] = None):
     """Queue one engine request per prompt; all or none. ``grammar_field``: the request field
-    a grammar error (the engine says "structured_outputs: ...") is about."""
+    a grammar error (the engine says "structured_outputs: ...") is about. As vLLM, a
+    max_tokens above max_model_len is refused, and one that fits the model but not after the
+    prompt is lowered to what is left."""
     engine = state.require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
         raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request exceed the "
                         f"waiting-queue bound (max_waiting_requests={bound})", param="prompt")
+    longest = engine.limits.max_model_len
+    if params.max_tokens is not None and params.max_tokens > longest:
+        raise HTTPError(400, f"max_tokens: {params.max_tokens} is more than the maximum model "
+                        f"length ({longest})", param="max_tokens")
     streams = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{rid}-{i}", prompt, params, priority,
-                                                    strict_length=True))
+            streams.append(await engine.add_request(f"{rid}-{i}", prompt, params, priority))
     except Exception as e:
         for s in streams:
             await s.aclose()
@@ -111,7 +118,7 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
     prompt_tokens: dict[int, int] = {}
     async for i, out in stream_or_disconnect(request, _merge(streams)):
         if out.error:
-            raise HTTPError(503, out.error, kind="service_unavailable")
+            raise output_error(out.error)
         prompt_tokens[i] = len(out.prompt_token_ids)
         if echo is not None:
             echo.see(i, out)
@@ -119,12 +126,12 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
             extra["kv_transfer_params"] = out.kv_transfer_params
         for c in out.outputs:
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
-                                                      "finish": None})
+                                                      "finish": None, "stop_reason": None})
             ch["text"].append(c.text)
             ch["ids"] += len(c.token_ids)
             if c.logprobs:
                 ch["lp"].extend(c.logprobs)
-            ch["finish"] = c.finish_reason
+            ch["finish"], ch["stop_reason"] = c.finish_reason, c.stop_reason
     if len(choices) < len(streams) * n:
         raise HTTPError(499, "the client closed the connection")
     for ch in choices.values():
@@ -152,18 +159,25 @@ def _completion_logprobs(entries, text_offset: int, k: int, prompt: Optional[dic
         text = lp.decoded_token or ""
         out["tokens"].append(text)
         out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append(dict(_top(entry, k)))
+        out["top_logprobs"].append(_with_chosen(entry, k))
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
 
 
+def _with_chosen(entry: dict, k: int) -> dict:
+    """Legacy completions' top_logprobs at a position (OpenAI's and vLLM's): the chosen token
+    and the k most likely, text -> logprob (so logprobs=0 gives the chosen token alone)."""
+    return {v.decoded_token or "": v.logprob for v in list(entry.values())[:k + 1]}
+
+
 class _Echo:
     """``echo``: each prompt's text, and with ``logprobs`` its tokens' logprobs object (the
-    first token's logprob null), built once per prompt and shared by its n choices."""
+    first token's logprob null), built once per prompt and shared by its n choices. A
+    token-id prompt is decoded with its special tokens, as vLLM echoes it."""
 
-    def __init__(self, tokenizer, k: Optional[int], skip_special_tokens: bool):
-        self.tok, self.k, self.skip = tokenizer, k, skip_special_tokens
+    def __init__(self, tokenizer, k: Optional[int]):
+        self.tok, self.k = tokenizer, k
         self._outs: dict[int, RequestOutput] = {}   # prompt index -> its first output
         self._scored: dict[int, list] = {}          # prompt index -> its prompt logprobs
         self._done: dict[int, tuple[str, Optional[dict]]] = {}
@@ -180,12 +194,13 @@ class _Echo:
         if i not in self._done:
             out = self._outs[i]
             ids = out.prompt_token_ids
-            text = out.prompt if out.prompt is not None else \
-                self.tok.decode(ids, skip_special_tokens=self.skip)
+            # A text prompt is echoed as sent (its BOS not written), token ids decoded whole.
+            as_sent = out.prompt is not None
+            text = out.prompt if as_sent else self.tok.decode(ids, skip_special_tokens=False)
             lp = None
             if self.k is not None:
                 lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                      "text_offset": _text_offsets(self.tok, ids, self.skip, len(text))}
+                      "text_offset": _text_offsets(self.tok, ids, as_sent, len(text))}
                 scored = self._scored.get(i) or [None] * len(ids)
                 for tid, entry in zip(ids, scored):
                     chosen = entry.get(tid) if entry is not None else None
@@ -193,7 +208,7 @@ class _Echo:
                                         else self.tok.decode([tid], skip_special_tokens=False))
                     lp["token_logprobs"].append(None if chosen is None else chosen.logprob)
                     lp["top_logprobs"].append(None if entry is None
-                                              else dict(_top(entry, self.k)))
+                                              else _with_chosen(entry, self.k))
             self._done[i] = (text, lp)
         return self._done[i]
 
@@ -230,8 +245,7 @@ async def completions(req: CompletionRequest, request: Request):
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
     # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
     echo_only = req.echo and req.max_tokens == 0
-    echo = _Echo(state.require_engine().tokenizer, req.logprobs,
-                 req.skip_special_tokens) if req.echo else None
+    echo = _Echo(state.require_engine().tokenizer, req.logprobs) if req.echo else None
     try:
         params = req.sampling_params(
             1 if echo_only else req.max_tokens, None if echo_only else req.logprobs,
@@ -239,6 +253,7 @@ async def completions(req: CompletionRequest, request: Request):
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("cmpl")
+    resp_id = response_id(request, "cmpl", rid)
     streams = await _start(state, rid, prompts, params, req.priority, req.structured_field())
     created, model = int(time.time()), state.served_model_name
     n = req.n
@@ -254,8 +269,9 @@ async def completions(req: CompletionRequest, request: Request):
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     if out.error:
-                        yield sse({"error": {"message": out.error, "type": "service_unavailable",
-                                              "code": 503}})
+                        e = output_error(out.error)
+                        yield sse({"error": {"message": e.message, "type": e.kind,
+                                             "code": e.status}})
                         continue
                     if echo is not None:
                         echo.see(i, out)
@@ -277,16 +293,17 @@ async def completions(req: CompletionRequest, request: Request):
                             lp = _completion_logprobs(entries, gen_start, req.logprobs,
                                                       prompt_lp)
                         offsets[idx] = start + len(text)
-                        chunk = {"id": rid, "object": "text_completion", "created": created,
+                        chunk = {"id": resp_id, "object": "text_completion", "created": created,
                                  "model": model,
                                  "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                              "finish_reason": openai_finish_reason(c.finish_reason)}]}
+                                              "finish_reason": openai_finish_reason(c.finish_reason),
+                                              "stop_reason": c.stop_reason}]}
                         if include_usage:
                             chunk["usage"] = (_usage(prompt_tokens[i], choice_tokens[idx])
                                               if continuous else None)
                         yield sse(chunk)
                 if include_usage:
-                    yield sse({"id": rid, "object": "text_completion", "created": created,
+                    yield sse({"id": resp_id, "object": "text_completion", "created": created,
                                 "model": model, "choices": [],
                                 "usage": _usage(sum(prompt_tokens.values()),
                                                 sum(choice_tokens.values()))})
@@ -294,7 +311,7 @@ async def completions(req: CompletionRequest, request: Request):
             except HTTPError as e:
                 yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
-                log_request(rid, sum(prompt_tokens.values()), sum(choice_tokens.values()), t0)
+                log_request(resp_id, sum(prompt_tokens.values()), sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
@@ -309,12 +326,13 @@ async def completions(req: CompletionRequest, request: Request):
                           _completion_logprobs(ch["lp"], len(prompt_text), req.logprobs,
                                                prompt_lp))
         ch["text"] = prompt_text + ch["text"]
-    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+    body = {"id": resp_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
-                         "finish_reason": openai_finish_reason(ch["finish"])}
+                         "finish_reason": openai_finish_reason(ch["finish"]),
+                         "stop_reason": ch["stop_reason"]}
                         for idx, ch in choices.items()],
             "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values())), **extra}
-    log_request(rid, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
+    log_request(resp_id, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
     return body
 
 
@@ -363,7 +381,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     except ValueError as e:
         raise translate_error(e) from None
     text = _chat_prompt(state, engine.tokenizer, req, tools)
-    ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    ids = _encode(engine, text, "messages", req.add_special_tokens)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
     try:
@@ -387,6 +405,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                         "tool_calls")
         return {"role": "assistant", "content": text}, None
     rid = new_request_id("chatcmpl")
+    resp_id = response_id(request, "chatcmpl", rid)
+    # vLLM's echo: a last assistant message (begun by the caller) comes before the reply.
+    last = req.messages[-1]
+    echoed = last.text() if req.echo and last.role == "assistant" else ""
     streams = await _start(state, rid, [{"prompt": text, "prompt_token_ids": ids}], params,
                            req.priority, "tool_choice" if forced else req.structured_field())
     created, model = int(time.time()), state.served_model_name
@@ -397,10 +419,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         continuous = bool(req.stream_options and req.stream_options.continuous())
         choice_tokens: dict[int, int] = {}
 
-        def chunk(idx, delta, finish=None, lp=None):
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created,
+        def chunk(idx, delta, finish=None, lp=None, stop_reason=None):
+            c = {"id": resp_id, "object": "chat.completion.chunk", "created": created,
                  "model": model, "choices": [{"index": idx, "delta": delta, "logprobs": lp,
-                                              "finish_reason": finish}]}
+                                              "finish_reason": finish,
+                                              "stop_reason": stop_reason}]}
             if include_usage:
                 c["usage"] = (_usage(len(ids), choice_tokens.get(idx, 0)) if continuous
                               else None)
@@ -413,13 +436,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             try:
                 async for _, out in _merge(streams):
                     if out.error:
-                        yield sse({"error": {"message": out.error, "type": "service_unavailable",
-                                              "code": 503}})
+                        e = output_error(out.error)
+                        yield sse({"error": {"message": e.message, "type": e.kind,
+                                             "code": e.status}})
                         continue
                     for c in out.outputs:
                         if c.index not in started:
                             started.add(c.index)
                             yield chunk(c.index, {"role": "assistant", "content": ""})
+                            if echoed:
+                                yield chunk(c.index, {"content": echoed})
                             if tool_mode == "forced" and choice != "required":
                                 call = tool_calls.new_call(choice.function.name, "")
                                 yield chunk(c.index, {"tool_calls": [{"index": 0, **call}]})
@@ -449,39 +475,60 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 for delta in st.finish(msg.get("tool_calls") or []):
                                     yield chunk(c.index, delta)
                                 finish = override or finish
-                            yield chunk(c.index, {}, finish)
+                            yield chunk(c.index, {}, finish, stop_reason=c.stop_reason)
                 if include_usage:
-                    yield sse({"id": rid, "object": "chat.completion.chunk",
+                    yield sse({"id": resp_id, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(choice_tokens.values()))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
             finally:
-                log_request(rid, prompt_tokens, sum(choice_tokens.values()), t0)
+                log_request(resp_id, prompt_tokens, sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
     choices, _ = await _collect(request, streams, req.n, extra=extra)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
-    log_request(rid, len(ids), completion_tokens, t0)
+    log_request(resp_id, len(ids), completion_tokens, t0)
     out = []
     for idx, ch in choices.items():
         msg, override = message_of(ch["text"])
+        if echoed:
+            msg["content"] = echoed + (msg["content"] or "")
         out.append({"index": idx, "message": msg,
                     "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
-                    "finish_reason": override or openai_finish_reason(ch["finish"])})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "finish_reason": override or openai_finish_reason(ch["finish"]),
+                    "stop_reason": ch["stop_reason"]})
+    return {"id": resp_id, "object": "chat.completion", "created": created, "model": model,
             "choices": out, "usage": _usage(len(ids), completion_tokens), **extra}
+
+
+def _encode(engine, text: str, field: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return encode_prompt(engine.tokenizer, text, engine.limits.max_model_len, field,
+                             add_special_tokens)
+    except ValueError as e:
+        raise translate_error(e) from None
 
 
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
     """The prompt text the chat template makes of a request's messages (the chat route's
     and /tokenize's, so that /tokenize counts what chat will)."""
+    own = req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})
+    if own and not state.engine_args.trust_request_chat_template:
+        raise HTTPError(400, "chat_template: a request's own chat template is refused unless "
+                        "the server runs with --trust-request-chat-template",
+                        param="chat_template")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise HTTPError(400, "continue_final_message: it continues the last message, so "
+                        "add_generation_prompt must be false (it defaults to true)",
+                        param="continue_final_message")
     try:
         return tok.apply_chat_template(
             [m.for_template() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             chat_template=req.chat_template or state.chat_template,
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             **(req.chat_template_kwargs or {}))
@@ -510,10 +557,10 @@ async def tokenize(req: TokenizeRequest, request: Request):
     engine = state.require_engine()
     tok = engine.tokenizer
     if req.messages is not None:
-        ids = tok.encode(_chat_prompt(state, tok, req, req.tools),
-                         add_special_tokens=bool(req.add_special_tokens))
+        ids = _encode(engine, _chat_prompt(state, tok, req, req.tools), "messages",
+                      bool(req.add_special_tokens))
     elif req.prompt is not None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        ids = _encode(engine, req.prompt, "prompt", req.add_special_tokens is not False)
     else:
         raise HTTPError(400, "prompt: give a prompt or messages", param="prompt")
     body = {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
@@ -532,4 +579,4 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     if bad:
         raise HTTPError(400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}",
                         param="tokens")
-    return {"prompt": engine.tokenizer.decode(req.tokens)}
+    return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}   # vLLM

@@ -77,6 +77,7 @@ class MultiprocExecutor:
         tp = config.parallel.tensor_parallel_size
         check_tensor_parallel(config.model.hf, tp)   # before starting anything
         self.tp_size = tp
+        self.step_timeout = config.execution.execute_model_timeout
         self._procs = p = _Procs()
         segments: list[ch.ShmSegment] = []
         stale = ch.remove_stale_segments()
@@ -288,7 +289,7 @@ class MultiprocExecutor:
         step_no = self._outstanding.popleft()
         if self._mask_owed is not None and self._mask_owed[0] == step_no:
             self.send_mask(None)     # collected unmasked (an engine failing its requests)
-        frames = self._wait_all(None, f"running step {step_no}")
+        frames = self._wait_all(self.step_timeout, f"running step {step_no}")
         if any(f[1] != step_no for f in frames):
             raise self._died(f"a WorkAgent answered step {[f[1] for f in frames]} while step "
                              f"{step_no} was expected")
