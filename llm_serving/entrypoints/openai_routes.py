@@ -139,6 +139,11 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
     return dict(sorted(choices.items())), sum(prompt_tokens.values())
 
 
+def _sse_error(e: HTTPError) -> bytes:
+    """An error inside an OpenAI stream (the headers went out with a 200): an error event."""
+    return sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -269,9 +274,7 @@ async def completions(req: CompletionRequest, request: Request):
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     if out.error:
-                        e = output_error(out.error)
-                        yield sse({"error": {"message": e.message, "type": e.kind,
-                                             "code": e.status}})
+                        yield _sse_error(output_error(out.error))
                         continue
                     if echo is not None:
                         echo.see(i, out)
@@ -309,7 +312,7 @@ async def completions(req: CompletionRequest, request: Request):
                                                 sum(choice_tokens.values()))})
                 yield SSE_DONE
             except HTTPError as e:
-                yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+                yield _sse_error(e)
             finally:
                 log_request(resp_id, sum(prompt_tokens.values()), sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -436,9 +439,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             try:
                 async for _, out in _merge(streams):
                     if out.error:
-                        e = output_error(out.error)
-                        yield sse({"error": {"message": e.message, "type": e.kind,
-                                             "code": e.status}})
+                        yield _sse_error(output_error(out.error))
                         continue
                     for c in out.outputs:
                         if c.index not in started:
@@ -482,7 +483,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 "usage": _usage(prompt_tokens, sum(choice_tokens.values()))})
                 yield SSE_DONE
             except HTTPError as e:
-                yield sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+                yield _sse_error(e)
             finally:
                 log_request(resp_id, prompt_tokens, sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
