@@ -230,7 +230,6 @@ class Constraints:
             if not m.is_stopped():      # after its end (ignore_eos), EOS again: nothing new
                 m.consume_tokens(out[entry[2]:])
             entry[2] = len(out)
-        self._note_error(seq, m)
         return m
 
     @staticmethod

@@ -54,9 +54,8 @@ class IncrementalDetokenizer:
         self.stop_reason: Optional[str] = None
         self.finished = False
         # As vLLM: a stop string counts only if it ends in the text of a token after the
-        # first min_tokens; until then every delta is released whole.
+        # first min_tokens (once this count is below 0); until then deltas go out whole.
         self._stop_free = min_tokens
-        self._stops_on = min_tokens == 0
 
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         context = self._ids_to_tokens(list(prompt_token_ids)[-(_PROMPT_CONTEXT_TOKENS + _MAX_BACKTRACK):])
@@ -83,9 +82,8 @@ class IncrementalDetokenizer:
         """Add generated token ids; return the newly visible text (possibly "")."""
         if self.finished or not new_token_ids:
             return ""
-        if not self._stops_on:
-            self._stops_on = len(new_token_ids) > self._stop_free
-            self._stop_free = max(self._stop_free - len(new_token_ids), 0)
+        if self._stop_free >= 0:
+            self._stop_free -= len(new_token_ids)
         new_tokens = self._ids_to_tokens(new_token_ids)
         if new_tokens:
             self._tokens.extend(new_tokens)
@@ -151,7 +149,7 @@ class IncrementalDetokenizer:
         if not pending:
             return ""
         hold = 0
-        if self.stop and self._stops_on:
+        if self.stop and self._stop_free < 0:
             tail = self._tail
             text = tail + pending  # short: stop strings can only start in the tail or the new text
             # The match that completes first wins (ties: the one starting first), so the result
