@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llm_serving.config import EngineArgs
 from llm_serving.serving_config import load_config
 from llm_serving.tune.objective import make_objective
 from llm_serving.tune.search import Tuner, table
@@ -283,6 +284,12 @@ def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_d
     assert proc.returncode == 130, text
     assert "interrupted" in text and f"wrote {out}" in text
     trials = json.loads(Path(str(out) + ".trials.json").read_text())
+    # trial 0 measured the engine's defaults, as start.py --model DIR runs them: its batch
+    # and the KV pool it sizes from kv_cache_space
+    engine = EngineArgs(model=tiny_model_dir, max_model_len=256).create_engine_config()
+    first = next(t for t in trials if t["number"] == 0)["params"]
+    assert first["max_num_seqs"] == engine.scheduler.max_num_seqs == 128
+    assert first["kv_tokens"] == engine.cache.num_blocks * engine.cache.block_size
     best = max((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
     kw = load_config(out).engine_kwargs
     assert kw["max_num_seqs"] == best["params"]["max_num_seqs"]

@@ -12,6 +12,7 @@ PNG plot beside it (``--plot``) and the trials as JSON (``<out>.trials.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -86,20 +87,26 @@ def _max_model_len(kw: dict) -> int:
 
 
 def baseline_params(kw: dict, max_model_len: int) -> dict:
-    """The base config's own settings, as knob values (trial 0 measures them); with an empty
-    ``kw``, the engine's defaults."""
-    block = kw.get("block_size", 16)
-    out = {"max_num_seqs": kw.get("max_num_seqs", 256),
+    """The settings of engine arguments ``kw`` (the model's and the base config's; only the
+    model's: the engine's defaults), as knob values: what trial 0 (and 1) measure. The KV
+    pool is the one the engine sizes from them (from kv_cache_space unless num_blocks)."""
+    from llm_serving.config import DEFAULT_CHUNKED_BUDGET, EngineArgs
+    fields = EngineArgs.__dataclass_fields__
+
+    def get(name):
+        value = kw.get(name)
+        return fields[name].default if value is None else value
+    out = {"max_num_seqs": get("max_num_seqs"),
            "max_num_batched_tokens": kw.get("max_num_batched_tokens") or (
-               2048 if kw.get("enable_chunked_prefill", True) else max_model_len),
-           "block_size": block,
-           "enable_prefix_caching": kw.get("enable_prefix_caching", False),
+               DEFAULT_CHUNKED_BUDGET if get("enable_chunked_prefill") else max_model_len),
+           "block_size": get("block_size"),
+           "enable_prefix_caching": get("enable_prefix_caching"),
            # the server runs the model in WorkAgents, where the default is on
            "async_scheduling": True if kw.get("async_scheduling") is None
            else kw["async_scheduling"],
-           "enable_multi_stream": kw.get("enable_multi_stream", False)}
-    if kw.get("num_blocks"):
-        out["kv_tokens"] = kw["num_blocks"] * block
+           "enable_multi_stream": get("enable_multi_stream")}
+    engine = EngineArgs.from_kwargs(**kw).create_engine_config()
+    out["kv_tokens"] = engine.cache.num_blocks * engine.cache.block_size
     return out
 
 
@@ -147,15 +154,18 @@ def run_tune(args) -> int:
           + (f"; fixed: {short({k: v for k, v in fixed.items() if k != 'model'})}"
              if len(fixed) > ('model' in fixed) else ""), flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="llm_serving_tune_") as tmp:
-        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+    # a temporary directory only when none is given: a tune killed outright leaves it behind
+    with (contextlib.nullcontext(args.workdir) if args.workdir
+          else tempfile.TemporaryDirectory(prefix="llm_serving_tune_")) as workdir:
+        workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         evaluator = ServerEvaluator(read_base(base_path) if base_path else {}, workload, workdir, objective.slo,
                                     args.startup_timeout)
         tuner = Tuner(evaluator, space, fixed, objective, rungs, args.budget_s, args.n_trials,
                       seed=args.tune_seed, pruning=args.pruning,
-                      baseline=baseline_params(kw, mml),
-                      seeds=(baseline_params({}, mml),),     # the engine's own defaults
+                      baseline=baseline_params({**kw, "model": model_dir}, mml),
+                      # the engine's own defaults (for this model and the fixed flags)
+                      seeds=(baseline_params({**fixed, "model": model_dir}, mml),),
                       progress=args.progress)
         result = tuner.run()
 
