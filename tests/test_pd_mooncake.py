@@ -22,6 +22,13 @@ PROMPTS = ["Give three tips for staying healthy, then explain each of them in a 
            "Hi"]
 
 
+def fresh(prompt: str, tag: str) -> str:
+    """``prompt`` with a first block of its own: the consumer's prefix cache (on by default)
+    has not seen it, so its KV comes over the transfer (a prompt D has already seen is
+    answered from D's own cache, without one)."""
+    return f"[{tag}] {prompt}"
+
+
 def kv_section(role, **extra):
     cfg = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_transfer_timeout": 5,
            **extra}
@@ -80,6 +87,16 @@ def test_completions_through_p_then_d_match_colocated(servers):
     wait_until(lambda: metric(servers["P"], "kv_blocks_held") == 0
                and metric(servers["P"], "kv_cache_usage_perc") == 0)
     assert metric(servers["D"], "kv_cache_usage_perc") == 0
+    # Asked again, D answers from its own prefix cache: nothing is read; the producer's
+    # unread offer is freed when it expires (kv_transfer_timeout 5 s, and a grace)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
+    params, out = p_then_d(servers, "/v1/completions", body, {"max_tokens": 1}, top_level)
+    assert params["remote_block_ids"]
+    assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert metric(servers["D"], 'kv_transfers_total{outcome="done"}') == done0 + moved
+    wait_until(lambda: metric(servers["P"], "kv_blocks_held") == 0, timeout=30)
 
 
 def test_chat_and_the_generate_route_through_p_then_d(servers):
@@ -106,7 +123,7 @@ def test_chat_and_the_generate_route_through_p_then_d(servers):
 
 
 def test_a_producer_that_is_gone_makes_the_consumer_recompute(servers):
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+    body = {"model": "tiny", "prompt": fresh(PROMPTS[0], "gone"), "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
     rp = requests.post(servers["P"] + "/v1/completions", timeout=60, json={
@@ -144,8 +161,8 @@ def test_a_hung_producer_times_out_without_stalling_the_consumer(servers):
         except OSError:             # the test closed the socket
             pass
     threading.Thread(target=accept_and_stay_silent, daemon=True).start()
-    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny", "prompt": fresh(PROMPTS[1], "hung"), "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
     ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
     params = requests.post(servers["P"] + "/v1/completions", timeout=60, json={
         **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -220,12 +237,13 @@ def test_tensor_parallel_2_on_both_sides_moves_each_ranks_heads(servers, tp2_pai
     assert metric(urls["D"], "kv_transfer_recomputes_total") == 0
     wait_until(lambda: metric(urls["P"], "kv_blocks_held") == 0)
     # A TP 1 consumer cannot read a TP 2 producer's halves: it computes the prompt itself.
+    prompt = fresh(PROMPTS[0], "tp 2 to 1")
     rp = requests.post(urls["P"] + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1,
+        "model": "tiny", "prompt": prompt, "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True}}).json()
     before = metric(servers["D"], "kv_transfer_recomputes_total")
     out = requests.post(servers["D"] + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
         "kv_transfer_params": rp["kv_transfer_params"]})
     assert out.status_code == 200
     assert metric(servers["D"], "kv_transfer_recomputes_total") == before + 1
@@ -262,7 +280,8 @@ def test_a_client_that_leaves_during_the_transfer_frees_everything(tmp_path, tin
     freed when it ends, and the producer's offer when it is read or expires."""
     import socket
     import struct
-    section = "kv_transfer: " + json.dumps({
+    # (no prefix caching: the server would find the prompt it offered in its own cache)
+    section = "  enable_prefix_caching: false\nkv_transfer: " + json.dumps({
         "kv_connector": "InProcessConnector", "kv_role": "kv_both", "kv_transfer_timeout": 4,
         "kv_connector_extra_config": {"load_delay": 2.0}}) + "\n"
     proc, url, _ = start_server(tmp_path, tiny_model_dir, section=section,

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from test_http_server import agent_pids, free_port, start_server, stop_server, wait_until
-from test_pd_mooncake import kv_section
+from test_pd_mooncake import fresh, kv_section
 from test_pd_proxy_routing import Procs
 from test_pd_proxy_routing import metric as proxy_metric
 from conftest import metric, metric_value
@@ -64,14 +64,16 @@ def test_greedy_outputs_through_the_proxy_match_colocated(pd, order):
     done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
     recomputes0 = metric(u["D"], "kv_transfer_recomputes_total")
     for prompt in PROMPTS:
-        kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
-                  extra_body={"ignore_eos": True})
+        kw = dict(model="tiny", prompt=fresh(prompt, order), max_tokens=12, temperature=0,
+                  logprobs=1, extra_body={"ignore_eos": True})
         ref, out = colo.completions.create(**kw).choices[0], \
             proxy.completions.create(**kw).choices[0]
         assert out.text == ref.text
         assert out.logprobs.tokens == ref.logprobs.tokens
         assert out.logprobs.token_logprobs == pytest.approx(ref.logprobs.token_logprobs,
                                                             abs=1e-5)
+        kw["prompt"] = fresh(prompt, order + " streamed")
+        ref = colo.completions.create(**kw).choices[0]
         streamed = "".join(c.choices[0].text for c in proxy.completions.create(
             **kw, stream=True) if c.choices)
         assert streamed == ref.text
@@ -260,22 +262,24 @@ def test_the_first_d_hook_on_a_consumer(pd):
     kv_failure_policy) and counted; a bad URL, or an instance without kv_transfer, is a 400
     naming kv_transfer_params."""
     u = pd["urls"]
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny", "prompt": fresh(PROMPTS[0], "first D"), "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
     ref = requests.post(u["C"] + "/v1/completions", json=body, timeout=60).json()
     done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
     failed0 = metric(u["D"], 'kv_transfers_total{outcome="failed"}')
     recomputes0 = metric(u["D"], "kv_transfer_recomputes_total")
 
-    def ask(url):
+    def ask(url, body=body):
         return requests.post(u["D"] + "/v1/completions", timeout=60, json={
             **body, "kv_transfer_params": {"do_remote_prefill": True,
                                            "remote_prefill_url": url}})
     r = ask(u["P"])
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
     assert metric(u["D"], 'kv_transfers_total{outcome="done"}') == done0 + 1
+    other = {**body, "prompt": fresh(PROMPTS[1], "first D")}     # not in D's prefix cache
+    ref = requests.post(u["C"] + "/v1/completions", json=other, timeout=60).json()
     t0 = time.monotonic()
-    r = ask(f"http://127.0.0.1:{free_port()}")          # nobody listens there
+    r = ask(f"http://127.0.0.1:{free_port()}", other)          # nobody listens there
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
     assert time.monotonic() - t0 < 10
     assert metric(u["D"], 'kv_transfers_total{outcome="failed"}') == failed0 + 1
