@@ -23,8 +23,8 @@ distributed/kv_transfer/config.py), the same as ``--kv-transfer-config '{json}'`
 
 The ``llm_serving:`` section takes every engine argument by its own name (see EngineArgs),
 and wins over the legacy keys. The legacy keys that have no effect are named, with the reason,
-in one warning. A wrong type, or a missing key that llm-serving required in a section that is
-present, is a ConfigError naming the key's path.
+in one warning line. A wrong type, or a missing key that llm-serving required in a section
+that is present, is a ConfigError naming the key's path.
 """
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ from llm_serving.errors import ConfigError
 
 # Legacy keys we accept and ignore, and why (shown once, in the warning).
 IGNORED = {
-    "model_config.seq_length": "no padding buckets: batches are ragged (it only bounds "
-                               "max_model_len when max_generate_length is absent)",
-    "model_config.zactivate_len": "no padding buckets: batches are ragged",
+    "model_config.seq_length": "no padding buckets, batches are ragged; it only bounds "
+                               "max_model_len when max_generate_length is absent",
+    "model_config.zactivate_len": "no padding buckets, batches are ragged",
     "model_config.prefill_batch_size": "prefills are batched under max_num_batched_tokens",
     "model_config.model_type": "shapes are always dynamic",
     "model_config.seq_type": "shapes are always dynamic",
@@ -53,8 +53,8 @@ IGNORED = {
     "model_config.batching_strategy": "batching is always continuous",
     "model_config.current_index": "not needed with a paged KV cache",
     "model_config.page_attention": "attention is always paged",
-    "model_config.model_dtype": "the dtype is set by llm_serving.dtype (auto: float32; "
-                                "bfloat16: bf16 linear weights on CPU)",
+    "model_config.model_dtype": "the dtype is set by llm_serving.dtype: auto is float32, "
+                                "bfloat16 stores linear weights in bf16 on CPU",
     "model_config.pad_token_id": "nothing is padded",
     "model_config.backend": "the model always runs kernel by kernel",
     "model_config.model_cfg_path": "the model comes from llm_serving.model (an HF directory)",
@@ -144,10 +144,14 @@ class ServingConfig:
     ignored: dict = field(default_factory=dict)   # legacy key -> why it has no effect
 
     def ignored_warning(self) -> Optional[str]:
+        """One line: the ignored keys, grouped by why."""
         if not self.ignored:
             return None
-        return ("config: these llm-serving keys have no effect here:\n"
-                + "\n".join(f"  {k}: {why}" for k, why in self.ignored.items()))
+        by_reason: dict[str, list[str]] = {}
+        for key, why in self.ignored.items():
+            by_reason.setdefault(why, []).append(key)
+        return ("config: these llm-serving keys have no effect here: "
+                + " | ".join(f"{', '.join(keys)}: {why}" for why, keys in by_reason.items()))
 
 
 def _biggest(value):

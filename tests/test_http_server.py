@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -349,26 +350,71 @@ def test_llm_serving_routes_keep_their_shapes(server, tiny_llm):
     full = requests.post(server + "/models/llama2/generate", json=body)
     assert full.status_code == 200 and full.text.endswith("\n") and full.text.count("\n") == 1
     obj = json.loads(full.text)
-    assert set(obj) == {"generated_text", "finish_reason", "generated_tokens", "prefill",
-                        "seed", "tokens", "top_tokens", "details"}
+    # llm-serving's keys in its order (clients compare bytes), its "seed": 0 for none given
+    assert list(obj) == LLM_SERVING_FULL
+    assert obj["seed"] == 0 and obj["finish_reason"] == "length"
     ref = greedy(tiny_llm, PROMPTS[3], 12)
     assert obj["generated_text"] == ref.text
     assert [t["id"] for t in obj["tokens"]] == ref.token_ids
-    assert set(obj["tokens"][0]) == {"id", "logprob", "special", "text"}
-    lines = requests.post(server + "/models/tiny/generate_stream", json=body).text
-    lines = lines.splitlines()
-    parsed = [json.loads(line) for line in lines]
+    assert list(obj["tokens"][0]) == ["id", "logprob", "special", "text"]
+    stream = requests.post(server + "/models/tiny/generate_stream", json=body)
+    # sse-starlette's headers, which keep proxies such as nginx from holding the stream
+    assert stream.headers["Cache-Control"] == "no-cache"
+    assert stream.headers["X-Accel-Buffering"] == "no"
+    parsed = [json.loads(line) for line in stream.text.splitlines()]
     for p in parsed:
-        assert set(p) == {"event", "retry", "data"} and p["event"] == "message"
+        assert list(p) == ["event", "retry", "data"] and p["event"] == "message"
         assert p["retry"] == 30000 and isinstance(p["data"], list) and len(p["data"]) == 1
+    for p in parsed[:-1]:
+        assert list(p["data"][0]) == ["details", "generated_text", "tokens", "top_tokens"]
     pieces = [p["data"][0]["generated_text"] for p in parsed[:-1]]
     assert "".join(pieces) == ref.text                    # the last token's text included
-    assert parsed[-1]["data"][0]["generated_text"] == ref.text   # return_full_text line
+    last = parsed[-1]["data"][0]                          # the return_full_text line:
+    assert list(last) == ["details"] + LLM_SERVING_FULL[:-1]     # "details" first here
+    assert last["generated_text"] == ref.text and last["tokens"] == obj["tokens"]
+    assert last["seed"] == 0
     other = requests.post(server + "/models/llama2", json={**body, "stream": True, "parameters":
-                          {**body["parameters"], "return_protocol": "plain"}}).text
+                          {**body["parameters"], "return_protocol": "plain", "seed": 7}}).text
     assert all(line.startswith("data:") for line in other.splitlines())
+    last = json.loads(other.splitlines()[-1].removeprefix("data:"))
+    assert list(last) == LLM_SERVING_FULL and last["seed"] == 7     # "details" last here
     info = requests.get(server + "/serving/get_serverd_model_info").text
     assert json.loads(info.removeprefix("data: "))["model_id"] == "tiny"
+
+
+LLM_SERVING_FULL = ["generated_text", "finish_reason", "generated_tokens", "prefill", "seed",
+                    "tokens", "top_tokens", "details"]
+
+
+def test_llm_serving_answers_end_at_the_length_cap_and_texts_add_up(server, tiny_llm):
+    """llm-serving's max_generate_length caps prompt + output: a request asking for more than
+    the prompt leaves (its default 300 new tokens, say) ends there with "length", not a 400.
+    The tokens' texts add up to the answer's (a character split between byte tokens
+    included), in the answer and in the stream alike."""
+    tok = tiny_llm.get_tokenizer()
+    text = " ".join(["the sea"] * 400)
+    while len(tok.encode(text)) > 1000:
+        text = text[: len(text) * 9 // 10]
+    n_prompt = len(tok.encode(text))
+    for path in ("/models/llama2/generate", "/models/llama2/generate_stream"):
+        r = requests.post(server + path, json={"inputs": text, "parameters": {
+            "ignore_eos": True, "return_full_text": True}})
+        assert r.status_code == 200, r.text
+        obj = json.loads(r.text.splitlines()[-1])
+        obj = obj["data"][0] if "data" in obj else obj
+        assert obj["finish_reason"] == "length"
+        assert n_prompt + obj["generated_tokens"] == 1024          # max_model_len
+    r = requests.post(server + "/models/llama2/generate", json={"inputs": text * 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "inputs", r.text
+    for prompt in PROMPTS:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 40, "ignore_eos": True,
+                                                 "return_full_text": True}}
+        obj = requests.post(server + "/models/llama2/generate", json=body).json()
+        assert obj["generated_text"] == greedy(tiny_llm, prompt, 40).text
+        assert "".join(t["text"] for t in obj["tokens"]) == obj["generated_text"]
+        lines = requests.post(server + "/models/llama2/generate_stream", json=body).text
+        *steps, full = [json.loads(line)["data"][0] for line in lines.splitlines()]
+        assert [s["tokens"] for s in steps] == full["tokens"] == obj["tokens"]
 
 
 def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
@@ -856,17 +902,21 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
 
 
 def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm):
+    """Run as the original was: from a directory holding alpaca_5010.json (here the 521
+    set under that name, so that its rows tell which file was read), flags short or long;
+    the result file is named by -X as a float, as the original's."""
     port = server.rsplit(":", 1)[1]
     data = ROOT / "clients" / "data" / "alpaca_521.json"
+    shutil.copy(data, tmp_path / "alpaca_5010.json")
     run = subprocess.run([sys.executable, str(ROOT / "clients" / "performance_serving" /
                                               "test_serving_performance.py"),
-                          "-X", "4", "-P", port, "-O", str(tmp_path), "-T", "2",
-                          "--dataset", str(data)], capture_output=True, text=True, timeout=300)
+                          "-X", "4", "--port", port, "--out_dir", str(tmp_path), "-T", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith("All Tasks Done; Exec Time is ")
     assert float(last.rsplit(" ", 1)[1]) >= 1.75            # paced over -T seconds
-    records = json.loads((tmp_path / "result_4_x.json").read_text())
+    records = json.loads((tmp_path / "result_4.0_x.json").read_text())
     assert len(records) == 8
     rows = json.loads(data.read_text())
     tok = tiny_llm.get_tokenizer()
@@ -879,7 +929,7 @@ def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm)
         assert rec["resp_text"] == greedy(tiny_llm, prompt, n).text
     assert "TTFT" in run.stdout and "failures: 0" in run.stdout
     plots = subprocess.run([sys.executable, str(ROOT / "clients" / "plot_results.py"),
-                            str(tmp_path / "result_4_x.timeline.json"), "--out",
+                            str(tmp_path / "result_4.0_x.timeline.json"), "--out",
                             str(tmp_path / "plots")], capture_output=True, text=True,
                            timeout=120)
     assert plots.returncode == 0, plots.stderr

@@ -28,6 +28,7 @@ def test_shipped_llama_7b_config_maps_the_knobs_that_still_mean_something():
     for key in ("model_config.seq_length", "model_config.batch_waiting_time",
                 "model_config.backend", "tokenizer", "warmup_inputs"):
         assert key in warning
+    assert "\n" not in warning                    # one line, as llm-serving users were told
     assert "decode_batch_size" not in warning and "pa_config.num_blocks" not in warning
 
 

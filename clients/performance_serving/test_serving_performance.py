@@ -33,11 +33,16 @@ DEFAULT_DATASET = Path(__file__).resolve().parents[1] / "data" / "alpaca_5010.js
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="llm-serving load tester (performance_serving "
                                  "compatible)")
-    ap.add_argument("-X", type=float, required=True, help="requests per second")
-    ap.add_argument("-P", type=int, required=True, help="server port")
-    ap.add_argument("-O", default="./", help="output directory")
-    ap.add_argument("-T", type=float, required=True, help="seconds of sending")
-    ap.add_argument("--dataset", default=str(DEFAULT_DATASET), help="alpaca-style JSON")
+    # the original's flags, short and long
+    ap.add_argument("-X", "--qps", dest="X", type=float, required=True,
+                    help="requests per second")
+    ap.add_argument("-P", "--port", dest="P", type=int, required=True, help="server port")
+    ap.add_argument("-O", "--out_dir", dest="O", default="./", help="output directory")
+    ap.add_argument("-T", "--test_time", dest="T", type=float, default=3600.0,
+                    help="seconds of sending (default 3600, as the original)")
+    ap.add_argument("--dataset", default=None,
+                    help="alpaca-style JSON (default: ./alpaca_5010.json when there is one, "
+                         "as the original read, else the bundled copy)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer directory for counting output tokens (default: the "
@@ -46,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     ap.add_argument("--max-connections", type=int, default=1000)
     return ap.parse_args(argv)
+
+
+def default_dataset() -> str:
+    here = Path("alpaca_5010.json")
+    return str(here if here.is_file() else DEFAULT_DATASET)
 
 
 def load_requests(path: str, count: int) -> list[dict]:
@@ -124,7 +134,7 @@ async def run(args) -> int:
     count = int(args.X * args.T)
     if count < 1:
         raise SystemExit("error: -X times -T must give at least one request")
-    reqs = load_requests(args.dataset, count)
+    reqs = load_requests(args.dataset or default_dataset(), count)
     base = f"http://{args.host}:{args.P}"
     url = f"{base}/models/{args.model}/generate_stream"
     connector = aiohttp.TCPConnector(limit=args.max_connections)
@@ -148,7 +158,7 @@ async def run(args) -> int:
 
     out_dir = Path(args.O)
     out_dir.mkdir(parents=True, exist_ok=True)
-    x = int(args.X) if float(args.X).is_integer() else args.X
+    x = args.X                  # a float, as the original's: -X 2 writes result_2.0_x.json
     path = out_dir / f"result_{x}_x.json"
     path.write_text(json.dumps([r for r, _, _, _ in results], ensure_ascii=False, indent=2))
     # For clients/plot_results.py: when each request was sent, and how it went.

@@ -166,7 +166,7 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None,
-                          priority: int = 0, strict_length: bool = False) -> RequestStream:
+                          priority: int = 0) -> RequestStream:
         """Queue a request and return its stream of outputs (in ``params.output_kind``:
         DELTA gives the new token ids and text of each step).
 
@@ -181,13 +181,12 @@ class AsyncLLMEngine:
             # Compiling a grammar can take a while (a large schema; llguidance's view of the
             # tokenizer, once): not on the event loop.
             new = await asyncio.to_thread(self.engine.process_request, prompt, params,
-                                          request_id, priority, strict_length=strict_length)
+                                          request_id, priority)
             self.check_health()
             if request_id in self._streams:
                 raise RequestIdInUseError(request_id)
         else:
-            new = self.engine.process_request(prompt, params, request_id, priority,
-                                              strict_length=strict_length)
+            new = self.engine.process_request(prompt, params, request_id, priority)
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
         stream = RequestStream(request_id, new.params.output_kind, self.abort)
         self._streams[request_id] = stream

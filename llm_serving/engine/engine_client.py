@@ -56,8 +56,8 @@ class EngineClient(Protocol):
         """Ready to serve: the model is loaded and the step loop is alive."""
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          params: Optional[SamplingParams] = None, priority: int = 0,
-                          strict_length: bool = False) -> RequestStream:
+                          params: Optional[SamplingParams] = None,
+                          priority: int = 0) -> RequestStream:
         """Queue a request; its outputs come on the stream. Raises ValueError (bad input),
         QueueFullError, EngineDeadError."""
 

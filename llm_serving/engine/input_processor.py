@@ -59,10 +59,9 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                 request_id: Optional[str] = None, priority: int = 0,
-                arrival_time: Optional[float] = None,
-                strict_length: bool = False) -> NewRequest:
-        """``max_tokens`` is lowered to what fits in max_model_len, or with ``strict_length``
-        refused when it does not fit."""
+                arrival_time: Optional[float] = None) -> NewRequest:
+        """``max_tokens`` is lowered to what fits in max_model_len after the prompt (vLLM's
+        rule, and llm-serving's cap on prompt + output)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
@@ -86,10 +85,6 @@ class InputProcessor:
         if room < 1:
             raise ValueError(f"prompt: it has {len(ids)} tokens; the maximum model length is "
                              f"{self.max_model_len}, leaving no room to generate")
-        if strict_length and params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is "
-                             f"{params.max_tokens}, more than the maximum model length "
-                             f"({self.max_model_len}) allows")
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time)

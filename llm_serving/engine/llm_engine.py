@@ -107,11 +107,10 @@ class LLMEngine:
 
     def process_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                         request_id: Optional[str] = None, priority: int = 0,
-                        arrival_time: Optional[float] = None,
-                        strict_length: bool = False) -> NewRequest:
+                        arrival_time: Optional[float] = None) -> NewRequest:
         """Check and tokenize a request without touching the engine's state (any thread)."""
         return self.input_processor.process(prompt, params, request_id, priority,
-                                            arrival_time, strict_length)
+                                            arrival_time)
 
     def add_processed(self, new: NewRequest) -> str:
         """Queue a checked request (from ``process_request``)."""

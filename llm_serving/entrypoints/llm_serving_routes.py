@@ -13,7 +13,9 @@
 ``{model}`` is the served model name; ``llama2`` is always accepted. Unlike llm-serving, the
 seed, stop strings, repetition penalty and per-request temperature are honoured, the last
 token's text is never lost, and a field the routes do not know is refused with a 400 naming
-it (llm-serving dropped it silently). A null field takes its default, as in llm-serving.
+it (llm-serving dropped it silently). A null field takes its default, as in llm-serving. As
+in llm-serving, max_model_len (its max_generate_length) caps prompt + output: a request for
+more new tokens than the prompt leaves ends at the cap with "length".
 """
 from __future__ import annotations
 
@@ -114,6 +116,10 @@ def _params(p: Parameters) -> SamplingParams:
         structured_outputs=p.grammar.structured() if p.grammar is not None else None)
 
 
+def _special_ids(tok) -> set:
+    return set(getattr(tok, "all_special_ids", ()) or ())
+
+
 def _token(tid: int, text: str, logprob, special: set) -> dict:
     return {"id": tid, "logprob": logprob, "special": tid in special, "text": text}
 
@@ -137,20 +143,32 @@ async def _start(request: Request, model: str, req: GenerateRequest):
     try:
         params = _params(req.parameters)
         rid = new_request_id("gen")
-        stream = await engine.add_request(rid, req.inputs, params, strict_length=True)
+        # max_new_tokens beyond what the prompt leaves is lowered: llm-serving stopped at
+        # max_generate_length, its cap on prompt + output ("length")
+        stream = await engine.add_request(rid, req.inputs, params)
     except Exception as e:
         err = translate_error(e)
-        if err.param == "structured_outputs":     # the grammar did not compile
-            err.param, err.message = "grammar", "grammar" + err.message[len(err.param):]
+        if err.param in _FIELDS:       # the error in this route's own field names
+            field = _FIELDS[err.param]
+            err.param, err.message = field, field + err.message[len(err.param):]
         raise err from None
     return state, engine, req, stream
 
 
-def _summary(tokens: list, text: str, finish: Optional[str], seed) -> dict:
+# The engine's names of a request's fields -> this route's.
+_FIELDS = {"structured_outputs": "parameters.grammar", "prompt": "inputs",
+           "max_tokens": "parameters.max_new_tokens"}
+
+
+def _summary(tokens: list, text: str, finish: Optional[str], seed,
+             details_first: bool = False) -> dict:
+    """The whole answer, in llm-serving's key order: its SSE stream's full-text line has
+    "details" first, its other answers last. It sent "seed": 0 whatever the request's."""
     first = tokens[0] if tokens else None
-    return {"generated_text": text, "finish_reason": finish, "generated_tokens": len(tokens),
-            "prefill": [first] if first else [], "seed": seed, "tokens": tokens,
-            "top_tokens": [[first]] if first else [], "details": None}
+    body = {"generated_text": text, "finish_reason": finish, "generated_tokens": len(tokens),
+            "prefill": [first] if first else [], "seed": 0 if seed is None else seed,
+            "tokens": tokens, "top_tokens": [[first]] if first else []}
+    return {"details": None, **body} if details_first else {**body, "details": None}
 
 
 def _chosen_logprobs(c) -> list:
@@ -160,14 +178,11 @@ def _chosen_logprobs(c) -> list:
     return [c.logprobs[j][tid].logprob for j, tid in enumerate(c.token_ids)]
 
 
-def _token_list(tok, ids: list, lps: list) -> list[dict]:
-    """llm-serving's per-token records, each token decoded on its own."""
-    special = set(getattr(tok, "all_special_ids", ()) or ())
-    return [_token(tid, tok.decode([tid]), lp, special) for tid, lp in zip(ids, lps)]
-
-
 class _Generated:
-    """What a request has generated so far, gathered from its delta outputs."""
+    """What a request has generated so far, gathered from its delta outputs. A token's text
+    is the piece the engine's incremental detokenizer gave with it (empty while a character
+    or a possible stop string is incomplete), so the tokens' texts add up to the answer's,
+    as in llm-serving, where both came from the same pieces."""
 
     def __init__(self):
         self.texts, self.ids, self.lps = [], [], []
@@ -184,14 +199,22 @@ class _Generated:
         if out.error or (not c.token_ids and not c.text):
             return None
         new_lps = _chosen_logprobs(c)
-        self.texts.append(c.text)
-        self.ids.extend(c.token_ids)
-        self.lps.extend(new_lps)
+        if c.token_ids:      # the text goes with the last token (one a step per request)
+            self.texts.extend([""] * (len(c.token_ids) - 1) + [c.text])
+            self.ids.extend(c.token_ids)
+            self.lps.extend(new_lps)
+        elif self.texts:     # text held back earlier (a possible stop string), let go
+            self.texts[-1] += c.text
+        else:
+            self.texts.append(c.text)
+            self.ids.append(-1)
+            self.lps.append(None)
         return c, new_lps
 
-    def summary(self, tok, seed) -> dict:
-        return _summary(_token_list(tok, self.ids, self.lps), "".join(self.texts), self.finish,
-                        seed)
+    def summary(self, special: set, seed, details_first: bool = False) -> dict:
+        tokens = [_token(tid, text, lp, special)
+                  for tid, text, lp in zip(self.ids, self.texts, self.lps)]
+        return _summary(tokens, "".join(self.texts), self.finish, seed, details_first)
 
 
 async def _full(request: Request, model: str, req: GenerateRequest):
@@ -202,7 +225,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
         g.add(out)
     if g.error:
         raise HTTPError(503, g.error, kind="service_unavailable")
-    body = g.summary(engine.tokenizer, req.parameters.seed)
+    body = g.summary(_special_ids(engine.tokenizer), req.parameters.seed)
     if g.kv is not None:
         body["kv_transfer_params"] = g.kv
     log_request(stream.request_id, g.n_prompt, len(g.ids), t0)
@@ -214,7 +237,7 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()    # as _full and the OpenAI routes: from the request's admission
     tok = engine.tokenizer
-    special = set(getattr(tok, "all_special_ids", ()) or ())
+    special = _special_ids(tok)
     protocol = req.parameters.return_protocol
 
     def step_line(g: _Generated, out) -> bytes:
@@ -229,14 +252,13 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
         c, new_lps = new
         last = (_token(c.token_ids[-1], c.text, new_lps[-1], special) if c.token_ids
                 else _token(-1, c.text, None, special))
-        piece = {"details": None, "generated_text": c.text, "tokens": last, "top_tokens": [last]}
-        if c.finish_reason is not None:
-            piece["finish_reason"] = g.finish
-        return _line(piece, protocol)
+        # exactly llm-serving's keys (the finish reason is on the return_full_text line)
+        return _line({"details": None, "generated_text": c.text, "tokens": last,
+                      "top_tokens": [last]}, protocol)
 
     async def gen():
         # A line per step (one token) whatever piled up while this handler waited, sent in
-        # one write. Per-token texts are only decoded for the return_full_text line.
+        # one write.
         g = _Generated()
         try:
             async for outs in stream.steps():
@@ -246,11 +268,18 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
                 if g.error:
                     return
             if req.parameters.return_full_text:
-                yield _line(g.summary(tok, req.parameters.seed), protocol)
+                yield _line(g.summary(special, req.parameters.seed,
+                                      details_first=protocol == "sse"), protocol)
         finally:
             await stream.aclose()
             log_request(stream.request_id, g.n_prompt, len(g.ids), t0)
-    return StreamingResponse(gen(), media_type="text/event-stream")
+    # llm-serving's SSE responses (sse-starlette's) told caches and proxies such as nginx
+    # not to hold the stream back
+    headers = _SSE_HEADERS if protocol == "sse" else None
+    return StreamingResponse(gen(), media_type="text/event-stream", headers=headers)
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/models/{model}/generate")
@@ -292,7 +321,7 @@ async def get_served_model_info(request: Request):
     state: ServerState = request.app.state.server
     limits = state.require_engine().limits
     return _event({
-        "docker_label": None,
+        "docker_label": "",           # llm-serving: the docker container id, "" outside one
         "max_batch_total_tokens": limits.max_num_batched_tokens,
         "max_concurrent_requests": limits.max_num_seqs,
         "max_input_length": limits.max_model_len - 1,
