@@ -37,6 +37,9 @@ def main(argv=None) -> None:
     ap.add_argument("--atol", type=float, default=5e-3)
     ap.add_argument("--rtol", type=float, default=0.0)
     args = ap.parse_args(argv)
+    for d in (args.a, args.b):
+        if not d.is_dir():
+            ap.error(f"{d}: no such directory (a dump_logits directory is expected)")
     r = compare(args.a, args.b, args.atol, args.rtol)
     for name, why in r["mismatches"]:
         print(f"MISMATCH {name}: {why}")

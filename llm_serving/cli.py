@@ -105,8 +105,8 @@ def add_proxy_parser(sub) -> None:
                    help="prefill (kv_producer) instances, e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
                    help="decode (kv_consumer) instances")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     p.add_argument("--order", choices=["p-first", "d-first"], default="p-first",
                    help="p-first: the proxy asks P, then D with P's kv_transfer_params; "
                         "d-first: D asks P itself (remote_prefill_url)")

@@ -58,15 +58,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         kind = hints[f.name]
         args = typing.get_args(kind)
         base = next((a for a in args if a is not type(None)), kind) if args else kind
+        # the flag's own default is None (unset: the config file's value stands); the help
+        # shows the engine's
+        help = f.metadata.get("help")
+        if help and "default" not in help and f.default not in (None, dataclasses.MISSING):
+            shown = ("on" if f.default else "off") if base is bool else f.default
+            help = f"{help} (default: {shown})"
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=f.metadata.get("help"))
+                               default=None, help=help)
         elif base is dict:          # a section of knobs, as JSON: '{"min_total_tokens": 64}'
             group.add_argument(flag, dest=f.name, type=_json_object, default=None,
-                               metavar="JSON", help=f.metadata.get("help"))
+                               metavar="JSON", help=help)
         else:
             group.add_argument(flag, dest=f.name, type=base, default=None,
-                               metavar=f.name.upper(), help=f.metadata.get("help"))
+                               metavar=f.name.upper(), help=help)
 
 
 def _json_object(text: str) -> dict:

@@ -59,3 +59,6 @@ def test_dumps_pair_across_batch_sizes_and_catch_a_perturbed_weight(tiny_model_d
     dump(str(bad_model), tmp_path / "bad", 16)
     diff = compare(tmp_path / "b1", tmp_path / "bad")
     assert diff.returncode == 1 and "MISMATCH" in diff.stdout
+    # a mistyped directory is named as such (it was 48 "ONLY IN A" lines)
+    typo = compare(tmp_path / "b1", tmp_path / "b61")
+    assert typo.returncode == 2 and "b61: no such directory" in typo.stderr

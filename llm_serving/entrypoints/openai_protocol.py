@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llm_serving.sampling_params import (MAX_LOGPROBS, RequestOutputKind, SamplingParams,
-                                         StructuredOutputsParams)
+from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputKind,
+                                         SamplingParams, StructuredOutputsParams)
 
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
 _REFUSED_COMMON = {
@@ -64,7 +64,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
-    stop_token_ids: Optional[list[int]] = Field(None, max_length=64)
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOPS)
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -104,6 +104,11 @@ class _SamplingFields(BaseModel):
     safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
 
     REFUSED: ClassVar[dict] = _REFUSED_COMMON
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a final chunk with usage, usage in every chunk), from stream_options."""
+        opts = self.stream_options
+        return bool(opts and opts.include_usage), bool(opts and opts.continuous())
 
     def unknown_fields(self) -> list[str]:
         nested = self.stream_options.model_extra if self.stream_options else None

@@ -265,8 +265,7 @@ async def completions(req: CompletionRequest, request: Request):
     t0 = time.perf_counter()
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous())
+        include_usage, continuous = req.stream_usage()
 
         async def gen():
             prompt_tokens, offsets, choice_tokens = {}, {}, {}
@@ -418,8 +417,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     t0 = time.perf_counter()
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous())
+        include_usage, continuous = req.stream_usage()
         choice_tokens: dict[int, int] = {}
 
         def chunk(idx, delta, finish=None, lp=None, stop_reason=None):
