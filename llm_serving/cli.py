@@ -24,6 +24,8 @@ def server_settings(args) -> tuple:
     warning = cfg.ignored_warning()
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
+    if cfg.model_source:    # llm-serving's model_cfg_path, served from a directory written for it
+        logging.getLogger("llm_serving.server").info(cfg.model_source)
     kw = dict(cfg.engine_kwargs)
     # The model runs in WorkAgent processes (tensor_parallel_size of them, one per
     # serving_config.agent_ports entry unless given), as llm-serving's agents did.
@@ -49,6 +51,8 @@ def serve(args) -> None:
     if args.dry_run:    # what would be launched (devices, environment, commands), then exit
         from llm_serving.executor.launch_plan import print_plan
         print(describe_kv_cache(resolved))
+        print(f"model: {engine_args.model}" + (f"; checkpoint: {engine_args.checkpoint}"
+                                               if engine_args.checkpoint else ""))
         return print_plan(resolved)
     logging.getLogger("llm_serving.server").info(describe_kv_cache(resolved))
     # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.

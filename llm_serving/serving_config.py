@@ -14,6 +14,11 @@ llm-serving's knobs that still mean something are mapped to engine arguments:
 - ``serving_config.start_device_id`` -> ``start_device_id`` (agent rank r uses device
   start_device_id + r).
 
+With no model (no ``llm_serving.model``, no ``--model``), ``model_config.model_cfg_path`` (a
+mindformers model yaml, its ``load_checkpoint`` the weights) and ``tokenizer.vocab_file`` are
+served, as llm-serving did: see mindformers_config.py. ``model_config.vocab_size`` must then
+equal the mindformers yaml's, and ``model_config.end_token`` is the EOS.
+
 The ``multi_stream:`` section sets multi-stream's knobs (``enabled: true`` is
 ``--enable-multi-stream``; the other keys are ``MultiStreamConfig``'s).
 
@@ -57,7 +62,7 @@ IGNORED = {
                                 "bfloat16 stores linear weights in bf16 on CPU",
     "model_config.pad_token_id": "nothing is padded",
     "model_config.backend": "the model always runs kernel by kernel",
-    "model_config.model_cfg_path": "the model comes from llm_serving.model (an HF directory)",
+    "model_config.model_cfg_path": "llm_serving.model (or --model) is served instead",
     "model_config.end_token": "EOS comes from the model's generation_config.json",
     "model_config.vocab_size": "the vocabulary comes from the model's config.json",
     "serving_config.agent_ip": "agents are local processes",
@@ -142,6 +147,8 @@ class ServingConfig:
     agent_ports: list = field(default_factory=lambda: [16002])
     start_device_id: int = 0
     ignored: dict = field(default_factory=dict)   # legacy key -> why it has no effect
+    # Where the model came from, when not from llm_serving.model / --model: one line.
+    model_source: Optional[str] = None
 
     def ignored_warning(self) -> Optional[str]:
         """One line: the ignored keys, grouped by why."""
@@ -235,10 +242,28 @@ def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> Servi
             raise ConfigError(key, f"{tp!r} conflicts with serving_config.agent_ports, which "
                               f"lists {len(sc.agent_ports)} ports (one WorkAgent each); make "
                               "them agree or give one port")
+    used: set = set()       # legacy keys that name the model (model_cfg_path)
     if "model" not in kw:
-        raise ConfigError("llm_serving.model", "missing: the model directory to serve "
-                          "(or pass --model)")
+        if mc is None or not mc.model_cfg_path:
+            raise ConfigError("llm_serving.model", "missing: add llm_serving.model: <an HF "
+                              "model directory> (or pass --model), or llm-serving's "
+                              "model_config.model_cfg_path: <a mindformers model yaml> with "
+                              "tokenizer.vocab_file: <its tokenizer.model>")
+        from llm_serving.mindformers_config import materialize
+        got = materialize(mc.model_cfg_path, model_name=mc.model_name,
+                          vocab_size=mc.vocab_size, end_token=mc.end_token,
+                          tokenizer=cfg.tokenizer, config_path=path,
+                          need_tokenizer="tokenizer" not in kw,
+                          need_checkpoint="checkpoint" not in kw)
+        kw["model"] = got.model_dir
+        if got.checkpoint is not None:
+            kw["checkpoint"] = got.checkpoint
+        out.model_source = got.describe()
+        used = {"model_config.model_cfg_path", "model_config.end_token",
+                "model_config.vocab_size"} | ({"tokenizer"} if "tokenizer" not in kw else set())
     for dotted, why in IGNORED.items():
+        if dotted in used:
+            continue
         section, _, key = dotted.partition(".")
         present = data.get(section)
         if (key and isinstance(present, dict) and key in present) or (not key and present):

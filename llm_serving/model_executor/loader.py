@@ -82,6 +82,36 @@ class ModelConfig:
             return []
         return [int(x) for x in e] if isinstance(e, (list, tuple)) else [int(e)]
 
+    def to_hf_dict(self) -> Dict[str, Any]:
+        """This config as an HF ``config.json`` (``from_dict`` of it gives it back)."""
+        qwen2 = self.architecture == "Qwen2ForCausalLM"
+        d: Dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type or ("qwen2" if qwen2 else "llama"),
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if qwen2:
+            d["use_sliding_window"] = False
+        else:
+            d["attention_bias"] = self.qkv_bias
+        if self.torch_dtype is not None:
+            d["torch_dtype"] = self.torch_dtype
+        return d
+
     # --- constructors ------------------------------------------------------------------------
 
     @classmethod

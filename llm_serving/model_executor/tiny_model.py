@@ -122,12 +122,17 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 _PRESET_DIRS = {"tiny": "tiny-llama", "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
 
 
+def home_dir() -> Path:
+    """Where llm_serving keeps what it generates: ``$LLM_SERVING_HOME`` if the variable is set,
+    else ``~/.cache/llm_serving``."""
+    home = os.environ.get("LLM_SERVING_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "llm_serving"
+
+
 def default_model_dir(preset: str = "tiny") -> str:
     """Where a built-in model lives: ``$LLM_SERVING_HOME/models/<name>`` if the variable is set,
     else ``~/.cache/llm_serving/models/<name>``: ``_PRESET_DIRS[preset]``."""
-    home = os.environ.get("LLM_SERVING_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "llm_serving"
-    return str(base / "models" / _PRESET_DIRS[preset])
+    return str(home_dir() / "models" / _PRESET_DIRS[preset])
 
 
 def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
