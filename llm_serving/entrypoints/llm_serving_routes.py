@@ -221,8 +221,12 @@ async def _full(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()
     g = _Generated()
-    async for out in stream_or_disconnect(request, stream):
-        g.add(out)
+    try:     # step by step (not merged), so that each token keeps its own text
+        async for outs in stream_or_disconnect(request, stream.steps()):
+            for out in outs:
+                g.add(out)
+    finally:
+        await stream.aclose()       # the client gone: the request is aborted
     if g.error:
         raise HTTPError(503, g.error, kind="service_unavailable")
     body = g.summary(_special_ids(engine.tokenizer), req.parameters.seed)
