@@ -136,11 +136,15 @@ def run_tune(args) -> int:
     cfg = load_config(base_path, fixed)          # a bad base file fails here, not per trial
     kw = cfg.engine_kwargs
     mml = _max_model_len(kw)
-    space = without_fixed(default_space(mml, kw.get("tensor_parallel_size", 1)), fixed)
+    model_dir = resolve_model(kw["model"])
+    base = baseline_params({**kw, "model": model_dir}, mml)
+    # the engine's own defaults (for this model and the fixed flags)
+    defaults = baseline_params({**fixed, "model": model_dir}, mml)
+    space = without_fixed(default_space(mml, kw.get("tensor_parallel_size", 1),
+                                        max(base["kv_tokens"], defaults["kv_tokens"])), fixed)
     first = args.first_rung or max(1, args.num_prompts // 4)
     rungs = [first, args.num_prompts] if args.pruning and first < args.num_prompts \
         else [args.num_prompts]
-    model_dir = resolve_model(kw["model"])
     workload = Workload(dataset=str(args.dataset),
                         request_rate=args.rate if args.rate is not None else float("inf"),
                         ignore_eos=args.ignore_eos, max_output=args.max_output,
@@ -163,9 +167,7 @@ def run_tune(args) -> int:
                                     args.startup_timeout)
         tuner = Tuner(evaluator, space, fixed, objective, rungs, args.budget_s, args.n_trials,
                       seed=args.tune_seed, pruning=args.pruning,
-                      baseline=baseline_params({**kw, "model": model_dir}, mml),
-                      # the engine's own defaults (for this model and the fixed flags)
-                      seeds=(baseline_params({**fixed, "model": model_dir}, mml),),
+                      baseline=base, seeds=(defaults,),
                       progress=args.progress)
         result = tuner.run()
 

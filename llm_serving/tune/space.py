@@ -21,15 +21,18 @@ class Knob:
     engine_args: tuple = ()        # the engine arguments it sets (fixing one removes the knob)
 
 
-def default_space(max_model_len: int, tensor_parallel_size: int = 1) -> list[Knob]:
+def default_space(max_model_len: int, tensor_parallel_size: int = 1,
+                  kv_tokens_up_to: int = 0) -> list[Knob]:
     """The default search space. ``max_model_len`` bounds the KV pool from below: a pool that
-    cannot hold one longest sequence is refused at start (and that trial recorded as failed)."""
+    cannot hold one longest sequence is refused at start (and that trial recorded as failed);
+    ``kv_tokens_up_to`` widens it to the pools trials must run (the engine's default pool)."""
     space = [
         Knob("max_num_seqs", "int_log", 1, 256, engine_args=("max_num_seqs",)),
         Knob("max_num_batched_tokens", "int_log", 128, 4096,
              engine_args=("max_num_batched_tokens",)),
         Knob("block_size", "choice", choices=(16, 32, 64, 128), engine_args=("block_size",)),
-        Knob("kv_tokens", "int_log", max_model_len, max(16 * max_model_len, 65536),
+        Knob("kv_tokens", "int_log", max_model_len,
+             max(16 * max_model_len, 65536, kv_tokens_up_to),
              engine_args=("num_blocks", "kv_cache_space")),
         Knob("enable_prefix_caching", "bool", engine_args=("enable_prefix_caching",)),
         Knob("async_scheduling", "bool", engine_args=("async_scheduling",)),
