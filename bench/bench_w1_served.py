@@ -157,13 +157,13 @@ def ours(model: str, extra: list[str], log: str) -> Server:
 
 
 def vllm(venv: Path, model: str, log: str, dtype: str = "float32") -> Server:
+    """vLLM's server with its defaults (max_model_len the model's, as ours), in ``dtype``."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     env.pop("PYTHONPATH", None)
     return Server("vLLM", [str(venv / "bin" / "python"), "-m",
                            "vllm.entrypoints.openai.api_server", "--model", model,
-                           "--dtype", dtype, "--max-model-len", "1024",
-                           "--port", str(port)], port, env=env, log=log)
+                           "--dtype", dtype, "--port", str(port)], port, env=env, log=log)
 
 
 def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200,
@@ -315,6 +315,10 @@ def main() -> None:
         print("| case | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 |")
         print("|---|---|---|---|---|")
         for case, a, b in ratios:
+            if a["failed"] or b["failed"]:       # a ratio of failures would mean nothing
+                print(f"| {case} | failed requests: ours {a['failed']}, vLLM {b['failed']} "
+                      "| | | |")
+                continue
             print(f"| {case} | {a['toks'] / b['toks']:.2f}x | {a['ttft'] / b['ttft']:.2f}x | "
                   f"{a['ttft99'] / b['ttft99']:.2f}x | {a['tpot'] / b['tpot']:.2f}x |")
 
