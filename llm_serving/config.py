@@ -42,8 +42,6 @@ DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
 # `vllm bench serve` (docs/benchmarks.md).
 MAX_CAPTURE_BATCH = 32
-# The step's token budget with chunked prefill when max_num_batched_tokens is unset.
-DEFAULT_CHUNKED_BUDGET = 2048
 
 
 def _arg(default, help: str):
@@ -289,8 +287,7 @@ class EngineArgs:
             raise ConfigError("num_blocks", f"{num_blocks} blocks of {self.block_size} tokens "
                               f"cannot hold one sequence of max_model_len ({max_len}) tokens; "
                               "raise num_blocks or lower max_model_len")
-        budget = self.max_num_batched_tokens or (DEFAULT_CHUNKED_BUDGET
-                                                 if self.enable_chunked_prefill
+        budget = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill
                                                  else max_len)
         if not self.enable_chunked_prefill and budget < max_len:
             raise ConfigError("max_num_batched_tokens",

@@ -86,28 +86,21 @@ def _max_model_len(kw: dict) -> int:
         return 2048
 
 
-def baseline_params(kw: dict, max_model_len: int) -> dict:
-    """The settings of engine arguments ``kw`` (the model's and the base config's; only the
-    model's: the engine's defaults), as knob values: what trial 0 (and 1) measure. The KV
-    pool is the one the engine sizes from them (from kv_cache_space unless num_blocks)."""
-    from llm_serving.config import DEFAULT_CHUNKED_BUDGET, EngineArgs
-    fields = EngineArgs.__dataclass_fields__
-
-    def get(name):
-        value = kw.get(name)
-        return fields[name].default if value is None else value
-    out = {"max_num_seqs": get("max_num_seqs"),
-           "max_num_batched_tokens": kw.get("max_num_batched_tokens") or (
-               DEFAULT_CHUNKED_BUDGET if get("enable_chunked_prefill") else max_model_len),
-           "block_size": get("block_size"),
-           "enable_prefix_caching": get("enable_prefix_caching"),
-           # the server runs the model in WorkAgents, where the default is on
-           "async_scheduling": True if kw.get("async_scheduling") is None
-           else kw["async_scheduling"],
-           "enable_multi_stream": get("enable_multi_stream")}
-    engine = EngineArgs.from_kwargs(**kw).create_engine_config()
-    out["kv_tokens"] = engine.cache.num_blocks * engine.cache.block_size
-    return out
+def baseline_params(kw: dict) -> dict:
+    """The settings engine arguments ``kw`` run with (the model's and the base config's; only
+    the model's: the engine's defaults), as knob values: what trials 0 and 1 measure. They are
+    resolved as the server resolves them (its model in WorkAgents): the KV pool from
+    kv_cache_space unless num_blocks, the token budget, asynchronous scheduling on."""
+    from llm_serving.config import EngineArgs
+    e = EngineArgs.from_kwargs(**{"distributed_executor_backend": "mp", **kw}
+                               ).create_engine_config()
+    return {"max_num_seqs": e.scheduler.max_num_seqs,
+            "max_num_batched_tokens": e.scheduler.max_num_batched_tokens,
+            "block_size": e.cache.block_size,
+            "kv_tokens": e.cache.num_blocks * e.cache.block_size,
+            "enable_prefix_caching": e.cache.enable_prefix_caching,
+            "async_scheduling": e.scheduler.async_scheduling,
+            "enable_multi_stream": e.multi_stream is not None}
 
 
 def run_tune(args) -> int:
@@ -137,9 +130,9 @@ def run_tune(args) -> int:
     kw = cfg.engine_kwargs
     mml = _max_model_len(kw)
     model_dir = resolve_model(kw["model"])
-    base = baseline_params({**kw, "model": model_dir}, mml)
+    base = baseline_params({**kw, "model": model_dir})
     # the engine's own defaults (for this model and the fixed flags)
-    defaults = baseline_params({**fixed, "model": model_dir}, mml)
+    defaults = baseline_params({**fixed, "model": model_dir})
     space = without_fixed(default_space(mml, kw.get("tensor_parallel_size", 1),
                                         max(base["kv_tokens"], defaults["kv_tokens"])), fixed)
     first = args.first_rung or max(1, args.num_prompts // 4)
