@@ -48,14 +48,15 @@ CASES = {
 
 
 class Case:
-    def __init__(self, name: str, model: str, max_b: int, max_len: int, budget: int):
+    def __init__(self, name: str, model: str, max_b: int, max_len: int, budget: int,
+                 num_blocks: int):
         from llm_serving import LLM
         self.name = name
         self.timer_dir = tempfile.mkdtemp(prefix=f"ms-{name.replace('+', '-')}-")
         os.environ["LLM_SERVING_COMM_TIMERS"] = self.timer_dir     # read by the agents
         try:
             self.llm = LLM(model, max_num_seqs=max_b, block_size=16, max_model_len=max_len,
-                           num_blocks=max_b * (max_len // 16 + 1) + 16,
+                           num_blocks=num_blocks,
                            max_num_batched_tokens=budget, tensor_parallel_size=2,
                            cpu_affinity="0|1", async_scheduling=False, **CASES[name])
         finally:
@@ -98,7 +99,12 @@ def main() -> None:
     if not args.cases:
         served_w1(model, args.served)
         return
-    cases = [Case(c, model, max(max(batches), n_pre), max_len, budget)
+    # the pool the cases need (committed at start, per case and rank: four cases sized for
+    # max_len each ran a 24 GiB machine out of memory): the decode batch at its context, and
+    # the prefill's prompts at their length
+    decode_len = ctx + args.rounds * (args.steps + 5) + 64
+    num_blocks = max(batches) * (decode_len // 16 + 1) + n_pre * (max_len // 16 + 1) + 16
+    cases = [Case(c, model, max(max(batches), n_pre), max_len, budget, num_blocks)
              for c in args.cases.split(",")]
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10**6)
@@ -181,13 +187,17 @@ def main() -> None:
 
 
 def served_w1(model: str, num_prompts: int) -> None:
-    """W1 through the real server at TP=2, multi-stream off then on (one server at a time)."""
+    """W1 through the real server at TP=2, multi-stream off, on with its defaults, and on
+    with decode steps kept whole (min_total_tokens 512), one server at a time."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_w1_served import ours, w1_client
     base = ["--tensor-parallel-size", "2", "--cpu-affinity", "0|1", "--cpu-allreduce", "shm"]
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("off", base), ("on", base + ["--enable-multi-stream"])):
+        for name, extra in (("off", base), ("on", base + ["--enable-multi-stream"]),
+                            ("on, min_total_tokens 512",
+                             base + ["--enable-multi-stream", "--multi-stream",
+                                     '{"min_total_tokens": 512}'])):
             with ours(model, extra, os.path.join(tmp, f"{name}.log")) as srv:
                 rows[name] = w1_client(srv.url, model, "inf",
                                        Path(tmp) / f"w1-{name}.json", num_prompts)

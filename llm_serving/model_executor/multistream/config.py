@@ -23,8 +23,9 @@ OVERLAP = ("auto", "sequential", "overlapped")
 @dataclass(frozen=True)
 class MultiStreamConfig:
     num_micro_batches: int = 2
-    # A step is split only with at least this many tokens in all ...
-    min_total_tokens: int = 32
+    # A step is split only with at least this many tokens in all (512: decode steps of up to
+    # 256 sequences stay whole; split, they ran 12-18% slower on CPU, docs/multistream.md) ...
+    min_total_tokens: int = 512
     # ... and, if it holds any prefill, at least this many prefill tokens.
     min_prefill_tokens: int = 256
     # The two halves' token counts may differ by at most this fraction of the step's tokens.
