@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import yaml
 
 from llm_serving.errors import ConfigError, ModelLoadError
+from llm_serving.home import home_dir
 
 CFG_KEY = "model_config.model_cfg_path"
 VOCAB_KEY = "tokenizer.vocab_file"
@@ -77,10 +78,10 @@ def _read_mindformers_yaml(path: Path) -> Dict[str, Any]:
     return doc
 
 
-def _model_config(path: Path):
+def _model_config(doc: Mapping[str, Any], path: Path):
     from llm_serving.model_executor.loader import ModelConfig
     try:
-        return ModelConfig.from_mindformers_yaml(str(path))
+        return ModelConfig.from_mindformers_doc(doc, path)
     except ModelLoadError as e:          # its message starts with the file's path
         raise ConfigError(CFG_KEY, _one_line(e)) from None
     except (ValueError, TypeError) as e:
@@ -204,12 +205,10 @@ def materialize(model_cfg_path: str, *, model_name: str, vocab_size: int,
     mindformers yaml's directory. ``need_tokenizer`` / ``need_checkpoint`` False: the caller
     has its own (``llm_serving.tokenizer`` / ``checkpoint``). Every failure is a ConfigError
     naming the key and the file."""
-    from llm_serving.model_executor.tiny_model import home_dir
-
     bases = [Path.cwd()] + ([Path(config_path).absolute().parent] if config_path else [])
     yaml_path = _locate(model_cfg_path, bases)
     doc = _read_mindformers_yaml(yaml_path)
-    mc = _model_config(yaml_path)
+    mc = _model_config(doc, yaml_path)
     yaml_path = yaml_path.resolve()
     if vocab_size != mc.vocab_size:
         raise ConfigError("model_config.vocab_size", f"{vocab_size} differs from the mindformers "

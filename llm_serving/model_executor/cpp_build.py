@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from llm_serving.errors import LLMServingError
+from llm_serving.home import home_dir
 
 # Flags every kernel library gets; a caller adds its own (e.g. -fopenmp, -D...).
 BASE_FLAGS = ("-O3", "-std=c++17", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
@@ -30,9 +31,7 @@ class KernelBuildError(LLMServingError, RuntimeError):
 
 
 def kernel_cache_dir() -> Path:
-    home = os.environ.get("LLM_SERVING_HOME")
-    root = Path(home) if home else Path.home() / ".cache" / "llm_serving"
-    return root / "kernels"
+    return home_dir() / "kernels"
 
 
 def _compiler() -> str:

@@ -268,6 +268,11 @@ class ModelConfig:
             doc = yaml.safe_load(p.read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError) as e:
             raise ModelLoadError(f"{p}: cannot read YAML ({e})") from e
+        return cls.from_mindformers_doc(doc, p)
+
+    @classmethod
+    def from_mindformers_doc(cls, doc: Any, p: Path) -> "ModelConfig":
+        """The same, from the yaml's parsed document (read from ``p``)."""
         model = (doc or {}).get("model") if isinstance(doc, Mapping) else None
         mc = model.get("model_config") if isinstance(model, Mapping) else None
         if not isinstance(mc, Mapping):

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from llm_serving.home import home_dir
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -120,13 +121,6 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 
 
 _PRESET_DIRS = {"tiny": "tiny-llama", "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
-
-
-def home_dir() -> Path:
-    """Where llm_serving keeps what it generates: ``$LLM_SERVING_HOME`` if the variable is set,
-    else ``~/.cache/llm_serving``."""
-    home = os.environ.get("LLM_SERVING_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "llm_serving"
 
 
 def default_model_dir(preset: str = "tiny") -> str:

@@ -74,6 +74,7 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor
 
+from llm_serving.home import home_dir
 from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.layers.custom_op import cpu_layer_ops, row_stride
 
@@ -288,8 +289,7 @@ def _versions() -> str:
 
 def cache_path() -> Path:
     from llm_serving.model_executor.cpp_build import _cpu_signature
-    home = os.environ.get("LLM_SERVING_HOME")
-    root = Path(home) if home else Path.home() / ".cache" / "llm_serving"
+    root = home_dir()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # The candidates too: a choice among fewer kernels (a build without AVX-512, e.g. with
     # LLM_SERVING_CXX, or no scipy-openblas32) must not stand for a process that runs more;
