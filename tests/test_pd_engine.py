@@ -313,3 +313,45 @@ def test_the_offer_is_relative_so_the_hosts_clocks_need_not_agree(tiny_model_dir
     D.update_state_after_alloc(seq, list(range(20, 25)), n)
     load = D.build_connector_meta().loads[D.load_key(seq)]
     assert load["params"]["expires_at"] == pytest.approx(arrival + params["ttl"] - 0.5)
+
+
+def test_an_offer_the_consumer_will_not_read_is_freed_at_once(tiny_model_dir):
+    """D tells P when it will not read an offer, so P's blocks come back at once rather than
+    when the offer expires (60 s here): D's own prefix cache holds the prompt, the offer is
+    for another prompt, the request scores its prompt, or it is aborted before its load."""
+    P = _engine(tiny_model_dir, "kv_producer", "P-decline", kv_transfer_timeout=60)
+    D = _engine(tiny_model_dir, "kv_consumer", "D-decline", kv_transfer_timeout=60)
+    seen = list(range(30, 70))
+    D.add_request({"prompt_token_ids": seen}, greedy(3), request_id="warm")
+    ref = drive(D)["warm"].outputs[0].token_ids
+
+    def offer(ids):
+        (params,) = prefill_on_p(P, [ids])
+        assert params["remote_block_ids"] and P.get_stats().kv_blocks_held > 0
+        return params
+
+    def released_at_once():
+        settle(P, D, timeout=3)
+        assert P.get_stats().kv_blocks_held == 0 and P.block_manager.usage == 0.0
+
+    D.add_request({"prompt_token_ids": seen}, greedy(3, offer(seen)), request_id="hit")
+    assert drive(D, [P])["hit"].outputs[0].token_ids == ref
+    assert D.get_stats().kv_transfers == {}                 # nothing was read
+    released_at_once()
+
+    D.add_request({"prompt_token_ids": list(range(31, 71))},
+                  greedy(3, offer(list(range(80, 120)))), request_id="other")
+    drive(D, [P])
+    released_at_once()
+
+    D.add_request({"prompt_token_ids": seen}, SamplingParams(
+        temperature=0.0, max_tokens=2, prompt_logprobs=1,
+        kv_transfer_params=offer(list(range(130, 170)))), request_id="plp")
+    drive(D, [P])
+    released_at_once()
+
+    D.add_request({"prompt_token_ids": list(range(200, 240))},
+                  greedy(3, offer(list(range(200, 240)))), request_id="gone")
+    D.abort_request("gone")
+    released_at_once()
+    assert D.get_stats().kv_transfers == {"failed": 1}      # only the mismatched offer

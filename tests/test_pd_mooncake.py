@@ -87,16 +87,18 @@ def test_completions_through_p_then_d_match_colocated(servers):
     wait_until(lambda: metric(servers["P"], "kv_blocks_held") == 0
                and metric(servers["P"], "kv_cache_usage_perc") == 0)
     assert metric(servers["D"], "kv_cache_usage_perc") == 0
-    # Asked again, D answers from its own prefix cache: nothing is read; the producer's
-    # unread offer is freed when it expires (kv_transfer_timeout 5 s, and a grace)
+    # Asked again, D answers from its own prefix cache: nothing is read, and D tells P at
+    # once, so P frees the offer well before it would expire (kv_transfer_timeout 5 s)
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
     ref = requests.post(servers["C"] + "/v1/completions", json=body, timeout=60).json()
+    t0 = time.monotonic()            # P's offer cannot expire before t0 + 5 s
     params, out = p_then_d(servers, "/v1/completions", body, {"max_tokens": 1}, top_level)
     assert params["remote_block_ids"]
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
     assert metric(servers["D"], 'kv_transfers_total{outcome="done"}') == done0 + moved
     wait_until(lambda: metric(servers["P"], "kv_blocks_held") == 0, timeout=30)
+    assert time.monotonic() - t0 < 4.5
 
 
 def test_chat_and_the_generate_route_through_p_then_d(servers):

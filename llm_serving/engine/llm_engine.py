@@ -147,9 +147,10 @@ class LLMEngine:
         if not batch.seqs:
             if self._in_flight is not None:
                 outputs += self._collect(self._take_in_flight())
-            if batch.swap_out or (self.remote_kv is not None and self.remote_kv.busy):
+            if batch.swap_out or (self.remote_kv is not None
+                                  and (self.remote_kv.busy or len(kv_meta))):
                 # a step that only preempted still moves the KV; one that only polls KV
-                # transfers starts and checks them
+                # transfers starts and checks them (or only declines an offer)
                 outputs += self._move_and_poll(batch, kv_meta)
             self.constraints.release()
             return outputs

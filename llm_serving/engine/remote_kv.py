@@ -14,7 +14,9 @@ read may still write into stay allocated until the workers say the read ended.
 Producer. A request with ``do_remote_decode`` that finishes keeps its transferable blocks
 allocated (deferred release) and returns the connector's ``kv_transfer_params``; the blocks
 are freed when every rank reports the transfer sent (the reader is done, or it expired after
-``kv_transfer_timeout``), on abort and client disconnect as well.
+``kv_transfer_timeout``), on abort and client disconnect as well. A consumer that will not
+read an offer (its own prefix cache holds the tokens, the offer does not fit, the request
+scores its prompt or ends first) tells the producer, which frees the blocks at once.
 """
 from __future__ import annotations
 
@@ -80,11 +82,14 @@ class RemoteKV:
             self._count("failed")
             self.stats.kv_transfer_recomputes += 1
             seq.kv_remote_done = True
+            self.connector.request_not_loaded(seq)
             logger.warning("request %s: its KV cannot be loaded (%s); computing its prefill",
                            seq.request_id, e)
             return 0
         if n <= 0 or not is_async:
             seq.kv_remote_done = True
+        if n <= 0:              # its own prefix cache holds what the producer offers
+            self.connector.request_not_loaded(seq)
         return n if is_async else 0
 
     def start_load(self, seq: Sequence, num_external: int) -> None:
@@ -105,12 +110,15 @@ class RemoteKV:
             key = seq.kv_load_key
             del self.loading[key]
             if self.connector.request_load_done(seq):      # never handed to the workers
+                self.connector.request_not_loaded(seq)
                 self.bm.free(seq)
             else:                    # the read may still write: keep them until it ends
                 self.held_loads[key] = self.bm.detach(seq)
             return True
         if seq.index != 0:
             return False
+        if not seq.kv_remote_done and self.connector.wants_remote_lookup(seq):
+            self.connector.request_not_loaded(seq)      # it ended before, or scored its prompt
         if status not in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.connector.forget(seq)          # aborted: nothing to offer
             return False

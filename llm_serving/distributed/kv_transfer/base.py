@@ -64,21 +64,24 @@ class KVRequest(Protocol):
 class KVConnectorMetadata:
     """One step's transfer work, from the scheduler side to every worker. Small and
     JSON-able (it rides in the step input as bytes, bounded by ``MAX_METADATA_BYTES``): per
-    transfer key, the parameters of what to load into which local blocks, and what to save
-    (offer, put) from which blocks."""
+    transfer key, the parameters of what to load into which local blocks, what to save
+    (offer, put) from which blocks, and the offers this side will not read (the producer
+    may free them now)."""
     loads: dict = field(default_factory=dict)      # key -> {..., "local_block_ids"}
     saves: dict = field(default_factory=dict)      # key -> {..., "block_ids"}
+    declines: dict = field(default_factory=dict)   # transfer id -> the producer's params
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.declines)
 
     def to_dict(self) -> dict:
-        return {"loads": self.loads, "saves": self.saves}
+        return {"loads": self.loads, "saves": self.saves, "declines": self.declines}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "KVConnectorMetadata":
         d = d or {}
-        return cls(dict(d.get("loads", {})), dict(d.get("saves", {})))
+        return cls(dict(d.get("loads", {})), dict(d.get("saves", {})),
+                   dict(d.get("declines", {})))
 
     def to_array(self) -> np.ndarray:
         """uint8 JSON bytes, for the step input (empty when there is nothing to do)."""
@@ -194,6 +197,13 @@ class KVConnectorBase(ABC):
 
     def forget(self, request: KVRequest) -> None:
         """The request ended without finishing (abort, timeout): drop what is kept on it."""
+
+    def request_not_loaded(self, request: KVRequest) -> None:
+        """The request will not read the producer's offer: its own prefix cache holds the
+        tokens, the offer does not fit its prompt, it scores its prompt, or it ended before
+        its load began. The producer is told (with the next step), so it frees the blocks
+        now rather than when the offer expires (vLLM's NIXL connector does the same on a
+        full prefix hit). Default: nothing (an offer that is not held)."""
 
     def has_pending_meta(self) -> bool:
         """Metadata is waiting for the next step."""

@@ -13,6 +13,9 @@ Consumer: a request with ``do_remote_prefill`` and the producer's parameters mat
 ``num_transfer_blocks`` full blocks of its prompt (minus what its own prefix cache has),
 gets blocks allocated, and the step's metadata tells the workers to read them ("loads").
 
+A consumer that will not read an offer (its own prefix cache holds the tokens, the offer
+does not fit, the request ended first) declines it: the producer frees the blocks at once.
+
 Both sides check that they agree: the same block count and the same prefix hash of the
 transferred tokens (block_hash.py, deterministic across processes), else the consumer
 computes the prefill itself.
@@ -68,6 +71,7 @@ class BlockTransferScheduler(KVConnectorBase):
         self._loads: dict = {}       # key -> load entry, not yet handed to the workers
         self._saves: dict = {}       # transfer id -> save entry, not yet handed over
         self._load_keys: dict = {}   # request id -> key of its load in progress
+        self._declines: dict = {}    # transfer id -> an offer this side will not read
 
     # ---- consumer -------------------------------------------------------------------------
 
@@ -122,6 +126,11 @@ class BlockTransferScheduler(KVConnectorBase):
         key = self._load_keys.pop(request.request_id, None)
         return self._loads.pop(key, None) is not None
 
+    def request_not_loaded(self, request: KVRequest) -> None:
+        p = params_of(request)
+        if p.get("do_remote_prefill") and p.get("remote_block_ids") and p.get("transfer_id"):
+            self._declines[str(p["transfer_id"])] = self._load_params(p)
+
     # ---- producer -------------------------------------------------------------------------
 
     def request_finished(self, request: KVRequest,
@@ -164,7 +173,8 @@ class BlockTransferScheduler(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output=None) -> KVConnectorMetadata:
         meta, size = KVConnectorMetadata(), 64
-        for name, pending in (("saves", self._saves), ("loads", self._loads)):
+        for name, pending in (("saves", self._saves), ("loads", self._loads),
+                              ("declines", self._declines)):
             for key in list(pending):
                 entry_size = len(json.dumps(pending[key])) + len(key) + 8
                 if size + entry_size > MAX_METADATA_BYTES:     # the rest goes next step
@@ -174,4 +184,4 @@ class BlockTransferScheduler(KVConnectorBase):
         return meta
 
     def has_pending_meta(self) -> bool:
-        return bool(self._loads or self._saves)
+        return bool(self._loads or self._saves or self._declines)

@@ -65,6 +65,10 @@ class InProcessConnector(BlockTransferScheduler):
         now = time.time()
         for tid, save in md.saves.items():
             self._held[tid] = float(save["expires_at"])
+        for tid, p in md.declines.items():          # as if read: freed at the next poll
+            producer = _PRODUCERS.get(p.get("remote_engine_id"))
+            if producer is not None:
+                producer._read_done.add(tid)
         for key, load in md.loads.items():
             deadline = min(now + load["timeout"], float(load["params"].get("expires_at", 0)))
             self._reads[key] = _Read(load["params"], load["remote_block_ids"],

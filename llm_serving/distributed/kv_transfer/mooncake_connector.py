@@ -12,7 +12,8 @@ Producer: a finished ``do_remote_decode`` request keeps its full prompt blocks; 
 and layout (``remote_ranks``) and a notification slot and token. Consumer: each rank reads
 its peer rank's blocks in one batched asynchronous read (``batch_transfer_async_read``), then
 writes the token into the producer's slot; the producer's workers see it and the blocks are
-freed (or when the offer expires after ``kv_transfer_timeout``).
+freed (or when the offer expires after ``kv_transfer_timeout``). A consumer that will not read
+an offer writes the token at once (``decline``).
 """
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ class MooncakeConnector(BlockTransferScheduler):
                 t.expect(tid, int(save["slot"]), int(save["token"]), float(save["expires_at"]))
             except KVTransferError as e:
                 logger.warning("cannot hold transfer %s: %s", tid, e)
+        for tid, p in md.declines.items():
+            try:
+                t.decline(tid, (p.get("remote_ranks") or [])[self.rank], p.get("slot"),
+                          p.get("token"))
+            except (KVTransferError, IndexError) as e:    # freed when the offer expires
+                logger.info("cannot decline transfer %s: %s", tid, e)
         for key, load in md.loads.items():
             p = load["params"]
             try:

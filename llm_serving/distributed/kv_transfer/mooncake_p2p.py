@@ -32,7 +32,8 @@ are still in flight may still write into its destination blocks, so it is report
 as released, when Mooncake resolves every region; the blocks must not be reused before.
 After a good read the consumer writes the token into the producer's notification slot (an
 8-byte ``transfer_sync_write``), which is how the producer learns it may free the blocks; no
-other channel is needed.
+other channel is needed. A consumer that will not read an offer writes it at once
+(``decline``).
 """
 from __future__ import annotations
 
@@ -389,20 +390,40 @@ class MooncakeP2PTransport:
         return True
 
     def _notify_peer(self, tid: str, r: _Read) -> None:
-        """Write the token into the producer's slot, off the step thread (a producer that
-        died meanwhile would block the write); the outbox word is reused once it is sent."""
-        slot = self._out_slot.pop(tid)
-        self._outbox[slot] = r.token
+        self._write_token(tid, r.peer, r.notify_addr, r.token, self._out_slot.pop(tid))
+
+    def decline(self, transfer_id: str, remote: dict, slot, token) -> None:
+        """Tell a producer that its offer will not be read (as a reader does once done): it
+        frees the blocks now. ``remote``: the producer rank's ``describe()``."""
+        try:
+            peer, slot, token = str(remote["engine"]), int(slot), int(token)
+            if not 0 <= slot < int(remote["num_slots"]):
+                raise ValueError(f"slot {slot} out of range")
+            notify_addr = int(remote["notify_base"]) + 8 * slot
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError(f"kv_transfer_params are incomplete or malformed ({e!r})") \
+                from None
+        while self._returned_out:       # (the outbox words are the step thread's)
+            self._free_out.append(self._returned_out.popleft())
+        if not self._free_out:
+            raise KVTransferError(f"{len(self._outbox)} writes already in flight (the bound)")
+        self._write_token(transfer_id, peer, notify_addr, token, self._free_out.pop())
+
+    def _write_token(self, tid: str, peer: str, notify_addr: int, token: int, out: int) -> None:
+        """Write ``token`` into the producer's slot from outbox word ``out``, off the step
+        thread (a producer that died meanwhile would block the write); the word is reused
+        once it is sent."""
+        self._outbox[out] = token
 
         def write():
             try:
                 rc = self.engine.transfer_sync_write(
-                    r.peer, int(self._outbox.ctypes.data + 8 * slot), r.notify_addr, 8)
+                    peer, int(self._outbox.ctypes.data + 8 * out), notify_addr, 8)
                 if rc != 0:       # the producer frees the blocks at expiry instead
                     logger.warning("could not tell %s that transfer %s is done (%s)",
-                                   r.peer, tid, rc)
+                                   peer, tid, rc)
             finally:
-                self._returned_out.append(slot)
+                self._returned_out.append(out)
         self._pool.submit(write)
 
     def _forget(self, tid: str) -> None:
