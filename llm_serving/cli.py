@@ -32,7 +32,10 @@ def server_settings(args) -> tuple:
     kw.setdefault("distributed_executor_backend", "mp")
     kw["model"] = resolve_model(kw["model"])
     engine_args = EngineArgs(**kw)
-    name = args.served_model_name or cfg.served_model_name or Path(kw["model"]).name
+    # As vLLM, a --model is served under the name it was given (a path, or an HF-style id);
+    # a config file's model under its model_config.model_name.
+    name = (args.served_model_name or getattr(args, "model", None) or cfg.served_model_name
+            or Path(kw["model"]).name)
     host = args.host or cfg.host
     port = args.port if args.port is not None else cfg.port
     return engine_args, name, host, port
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $LLM_SERVING_API_KEY)")
     s.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: model_config.model_name)")
+                   help="the model name clients use (default: --model as given, as vLLM; "
+                        "else the config's model_config.model_name)")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log level; debug also prints the traceback of a start-up error")

@@ -131,6 +131,14 @@ class EngineArgs:
         "seed of the sampler for requests without their own")
     chat_template: Optional[str] = _arg(None,
         "a Jinja chat template overriding the tokenizer's")
+    generation_config: str = _arg("auto",
+        "the sampling defaults of OpenAI requests that leave them out (temperature, top_p, "
+        "top_k, min_p, repetition/presence/frequency penalties, and max_new_tokens for "
+        "max_tokens): auto, from the model's generation_config.json (vLLM's default); vllm, "
+        "OpenAI's neutral ones; or a directory holding a generation_config.json")
+    override_generation_config: Optional[dict] = _arg(None,
+        "sampling defaults over generation_config's (on the CLI as JSON), e.g. "
+        "'{\"temperature\": 0.5}'")
     trust_request_chat_template: bool = _arg(False,
         "let a request bring its own chat_template (vLLM's flag; off, such a request is "
         "refused: a template is a program the server runs)")
@@ -228,6 +236,12 @@ class EngineArgs:
             raise ConfigError("multi_stream", f"expected a mapping of knobs, got "
                               f"{self.multi_stream!r}")
         MultiStreamConfig.from_dict(self.multi_stream)      # names a bad knob now
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError("generation_config", "expected auto, vllm or a directory, got "
+                              f"{self.generation_config!r}")
+        if not isinstance(self.override_generation_config, (dict, type(None))):
+            raise ConfigError("override_generation_config", "expected a mapping of sampling "
+                              f"defaults, got {self.override_generation_config!r}")
         KVTransferConfig.from_dict(self.kv_transfer_config)   # names a bad key now
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream", "enforce_eager"):
@@ -305,7 +319,10 @@ class EngineArgs:
                 path=self.model, tokenizer=self.tokenizer or self.model,
                 checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
                 kv_storage_dtype=kv_dtype, max_model_len=max_len,
-                seed=self.seed, chat_template=self.chat_template, hf=hf),
+                seed=self.seed, chat_template=self.chat_template, hf=hf,
+                default_sampling_params=generation_defaults(
+                    self.model, self.generation_config, self.override_generation_config,
+                    max_len)),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=num_blocks,
                 num_cpu_blocks=(int(self.swap_space * 2**30) // block_bytes
@@ -335,6 +352,66 @@ class EngineArgs:
             kv_transfer=_kv_transfer(self.kv_transfer_config))
 
 
+# generation_config.json's keys that set a request's sampling defaults (vLLM's set), with the
+# SamplingParams field each sets and its allowed range.
+_GENERATION_DEFAULTS = {
+    "temperature": ("temperature", 0.0, 2.0), "top_p": ("top_p", 0.0, 1.0),
+    "top_k": ("top_k", -1, None), "min_p": ("min_p", 0.0, 1.0),
+    "repetition_penalty": ("repetition_penalty", 0.0, None),
+    "presence_penalty": ("presence_penalty", -2.0, 2.0),
+    "frequency_penalty": ("frequency_penalty", -2.0, 2.0),
+    "max_new_tokens": ("max_tokens", 1, None)}
+
+
+def generation_defaults(model: str, source: str, override: Optional[dict],
+                        max_model_len: int) -> dict:
+    """The sampling defaults of requests that leave a field out, as vLLM's ``--generation-
+    config``: ``auto`` reads the model directory's generation_config.json, ``vllm`` none, a
+    directory its generation_config.json; ``override`` goes over them. Only the keys that
+    set sampling (``_GENERATION_DEFAULTS``) count; a value out of range is a ConfigError.
+    ``max_new_tokens`` is capped at ``max_model_len`` (a request gets what is left)."""
+    found: dict = {}
+    if source != "vllm":
+        path = os.path.join(os.path.expanduser(model if source == "auto" else source),
+                            "generation_config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    found = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ConfigError("generation_config", f"cannot read {path}: {e}") from None
+        elif source != "auto":
+            raise ConfigError("generation_config", f"{path} does not exist (expected auto, "
+                              "vllm or a directory holding a generation_config.json)")
+        if not isinstance(found, dict):
+            raise ConfigError("generation_config", f"{path} does not hold a JSON object")
+    unknown = sorted(set(override or {}) - set(_GENERATION_DEFAULTS))
+    if unknown:
+        raise ConfigError("override_generation_config", f"{unknown[0]} is not a sampling "
+                          f"default; known: {', '.join(_GENERATION_DEFAULTS)}")
+    found = {**found, **(override or {})}
+    out = {}
+    for key, (name, low, high) in _GENERATION_DEFAULTS.items():
+        value = found.get(key)
+        if value is None:
+            continue
+        integral = key in ("top_k", "max_new_tokens")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (integral and not float(value).is_integer()) or value < low
+                or (high is not None and value > high)):
+            where = "override_generation_config" if key in (override or {}) else \
+                "generation_config"
+            raise ConfigError(where, f"{key}: {value!r} is not a valid default")
+        out[name] = int(value) if integral else float(value)
+    if "max_tokens" in out:
+        out["max_tokens"] = min(out["max_tokens"], max_model_len)
+    if out and source != "vllm":
+        logger.info("sampling defaults of requests that leave them out, from %s: %s (turn "
+                    "them off with generation_config: vllm)",
+                    "generation_config.json" if source == "auto" else source, out)
+    return out
+
+
 def _kv_transfer(data) -> Optional[KVTransferConfig]:
     cfg = KVTransferConfig.from_dict(data)
     return cfg.with_engine_id() if cfg is not None else None
@@ -356,6 +433,8 @@ class ModelSettings:
     seed: int                      # the sampler's seed for requests without their own
     chat_template: Optional[str]
     hf: "ModelConfig"              # the architecture, from config.json
+    # What OpenAI requests that leave a sampling field out get (generation_defaults).
+    default_sampling_params: dict = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:

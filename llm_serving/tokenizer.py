@@ -705,7 +705,8 @@ class Tokenizer:
         if extra:
             context["additional_special_tokens"] = extra
         context.update(_plain(kwargs))
-        context["messages"] = _plain(list(messages))
+        messages = _developer_as_system(_plain(list(messages)), template)
+        context["messages"] = messages
         context["add_generation_prompt"] = add_generation_prompt
         text = _render_bounded(_compile_chat_template(template), context)
         return _cut_after_final_message(text, messages) if continue_final_message else text
@@ -716,6 +717,27 @@ class Tokenizer:
         if isinstance(value, list):
             return {t["name"]: t["template"] for t in value if isinstance(t, Mapping) and "name" in t}
         return {}
+
+
+def _developer_as_system(messages: list, template: str) -> list:
+    """OpenAI's "developer" role (newer SDKs send it for instructions) as "system" when the
+    template does not name it, with every system message merged into the first, in order
+    (vLLM's way: many templates want one system message, at the start)."""
+    if ('"developer"' in template or "'developer'" in template
+            or not any(m.get("role") == "developer" for m in messages)):
+        return messages
+    system, rest = [], []
+    for m in messages:
+        if m.get("role") in ("developer", "system"):
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p["text"] for p in content
+                                    if isinstance(p, dict) and "text" in p)
+            if content:
+                system.append(content)
+        else:
+            rest.append(m)
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
 
 
 def _find_chat_template(d: Path, config: Mapping[str, Any]) -> Optional[str]:

@@ -141,12 +141,34 @@ def test_unsupported_architecture_is_named(tiny_model_dir, tmp_path):
                                          ({"max_num_seqs": "many"}, "max_num_seqs"),
                                          ({"no_such_knob": 1}, "no_such_knob"),
                                          ({"enforce_eager": "yes"}, "enforce_eager"),
-                                         ({"max_capture_batch": -1}, "max_capture_batch")])
+                                         ({"max_capture_batch": -1}, "max_capture_batch"),
+                                         ({"override_generation_config": {"temprature": 1}},
+                                          "override_generation_config"),
+                                         ({"generation_config": "/no/such/dir"},
+                                          "generation_config")])
 def test_bad_engine_argument_names_the_key(tiny_model_dir, kwargs, key):
     from llm_serving import LLM
     with pytest.raises(ConfigError) as e:
         LLM(tiny_model_dir, **kwargs)
     assert e.value.key == key
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """vLLM's --generation-config: the sampling keys of generation_config.json (others, such
+    as eos_token_id, are not defaults), an override over them, max_new_tokens as max_tokens
+    capped at the model length; "vllm" reads nothing; a bad value names the key."""
+    from llm_serving.config import generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 4], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+         "max_new_tokens": 5000}))
+    got = generation_defaults(str(tmp_path), "auto", {"top_k": 20}, 4096)
+    assert got == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 4096}
+    assert generation_defaults(str(tmp_path), "vllm", None, 4096) == {}
+    assert generation_defaults("/no/such/model", "auto", None, 4096) == {}
+    assert SamplingParams(**got).top_k == 20
+    with pytest.raises(ConfigError) as e:
+        generation_defaults(str(tmp_path), "auto", {"temperature": 9}, 4096)
+    assert e.value.key == "override_generation_config"
 
 
 def test_bad_sampling_params_name_the_field():

@@ -460,6 +460,8 @@ def test_every_spec_field_is_honoured_or_refused_by_name(server, path, spec, bas
             body["tools"] = [WEATHER]
         if field == "stream_options":
             body["stream"] = True
+        if field == "top_logprobs":
+            body["logprobs"] = True
         if field == "continue_final_message":
             body["add_generation_prompt"] = False
         r = requests.post(url, json=body)

@@ -86,6 +86,21 @@ def test_serve_with_only_a_model_takes_the_engine_defaults_not_the_tiny_models_f
     assert (engine_args.model, engine_args.num_blocks) == ("/m", tiny["num_blocks"])
 
 
+def test_the_served_model_name_is_the_model_as_given_unless_named():
+    """As ``vllm serve MODEL``: clients see the --model string (a path or an HF-style id) in
+    /v1/models, the answers' model field and the metrics' model_name; an llm-serving config
+    serves its model_config.model_name (else its model directory's name);
+    --served-model-name wins over both."""
+    from llm_serving.cli import build_parser, server_settings
+
+    def name(*argv):
+        return server_settings(build_parser().parse_args(["serve", *argv]))[1]
+    assert name() == "tiny-llama"             # the built-in default's directory
+    assert name("--model", "/data/Llama-2-7b-hf") == "/data/Llama-2-7b-hf"
+    assert name("--config", DEFAULT_CONFIG, "--model", "/m") == "/m"
+    assert name("--model", "/m", "--served-model-name", "llama") == "llama"
+
+
 def _serving_yaml(tmp_path, ports, section=""):
     p = tmp_path / "tp.yaml"
     p.write_text(f"serving_config: {{agent_ports: {ports}, server_port: 8835, "

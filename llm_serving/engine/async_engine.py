@@ -102,8 +102,12 @@ def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
         return outs[0]
     last = outs[-1]
     merged = []
-    for i, final in enumerate(last.outputs):
-        parts = [o.outputs[i] for o in outs]
+    by_index: dict[int, list[CompletionOutput]] = {}     # (a finished sibling stops coming)
+    for o in outs:
+        for c in o.outputs:
+            by_index.setdefault(c.index, []).append(c)
+    for _, parts in sorted(by_index.items()):
+        final = parts[-1]
         logprobs = None
         if final.logprobs is not None:
             logprobs = [lp for p in parts for lp in (p.logprobs or [])]
@@ -116,7 +120,7 @@ def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
                            None)          # delta outputs carry them once, in the first
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged,
                          last.finished, prompt_logprobs, last.metrics,
-                         last.num_cached_tokens, last.error)
+                         last.num_cached_tokens, last.error, last.kv_transfer_params)
 
 
 class AsyncLLMEngine:
@@ -129,6 +133,7 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.limits = EngineLimits.of(self.engine.config,
                                       getattr(self.engine.runner, "device", None))
+        self.default_sampling_params = dict(self.engine.config.model.default_sampling_params)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Adds handed over but not yet taken, for the queue bound: each count has one writer.
         self._adds_sent = 0                 # event loop thread

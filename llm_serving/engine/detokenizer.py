@@ -68,6 +68,9 @@ class IncrementalDetokenizer:
         self._chunks: List[str] = []  # the deltas returned so far
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._tail = ""  # the last max_stop_len - 1 chars returned: stop strings may start there
+        # The text the last step's tokens added to the decoded output (and a flush after it),
+        # before stop strings are looked for ("" while they hold part of a character).
+        self.last_piece = ""
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -80,6 +83,7 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Add generated token ids; return the newly visible text (possibly "")."""
+        self.last_piece = ""
         if self.finished or not new_token_ids:
             return ""
         if self._stop_free >= 0:
@@ -90,7 +94,8 @@ class IncrementalDetokenizer:
             prefix_text, new_text = self._window_texts()
             # Hold back while the window adds nothing or ends in an incomplete character.
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-                self._pending += new_text[len(prefix_text):]
+                self.last_piece = new_text[len(prefix_text):]
+                self._pending += self.last_piece
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._tokens)
                 self._compact()
@@ -103,6 +108,7 @@ class IncrementalDetokenizer:
         if self._read_offset < len(self._tokens):
             prefix_text, new_text = self._window_texts()
             if len(new_text) > len(prefix_text):
+                self.last_piece += new_text[len(prefix_text):]     # an incomplete character
                 self._pending += new_text[len(prefix_text):]
             self._prefix_offset = self._read_offset = len(self._tokens)
         delta = self._emit(final=True)

@@ -50,6 +50,8 @@ class RequestStream(Protocol):
 class EngineClient(Protocol):
     tokenizer: "Tokenizer"
     limits: EngineLimits
+    # Sampling defaults of OpenAI requests that leave a field out (EngineArgs.generation_config)
+    default_sampling_params: dict
 
     @property
     def is_running(self) -> bool:

@@ -30,8 +30,8 @@ _MAX_FINISHED_METRICS = 10000
 
 class RequestState:
     """One request: its n sequences and what has been streamed of each."""
-    __slots__ = ("request_id", "seqs", "kind", "sent_tokens", "sent_text", "error",
-                 "sent_prompt_logprobs")
+    __slots__ = ("request_id", "seqs", "kind", "sent_tokens", "sent_text", "sent_finish",
+                 "error", "sent_prompt_logprobs")
 
     def __init__(self, request_id: str, seqs: list[Sequence], kind: RequestOutputKind):
         self.request_id = request_id
@@ -39,6 +39,7 @@ class RequestState:
         self.kind = kind
         self.sent_tokens = [0] * len(seqs)
         self.sent_text = [0] * len(seqs)
+        self.sent_finish = [False] * len(seqs)
         self.error: Optional[str] = None
         self.sent_prompt_logprobs = False
 
@@ -68,6 +69,7 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.eos_token_id = tokenizer.eos_token_id      # the tokenizer's own
         self.requests: dict[str, RequestState] = {}
         self.stats: EngineStats = scheduler.stats
         self.finished_metrics: collections.deque = collections.deque(
@@ -156,7 +158,8 @@ class OutputProcessor:
             if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
                 self._record_logprobs(seq, row, token, result)
             status = self._stop_token(seq, token)
-            if status is None or seq.params.include_stop_str_in_output:
+            stepped = status is None or seq.params.include_stop_str_in_output
+            if stepped:
                 seq.detokenizer.step([token])   # an EOS or stop id's text is left out (vLLM)
             if status is None:
                 status = self._check_stop(seq)
@@ -165,18 +168,22 @@ class OutputProcessor:
                 seq.forget_in_flight()
                 self.scheduler.finish(seq, status)
                 seq.finished_time = now
+            if stepped and seq.params.logprobs is not None:
+                self._name_partial_character(seq, token)
             touched[seq.request_id] = None
         self.stats.num_generation_tokens += generated
         outputs = (self._request_output(self.requests[rid]) for rid in touched)
         return ended + [o for o in outputs if o is not None]
 
     def _stop_token(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
-        """The token ends the sequence: EOS (stop_reason None) or one of stop_token_ids."""
+        """The token ends the sequence: EOS or one of stop_token_ids. stop_reason is the
+        token's id, except for the tokenizer's own EOS (None), as vLLM, which counts
+        generation_config's other end ids (Llama 3's <|eot_id|>) among the stop ids."""
         p = seq.params
         if seq.num_output_tokens < p.min_tokens:
             return None
         if not p.ignore_eos and token in self.eos_token_ids:
-            seq.stop_reason = None
+            seq.stop_reason = None if token == self.eos_token_id else token
             return SequenceStatus.FINISHED_STOPPED
         if p.stop_token_ids and token in p.stop_token_ids:
             seq.stop_reason = token
@@ -214,6 +221,18 @@ class OutputProcessor:
             token, lp, int(r.ranks[row]) if r.ranks is not None else None,
             r.top_token_ids[row][:k].tolist() if top else (),
             r.top_logprobs[row][:k].tolist() if top else ()))
+
+    @staticmethod
+    def _name_partial_character(seq: Sequence, token: int) -> None:
+        """A chosen token that holds part of a character (byte fallback) is named by the text
+        it adds to the output: "" until the character's last byte, whose token carries the
+        whole character (vLLM's), so the tokens add up to the text and the offsets match. (A
+        byte no later token completes stays in the text as U+FFFD, with the next token.)"""
+        entry = seq.output_logprobs[-1]
+        lp = entry[token]
+        piece = seq.detokenizer.last_piece
+        if "\ufffd" in lp.decoded_token or "\ufffd" in piece:
+            entry[token] = Logprob(lp.logprob, lp.rank, piece)
 
     def _record_prompt_logprobs(self, plan: list, r: SamplerOutput) -> None:
         """Append the step's prompt logprobs to their sequences, one dict per prompt token."""
@@ -253,7 +272,10 @@ class OutputProcessor:
             text = s.detokenizer.output_text
             t0, c0 = (req.sent_tokens[i], req.sent_text[i]) if delta else (0, 0)
             known = s.num_output_tokens
+            if delta and req.sent_finish[i] and known == t0 and len(text) == c0:
+                continue       # a sibling (n > 1) that ended earlier: nothing new of it
             req.sent_tokens[i], req.sent_text[i] = known, len(text)
+            req.sent_finish[i] = s.finish_reason is not None
             want_lp = s.params.logprobs is not None
             outs.append(CompletionOutput(
                 index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:known],

@@ -19,6 +19,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without sampling params: the model's
+        generation_config.json defaults (``generation_config``), as vLLM's."""
+        return SamplingParams(**self.engine.config.model.default_sampling_params)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False,
@@ -26,7 +31,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()
+                               ] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling params")

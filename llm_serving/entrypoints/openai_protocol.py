@@ -33,6 +33,13 @@ _REFUSED_CHAT = {
 }
 
 
+# What a request that leaves a sampling field out gets (OpenAI's meaning of each), unless the
+# model's generation_config.json says otherwise (EngineArgs.generation_config).
+_OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -53,17 +60,18 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
-    temperature: Optional[float] = Field(None, ge=0)
+    # Left out (None): the model's generation_config.json default, else OpenAI's (vLLM).
+    temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     user: Optional[str] = None
     # vLLM's extras.
     top_k: Optional[int] = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOPS)
     priority: int = 0
     skip_special_tokens: bool = True
@@ -109,6 +117,11 @@ class _SamplingFields(BaseModel):
         """(a final chunk with usage, usage in every chunk), from stream_options."""
         opts = self.stream_options
         return bool(opts and opts.include_usage), bool(opts and opts.continuous())
+
+    def check_combinations(self) -> None:
+        """Fields that are refused together (ValueError naming the field), as vLLM."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream true")
 
     def unknown_fields(self) -> list[str]:
         nested = self.stream_options.model_extra if self.stream_options else None
@@ -158,16 +171,20 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
-                        structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+                        structured: Optional[StructuredOutputsParams] = None,
+                        defaults: Optional[dict] = None) -> SamplingParams:
+        """``defaults``: the server's (``generation_defaults``) for what the request leaves
+        out, over OpenAI's own (``_OPENAI_DEFAULTS``); ``max_tokens`` among them applies when
+        ``max_tokens`` is None."""
         if structured is None:
             structured = self.structured()
+        defaults = {**_OPENAI_DEFAULTS, **(defaults or {})}
+        knobs = {k: defaults[k] if getattr(self, k) is None else getattr(self, k)
+                 for k in _OPENAI_DEFAULTS}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         return SamplingParams(
-            n=self.n, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k, min_p=self.min_p, seed=self.seed,
+            n=self.n, **knobs, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -285,6 +302,11 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
 
 
 class TokenizeRequest(BaseModel):

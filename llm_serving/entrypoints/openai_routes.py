@@ -27,8 +27,13 @@ logger = logging.getLogger("llm_serving.server")
 
 
 def _check_fields(req) -> None:
-    """A field we cannot honour is a 400 naming it; unknown fields are logged once (vLLM)."""
+    """A field we cannot honour, or fields that do not go together, are a 400 naming it;
+    unknown fields are logged once (vLLM)."""
     refuse_unsupported(req, req.REFUSED)
+    try:
+        req.check_combinations()
+    except ValueError as e:
+        raise translate_error(e) from None
     unknown = req.unknown_fields()
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s",
@@ -254,7 +259,8 @@ async def completions(req: CompletionRequest, request: Request):
     try:
         params = req.sampling_params(
             1 if echo_only else req.max_tokens, None if echo_only else req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo else None)
+            prompt_logprobs=req.logprobs if req.echo else None,
+            defaults=state.require_engine().default_sampling_params)
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("cmpl")
@@ -388,7 +394,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     top = req.top_logprobs or 0
     try:
         params = req.sampling_params(max_tokens, top if req.logprobs else None,
-                                     structured=forced or structured)
+                                     structured=forced or structured,
+                                     defaults=engine.default_sampling_params)
     except ValueError as e:
         raise translate_error(e) from None
     # How the text becomes tool calls: forced (named / required), parsed (auto), or not.

@@ -1,0 +1,163 @@
+"""Where a vLLM user's scripts meet the OpenAI routes: the model's generation_config.json
+sampling defaults, stop_reason for generation_config's other end ids, the "developer" role,
+n > 1 streams, logprobs of tokens that hold part of a character, and fields refused
+together. One real server (start.py) on a copy of the tiny model whose generation_config.json
+sets sampling defaults."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+import requests
+
+from test_http_server import free_port, start_server, stop_server
+
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The copy's generation_config.json: greedy by default (top_k 1), 7 new tokens for a chat
+# without max_tokens; the tokenizer's EOS is 2, and 4 (<|im_end|>) ends a turn too.
+GEN_DEFAULTS = {"temperature": 0.7, "top_k": 1, "max_new_tokens": 7}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("parity")
+    model = tmp / "tiny-with-defaults"
+    shutil.copytree(tiny_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [2, 4]
+    (model / "generation_config.json").write_text(json.dumps({**gen, **GEN_DEFAULTS}))
+    proc, url, _ = start_server(tmp, model, agent_ports=(free_port(),))
+    try:
+        yield url
+    finally:
+        assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none")
+
+
+def test_generation_config_sets_what_a_request_leaves_out(client):
+    """vLLM's --generation-config auto: the model's temperature/top_k/... apply to a request
+    that does not set them, max_new_tokens to a chat without max_tokens; what the request
+    sets wins."""
+    greedy = client.chat.completions.create(model="tiny", messages=MSG, temperature=0,
+                                            max_tokens=7, extra_body={"ignore_eos": True})
+    plain = [client.chat.completions.create(model="tiny", messages=MSG, seed=s,
+                                            extra_body={"ignore_eos": True})
+             for s in range(3)]
+    assert {p.choices[0].message.content for p in plain} == {greedy.choices[0].message.content}
+    assert [p.usage.completion_tokens for p in plain] == [7, 7, 7]
+    own = {client.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, seed=s,
+                                          temperature=1.0, extra_body={"top_k": 0}
+                                          ).choices[0].message.content for s in range(3)}
+    assert len(own) > 1                         # the request's own top_k 0: sampled
+    done = client.completions.create(model="tiny", prompt="Hi", extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 16    # completions keep their own default
+
+
+def test_stop_reason_names_an_end_id_other_than_the_tokenizers_eos(client):
+    """generation_config's eos_token_id [2, 4]: 4 ends the output with stop_reason 4, the
+    tokenizer's own EOS (2) with null, as vLLM."""
+    for token, reason in ((4, 4), (2, None)):
+        r = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0,
+                                      logit_bias={str(token): 100})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+        assert r.choices[0].stop_reason == reason
+
+
+def _tokens(server, messages):
+    r = requests.post(server + "/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_the_developer_role_is_a_system_message_when_the_template_lacks_it(server):
+    """Newer OpenAI SDKs send instructions as "developer"; a template that does not name it
+    gets them as "system", every system message merged into the first (vLLM's way)."""
+    user = {"role": "user", "content": "Hi"}
+    assert _tokens(server, [{"role": "developer", "content": "Be brief."}, user]) == \
+        _tokens(server, [{"role": "system", "content": "Be brief."}, user])
+    assert _tokens(server, [{"role": "system", "content": "A"}, user,
+                            {"role": "developer", "content": "B"}]) == \
+        _tokens(server, [{"role": "system", "content": "A\n\nB"}, user])
+
+
+def _finishes(chunks) -> dict:
+    """index -> the finish reasons its chunks carried, in order."""
+    seen: dict = {}
+    for c in chunks:
+        for ch in c.choices:
+            if ch.finish_reason is not None:
+                seen.setdefault(ch.index, []).append(ch.finish_reason)
+    return seen
+
+
+def test_each_choice_of_an_n_stream_finishes_once(client):
+    """n > 1 streamed: a choice that ended sends no more chunks (vLLM); each index's text is
+    the non-streamed answer's."""
+    body = dict(model="tiny", prompt="Hello", n=3, temperature=1, seed=5, max_tokens=40,
+                stop=["e", "a"])
+    chunks = list(client.completions.create(**body, stream=True))
+    texts: dict = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    finishes = _finishes(chunks)
+    assert sorted(finishes) == [0, 1, 2] and all(len(f) == 1 for f in finishes.values())
+    for i, f in finishes.items():     # the finishing chunk is the choice's last
+        last = max(k for k, c in enumerate(chunks) if any(ch.index == i for ch in c.choices))
+        assert chunks[last].choices[0].finish_reason == f[0]
+    whole = client.completions.create(**body)
+    assert {ch.index: ch.text for ch in whole.choices} == texts
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=MSG, n=3, temperature=1, seed=5, max_tokens=40,
+        stop=["e", "a"], stream=True))
+    finishes = _finishes(chat)
+    assert sorted(finishes) == [0, 1, 2] and all(len(f) == 1 for f in finishes.values())
+
+
+def test_logprob_tokens_of_a_split_character_add_up_to_the_text(server, client):
+    """A character made of several byte tokens: the tokens before its last byte are named
+    "" and the last carries the character (vLLM's), so the tokens join to the text and each
+    text_offset is where its token's text starts; chat's bytes are those of the text."""
+    forced = {"structured_outputs": {"regex": "a\U0001F600b\u2603c"}}
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0,
+                                  logprobs=0, extra_body=forced)
+    c = r.choices[0]
+    assert c.text == "a\U0001F600b\u2603c" and c.finish_reason == "stop"
+    tokens = c.logprobs.tokens
+    assert tokens[-1] == "<|im_end|>"             # the end token: its text is not output
+    assert len(tokens) - 1 > len(c.text)            # the emoji and the snowman are split
+    assert "".join(tokens[:-1]) == c.text and "\ufffd" not in "".join(tokens)
+    starts = [sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    assert c.logprobs.text_offset == starts
+    streamed = [t for ch in client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=20, temperature=0, logprobs=0,
+        extra_body=forced, stream=True) for t in (ch.choices[0].logprobs.tokens
+                                                  if ch.choices else [])]
+    assert streamed == tokens
+    chat = client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=20, temperature=0, logprobs=True,
+        extra_body=forced)
+    content = chat.choices[0].logprobs.content[:-1]
+    assert b"".join(bytes(t.bytes) for t in content).decode() == chat.choices[0].message.content
+    assert [t.token for t in content] == tokens[:-1]
+
+
+@pytest.mark.parametrize("route,body,field", [
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": 3}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": False,
+                              "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_fields_vllm_refuses_are_a_400_naming_them(server, route, body, field):
+    r = requests.post(server + route, json={"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
