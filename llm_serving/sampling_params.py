@@ -79,6 +79,17 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+def _check_unicode(field: str, texts: List[str]) -> None:
+    """Texts that cannot be UTF-8 (an unpaired surrogate, "\ud800", from JSON's escapes) are
+    refused by name: the tokenizer and the response writer would fail on them later."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{field}: {t!r} is not a valid Unicode text (it holds an "
+                             "unpaired UTF-16 surrogate)") from None
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -207,6 +218,7 @@ class SamplingParams:
             for s in self.stop:
                 if not isinstance(s, str):
                     raise ValueError(f"stop must be a string or a list of strings, got {s!r} in it")
+        _check_unicode("stop", self.stop)
 
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -254,6 +266,7 @@ class SamplingParams:
                     or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be a list of non-empty strings, got "
                                  f"{self.bad_words!r}")
+            _check_unicode("bad_words", self.bad_words)
             if len(self.bad_words) > MAX_BAD_WORDS:
                 raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
                                  f"{len(self.bad_words)}")

@@ -494,6 +494,17 @@ def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tin
      400, "--enable-auto-tool-choice"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {
         "grammar": {"type": "regex", "value": "(("}}}, 400, "grammar"),
+    # ... and one the parser gives up on while generating: still the request's fault
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {
+        "grammar": {"type": "regex", "value": "a{1000}{1000}"}}}, 400, "parameters.grammar:"),
+    # Errors in llm-serving's field names, a NaN said as such
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_k": 2**40,
+                                                               "do_sample": True}}, 400,
+     "parameters.top_k must be < 2**31"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"seed": 2**70}}, 400,
+     "parameters.seed must fit in 64 bits"),
+    ("/models/llama2/generate", '{"inputs": "x", "parameters": {"temperature": NaN}}', 400,
+     "finite number"),
     # A text too long for the model by its length alone is refused before it is tokenized
     # (megabytes would hold the event loop for seconds).
     ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt: 3000000 characters"),
@@ -701,7 +712,14 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
 
 
 def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
+    """... and the counters go on from where they were (Prometheus counters must not go
+    back; the stats line must not turn negative)."""
+    before = {name: metric(server, name) for name in (
+        "generation_tokens_total", "prompt_tokens_total", "request_success_total")}
     kill_an_agent_and_come_back(server, SERVERS[server].pid, tiny_llm)
+    assert metric(server, "generation_tokens_total") >= before["generation_tokens_total"] + 8
+    assert metric(server, "prompt_tokens_total") > before["prompt_tokens_total"]
+    assert metric(server, "request_success_total") >= before["request_success_total"] + 2
 
 
 def test_a_server_whose_agents_keep_dying_exits_with_an_error(tmp_path, tiny_model_dir):

@@ -396,6 +396,10 @@ def test_tokenize_counts_the_prompt_chat_will_use(server, client):
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}],
+      "tool_choice": "required"}, "tools"),                          # a schema it cannot use
+    ({"tools": [WEATHER], "chat_template_kwargs": {"tools": 5}}, "chat_template_kwargs"),
 ])
 def test_bad_tool_requests_are_a_400_naming_the_field(server, body, field):
     r = requests.post(server[0] + "/v1/chat/completions",
@@ -703,13 +707,14 @@ def test_a_grammar_the_parser_cannot_follow_is_an_error_not_a_stop(server, clien
     body = {"prompt": "Pick:", "max_tokens": 10, "temperature": 0,
             "guided_choice": [f"opt{i}" for i in range(3000)]}
     r = requests.post(url + "/v1/completions", json=body)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith("structured_outputs: the grammar could "
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice", r.text
+    assert r.json()["error"]["message"].startswith("guided_choice: the grammar could "
                                                    "not be followed")
     events = [json.loads(line[len(b"data: "):]) for line in requests.post(
         url + "/v1/completions", json={**body, "stream": True}).iter_lines()
         if line.startswith(b"data: {")]
     assert events[-1]["error"]["code"] == 400
+    assert events[-1]["error"]["param"] == "guided_choice"
     assert all(c["choices"][0]["text"] in ("", "o", "op", "opt") for c in events[:-1])
     time.sleep(0.5)
     said = [line for line in list(logs)[before:] if "could not be followed" in line]
@@ -723,3 +728,44 @@ def test_a_grammar_the_parser_cannot_follow_is_an_error_not_a_stop(server, clien
                                      extra_body={"guided_choice": ["yes", "no"],
                                                  "ignore_eos": True}).choices[0]
     assert done.text in ("yes", "no") and done.finish_reason == "length"
+
+
+@pytest.mark.parametrize("path, body, field", [
+    # 20 prompts x n 64 = 1280 sequences, beyond the waiting-queue bound (1024)
+    ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 64}, "n"),
+    ("/tokenize", {"prompt": "Hi", "messages": MSG}, "messages"),
+    # every allowed token ends the output, yet min_tokens asks for 3 first
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [2], "min_tokens": 3},
+     "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "bad_words": ["\ud800"]}, "bad_words"),
+    ("/v1/chat/completions", {"messages": MSG, "stop": ["a\udfff"]}, "stop"),
+    # a 60-byte regex beyond llguidance's lexer limits: named, and quick to fail
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a{1000}{1000}"}, "guided_regex"),
+    # 64 choices x 1000 tokens x 21 log-probabilities: a 140 MB answer
+    ("/v1/chat/completions", {"messages": MSG, "n": 64, "max_tokens": 1000, "logprobs": True,
+                              "top_logprobs": 20}, "logprobs"),
+])
+def test_requests_the_server_cannot_do_are_a_400_naming_the_field(server, path, body, field):
+    r = requests.post(server[0] + path, json={"max_tokens": 5, **body}
+                      if path != "/tokenize" else body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+
+
+def test_a_large_answer_is_built_off_the_event_loop(server):
+    """A non-streamed answer with many log-probabilities (here 8 x 600 x 21: 100k entries,
+    ~7 MB) takes seconds to build; meanwhile other clients are answered."""
+    body = {"messages": MSG, "n": 8, "max_tokens": 600, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 20}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(requests.post, server[0] + "/v1/chat/completions", json=body)
+        waits = []
+        while not big.done():
+            t0 = time.monotonic()
+            assert requests.get(server[0] + "/health", timeout=30).status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.05)
+    r = big.result()
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+    assert sum(len(c["logprobs"]["content"]) for c in r.json()["choices"]) == 8 * 600
+    assert max(waits) < 1.0, max(waits)

@@ -45,6 +45,12 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 # 64 rows, 3.8 vs 0.3 ms at 16): it is used only with cores to spare and rows to share.
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 _PAR_CORES, _PAR_ROWS = 8, 32
+# llguidance's fuel for building a grammar's lexer: a tenth of its default, so that a
+# pathological regex ("a{1000}{1000}", 60 bytes) fails in ~30 ms instead of holding the
+# engine thread ~1 s per request (every other request's tokens wait on that thread). The
+# grammars of the tests and common JSON schemas, emails, dates and counted repetitions up to
+# "a{300}{100}" need far less (measured on the tiny model's vocabulary).
+_LEXER_FUEL = 100_000
 
 
 def compile_grammar(so: StructuredOutputsParams) -> str:
@@ -69,6 +75,7 @@ class Constraints:
         self.words = -(-vocab_size // 32)
         self._lltok = None
         self._executor = None
+        self._limits = None
         # id(seq) -> [seq, matcher, tokens consumed]
         self._matchers: dict[int, list] = {}
         self._deferred = None      # (sequences of the mask rows, rows with bad words in it)
@@ -100,10 +107,17 @@ class Constraints:
             grammar = compile_grammar(so)
         except (ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs: {e}") from None
-        error = LLMatcher.validate_grammar(grammar, tok)
+        error = LLMatcher.validate_grammar(grammar, tok, limits=self.limits())
         if error:
             raise ValueError(f"structured_outputs: {error}")
         return grammar
+
+    def limits(self):
+        """llguidance's parser limits (``_LEXER_FUEL``), made once."""
+        if self._limits is None:
+            import llguidance
+            self._limits = llguidance.LLParserLimits(initial_lexer_fuel=_LEXER_FUEL)
+        return self._limits
 
     def lltokenizer(self):
         """llguidance's view of the tokenizer (built once, ~1 s for a large vocabulary)."""
@@ -223,7 +237,8 @@ class Constraints:
         out = seq.output_token_ids
         entry = self._matchers.get(id(seq))
         if entry is None or entry[0] is not seq or entry[2] > len(out):
-            entry = [seq, LLMatcher(self.lltokenizer(), seq.params.grammar, log_level=0), 0]
+            entry = [seq, LLMatcher(self.lltokenizer(), seq.params.grammar, log_level=0,
+                                    limits=self.limits()), 0]
             self._matchers[id(seq)] = entry
         m = entry[1]
         if entry[2] < len(out):

@@ -76,6 +76,12 @@ class InputProcessor:
                              "the most sequences a step runs")
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params.kv_transfer_params)
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            ends = set(params.stop_token_ids or ()) | (
+                set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+            if set(params.allowed_token_ids) <= ends:
+                raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS "
+                                 f"or a stop id), so min_tokens {params.min_tokens} cannot be met")
         if self.constraints is not None and (params.constrained or params.logit_bias):
             self.constraints.prepare(params)
         text, ids = self._tokenize(prompt)

@@ -245,7 +245,10 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run one small request through every path a first request takes (prefill, decode,
         sampling, kernel loading), so that the first real request is not slow. Leaves the
-        stats and the prefix cache as they were."""
+        stats (counters stay monotonic across a WorkAgent restart) and the prefix cache as
+        they were."""
+        stats, metrics = self.stats.saved(), self.output_processor.finished_metrics
+        kept = len(metrics)
         self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
                          SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY),
@@ -253,8 +256,9 @@ class LLMEngine:
         while self.has_unfinished_requests():     # a step still in flight included
             self.step()
         self.block_manager.reset()
-        self.stats.reset()
-        self.output_processor.finished_metrics.clear()
+        self.stats.restore(stats)
+        while len(metrics) > kept:          # the warm-up's own timings
+            metrics.pop()
 
     def runner_alive(self) -> bool:
         is_alive = getattr(self.runner, "is_alive", None)

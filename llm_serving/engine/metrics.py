@@ -7,7 +7,8 @@ requests, steps and tokens); ``LLMEngine.get_stats()`` adds the gauges to a copy
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+import copy
+from dataclasses import dataclass, field
 
 from llm_serving.outputs import RequestMetrics
 
@@ -48,10 +49,14 @@ class EngineStats:
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
 
-    def reset(self) -> None:
-        """Every counter and gauge back to zero, in place (the counting parts keep it)."""
-        for f in fields(self):
-            setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
+    def saved(self) -> dict:
+        """Every counter and gauge now, for ``restore``."""
+        return copy.deepcopy(vars(self))
+
+    def restore(self, saved: dict) -> None:
+        """Back to ``saved``, in place (the counting parts keep this object)."""
+        for name, value in saved.items():
+            setattr(self, name, value)
 
     @property
     def num_unfinished(self) -> int:

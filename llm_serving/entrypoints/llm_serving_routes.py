@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
-                                                new_request_id, refuse_unsupported, sse,
-                                                stream_or_disconnect, translate_error)
+                                                new_request_id, output_error,
+                                                refuse_unsupported, sse, stream_or_disconnect,
+                                                translate_error)
 from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -59,7 +60,8 @@ class _LlmServingBody(BaseModel):
     """A field we do not know is refused by name. A null field takes its default:
     llm-serving's own client sends every field of its model, the unset ones as null, and
     llm-serving filled them in."""
-    model_config = ConfigDict(extra="forbid")
+    # A NaN or an infinity is refused as such (not as "should be >= 0").
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -147,12 +149,17 @@ async def _start(request: Request, model: str, req: GenerateRequest):
         # max_generate_length, its cap on prompt + output ("length")
         stream = await engine.add_request(rid, req.inputs, params)
     except Exception as e:
-        err = translate_error(e)
-        if err.param in _FIELDS:       # the error in this route's own field names
-            field = _FIELDS[err.param]
-            err.param, err.message = field, field + err.message[len(err.param):]
-        raise err from None
+        raise _own_names(translate_error(e)) from None
     return state, engine, req, stream
+
+
+def _own_names(err: HTTPError) -> HTTPError:
+    """The error in this route's field names (the engine's name of a field -> ours)."""
+    field = _FIELDS.get(err.param) or (f"parameters.{err.param}" if err.param
+                                        in Parameters.model_fields else None)
+    if field is not None:
+        err.param, err.message = field, field + err.message[len(err.param):]
+    return err
 
 
 # The engine's names of a request's fields -> this route's.
@@ -227,8 +234,8 @@ async def _full(request: Request, model: str, req: GenerateRequest):
                 g.add(out)
     finally:
         await stream.aclose()       # the client gone: the request is aborted
-    if g.error:
-        raise HTTPError(503, g.error, kind="service_unavailable")
+    if g.error:     # the request's fault (a grammar the parser cannot follow): a 400
+        raise _own_names(output_error(g.error))
     body = g.summary(_special_ids(engine.tokenizer), req.parameters.seed)
     if g.kv is not None:
         body["kv_transfer_params"] = g.kv

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_request,
                                                 new_request_id, openai_finish_reason,
@@ -24,6 +25,11 @@ from llm_serving.outputs import RequestOutput
 
 router = APIRouter()
 logger = logging.getLogger("llm_serving.server")
+
+
+# Log-probabilities one request may ask for (about 70 bytes each in the answer): beyond it, a
+# single request's answer would be hundreds of megabytes.
+MAX_LOGPROB_ENTRIES = 1 << 20
 
 
 def _check_fields(req) -> None:
@@ -55,10 +61,22 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
     if len(prompts) > bound:
         raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request exceed the "
                         f"waiting-queue bound (max_waiting_requests={bound})", param="prompt")
+    if len(prompts) * params.n > bound:
+        raise HTTPError(400, f"n: {len(prompts)} prompts x n={params.n} is "
+                        f"{len(prompts) * params.n} sequences, more than the waiting-queue "
+                        f"bound (max_waiting_requests={bound})", param="n")
     longest = engine.limits.max_model_len
     if params.max_tokens is not None and params.max_tokens > longest:
         raise HTTPError(400, f"max_tokens: {params.max_tokens} is more than the maximum model "
                         f"length ({longest})", param="max_tokens")
+    entries = len(prompts) * (
+        (params.n * (params.max_tokens or longest) * (params.logprobs + 1)
+         if params.logprobs is not None else 0)
+        + (longest * (params.prompt_logprobs + 1) if params.prompt_logprobs is not None else 0))
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise HTTPError(400, f"logprobs: up to {entries} log-probabilities asked for (prompts x "
+                        f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
+                        f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -66,12 +84,17 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
     except Exception as e:
         for s in streams:
             await s.aclose()
-        err = translate_error(e)
-        if grammar_field and err.param == "structured_outputs":
-            err.param = grammar_field
-            err.message = grammar_field + err.message[len("structured_outputs"):]
-        raise err from None
+        raise _grammar_named(translate_error(e), grammar_field) from None
     return streams
+
+
+def _grammar_named(err: HTTPError, grammar_field: Optional[str]) -> HTTPError:
+    """A grammar error (the engine says "structured_outputs: ...") named by the request field
+    the grammar came from (``guided_regex``, ``response_format``, ``tools`` ...)."""
+    if grammar_field and err.param == "structured_outputs":
+        err.param = grammar_field
+        err.message = grammar_field + err.message[len("structured_outputs"):]
+    return err
 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -113,7 +136,8 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
-                   extra: Optional[dict] = None) -> tuple[dict, int]:
+                   extra: Optional[dict] = None, grammar_field: Optional[str] = None
+                   ) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
     tokens; ``echo`` sees every output; ``extra`` gets the top-level fields the engine
@@ -123,7 +147,7 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
     prompt_tokens: dict[int, int] = {}
     async for i, out in stream_or_disconnect(request, _merge(streams)):
         if out.error:
-            raise output_error(out.error)
+            raise _grammar_named(output_error(out.error), grammar_field)
         prompt_tokens[i] = len(out.prompt_token_ids)
         if echo is not None:
             echo.see(i, out)
@@ -146,7 +170,8 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
 
 def _sse_error(e: HTTPError) -> bytes:
     """An error inside an OpenAI stream (the headers went out with a 200): an error event."""
-    return sse({"error": {"message": e.message, "type": e.kind, "code": e.status}})
+    return sse({"error": {"message": e.message, "type": e.kind, "param": e.param,
+                          "code": e.status}})
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -265,7 +290,8 @@ async def completions(req: CompletionRequest, request: Request):
         raise translate_error(e) from None
     rid = new_request_id("cmpl")
     resp_id = response_id(request, "cmpl", rid)
-    streams = await _start(state, rid, prompts, params, req.priority, req.structured_field())
+    grammar_field = req.structured_field()
+    streams = await _start(state, rid, prompts, params, req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     n = req.n
     t0 = time.perf_counter()
@@ -279,7 +305,8 @@ async def completions(req: CompletionRequest, request: Request):
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     if out.error:
-                        yield _sse_error(output_error(out.error))
+                        yield _sse_error(_grammar_named(output_error(out.error),
+                                                        grammar_field))
                         continue
                     if echo is not None:
                         echo.see(i, out)
@@ -323,25 +350,31 @@ async def completions(req: CompletionRequest, request: Request):
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
-    choices, prompt_tokens = await _collect(request, streams, n, echo, extra)
-    for idx, ch in choices.items():
-        prompt_text, prompt_lp = "", None
-        if echo_only:
-            ch.update(text="", ids=0, lp=[])
-        if echo is not None:
-            prompt_text, prompt_lp = echo.prompt(idx // n)
-        ch["logprobs"] = (None if req.logprobs is None else
-                          _completion_logprobs(ch["lp"], len(prompt_text), req.logprobs,
-                                               prompt_lp))
-        ch["text"] = prompt_text + ch["text"]
-    body = {"id": resp_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
-                         "finish_reason": openai_finish_reason(ch["finish"]),
-                         "stop_reason": ch["stop_reason"]}
-                        for idx, ch in choices.items()],
-            "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values())), **extra}
-    log_request(resp_id, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], t0)
-    return body
+    choices, prompt_tokens = await _collect(request, streams, n, echo, extra, grammar_field)
+
+    def build() -> dict:
+        for idx, ch in choices.items():
+            prompt_text, prompt_lp = "", None
+            if echo_only:
+                ch.update(text="", ids=0, lp=[])
+            if echo is not None:
+                prompt_text, prompt_lp = echo.prompt(idx // n)
+            ch["logprobs"] = (None if req.logprobs is None else
+                              _completion_logprobs(ch["lp"], len(prompt_text), req.logprobs,
+                                                   prompt_lp))
+            ch["text"] = prompt_text + ch["text"]
+        body = {"id": resp_id, "object": "text_completion", "created": created,
+                "model": model,
+                "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
+                             "finish_reason": openai_finish_reason(ch["finish"]),
+                             "stop_reason": ch["stop_reason"]}
+                            for idx, ch in choices.items()],
+                "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values())),
+                **extra}
+        log_request(resp_id, body["usage"]["prompt_tokens"],
+                    body["usage"]["completion_tokens"], t0)
+        return body
+    return await _json_answer(build)
 
 
 # ---- chat --------------------------------------------------------------------------------
@@ -418,8 +451,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # vLLM's echo: a last assistant message (begun by the caller) comes before the reply.
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
+    grammar_field = "tools" if forced else req.structured_field()
     streams = await _start(state, rid, [{"prompt": text, "prompt_token_ids": ids}], params,
-                           req.priority, "tool_choice" if forced else req.structured_field())
+                           req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     t0 = time.perf_counter()
 
@@ -444,7 +478,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             try:
                 async for _, out in _merge(streams):
                     if out.error:
-                        yield _sse_error(output_error(out.error))
+                        yield _sse_error(_grammar_named(output_error(out.error),
+                                                        grammar_field))
                         continue
                     for c in out.outputs:
                         if c.index not in started:
@@ -494,20 +529,35 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
-    choices, _ = await _collect(request, streams, req.n, extra=extra)
+    choices, _ = await _collect(request, streams, req.n, extra=extra,
+                                grammar_field=grammar_field)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(resp_id, len(ids), completion_tokens, t0)
-    out = []
-    for idx, ch in choices.items():
-        msg, override = message_of(ch["text"])
-        if echoed:
-            msg["content"] = echoed + (msg["content"] or "")
-        out.append({"index": idx, "message": msg,
-                    "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
-                    "finish_reason": override or openai_finish_reason(ch["finish"]),
-                    "stop_reason": ch["stop_reason"]})
-    return {"id": resp_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": out, "usage": _usage(len(ids), completion_tokens), **extra}
+
+    def build() -> dict:
+        out = []
+        for idx, ch in choices.items():
+            msg, override = message_of(ch["text"])
+            if echoed:
+                msg["content"] = echoed + (msg["content"] or "")
+            out.append({"index": idx, "message": msg,
+                        "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
+                        "finish_reason": override or openai_finish_reason(ch["finish"]),
+                        "stop_reason": ch["stop_reason"]})
+        return {"id": resp_id, "object": "chat.completion", "created": created,
+                "model": model, "choices": out, "usage": _usage(len(ids), completion_tokens),
+                **extra}
+    return await _json_answer(build)
+
+
+async def _json_answer(build) -> Response:
+    """A non-streamed answer, built and serialized on a worker thread: with logprobs it can
+    be tens of megabytes, seconds of work that on the event loop would hold every other
+    client (as FastAPI's own JSON: UTF-8, compact, no NaN)."""
+    def render() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()
+    return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
 def _encode(engine, text: str, field: str, add_special_tokens: bool) -> list[int]:
@@ -526,6 +576,13 @@ def _chat_prompt(state: ServerState, tok, req, tools) -> str:
         raise HTTPError(400, "chat_template: a request's own chat template is refused unless "
                         "the server runs with --trust-request-chat-template",
                         param="chat_template")
+    kwargs = dict(req.chat_template_kwargs or {})
+    template = req.chat_template or kwargs.pop("chat_template", None) or state.chat_template
+    taken = sorted({"messages", "add_generation_prompt", "continue_final_message", "tools"}
+                   & kwargs.keys())
+    if taken:
+        raise HTTPError(400, f"chat_template_kwargs: {taken[0]!r} is the request's own field, "
+                        "not a template variable to set here", param="chat_template_kwargs")
     if req.continue_final_message and req.add_generation_prompt:
         raise HTTPError(400, "continue_final_message: it continues the last message, so "
                         "add_generation_prompt must be false (it defaults to true)",
@@ -535,9 +592,9 @@ def _chat_prompt(state: ServerState, tok, req, tools) -> str:
             [m.for_template() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            chat_template=req.chat_template or state.chat_template,
+            chat_template=template,
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-            **(req.chat_template_kwargs or {}))
+            **kwargs)
     except ValueError as e:
         raise translate_error(e) from None
     except Exception as e:   # noqa: BLE001 - a template error is the request's fault
@@ -562,6 +619,8 @@ async def tokenize(req: TokenizeRequest, request: Request):
     state.check_model(req.model)
     engine = state.require_engine()
     tok = engine.tokenizer
+    if req.messages is not None and req.prompt is not None:
+        raise HTTPError(400, "messages: give a prompt or messages, not both", param="messages")
     if req.messages is not None:
         ids = _encode(engine, _chat_prompt(state, tok, req, req.tools), "messages",
                       bool(req.add_special_tokens))
