@@ -59,6 +59,8 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    n: int = 1                          # sequences asked for
+    max_tokens: Optional[int] = None    # as the engine ran it: capped to fit max_model_len
 
     @property
     def ttft(self) -> Optional[float]:
@@ -78,6 +80,26 @@ class RequestMetrics:
     @property
     def e2e_latency(self) -> Optional[float]:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    # vLLM's phases: prefill from first scheduled to the first token, decode from the first
+    # token to the last, inference both (time preempted included).
+    @property
+    def prefill_time(self) -> Optional[float]:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> Optional[float]:
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> Optional[float]:
+        if self.first_scheduled_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_scheduled_time
 
 
 @dataclass

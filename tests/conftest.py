@@ -48,7 +48,7 @@ def metric_value(text: str, name: str) -> float:
     import re
 
     from prometheus_client.parser import text_string_to_metric_families
-    m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})?", name)
+    m = re.fullmatch(r"([a-z0-9_]+)(?:\{(.*)\})?", name)
     base, want = m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
     total, declared = 0.0, False
     for family in text_string_to_metric_families(text):

@@ -86,6 +86,18 @@ def test_64_concurrent_requests_match_each_run_alone(tiny_model_dir, alone, name
             assert stats.cpu_cache_usage == 0.0
     if "prefix" in name:
         assert stats.prefix_cache_hits > 0
+    # vLLM's inter-token latency, counted per step: one gap per token after a sequence's
+    # first, each from that sequence's previous token (preempted ones' too), so they add up
+    # to each request's decode time.
+    itl = stats.inter_token_latency
+    assert itl.count == sum(len(t) - 1 for t in got)
+    assert itl.sum == pytest.approx(sum(o.metrics.decode_time for o in outs), abs=1e-6)
+    # Tokens per step: every step, every token it ran (without preemption, each prompt token
+    # once and each output token but the last once).
+    assert stats.iteration_tokens.count == stats.num_steps
+    if "preempt" not in name:
+        assert stats.iteration_tokens.sum == (stats.num_prefill_tokens
+                                              + stats.num_generation_tokens - len(PROMPTS))
 
 
 def test_prefix_caching_skips_the_shared_prefix(tiny_model_dir):

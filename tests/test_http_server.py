@@ -686,13 +686,15 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
                                 stream=GENERATE_STREAM, sig=signal.SIGKILL):
     """SIGKILL agent ``rank`` during a ``stream`` (GENERATE_STREAM or OPENAI_STREAM), or hang
     it (SIGSTOP): the request fails naming the model process, /ready is 503 until a new set of
-    agents is up, then the server generates again."""
+    agents is up, then the server generates again, and /metrics counts on from where it was
+    (Prometheus counters must not go back; the stats line must not turn negative)."""
     agents = agent_pids(server_pid)
     assert len(agents) == num_agents
     path, body, error_of = stream
     with requests.post(url + path, json=body, stream=True, timeout=60) as r:
         lines = (line for line in r.iter_lines() if line)
         next(lines)                                   # the request is running
+        generated = metric(url, "generation_tokens_total")
         os.kill(agents[rank], sig)
         t0 = time.monotonic()
         rest = list(lines)
@@ -709,17 +711,11 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
     r = requests.post(url + "/models/llama2/generate",
                       json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8}})
     assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[1], 8).text
+    assert metric(url, "generation_tokens_total") >= generated + 8
 
 
 def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
-    """... and the counters go on from where they were (Prometheus counters must not go
-    back; the stats line must not turn negative)."""
-    before = {name: metric(server, name) for name in (
-        "generation_tokens_total", "prompt_tokens_total", "request_success_total")}
     kill_an_agent_and_come_back(server, SERVERS[server].pid, tiny_llm)
-    assert metric(server, "generation_tokens_total") >= before["generation_tokens_total"] + 8
-    assert metric(server, "prompt_tokens_total") > before["prompt_tokens_total"]
-    assert metric(server, "request_success_total") >= before["request_success_total"] + 2
 
 
 def test_a_server_whose_agents_keep_dying_exits_with_an_error(tmp_path, tiny_model_dir):
@@ -1013,6 +1009,106 @@ def test_the_periodic_stats_line_and_every_request_in_the_histograms(tmp_path, t
                        r"throughput: ([0-9.]+) tokens/s", line).groups() for line in lines]
     assert any(float(p) > 0 for p, _ in rates) and any(float(g) > 0 for _, g in rates), lines
     assert "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs" in lines[-1]
+
+
+def _samples(text: str, name: str) -> list[dict]:
+    """The labels of /metrics samples named ``name``, each with its value under "value"."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return [dict(s.labels, value=s.value) for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name]
+
+
+_NEW_VLLM_SERIES = [
+    f"{h}_{suffix}" for h in ("request_prefill_time_seconds", "request_decode_time_seconds",
+                              "request_inference_time_seconds", "inter_token_latency_seconds",
+                              "request_params_n", "request_params_max_tokens",
+                              "request_max_num_generation_tokens", "request_num_preemptions",
+                              "request_prefill_kv_computed_tokens", "iteration_tokens_total")
+    for suffix in ("count", "sum")] + [
+    "time_to_first_token_seconds_sum", "request_queue_time_seconds_sum",
+    "e2e_request_latency_seconds_sum", "prompt_tokens_total", "generation_tokens_total",
+    "prompt_tokens_cached_total", "prefix_cache_hits_total",
+    'request_params_max_tokens_count', 'request_success_total{finished_reason="abort"}']
+
+
+def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
+    """What vLLM's dashboards read besides the basics, from what was sent: request phases
+    (queue + prefill = TTFT, prefill + decode = inference, queue + inference = e2e), one
+    inter-token latency per token after the first adding up to the decode time, tokens per
+    step, n and max_tokens, cached prompt tokens; a series at 0 for each of vLLM's finish
+    reasons from the start; the KV cache's configuration."""
+    wait_until(lambda: _gauge(server, "num_requests_running") == 0
+               and _gauge(server, "num_requests_waiting") == 0)
+    text = requests.get(server + "/metrics").text
+    reasons = {s["finished_reason"]: s["value"]
+               for s in _samples(text, "vllm:request_success_total")}
+    assert set(reasons) >= {"stop", "length", "abort", "error", "repetition"}
+    assert reasons["error"] == reasons["repetition"] == 0
+    [info] = _samples(text, "vllm:cache_config_info")
+    assert info["value"] == 1 and info["engine"] == "0" and info["num_gpu_blocks"] == "512"
+    assert info["enable_prefix_caching"] == "True"
+    assert int(info["kv_cache_size_tokens"]) == 512 * int(info["block_size"])
+    waiting = {s["reason"]: s["value"]
+               for s in _samples(text, "vllm:num_requests_waiting_by_reason")}
+    assert waiting == {"capacity": 0, "deferred": 0}
+
+    before = {name: metric_value(text, name) for name in _NEW_VLLM_SERIES}
+    tag = f"metrics {time.monotonic_ns()}"        # a prompt no earlier test cached
+    long_prompt = tag + " The quick brown fox jumps over the lazy dog." * 8
+    sent = []
+    for prompt, max_tokens in ((tag, 5), (long_prompt, 9), (long_prompt, 17)):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        sent.append((r.usage.prompt_tokens, r.usage.completion_tokens, max_tokens))
+    text = requests.get(server + "/metrics").text
+    d = {name: metric_value(text, name) - before[name] for name in _NEW_VLLM_SERIES}
+    prompts, outputs, max_tokens = (sum(col) for col in zip(*sent))
+    assert outputs == max_tokens == 31
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_params_n",
+                 "request_num_preemptions", "request_max_num_generation_tokens"):
+        assert d[f"{name}_count"] == 3, name
+    assert d["request_params_n_sum"] == 3 and d["request_num_preemptions_sum"] == 0
+    assert d["request_params_max_tokens_count"] == 3
+    assert d["request_params_max_tokens_sum"] == max_tokens
+    assert d["request_max_num_generation_tokens_sum"] == outputs
+    phase = {name: d[f"{name}_sum"] for name in (
+        "request_queue_time_seconds", "request_prefill_time_seconds",
+        "request_decode_time_seconds", "request_inference_time_seconds",
+        "time_to_first_token_seconds", "e2e_request_latency_seconds",
+        "inter_token_latency_seconds")}
+    assert all(v > 0 for v in phase.values()), phase
+    approx = lambda v: pytest.approx(v, abs=1e-6)   # noqa: E731
+    assert phase["request_queue_time_seconds"] + phase["request_prefill_time_seconds"] \
+        == approx(phase["time_to_first_token_seconds"])
+    assert phase["request_prefill_time_seconds"] + phase["request_decode_time_seconds"] \
+        == approx(phase["request_inference_time_seconds"])
+    assert phase["request_queue_time_seconds"] + phase["request_inference_time_seconds"] \
+        == approx(phase["e2e_request_latency_seconds"])
+    assert d["inter_token_latency_seconds_count"] == outputs - 3
+    assert phase["inter_token_latency_seconds"] == approx(phase["request_decode_time_seconds"])
+    # Every token a step ran: the prompts' computed tokens, and each output token but the
+    # last; the third request found the second's prompt blocks in the prefix cache.
+    assert d["iteration_tokens_total_sum"] == (d["prompt_tokens_total"]
+                                               + d["generation_tokens_total"] - 3)
+    assert d["iteration_tokens_total_count"] >= outputs - 3 + 1
+    assert d["prompt_tokens_cached_total"] == d["prefix_cache_hits_total"] > 0
+    assert d["request_prefill_kv_computed_tokens_sum"] == d["prompt_tokens_total"] \
+        == prompts - d["prompt_tokens_cached_total"]
+
+    # An aborted request: counted under "abort", and its parameters observed.
+    after = {name: metric_value(text, name) for name in _NEW_VLLM_SERIES}
+    body = dict(model="tiny", prompt=tag, max_tokens=900, ignore_eos=True, stream=True)
+    with requests.post(server + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        chunks = (line for line in r.iter_lines() if line)
+        assert next(chunks).startswith(b"data: {") and next(chunks).startswith(b"data: {")
+    abort = 'request_success_total{finished_reason="abort"}'
+    wait_until(lambda: _abort_count(server) == after[abort] + 1, 10)
+    text = requests.get(server + "/metrics").text
+    assert metric_value(text, "request_params_max_tokens_count") \
+        == after["request_params_max_tokens_count"] + 1
+    assert metric_value(text, "request_params_max_tokens_sum") \
+        == after["request_params_max_tokens_sum"] + 900
 
 
 def test_log_stats_interval_must_be_positive(tiny_model_dir):

@@ -27,14 +27,22 @@ class EngineLimits:
     vocab_size: int
     device: str                 # "cpu", "ascend", or "auto" when the master cannot tell
     dtype: str
+    # The KV cache's configuration as vLLM's cache_config_info labels it: (name, value) pairs.
+    cache: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, config: EngineConfig, device: Optional[str] = None) -> "EngineLimits":
         device = (device or config.device.device).lower().replace("npu", "ascend")
+        c = config.cache
+        cache = (("block_size", c.block_size), ("num_gpu_blocks", c.num_blocks),
+                 ("num_cpu_blocks", c.num_cpu_blocks),
+                 ("enable_prefix_caching", c.enable_prefix_caching),
+                 ("cache_dtype", config.model.kv_cache_dtype),
+                 ("kv_cache_size_tokens", c.num_blocks * c.block_size))
         return cls(config.model.max_model_len, config.scheduler.max_num_seqs,
                    config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
                    config.model.vocab_size, device,
-                   config.model.weight_dtype)
+                   config.model.weight_dtype, tuple((k, str(v)) for k, v in cache))
 
 
 class RequestStream(Protocol):

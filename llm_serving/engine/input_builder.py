@@ -33,6 +33,7 @@ class BuiltStep:
     # (sequence, first prompt token, count) scored this step, in StepInput.prompt_lp_rows order
     prompt_logprobs: list[tuple[Sequence, int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0             # tokens that are not plain decodes
+    num_tokens: int = 0                     # every token the step runs through the model
 
 
 def build_step_input(batch: SchedulerOutput, block_size: int,
@@ -78,7 +79,8 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
         sampled.extend(children)
         sample_rows.extend([i] * (1 + len(children)))
     decodes = (n == 1) & (starts == totals - 1) & (totals > prompt_lens)
-    built = BuiltStep(None, sampled, num_prefill_tokens=int(qsl[-1]) - int(decodes.sum()))
+    built = BuiltStep(None, sampled, num_prefill_tokens=int(qsl[-1]) - int(decodes.sum()),
+                      num_tokens=int(qsl[-1]))
     built.step = StepInput(
         ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),
         np.asarray(sample_rows, np.int32),

@@ -159,6 +159,7 @@ class LLMEngine:
         if kv_meta is not None:
             built.step.kv_meta = kv_meta
         self.stats.num_prefill_tokens += built.num_prefill_tokens
+        self.stats.iteration_tokens.observe(built.num_tokens)
         if self.multi_stream is not None:      # decided here, once, for every rank
             built.step.ms_split, reason = step_split(built.step.query_start_loc,
                                                      self.multi_stream)
@@ -303,6 +304,8 @@ class LLMEngine:
             snap.kv_blocks_held = self.remote_kv.num_blocks_held
             snap.kv_loads_in_flight = len(self.remote_kv.loading)
         snap.multistream_steps = dict(st.multistream_steps)
+        snap.iteration_tokens = st.iteration_tokens.copy()
+        snap.inter_token_latency = st.inter_token_latency.copy()
         snap.num_running = len(sch.running)
         snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)
         snap.num_swapped = len(sch.swapped)

@@ -4,13 +4,51 @@ per-request timings of requests finished since the last snapshot, ready to expor
 One ``EngineStats`` object holds every counter. The engine owns it and hands it to the parts
 that count (scheduler: preemptions; block manager: prefix-cache lookups; output processor:
 requests, steps and tokens); ``LLMEngine.get_stats()`` adds the gauges to a copy.
+
+What is measured per step (tokens per step, the gap before each token) goes into a
+``StepHistogram``: counted into fixed buckets as it comes, so nothing grows between two reads.
+The gaps cost one bisect per step: the tokens whose sequences had one in the previous step
+share its gap (the output processor only compares each token's previous time with the
+step's); a token whose sequence missed steps (preempted) is counted alone.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 from dataclasses import dataclass, field
 
 from llm_serving.outputs import RequestMetrics
+
+# vLLM's bucket bounds (vllm/v1/metrics/buckets.py) for the histograms filled per step.
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class StepHistogram:
+    """Observations counted into buckets (``counts[i]``: values <= ``bounds[i]`` and above
+    the bound before; the last: above every bound), with their sum, since the engine started.
+    """
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """``n`` observations of ``value``."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def copy(self) -> "StepHistogram":
+        h = StepHistogram(self.bounds)
+        h.counts, h.sum = list(self.counts), self.sum
+        return h
 
 
 @dataclass
@@ -46,6 +84,12 @@ class EngineStats:
     kv_loads_in_flight: int = 0
     # Multi-stream: steps by how they ran ("split", or why not: multistream/split.py).
     multistream_steps: dict = field(default_factory=dict)
+    # Per step: the tokens it ran through the model (prefill chunks and decodes), and the
+    # time since each sampled token's previous one (vLLM's inter-token latency).
+    iteration_tokens: StepHistogram = field(
+        default_factory=lambda: StepHistogram(ITERATION_TOKENS_BUCKETS))
+    inter_token_latency: StepHistogram = field(
+        default_factory=lambda: StepHistogram(INTER_TOKEN_LATENCY_BUCKETS))
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
 

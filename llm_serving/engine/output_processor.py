@@ -75,6 +75,7 @@ class OutputProcessor:
         self.finished_metrics: collections.deque = collections.deque(
             maxlen=_MAX_FINISHED_METRICS)
         self._token_texts: dict[int, str] = {}      # single-token decodes (at most the vocab)
+        self._last_step_time = 0.0      # when the previous step's samples were processed
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, new: NewRequest, arrival_order: int) -> Sequence:
@@ -133,9 +134,11 @@ class OutputProcessor:
             self._record_prompt_logprobs(fl.prompt_logprobs, result)
         self.stats.num_steps += 1
         now = time.time()
+        previous, self._last_step_time = self._last_step_time, now
+        itl = self.stats.inter_token_latency
         touched: dict[str, None] = {}
         ended: list[RequestOutput] = []        # requests ended with an error in this step
-        generated = 0
+        generated = firsts = late = 0
         tokens = result.token_ids.tolist() if fl.sampled else ()
         for row, seq in enumerate(fl.sampled):
             if seq.status.finished:         # ended while the step ran (stop, abort, error)
@@ -154,6 +157,10 @@ class OutputProcessor:
             seq.receive_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                firsts += 1
+            elif seq.last_token_time != previous:   # none last step: preempted, or left out
+                itl.observe(now - seq.last_token_time)
+                late += 1
             seq.last_token_time = now
             if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
                 self._record_logprobs(seq, row, token, result)
@@ -172,6 +179,9 @@ class OutputProcessor:
                 self._name_partial_character(seq, token)
             touched[seq.request_id] = None
         self.stats.num_generation_tokens += generated
+        # Every other token's sequence had one in the previous step too: one gap for all.
+        if generated - firsts - late:
+            itl.observe(now - previous, generated - firsts - late)
         outputs = (self._request_output(self.requests[rid]) for rid in touched)
         return ended + [o for o in outputs if o is not None]
 
@@ -319,5 +329,6 @@ def _request_metrics(req: RequestState) -> RequestMetrics:
         num_prompt_tokens=len(first.prompt_token_ids),
         num_generation_tokens=max(len(s.output_token_ids) for s in req.seqs),
         num_cached_tokens=first.num_cached_tokens,
-        num_preemptions=sum(s.num_preemptions for s in req.seqs))
+        num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        n=len(req.seqs), max_tokens=first.max_tokens)
 

@@ -51,7 +51,7 @@ class ServerState:
         engine = self.engine if self.engine is not None else self.require_engine()
         stats = await engine.get_stats()
         if self.metrics is not None:
-            self.metrics.update(stats)
+            self.metrics.update(stats, engine.limits.cache)
         return stats
 
     def model_names(self) -> set[str]:

@@ -6,15 +6,21 @@ server has (swapped sequences, the host swap pool, timeouts, KV transfer, multi-
 under ``llm_serving:``.
 
 They are refreshed from ``EngineStats`` at each scrape: gauges are set, counters advance by
-what the engine counted since the previous scrape, and the histograms take the requests that
-finished since then.
+what the engine counted since the previous scrape, the per-request histograms take the
+requests that finished since then, and the per-step ones (tokens per step, inter-token
+latency), which the engine counts into buckets itself, advance by its counts.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from llm_serving.engine.metrics import EngineStats
+from llm_serving.engine.metrics import (INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS,
+                                        EngineStats, StepHistogram)
 
 P = "llm_serving:"
 V = "vllm:"
@@ -24,6 +30,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                  2.5, 5.0)
 _TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))   # 1, 2, 5, 10, ...
+# vLLM's (vllm/v1/metrics/buckets.py): request phases, n, preemptions per request.
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# vLLM's finish reasons: each has its request_success_total series from the start (at 0), so
+# that a query on one reads 0, not "no data". This engine ends a failed request as "abort".
+_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # counter name -> EngineStats field
 _VLLM_COUNTERS = {
@@ -47,6 +61,36 @@ _COUNTERS = {
 }
 
 
+class _EngineHistogram:
+    """A histogram the engine counts into buckets itself (a ``StepHistogram``), exposed as a
+    Prometheus histogram: each ``advance`` adds what the engine counted since the previous."""
+
+    def __init__(self, name: str, doc: str, labels: dict, bounds: tuple, registry):
+        self.name, self.doc, self.labels = name, doc, labels
+        self.les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        self.counts, self.sum = [0] * len(self.les), 0.0
+        self._last = StepHistogram(bounds)
+        registry.register(self)
+
+    def advance(self, h: StepHistogram) -> None:
+        last = self._last
+        self.counts = [t + c - b for t, c, b in zip(self.counts, h.counts, last.counts)]
+        self.sum += h.sum - last.sum
+        self._last = h
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+
+    def describe(self):
+        yield self._family()
+
+    def collect(self):
+        family = self._family()
+        family.add_metric(list(self.labels.values()),
+                          list(zip(self.les, accumulate(self.counts))), self.sum)
+        yield family
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         r = self.registry = CollectorRegistry()
@@ -59,13 +103,34 @@ class ServerMetrics:
             return m.labels(**labels) if not extra else m
         self._labels = labels
         self.running = vllm(Gauge, "num_requests_running", "Sequences running")
-        self.waiting = vllm(Gauge, "num_requests_waiting", "Sequences waiting")
+        self.waiting = vllm(Gauge, "num_requests_waiting", "Sequences waiting (for room, or "
+                            "for their KV from another instance)")
+        # vLLM's reasons: "capacity" (the waiting queue: room in the batch, the token budget
+        # or KV blocks), "deferred" (its KV being loaded from another instance).
+        waiting_by = vllm(Gauge, "num_requests_waiting_by_reason", "Sequences waiting, by "
+                          "reason: capacity (for room), deferred (for their KV from another "
+                          "instance); the sum is num_requests_waiting", ["reason"])
+        self.waiting_capacity = waiting_by.labels(**labels, reason="capacity")
+        self.waiting_deferred = waiting_by.labels(**labels, reason="deferred")
         self.kv_usage = vllm(Gauge, "kv_cache_usage_perc", "KV blocks in use (0..1)")
         self.vllm_counters = {name: vllm(Counter, name, doc)
                               for name, (_, doc) in _VLLM_COUNTERS.items()}
-        # Every finished request, labelled by why it ended (stop, length, abort).
+        self.cached_tokens = vllm(Counter, "prompt_tokens_cached", "Prompt tokens not computed: "
+                                  "found in the prefix cache or loaded from another instance "
+                                  "(counted when the request finishes)")
+        # Every finished request, labelled by why it ended (stop, length, abort here).
         self.success = vllm(Counter, "request_success", "Requests finished, by finish reason",
                             ["finished_reason"])
+        for reason in _FINISH_REASONS:
+            self.success.labels(**labels, finished_reason=reason)
+        # vLLM's info gauge: the KV cache's configuration in its labels, set once the engine
+        # is up (it labels it by engine only).
+        self.cache_info = Gauge(V + "cache_config_info", "The KV cache's configuration, in "
+                                "the labels (the value is 1)",
+                                ["engine", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                                 "enable_prefix_caching", "cache_dtype", "kv_cache_size_tokens"],
+                                registry=r)
+        self._cache_info_set: tuple = ()
         self.ttft = vllm(Histogram, "time_to_first_token_seconds", "Time to first token",
                          buckets=_LATENCY_BUCKETS)
         self.tpot = vllm(Histogram, "request_time_per_output_token_seconds",
@@ -79,6 +144,33 @@ class ServerMetrics:
                                buckets=_TOKEN_BUCKETS)
         self.output_len = vllm(Histogram, "request_generation_tokens",
                                "Tokens generated per request", buckets=_TOKEN_BUCKETS)
+        self.prefill_time = vllm(Histogram, "request_prefill_time_seconds", "Time from first "
+                                 "scheduled to the first token", buckets=_PHASE_BUCKETS)
+        self.decode_time = vllm(Histogram, "request_decode_time_seconds", "Time from the first "
+                                "token to the last", buckets=_PHASE_BUCKETS)
+        self.inference_time = vllm(Histogram, "request_inference_time_seconds", "Time from "
+                                   "first scheduled to the last token (prefill and decode)",
+                                   buckets=_PHASE_BUCKETS)
+        self.params_n = vllm(Histogram, "request_params_n", "The n request parameter",
+                             buckets=_N_BUCKETS)
+        self.params_max_tokens = vllm(Histogram, "request_params_max_tokens", "The max_tokens "
+                                      "request parameter (capped to fit max_model_len)",
+                                      buckets=_TOKEN_BUCKETS)
+        self.max_generation = vllm(Histogram, "request_max_num_generation_tokens", "Tokens "
+                                   "generated per request by its longest sequence",
+                                   buckets=_TOKEN_BUCKETS)
+        self.preemptions = vllm(Histogram, "request_num_preemptions", "Times a request was "
+                                "preempted", buckets=_PREEMPTION_BUCKETS)
+        self.prefill_computed = vllm(Histogram, "request_prefill_kv_computed_tokens", "Prompt "
+                                     "tokens computed per request (cached ones left out)",
+                                     buckets=_TOKEN_BUCKETS)
+        # Counted by the engine per step.
+        self.iteration_tokens = _EngineHistogram(
+            V + "iteration_tokens_total", "Tokens per engine step (prefill chunks and "
+            "decodes)", labels, ITERATION_TOKENS_BUCKETS, r)
+        self.itl = _EngineHistogram(
+            V + "inter_token_latency_seconds", "Time between a sequence's tokens",
+            labels, INTER_TOKEN_LATENCY_BUCKETS, r)
         # This server's own.
         self.swapped = Gauge(P + "num_requests_swapped", "Sequences swapped out", registry=r)
         self.cpu_usage = Gauge(P + "cpu_cache_usage_perc", "Host swap blocks in use (0..1)",
@@ -99,9 +191,16 @@ class ServerMetrics:
         self.kv_loads = Gauge(P + "kv_loads_in_flight", "Requests waiting for their KV from "
                               "another instance", registry=r)
 
-    def update(self, s: EngineStats) -> None:
+    def update(self, s: EngineStats, cache_info: tuple = ()) -> None:
+        """``cache_info``: the engine's ``EngineLimits.cache``."""
+        if cache_info and cache_info != self._cache_info_set:
+            self.cache_info.clear()
+            self.cache_info.labels(engine="0", **dict(cache_info)).set(1)
+            self._cache_info_set = cache_info
         self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
+        self.waiting.set(s.num_waiting + s.kv_loads_in_flight)
+        self.waiting_capacity.set(s.num_waiting)
+        self.waiting_deferred.set(s.kv_loads_in_flight)
         self.swapped.set(s.num_swapped)
         self.kv_usage.set(s.kv_cache_usage)
         self.cpu_usage.set(s.cpu_cache_usage)
@@ -121,13 +220,26 @@ class ServerMetrics:
             self._advance(("kv", outcome), self.kv_transfers.labels(outcome=outcome), value)
         self.kv_blocks_held.set(s.kv_blocks_held)
         self.kv_loads.set(s.kv_loads_in_flight)
+        self.iteration_tokens.advance(s.iteration_tokens)
+        self.itl.advance(s.inter_token_latency)
         for m in s.finished_requests:
+            prefilled = m.first_token_time is not None
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
                                 (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue),
                                 (self.prompt_len, m.num_prompt_tokens),
-                                (self.output_len, m.num_generation_tokens)):
+                                (self.output_len, m.num_generation_tokens),
+                                (self.prefill_time, m.prefill_time),
+                                (self.decode_time, m.decode_time),
+                                (self.inference_time, m.inference_time),
+                                (self.params_n, m.n), (self.params_max_tokens, m.max_tokens),
+                                (self.max_generation, m.num_generation_tokens),
+                                (self.preemptions, m.num_preemptions),
+                                (self.prefill_computed, m.num_prompt_tokens
+                                 - m.num_cached_tokens if prefilled else None)):
                 if value is not None:
                     hist.observe(value)
+            if prefilled:
+                self.cached_tokens.inc(m.num_cached_tokens)
 
     def _advance(self, key, counter, value: int) -> None:
         """Move a counter on by what the engine counted since the previous scrape."""
