@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from llm_serving.cli_args import (DEFAULT_CONFIG, STOP_WITH_PARENT_ENV,  # noqa: F401
+                                  REQUEST_READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S,
                                   add_engine_arguments,
                                   cli_engine_overrides, resolve_model, serve_config)
 from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
@@ -58,7 +59,7 @@ def serve(args) -> None:
                                                if engine_args.checkpoint else ""))
         return print_plan(resolved)
     logging.getLogger("llm_serving.server").info(describe_kv_cache(resolved))
-    # SIGTERM, like Ctrl-C, drains and stops the server, then exits 0.
+    # SIGTERM, like Ctrl-C, drains and stops the server (--shutdown-timeout), then exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     stop_with = os.environ.get(STOP_WITH_PARENT_ENV)
     if stop_with:       # a process that started us in a session of our own (llm-serving tune)
@@ -67,9 +68,17 @@ def serve(args) -> None:
     if args.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval", f"expected seconds > 0, got "
                           f"{args.log_stats_interval} (--disable-log-stats turns the line off)")
+    if args.shutdown_timeout < 0:
+        raise ConfigError("--shutdown-timeout", f"expected seconds >= 0, got "
+                          f"{args.shutdown_timeout}")
+    if args.request_read_timeout <= 0:
+        raise ConfigError("--request-read-timeout", f"expected seconds > 0, got "
+                          f"{args.request_read_timeout}")
     run_server(engine_args, name, host, port, api_key=args.api_key,
                chat_template=engine_args.chat_template,
-               log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval)
+               log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+               shutdown_timeout=args.shutdown_timeout,
+               request_read_timeout=args.request_read_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "waiting requests, KV cache usage), as vLLM's flag")
     s.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between stats lines (default 10)")
+    s.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
+                        "finish (vLLM's flag); then they end with a 503 or a stream error "
+                        "event 'the server is shutting down'; 0: at once (default "
+                        f"{SHUTDOWN_TIMEOUT_S:g})")
+    s.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
+                   help="seconds a client may take to send a whole request (head and body) "
+                        "once connected; then the connection is closed (default "
+                        f"{REQUEST_READ_TIMEOUT_S:g})")
     s.add_argument("--dry-run", action="store_true",
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")

@@ -37,3 +37,7 @@ class RequestIdInUseError(LLMServingError, ValueError):
 
 class EngineDeadError(LLMServingError):
     """The engine loop stopped on an error; no request can be served until it is restarted."""
+
+
+class ShuttingDownError(LLMServingError):
+    """The server is stopping: no new request is taken (the message says why)."""

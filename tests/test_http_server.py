@@ -67,7 +67,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,)):
+def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
+                 preexec_fn=None):
     port = free_port()
     cfg = tmp_path / f"server-{port}.yaml"
     ports = ", ".join(map(str, agent_ports))
@@ -78,7 +79,8 @@ def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,)):
     proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True,      # a test run killed outright leaves no server
-                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
+                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())},
+                            preexec_fn=preexec_fn)
     deadline = time.monotonic() + 120
     line = ""
     while time.monotonic() < deadline:
@@ -1116,3 +1118,252 @@ def test_log_stats_interval_must_be_positive(tiny_model_dir):
                           "--log-stats-interval", "0"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "--log-stats-interval" in run.stderr, run.stderr
+
+
+# ---- shutdown with requests in flight; bounded connections ---------------------------------
+
+def _port_closed(url) -> bool:
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) != 0
+
+
+def _stopped_clean(proc, agents, err) -> None:
+    """Exit 0, no traceback, no WorkAgent and no shared memory left."""
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err[-3000:]
+    assert not [a for a in agents if os.path.exists(f"/proc/{a}")], "a WorkAgent outlived it"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+
+
+def test_sigterm_ends_long_requests_with_a_shutdown_error(tmp_path, tiny_model_dir):
+    """SIGTERM with long requests running and queued, on every route: once the drain window
+    (--shutdown-timeout) is over each ends through its route's error path, saying the server
+    is shutting down: a JSON 503 for a whole answer, an error event then [DONE] on an OpenAI
+    stream (the openai client raises it), llm-serving's error line on generate_stream. The
+    server exits 0 with nothing left behind and nothing but its own lines in the log."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "0.5",
+                                "--max-model-len", "2048", "--max-num-seqs", "3")
+    agents = agent_pids(proc.pid)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    long_cmpl = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True}
+    long_chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[1]}],
+                 "max_tokens": 2000, "ignore_eos": True}
+    long_gen = {"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    results = {}
+
+    def whole(name, path, body):
+        r = requests.post(url + path, json=body, timeout=60)
+        results[name] = (r.status_code, r.headers.get("content-type"), r.json())
+
+    def raw_stream(name, path, body):
+        with requests.post(url + path, json=body, stream=True, timeout=60) as r:
+            results[name] = [line for line in r.iter_lines() if line]
+
+    def openai_stream(name):
+        try:
+            chat = {k: v for k, v in long_chat.items() if k != "ignore_eos"}
+            for _ in client.chat.completions.create(stream=True, **chat,
+                                                    extra_body={"ignore_eos": True}):
+                pass
+            results[name] = "finished"
+        except openai.APIError as e:
+            results[name] = e
+
+    jobs = [(whole, "cmpl", "/v1/completions", long_cmpl),
+            (whole, "gen", "/models/llama2/generate", long_gen),
+            (raw_stream, "chat_sse", "/v1/chat/completions", {**long_chat, "stream": True}),
+            (raw_stream, "gen_stream", "/models/llama2/generate_stream", long_gen),
+            (openai_stream, "openai"),
+            (whole, "cmpl2", "/v1/completions", long_cmpl),
+            (raw_stream, "gen_stream2", "/models/llama2/generate_stream", long_gen)]
+    threads = [threading.Thread(target=job, args=args) for job, *args in jobs]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: _gauge(url, "num_requests_running") == 3
+                   and _gauge(url, "num_requests_waiting") == 4, 30,
+                   "the requests did not start", every=0.05)
+        host, port = url.rsplit("/", 1)[1].split(":")
+        uploading = socket.create_connection((host, int(port)), timeout=10)
+        uploading.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(30)
+        ended = time.monotonic() - t0
+        upload_answer, _ = _read_to_close(uploading)   # a body still coming: a 503 too
+        uploading.close()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ended < 5, ended          # the 0.5 s window, not uvicorn's 10 s
+    assert upload_answer.startswith(b"HTTP/1.1 503 ") and b"shutting down" in upload_answer
+    for name in ("cmpl", "gen", "cmpl2"):
+        status, ctype, body = results[name]
+        assert (status, ctype) == (503, "application/json"), results[name]
+        assert body["error"]["message"] == "the server is shutting down", body
+        assert body["error"]["type"] == "service_unavailable"
+    assert results["chat_sse"][-1] == b"data: [DONE]"
+    event = json.loads(results["chat_sse"][-2][len(b"data: "):])
+    assert event["error"]["message"] == "the server is shutting down", event
+    assert "shutting down" in str(results["openai"]), results["openai"]
+    for name in ("gen_stream", "gen_stream2"):
+        assert _generate_stream_error(results[name]) == "the server is shutting down"
+    _stopped_clean(proc, agents, err)
+    assert "aborting 7 unfinished request(s)" in err, err[-2000:]
+    assert _port_closed(url)
+
+
+def test_sigterm_lets_requests_in_flight_finish_while_ready_says_503(tmp_path, tiny_model_dir):
+    """Within the drain window a request in flight finishes as usual; meanwhile the port stays
+    open, /ready answers 503 and a new request gets a JSON 503; the server exits as soon as
+    the request is done, not at the end of the window."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "60")
+    agents = agent_pids(proc.pid)
+    try:
+        with requests.post(url + "/v1/completions", stream=True, timeout=60, json={
+                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True,
+                "stream": True}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            first = [next(lines)]                       # running
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            ready = requests.get(url + "/ready", timeout=5)
+            refused = requests.post(url + "/models/llama2/generate", timeout=5, json={
+                "inputs": PROMPTS[1], "parameters": {"max_new_tokens": 4}})
+            rest = first + list(lines)
+        _, err = proc.communicate(timeout=30)
+        stopped = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ready.status_code == 503 and ready.json() == {"ready": False,
+                                                         "reason": "shutting down"}
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["message"] == "the server is shutting down"
+    assert rest[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[len(b"data: "):]) for line in rest[:-1]]
+    assert not any("error" in c for c in chunks), rest[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 100
+    assert stopped < 30
+    _stopped_clean(proc, agents, err)
+
+
+def _read_to_close(sock, timeout=10.0) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and how long that took."""
+    sock.settimeout(timeout)
+    t0, data = time.monotonic(), b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic() - t0
+
+
+def _is_closed(sock) -> bool:
+    sock.settimeout(0.001)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_connections_are_bounded(tmp_path, tiny_model_dir):
+    """At a small open-file limit (256) the server caps its connections (16 here): a flood
+    of idle connections closes the oldest idle ones and a client's request still succeeds;
+    when every connection is busy (heads sent, bodies held back) a new one gets a JSON 503 at
+    once. A connection that never completes its request is closed after
+    --request-read-timeout (408 when part of a request came); an oversized head gets a 431.
+    No traceback, and no log flood."""
+    import resource
+
+    def low_fd_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--request-read-timeout", "1",
+                                "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                                preexec_fn=low_fd_limit)
+    host, port = url.rsplit("/", 1)[1].split(":")
+    agents = agent_pids(proc.pid)
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4}
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+
+    def connect():
+        return socket.create_connection((host, int(port)), timeout=10)
+    try:
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        # 300 idle connections: the server keeps at most its cap open, a request gets through
+        idle = []
+        for _ in range(300):
+            idle.append(connect())
+        t0 = time.monotonic()
+        assert requests.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 3
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < fds + 16 + 70
+        assert sum(map(_is_closed, idle)) >= 300 - 16
+        for s in idle:
+            s.close()
+        # every connection busy (a head sent, its body held back): a new one gets a 503 at once
+        busy = []
+        for _ in range(16):
+            busy.append(connect())
+            busy[-1].sendall(head)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        r = requests.post(url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 503 and time.monotonic() - t0 < 1, r.text
+        assert "connection limit" in r.json()["error"]["message"]
+        # ... and after the read timeout they are closed with a 408, and requests get through
+        answers = [_read_to_close(s) for s in busy]
+        assert all(a.startswith(b"HTTP/1.1 408 ") for a, _ in answers), answers[0]
+        assert max(t for _, t in answers) < 3
+        assert requests.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
+        for s in busy:
+            s.close()
+        # the read timeout: a silent connection, a partial head, a body short of its length
+        for sent, answer in ((b"", b""), (b"GET /live HTTP/1.1\r\nHost: x\r\n", b"HTTP/1.1 408 "),
+                             (head + b'{"model":', b"HTTP/1.1 408 ")):
+            with connect() as s:
+                s.sendall(sent)
+                data, took = _read_to_close(s)
+            assert data.startswith(answer) and (answer or not data), data
+            assert 0.5 < took < 3, took
+        # the head bounds: 32 KiB, 100 headers
+        for extra in (b"X-Big: " + b"a" * 200_000 + b"\r\n",
+                      b"".join(b"X-%d: 1\r\n" % i for i in range(10_000)),
+                      b"".join(b"X-%d: 1\r\n" % i for i in range(150))):
+            with connect() as s:
+                s.sendall(b"GET /live HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+                data, took = _read_to_close(s)
+            assert data.startswith(b"HTTP/1.1 431 ") and took < 2, data[:200]
+        ok = requests.get(url + "/live", headers={f"X-{i}": "1" for i in range(60)}, timeout=5)
+        assert ok.status_code == 200
+    finally:
+        code = stop_server(proc)
+    err = proc.stderr.read()
+    _stopped_clean(proc, agents, err)
+    assert code == 0 and len(err.splitlines()) < 40, err[-3000:]
+
+
+def test_accept_errors_are_logged_once_a_minute(caplog):
+    """asyncio reports a failed accept() (the open-file limit) with a traceback per attempt,
+    thousands a second; the server's loop handler says it once a minute."""
+    from llm_serving.entrypoints.connections import ConnectionBounds
+    bounds = ConnectionBounds(16)
+    loop = None
+    with caplog.at_level("INFO", logger="llm_serving.server"):
+        for _ in range(1000):
+            bounds.log_accept_errors(loop, {"message": "socket.accept() out of system resource",
+                                            "exception": OSError(24, "Too many open files")})
+    assert len(caplog.records) == 1 and "Too many open files" in caplog.text

@@ -26,7 +26,7 @@ from llm_serving.config import EngineArgs, EngineConfig
 from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.engine.metrics import EngineStats
-from llm_serving.errors import EngineDeadError, RequestIdInUseError
+from llm_serving.errors import EngineDeadError, RequestIdInUseError, ShuttingDownError
 from llm_serving.outputs import CompletionOutput, RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -145,6 +145,7 @@ class AsyncLLMEngine:
         self._restarting = False
         self.num_restarts = 0
         self._stopping = False
+        self._closed: Optional[str] = None    # abort_all's reason: new requests are refused
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
 
@@ -179,6 +180,7 @@ class AsyncLLMEngine:
         EngineDeadError when the engine loop has stopped.
         """
         self.check_health()
+        self._check_open()
         self._bind_loop()
         if request_id in self._streams:
             raise RequestIdInUseError(request_id)
@@ -188,6 +190,7 @@ class AsyncLLMEngine:
             new = await asyncio.to_thread(self.engine.process_request, prompt, params,
                                           request_id, priority)
             self.check_health()
+            self._check_open()
             if request_id in self._streams:
                 raise RequestIdInUseError(request_id)
         else:
@@ -199,6 +202,10 @@ class AsyncLLMEngine:
         self._commands.put(("add", new))
         self._wake.set()
         return stream
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise ShuttingDownError(self._closed)
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -223,6 +230,21 @@ class AsyncLLMEngine:
         if stream is not None and not stream.finished:
             self._commands.put(("abort", request_id))
             self._wake.set()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose outputs are still coming (queued or running): what a shutdown
+        waits for."""
+        return len(self._streams)
+
+    def abort_all(self, reason: str) -> None:
+        """End every request, queued or running, with the error ``reason`` (at the next step
+        boundary; each stream gets a final output carrying it, so that its route answers as
+        for any failed request); requests added from now on are refused with it
+        (ShuttingDownError). The server's shutdown calls it once its drain window is over."""
+        self._closed = reason
+        self._commands.put(("abort_all", reason))
+        self._wake.set()
 
     async def get_stats(self) -> EngineStats:
         """The engine's stats, taken on the engine thread between steps."""
@@ -341,6 +363,8 @@ class AsyncLLMEngine:
                     outs.append(out)
             elif cmd == "stats":
                 self._post(_resolve, arg, engine.get_stats())
+            elif cmd == "abort_all":
+                outs.extend(engine.fail_all(arg))
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._streams):

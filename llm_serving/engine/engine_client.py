@@ -69,12 +69,19 @@ class EngineClient(Protocol):
                           params: Optional[SamplingParams] = None,
                           priority: int = 0) -> RequestStream:
         """Queue a request; its outputs come on the stream. Raises ValueError (bad input),
-        QueueFullError, EngineDeadError."""
+        QueueFullError, EngineDeadError, ShuttingDownError (after ``abort_all``)."""
 
     def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
                  request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """vLLM's entry point: the request's outputs; leaving early aborts it."""
 
     def abort(self, request_id: str) -> None: ...
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose outputs are still coming (queued or running)."""
+
+    def abort_all(self, reason: str) -> None:
+        """End every request with the error ``reason``; later requests are refused with it."""
 
     async def get_stats(self) -> "EngineStats": ...

@@ -10,6 +10,13 @@ The model loads in a background thread after the server starts listening, so ``/
 answers 503 while loading. The engine's step loop runs on its own thread: no handler waits
 on a model step. Every error is a JSON body naming the problem, with a 4xx code for bad input
 and 503 (with Retry-After) for a full queue.
+
+Shutdown (SIGTERM, Ctrl-C): the server drains (``drain``) while still listening, so that
+``/ready`` answers 503 and new requests get 503; the requests in flight have
+``shutdown_timeout`` seconds to finish, then the engine ends what is left with "the server is
+shutting down" (a 503, or an error event closing a stream). Then uvicorn closes the port and
+the connections, and the lifespan stops the engine and the WorkAgents. Connections are
+bounded (``connections.py``).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -26,12 +34,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llm_serving
+from llm_serving.cli_args import REQUEST_READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 from llm_serving.config import EngineArgs
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState, error_response, logger,
                                                 translate_error)
 from llm_serving.errors import LLMServingError
 
 MAX_BODY_BYTES = 4 << 20
+SHUTDOWN_REASON = "the server is shutting down"
+# After the drain window, how long the aborted requests' handlers have to send their error
+# (then uvicorn cancels what is left, e.g. a stream whose client stopped reading).
+ANSWER_ABORTED_S = 3.0
 
 
 class _BodyLimit:
@@ -235,13 +248,53 @@ def _load_engine(state: ServerState) -> None:
         state.load_error = f"loading the model failed: {e}"
 
 
+async def drain(state: ServerState, timeout: float, forced=lambda: False) -> None:
+    """The first step of a shutdown, while the port is still open: not ready, new requests
+    refused (503); the requests in flight may finish within ``timeout`` seconds (``forced``:
+    a second Ctrl-C ends the wait), then the engine aborts the rest with SHUTDOWN_REASON, and
+    their handlers answer with it (waited for up to ANSWER_ABORTED_S)."""
+    state.draining = True
+    engine = state.engine
+    if engine is None or engine.is_dead:
+        return
+    deadline = time.monotonic() + timeout
+    if engine.num_requests:
+        logger.info("shutting down: %d request(s) in flight may finish within %g s "
+                    "(--shutdown-timeout)", engine.num_requests, timeout)
+    while engine.num_requests and time.monotonic() < deadline and not forced():
+        await asyncio.sleep(0.05)
+    if engine.num_requests:
+        logger.warning("shutting down: aborting %d unfinished request(s)", engine.num_requests)
+    engine.abort_all(SHUTDOWN_REASON)
+    deadline = time.monotonic() + ANSWER_ABORTED_S
+    while engine.num_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port: int,
                api_key: Optional[str] = None, chat_template: Optional[str] = None,
-               log_stats_interval: float = 10.0) -> None:
-    """Load the model, then serve until SIGINT/SIGTERM; prints one line when ready."""
+               log_stats_interval: float = 10.0,
+               shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+               request_read_timeout: Optional[float] = None) -> None:
+    """Load the model, then serve until SIGINT/SIGTERM; prints one line when ready.
+    ``shutdown_timeout``: seconds the requests in flight may take to finish once stopped;
+    ``request_read_timeout``: seconds a client may take to send a whole request."""
     import socket
 
     import uvicorn
+
+    from llm_serving.entrypoints import connections
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.draining = True       # not ready from the signal on, not from the next tick
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            # uvicorn closes the port first, then waits for the connections: drain before
+            await drain(state, shutdown_timeout, lambda: self.force_exit)
+            await super().shutdown(sockets)
+
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -259,9 +312,16 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     finally:
         probe.close()
     app = build_app(state, load=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
+    fd_limit = connections.raise_open_file_limit()
+    bounds = connections.ConnectionBounds(
+        connections.connection_cap(engine_args.max_num_seqs, engine_args.max_waiting_requests,
+                                   fd_limit),
+        REQUEST_READ_TIMEOUT_S if request_read_timeout is None else request_read_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            http=connections.bounded_protocol(bounds),
+                            backlog=connections.listen_backlog(fd_limit),
+                            timeout_graceful_shutdown=ANSWER_ABORTED_S)
+    server = Server(config)
     failed = []
 
     async def announce():
@@ -282,6 +342,7 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
             server.should_exit = True
 
     async def main():
+        asyncio.get_running_loop().set_exception_handler(bounds.log_accept_errors)
         task = asyncio.ensure_future(announce())
         await server.serve()
         task.cancel()

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 
 from llm_serving.config import EngineArgs
 from llm_serving.engine.engine_client import EngineClient
-from llm_serving.errors import EngineDeadError, LLMServingError, QueueFullError
+from llm_serving.errors import (EngineDeadError, LLMServingError, QueueFullError,
+                                ShuttingDownError)
 
 logger = logging.getLogger("llm_serving.server")
 
@@ -96,7 +97,7 @@ def translate_error(e: BaseException) -> HTTPError:
         return e
     if isinstance(e, QueueFullError):
         return HTTPError(503, str(e), kind="service_unavailable", headers={"Retry-After": "1"})
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, ShuttingDownError)):
         return HTTPError(503, str(e), kind="service_unavailable")
     if isinstance(e, (ValueError, TypeError)):
         msg = str(e)
