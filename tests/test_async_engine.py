@@ -135,7 +135,8 @@ def test_bad_input_and_a_full_queue_are_refused_at_once(tiny_model_dir):
         with pytest.raises(ValueError, match="empty"):
             await eng.add_request("bad", {"prompt_token_ids": []})
         with pytest.raises(ValueError, match="already in use"):
-            await eng.add_request("dup", "hi", delta(max_tokens=50, ignore_eos=True))
+            # (long enough not to end before the loop below sees it run, on a busy machine)
+            await eng.add_request("dup", "hi", delta(max_tokens=500, ignore_eos=True))
             await eng.add_request("dup", "hi")
         while (await eng.get_stats()).num_running == 0:     # "dup" holds the only slot
             await asyncio.sleep(0.01)
