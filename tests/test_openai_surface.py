@@ -769,3 +769,17 @@ def test_a_large_answer_is_built_off_the_event_loop(server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
     assert sum(len(c["logprobs"]["content"]) for c in r.json()["choices"]) == 8 * 600
     assert max(waits) < 1.0, max(waits)
+
+
+def test_bad_words_banning_every_allowed_token_are_a_400(server):
+    """allowed_token_ids that bad_words leave empty would be sampled from a row of -inf (a
+    token outside them): refused, naming allowed_token_ids."""
+    url = server[0]
+    word = next(w for w in ("the", "and", "a", "is") if len(requests.post(
+        url + "/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"]) == 1)
+    tid = requests.post(url + "/tokenize", json={"prompt": word, "add_special_tokens": False}
+                        ).json()["tokens"][0]
+    body = {"prompt": "Hi", "max_tokens": 3, "allowed_token_ids": [tid]}
+    assert requests.post(url + "/v1/completions", json=body).status_code == 200
+    r = requests.post(url + "/v1/completions", json={**body, "bad_words": [word]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
