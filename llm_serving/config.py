@@ -352,15 +352,12 @@ class EngineArgs:
             kv_transfer=_kv_transfer(self.kv_transfer_config))
 
 
-# generation_config.json's keys that set a request's sampling defaults (vLLM's set), with the
-# SamplingParams field each sets and its allowed range.
+# generation_config.json's keys that set a request's sampling defaults (vLLM's set) -> the
+# SamplingParams field each sets (which checks the value).
 _GENERATION_DEFAULTS = {
-    "temperature": ("temperature", 0.0, 2.0), "top_p": ("top_p", 0.0, 1.0),
-    "top_k": ("top_k", -1, None), "min_p": ("min_p", 0.0, 1.0),
-    "repetition_penalty": ("repetition_penalty", 0.0, None),
-    "presence_penalty": ("presence_penalty", -2.0, 2.0),
-    "frequency_penalty": ("frequency_penalty", -2.0, 2.0),
-    "max_new_tokens": ("max_tokens", 1, None)}
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
 
 
 def generation_defaults(model: str, source: str, override: Optional[dict],
@@ -368,8 +365,10 @@ def generation_defaults(model: str, source: str, override: Optional[dict],
     """The sampling defaults of requests that leave a field out, as vLLM's ``--generation-
     config``: ``auto`` reads the model directory's generation_config.json, ``vllm`` none, a
     directory its generation_config.json; ``override`` goes over them. Only the keys that
-    set sampling (``_GENERATION_DEFAULTS``) count; a value out of range is a ConfigError.
-    ``max_new_tokens`` is capped at ``max_model_len`` (a request gets what is left)."""
+    set sampling (``_GENERATION_DEFAULTS``) count; a value SamplingParams refuses, or a
+    temperature above 2 (the OpenAI routes' bound), is a ConfigError. ``max_new_tokens`` is
+    capped at ``max_model_len`` (a request gets what is left)."""
+    from llm_serving.sampling_params import SamplingParams
     found: dict = {}
     if source != "vllm":
         path = os.path.join(os.path.expanduser(model if source == "auto" else source),
@@ -385,24 +384,23 @@ def generation_defaults(model: str, source: str, override: Optional[dict],
                               "vllm or a directory holding a generation_config.json)")
         if not isinstance(found, dict):
             raise ConfigError("generation_config", f"{path} does not hold a JSON object")
-    unknown = sorted(set(override or {}) - set(_GENERATION_DEFAULTS))
+    override = override or {}
+    unknown = sorted(set(override) - set(_GENERATION_DEFAULTS))
     if unknown:
         raise ConfigError("override_generation_config", f"{unknown[0]} is not a sampling "
                           f"default; known: {', '.join(_GENERATION_DEFAULTS)}")
-    found = {**found, **(override or {})}
-    out = {}
-    for key, (name, low, high) in _GENERATION_DEFAULTS.items():
-        value = found.get(key)
-        if value is None:
-            continue
-        integral = key in ("top_k", "max_new_tokens")
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (integral and not float(value).is_integer()) or value < low
-                or (high is not None and value > high)):
-            where = "override_generation_config" if key in (override or {}) else \
-                "generation_config"
-            raise ConfigError(where, f"{key}: {value!r} is not a valid default")
-        out[name] = int(value) if integral else float(value)
+    found = {**found, **override}
+    out = {name: found[key] for key, name in _GENERATION_DEFAULTS.items()
+           if found.get(key) is not None}
+    try:
+        if isinstance(out.get("temperature"), (int, float)) and out["temperature"] > 2:
+            raise ValueError(f"temperature must be in [0, 2], got {out['temperature']}")
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        bad = next((k for k, name in _GENERATION_DEFAULTS.items()
+                    if name in out and str(e).startswith(name)), "")
+        raise ConfigError("override_generation_config" if bad in override
+                          else "generation_config", str(e)) from None
     if "max_tokens" in out:
         out["max_tokens"] = min(out["max_tokens"], max_model_len)
     if out and source != "vllm":

@@ -3,7 +3,8 @@ and structured outputs (a grammar, on llguidance).
 
 Where each part runs:
 - ``prepare(params)`` (the input processor, any thread): checks ids against the vocabulary,
-  tokenizes the bad words, compiles and validates the grammar, so that a bad schema or regex
+  tokenizes the bad words, checks that some allowed token is left, compiles and validates
+  the grammar, so that a bad schema or regex
   is a ValueError (HTTP 400) before the request is queued;
 - ``apply(batch, sampled)`` (the input builder, each step): adds the logit_bias entries, the
   bad-words bans and, for rows with a grammar or allowed_token_ids, one bitmask row (one bit
@@ -97,8 +98,23 @@ class Constraints:
                     if ids:
                         seqs.add(ids)
             params.bad_words_token_ids = [list(s) for s in sorted(seqs)]
+        if params.allowed_token_ids is not None:
+            self._check_something_allowed(params)
         if params.structured_outputs is not None and params.grammar is None:
             params.grammar = self._compile(params.structured_outputs)
+
+    def _check_something_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids that the other constraints leave empty would have the sampler
+        draw from a row of -inf (a token outside them): refused by name instead."""
+        left = set(params.allowed_token_ids) - {
+            w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        if not left:
+            raise ValueError("allowed_token_ids: bad_words ban every allowed token")
+        ends = set(params.stop_token_ids or ()) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        if params.min_tokens > 0 and left <= ends:
+            raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS "
+                             f"or a stop id), so min_tokens {params.min_tokens} cannot be met")
 
     def _compile(self, so: StructuredOutputsParams) -> str:
         from llguidance import LLMatcher

@@ -78,8 +78,6 @@ class InputProcessor:
             self._check_kv_transfer(params.kv_transfer_params)
         if self.constraints is not None and (params.constrained or params.logit_bias):
             self.constraints.prepare(params)
-        if params.allowed_token_ids is not None:
-            self._check_something_allowed(params)
         text, ids = self._tokenize(prompt)
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
@@ -90,19 +88,6 @@ class InputProcessor:
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time)
-
-    def _check_something_allowed(self, params: SamplingParams) -> None:
-        """allowed_token_ids that the other constraints leave empty would have the sampler
-        draw from a row of -inf (a token outside them): refused by name instead."""
-        left = set(params.allowed_token_ids) - {
-            w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
-        if not left:
-            raise ValueError("allowed_token_ids: bad_words ban every allowed token")
-        ends = set(params.stop_token_ids or ()) | (
-            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        if params.min_tokens > 0 and left <= ends:
-            raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS "
-                             f"or a stop id), so min_tokens {params.min_tokens} cannot be met")
 
     def _check_kv_transfer(self, p: dict) -> None:
         kv = self.kv_transfer

@@ -107,6 +107,14 @@ def translate_error(e: BaseException) -> HTTPError:
     return HTTPError(500, f"internal error: {type(e).__name__}", kind="internal_error")
 
 
+def renamed(err: HTTPError, field: Optional[str]) -> HTTPError:
+    """``err`` in a route's own name for the field: the engine names its field first in the
+    message and in ``param`` (``structured_outputs: ...``); ``field`` None keeps it."""
+    if field is not None and err.param:
+        err.param, err.message = field, field + err.message[len(err.param):]
+    return err
+
+
 def output_error(message: str) -> HTTPError:
     """The HTTP error of a request the engine ended with ``message``: the request's own fault
     (a grammar the parser could not follow) is a 400, the server's (a failed model process)

@@ -31,8 +31,8 @@ from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
                                                 new_request_id, output_error,
-                                                refuse_unsupported, sse, stream_or_disconnect,
-                                                translate_error)
+                                                refuse_unsupported, renamed, sse,
+                                                stream_or_disconnect, translate_error)
 from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -155,11 +155,8 @@ async def _start(request: Request, model: str, req: GenerateRequest):
 
 def _own_names(err: HTTPError) -> HTTPError:
     """The error in this route's field names (the engine's name of a field -> ours)."""
-    field = _FIELDS.get(err.param) or (f"parameters.{err.param}" if err.param
-                                        in Parameters.model_fields else None)
-    if field is not None:
-        err.param, err.message = field, field + err.message[len(err.param):]
-    return err
+    return renamed(err, _FIELDS.get(err.param) or (
+        f"parameters.{err.param}" if err.param in Parameters.model_fields else None))
 
 
 # The engine's names of a request's fields -> this route's.

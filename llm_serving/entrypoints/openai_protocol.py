@@ -33,11 +33,12 @@ _REFUSED_CHAT = {
 }
 
 
-# What a request that leaves a sampling field out gets (OpenAI's meaning of each), unless the
-# model's generation_config.json says otherwise (EngineArgs.generation_config).
-_OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                    "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0}
+# What a request that leaves a sampling field out gets, unless the model's
+# generation_config.json says otherwise (EngineArgs.generation_config): SamplingParams' own
+# defaults, which are OpenAI's meaning of each.
+_OPENAI_DEFAULTS = {name: SamplingParams.__dataclass_fields__[name].default
+                    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                 "presence_penalty", "frequency_penalty")}
 
 
 class StreamOptions(BaseModel):

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_request,
                                                 new_request_id, openai_finish_reason,
-                                                output_error, refuse_unsupported,
+                                                output_error, refuse_unsupported, renamed,
                                                 response_id, sse,
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
@@ -91,10 +91,7 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
 def _grammar_named(err: HTTPError, grammar_field: Optional[str]) -> HTTPError:
     """A grammar error (the engine says "structured_outputs: ...") named by the request field
     the grammar came from (``guided_regex``, ``response_format``, ``tools`` ...)."""
-    if grammar_field and err.param == "structured_outputs":
-        err.param = grammar_field
-        err.message = grammar_field + err.message[len("structured_outputs"):]
-    return err
+    return renamed(err, grammar_field if err.param == "structured_outputs" else None)
 
 
 async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
