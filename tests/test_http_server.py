@@ -1030,6 +1030,9 @@ _NEW_VLLM_SERIES = [
     "time_to_first_token_seconds_sum", "request_queue_time_seconds_sum",
     "e2e_request_latency_seconds_sum", "prompt_tokens_total", "generation_tokens_total",
     "prompt_tokens_cached_total", "prefix_cache_hits_total",
+    'prompt_tokens_by_source_total{source="local_compute"}',
+    'prompt_tokens_by_source_total{source="local_cache_hit"}',
+    'prompt_tokens_by_source_total{source="external_kv_transfer"}',
     'request_params_max_tokens_count', 'request_success_total{finished_reason="abort"}']
 
 
@@ -1091,11 +1094,17 @@ def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
     assert phase["inter_token_latency_seconds"] == approx(phase["request_decode_time_seconds"])
     # Every token a step ran: the prompts' computed tokens, and each output token but the
     # last; the third request found the second's prompt blocks in the prefix cache.
-    assert d["iteration_tokens_total_sum"] == (d["prompt_tokens_total"]
+    # Prompt tokens as vLLM counts them: each once, split by where they came from.
+    source = {k: d[f'prompt_tokens_by_source_total{{source="{k}"}}']
+              for k in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert d["prompt_tokens_total"] == prompts == sum(source.values())
+    assert source["local_cache_hit"] == d["prompt_tokens_cached_total"] \
+        == d["prefix_cache_hits_total"] > 0
+    assert source["external_kv_transfer"] == 0
+    assert d["iteration_tokens_total_sum"] == (source["local_compute"]
                                                + d["generation_tokens_total"] - 3)
     assert d["iteration_tokens_total_count"] >= outputs - 3 + 1
-    assert d["prompt_tokens_cached_total"] == d["prefix_cache_hits_total"] > 0
-    assert d["request_prefill_kv_computed_tokens_sum"] == d["prompt_tokens_total"] \
+    assert d["request_prefill_kv_computed_tokens_sum"] == source["local_compute"] \
         == prompts - d["prompt_tokens_cached_total"]
 
     # An aborted request: counted under "abort", and its parameters observed.

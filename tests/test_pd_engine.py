@@ -183,6 +183,10 @@ def test_a_transfer_forced_to_time_out_follows_the_policy(tiny_model_dir, coloca
         assert outs["slow"].outputs[0].finish_reason == "abort"
         assert "KV transfer failed" in outs["slow"].error and "timed out" in outs["slow"].error
         assert st.kv_transfer_recomputes == 0
+    # /metrics' prompt tokens by source: none loaded; the aborted one never had a first token
+    computed = len(ids) + 3 if policy == "recompute" else 3
+    assert st.prompt_tokens_by_source == {"local_compute": computed, "local_cache_hit": 0,
+                                          "external_kv_transfer": 0}
     settle(P, D)             # P's offer expires unread; D's failed read ended
     assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
 

@@ -23,6 +23,9 @@ from llm_serving.outputs import RequestMetrics
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Where a prompt's tokens came from (vLLM's ``PromptTokenStats`` sources): computed here,
+# found in the prefix cache, loaded from another instance.
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 class StepHistogram:
@@ -70,6 +73,10 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0     # prompt (and recomputed) tokens run through the model
     num_generation_tokens: int = 0  # tokens sampled
+    # Each request's prompt tokens once, by source, counted as its first token is sampled
+    # (vLLM's prompt_tokens_total and prompt_tokens_by_source; recomputes are not in them).
+    prompt_tokens_by_source: dict = field(
+        default_factory=lambda: dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # tokens found there
     # KV transfer (PD disaggregation): loads by outcome ("done", "failed", "timeout"), prefills

@@ -158,6 +158,8 @@ class OutputProcessor:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 firsts += 1
+                if seq.index == 0:          # the one that computed the prompt (n > 1)
+                    self._count_prompt(seq)
             elif seq.last_token_time != previous:   # none last step: preempted, or left out
                 itl.observe(now - seq.last_token_time)
                 late += 1
@@ -271,6 +273,14 @@ class OutputProcessor:
         return text
 
     # ---- outputs --------------------------------------------------------------------------
+    def _count_prompt(self, seq: Sequence) -> None:
+        """A prompt's tokens by source, as its first token comes (``num_cached_tokens``: the
+        computed ones it started with, found in the prefix cache or loaded)."""
+        by_source = self.stats.prompt_tokens_by_source
+        by_source["local_compute"] += len(seq.prompt_token_ids) - seq.num_cached_tokens
+        by_source["local_cache_hit"] += seq.num_cached_tokens - seq.kv_external_tokens
+        by_source["external_kv_transfer"] += seq.kv_external_tokens
+
     def _request_output(self, req: RequestState) -> Optional[RequestOutput]:
         """The request's output in its output kind; None when there is nothing to send."""
         finished = req.finished

@@ -173,7 +173,7 @@ class RemoteKV:
             self._count("timeout" if "timed out" in reason else "failed")
             self.connector.request_load_done(seq)
             self.held_loads[key] = self.bm.detach(seq)        # freed once the read ended
-            seq.kv_remote_done = True
+            seq.kv_remote_done, seq.kv_external_tokens = True, 0
             seq.status = SequenceStatus.WAITING
             if self.config.kv_failure_policy == "recompute":
                 self.stats.kv_transfer_recomputes += 1

@@ -57,7 +57,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_hashes: list[int] = []         # hash chain of the full blocks' tokens
         self.cached_uids: list[Optional[int]] = []  # prefix-cache entry per registered block
-        self.num_cached_tokens = 0                # prompt tokens found in the prefix cache
+        self.num_cached_tokens = 0                # prompt tokens found cached or loaded
         # Async scheduling: tokens sampled for this sequence by steps still running on the
         # model. They are not known yet and are not in ``output_token_ids``; they count in
         # ``num_tokens`` (the scheduler plans past them) and the model runner fills the input
@@ -68,7 +68,8 @@ class Sequence:
         self.pending_children: list[Sequence] = []
         # KV transfer (PD disaggregation, engine/remote_kv.py): the caller's
         # kv_transfer_params, the ones returned to it (a producer's offer), the key and token
-        # count of a load in progress, and whether loading is over (done or given up).
+        # count of a load in progress (kept once loaded, 0 after a failed load), and whether
+        # loading is over (done or given up).
         self.kv_transfer_params: Optional[dict] = params.kv_transfer_params
         self.kv_transfer_params_out: Optional[dict] = None
         self.kv_load_key: Optional[str] = None

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from llm_serving.engine.metrics import (INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS,
-                                        EngineStats, StepHistogram)
+                                        PROMPT_TOKEN_SOURCES, EngineStats, StepHistogram)
 
 P = "llm_serving:"
 V = "vllm:"
@@ -42,7 +42,6 @@ _FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # counter name -> EngineStats field
 _VLLM_COUNTERS = {
     "num_preemptions": ("num_preemptions", "Preemptions (swap or recompute)"),
-    "prompt_tokens": ("num_prefill_tokens", "Prompt tokens computed (recompute included)"),
     "generation_tokens": ("num_generation_tokens", "Tokens generated"),
     "prefix_cache_queries": ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("prefix_cache_hits", "Tokens found in the prefix cache"),
@@ -115,9 +114,16 @@ class ServerMetrics:
         self.kv_usage = vllm(Gauge, "kv_cache_usage_perc", "KV blocks in use (0..1)")
         self.vllm_counters = {name: vllm(Counter, name, doc)
                               for name, (_, doc) in _VLLM_COUNTERS.items()}
+        # Each request's prompt tokens once, as its first token comes: in all, by source, and
+        # those not computed (found in the prefix cache or loaded from another instance).
+        self.prompt_tokens = vllm(Counter, "prompt_tokens", "Prompt tokens of the requests "
+                                  "prefilled (each once, cached or computed)")
+        by_source = vllm(Counter, "prompt_tokens_by_source", "Prompt tokens by source: "
+                         "local_compute, local_cache_hit, external_kv_transfer", ["source"])
+        self.prompt_sources = {source: by_source.labels(**labels, source=source)
+                               for source in PROMPT_TOKEN_SOURCES}
         self.cached_tokens = vllm(Counter, "prompt_tokens_cached", "Prompt tokens not computed: "
-                                  "found in the prefix cache or loaded from another instance "
-                                  "(counted when the request finishes)")
+                                  "found in the prefix cache or loaded from another instance")
         # Every finished request, labelled by why it ended (stop, length, abort here).
         self.success = vllm(Counter, "request_success", "Requests finished, by finish reason",
                             ["finished_reason"])
@@ -209,6 +215,12 @@ class ServerMetrics:
                                 (_COUNTERS, self.counters)):
             for name, (attr, _) in table.items():
                 self._advance(name, counters[name], getattr(s, attr))
+        by_source = s.prompt_tokens_by_source
+        for source, value in by_source.items():
+            self._advance(("prompt", source), self.prompt_sources[source], value)
+        self._advance("prompt_tokens", self.prompt_tokens, sum(by_source.values()))
+        self._advance("prompt_tokens_cached", self.cached_tokens,
+                      by_source["local_cache_hit"] + by_source["external_kv_transfer"])
         for reason, value in s.finished_by_reason.items():
             self._advance(("success", reason),
                           self.success.labels(**self._labels, finished_reason=reason), value)
@@ -238,8 +250,6 @@ class ServerMetrics:
                                  - m.num_cached_tokens if prefilled else None)):
                 if value is not None:
                     hist.observe(value)
-            if prefilled:
-                self.cached_tokens.inc(m.num_cached_tokens)
 
     def _advance(self, key, counter, value: int) -> None:
         """Move a counter on by what the engine counted since the previous scrape."""
