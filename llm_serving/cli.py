@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from llm_serving.cli_args import (DEFAULT_CONFIG, STOP_WITH_PARENT_ENV,  # noqa: F401
-                                  REQUEST_READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S,
+                                  REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
+                                  SHUTDOWN_TIMEOUT_S,
                                   add_engine_arguments,
                                   cli_engine_overrides, resolve_model, serve_config)
 from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
@@ -71,14 +72,16 @@ def serve(args) -> None:
     if args.shutdown_timeout < 0:
         raise ConfigError("--shutdown-timeout", f"expected seconds >= 0, got "
                           f"{args.shutdown_timeout}")
-    if args.request_read_timeout <= 0:
-        raise ConfigError("--request-read-timeout", f"expected seconds > 0, got "
-                          f"{args.request_read_timeout}")
+    for flag in ("request_read_timeout", "response_write_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError("--" + flag.replace("_", "-"), f"expected seconds > 0, got "
+                              f"{getattr(args, flag)}")
     run_server(engine_args, name, host, port, api_key=args.api_key,
                chat_template=engine_args.chat_template,
                log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
                shutdown_timeout=args.shutdown_timeout,
-               request_read_timeout=args.request_read_timeout)
+               request_read_timeout=args.request_read_timeout,
+               response_write_timeout=args.response_write_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client may take to send a whole request (head and body) "
                         "once connected; then the connection is closed (default "
                         f"{REQUEST_READ_TIMEOUT_S:g})")
+    s.add_argument("--response-write-timeout", type=float, default=RESPONSE_WRITE_TIMEOUT_S,
+                   help="seconds a client may go without reading a response being sent to "
+                        "it (a stream it stopped reading); then the connection is closed and "
+                        f"the request aborted (default {RESPONSE_WRITE_TIMEOUT_S:g})")
     s.add_argument("--dry-run", action="store_true",
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")

@@ -12,6 +12,7 @@ DEFAULT_CONFIG = "configs/llama/tiny_llama.yaml"
 # The HTTP server's bounds that are flags of `serve` (entrypoints/api_server.py, connections.py)
 SHUTDOWN_TIMEOUT_S = 5.0        # --shutdown-timeout: the drain window on SIGTERM / Ctrl-C
 REQUEST_READ_TIMEOUT_S = 30.0   # --request-read-timeout: to send a whole request
+RESPONSE_WRITE_TIMEOUT_S = 60.0  # --response-write-timeout: to read on, once a response stalls
 
 
 def find_config(name: str) -> Path:

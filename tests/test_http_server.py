@@ -1122,11 +1122,11 @@ def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
         == after["request_params_max_tokens_sum"] + 900
 
 
-def test_log_stats_interval_must_be_positive(tiny_model_dir):
+@pytest.mark.parametrize("flag", ["--log-stats-interval", "--response-write-timeout"])
+def test_server_intervals_must_be_positive(tiny_model_dir, flag):
     run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
-                          "--log-stats-interval", "0"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 2 and "--log-stats-interval" in run.stderr, run.stderr
+                          flag, "0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"{flag}: expected seconds > 0" in run.stderr, run.stderr
 
 
 # ---- shutdown with requests in flight; bounded connections ---------------------------------
@@ -1294,13 +1294,15 @@ def test_connections_are_bounded(tmp_path, tiny_model_dir):
     when every connection is busy (heads sent, bodies held back) a new one gets a JSON 503 at
     once. A connection that never completes its request is closed after
     --request-read-timeout (408 when part of a request came); an oversized head gets a 431.
-    No traceback, and no log flood."""
+    A client that stops reading its stream is cut off after --response-write-timeout, and
+    its request aborted. No traceback, and no log flood."""
     import resource
 
     def low_fd_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     proc, url, _ = start_server(tmp_path, tiny_model_dir, "--request-read-timeout", "1",
-                                "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                                "--response-write-timeout", "1",
+                                "--max-num-seqs", "8", "--max-waiting-requests", "8",
                                 preexec_fn=low_fd_limit)
     host, port = url.rsplit("/", 1)[1].split(":")
     agents = agent_pids(proc.pid)
@@ -1358,6 +1360,26 @@ def test_connections_are_bounded(tmp_path, tiny_model_dir):
             assert data.startswith(b"HTTP/1.1 431 ") and took < 2, data[:200]
         ok = requests.get(url + "/live", headers={f"X-{i}": "1" for i in range(60)}, timeout=5)
         assert ok.status_code == 200
+        # a stream the client stops reading: 8 choices of 1000 tokens, 20 logprobs each (about
+        # 16 MB, more than the socket buffers hold), read by a socket with a small window
+        aborted = metric(url, 'request_success_total{finished_reason="abort"}')
+        stream = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                             "n": 8, "max_tokens": 1000, "temperature": 1, "stream": True,
+                             "logprobs": True, "top_logprobs": 20,
+                             "ignore_eos": True}).encode()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(stream)
+                      + stream)
+            wait_until(lambda: metric(url, 'request_success_total{finished_reason="abort"}')
+                       == aborted + 1, timeout=60)
+            assert metric(url, "num_requests_running") == 0
+            data, _ = _read_to_close(s)      # what the buffers held, then the close
+        assert data.startswith(b"HTTP/1.1 200 ") and not data.endswith(b"[DONE]\n\n")
+        assert 1 << 20 < len(data) < 12 << 20
+        assert requests.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
     finally:
         code = stop_server(proc)
     err = proc.stderr.read()

@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llm_serving
-from llm_serving.cli_args import REQUEST_READ_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
+from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
+                                  SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState, error_response, logger,
                                                 translate_error)
@@ -275,10 +276,12 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
                api_key: Optional[str] = None, chat_template: Optional[str] = None,
                log_stats_interval: float = 10.0,
                shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-               request_read_timeout: Optional[float] = None) -> None:
+               request_read_timeout: float = REQUEST_READ_TIMEOUT_S,
+               response_write_timeout: float = RESPONSE_WRITE_TIMEOUT_S) -> None:
     """Load the model, then serve until SIGINT/SIGTERM; prints one line when ready.
     ``shutdown_timeout``: seconds the requests in flight may take to finish once stopped;
-    ``request_read_timeout``: seconds a client may take to send a whole request."""
+    ``request_read_timeout``: seconds a client may take to send a whole request;
+    ``response_write_timeout``: seconds it may go without reading a response."""
     import socket
 
     import uvicorn
@@ -316,7 +319,7 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     bounds = connections.ConnectionBounds(
         connections.connection_cap(engine_args.max_num_seqs, engine_args.max_waiting_requests,
                                    fd_limit),
-        REQUEST_READ_TIMEOUT_S if request_read_timeout is None else request_read_timeout)
+        request_read_timeout, response_write_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             http=connections.bounded_protocol(bounds),
                             backlog=connections.listen_backlog(fd_limit),

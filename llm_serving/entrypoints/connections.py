@@ -17,11 +17,12 @@ parses every request and writes every response.
   when no byte of a request came) and the connection is closed. uvicorn closes a
   connection idle after a response after ``timeout_keep_alive`` seconds. At shutdown, a
   request still being sent gets a 503.
+- A client that stops reading a response (a stream it asked for): once the transport's
+  buffer is full, uvicorn's flow control pauses the response; if nothing more can be written
+  for ``write_timeout`` seconds, the connection is closed. The handler sees the client gone,
+  as on a disconnect, and the engine aborts the request.
 - Errors from ``accept()`` (the open-file limit reached) are logged once a minute, not once
   per attempt (``log_accept_errors``).
-
-Not bounded here: a client that stops reading a response it asked for. Its stream pauses
-(uvicorn's flow control) and ends when the request does (max_tokens, or the shutdown).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Optional
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from llm_serving.cli_args import REQUEST_READ_TIMEOUT_S
+from llm_serving.cli_args import REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S
 
 logger = logging.getLogger("llm_serving.server")
 
@@ -97,10 +98,13 @@ class _Every:
 class ConnectionBounds:
     """One server's bounds, and its rate-limited warnings."""
 
-    def __init__(self, max_connections: int, read_timeout: float = REQUEST_READ_TIMEOUT_S):
+    def __init__(self, max_connections: int, read_timeout: float = REQUEST_READ_TIMEOUT_S,
+                 write_timeout: float = RESPONSE_WRITE_TIMEOUT_S):
         self.max_connections = max_connections
         self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
         self.warn_full = _Every()
+        self.warn_stalled = _Every()
         self.warn_invalid = _Every()
         self.warn_accept = _Every()
 
@@ -141,6 +145,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._num_headers = 0
         self._in_head = True        # between requests, or reading a head
         self._deadline: Optional[asyncio.TimerHandle] = None
+        self._stalled: Optional[asyncio.TimerHandle] = None     # writing paused, since
         self._idle_since = 0.0
         self._refused = False
 
@@ -291,8 +296,30 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().shutdown()
 
+    # ---- the write timeout -----------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._stalled = self.loop.call_later(self.bounds.write_timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
+    def _unstall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _write_timed_out(self) -> None:
+        self._stalled = None
+        self.bounds.warn_stalled(logger.warning, "a client read nothing of its response for "
+                                 "%g s: connection closed, its request aborted",
+                                 self.bounds.write_timeout)
+        self.transport.abort()
+
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._unstall()
         super().connection_lost(exc)
 
 
