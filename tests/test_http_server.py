@@ -437,6 +437,24 @@ def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
     assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[2], 300).text
 
 
+def test_llm_serving_finish_reason_is_eos_for_every_end_of_sequence_id(server, tiny_llm):
+    """The model's generation_config.json lists end ids beside the tokenizer's EOS (the tiny
+    model's <|im_end|>, Llama 3's <|eot_id|>): ending on one is "eos" on llm-serving's
+    routes, as on its own EOS; "stop_sequence" is only a request's stop string."""
+    ref = greedy(tiny_llm, "Hello", 300)     # the tiny model answers "Hello" with <|im_end|>
+    end_id = ref.token_ids[-1]
+    assert ref.finish_reason == "stop" and end_id != tiny_llm.get_tokenizer().eos_token_id
+    body = {"inputs": "Hello", "parameters": {"return_full_text": True}}
+    obj = requests.post(server + "/models/llama2/generate", json=body).json()
+    assert obj["tokens"][-1]["id"] == end_id and obj["finish_reason"] == "eos"
+    lines = requests.post(server + "/models/llama2/generate_stream", json=body).text
+    assert json.loads(lines.splitlines()[-1])["data"][0]["finish_reason"] == "eos"
+    stop = ref.text[1:3]
+    body = {"inputs": "Hello", "parameters": {"stop": [stop]}}
+    assert requests.post(server + "/models/llama2/generate",
+                         json=body).json()["finish_reason"] == "stop_sequence"
+
+
 def test_generate_stream_sends_a_line_per_token_when_the_client_lags(server, tiny_llm):
     """llm-serving's clients count a stream's lines and read each line's token. With twelve
     streams at once the engine steps faster than each handler is scheduled, and the tokens of

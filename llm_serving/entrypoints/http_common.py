@@ -201,11 +201,14 @@ def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
 
 def llm_serving_finish_reason(reason: Optional[str], stop_reason, error: Optional[str]
                               ) -> Optional[str]:
-    """llm-serving's (TGI's) words: eos, stop_sequence, length, timeout, error."""
+    """llm-serving's (TGI's) words: eos, stop_sequence, length, timeout, error. A stop
+    string is a stop_sequence; a token id is one of the model's end-of-sequence ids
+    (generation_config's others beside the tokenizer's EOS, as Llama 3's <|eot_id|>): eos,
+    since these routes take no stop_token_ids."""
     if error:
         return "timeout" if "queue_timeout" in error else "error"
     if reason == "stop":
-        return "eos" if stop_reason is None else "stop_sequence"
+        return "stop_sequence" if isinstance(stop_reason, str) else "eos"
     return reason
 
 
