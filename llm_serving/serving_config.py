@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llm_serving.config import EngineArgs
 from llm_serving.errors import ConfigError
@@ -104,6 +104,15 @@ class LegacyModelConfig(_Section):
     pad_token_id: Optional[int] = None
     backend: Optional[str] = None
     model_cfg_path: Optional[str] = None
+
+    @field_validator("seq_length", "prefill_batch_size", "decode_batch_size", "zactivate_len")
+    @classmethod
+    def _sizes(cls, value):
+        """A size, or a list of them (llm-serving's buckets; the largest is used)."""
+        sizes = value if isinstance(value, list) else [value]
+        if value is not None and (not sizes or min(sizes) <= 0):
+            raise ValueError("expected a positive integer or a non-empty list of them")
+        return value
 
 
 class LegacyServingConfig(_Section):
@@ -178,6 +187,8 @@ def _error(e: ValidationError) -> ConfigError:
         return ConfigError(loc, "missing (llm-serving requires it in this section)")
     if err["type"] == "extra_forbidden":
         return ConfigError(loc, "unknown key")
+    if err["type"] == "value_error":      # a validator's own words
+        return ConfigError(loc, f"{err['ctx']['error']}, got {err.get('input')!r}")
     return ConfigError(loc, f"{err['msg'].lower()}, got {err.get('input')!r}")
 
 
