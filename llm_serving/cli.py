@@ -21,6 +21,11 @@ from llm_serving.serving_config import load_config
 
 def server_settings(args) -> tuple:
     """(EngineArgs, served model name, host, port) from the config file and the flags."""
+    return _settings(args)[1:]
+
+
+def _settings(args) -> tuple:
+    """(the loaded config file, EngineArgs, served model name, host, port)."""
     from llm_serving.config import EngineArgs
     cfg = load_config(serve_config(args), cli_engine_overrides(args))
     warning = cfg.ignored_warning()
@@ -33,23 +38,25 @@ def server_settings(args) -> tuple:
     # serving_config.agent_ports entry unless given), as llm-serving's agents did.
     kw.setdefault("distributed_executor_backend", "mp")
     kw["model"] = resolve_model(kw["model"])
-    engine_args = EngineArgs(**kw)
+    with cfg.named_as_in_file():
+        engine_args = EngineArgs(**kw)
     # As vLLM, a --model is served under the name it was given (a path, or an HF-style id);
     # a config file's model under its model_config.model_name.
     name = (args.served_model_name or getattr(args, "model", None) or cfg.served_model_name
             or Path(kw["model"]).name)
     host = args.host or cfg.host
     port = args.port if args.port is not None else cfg.port
-    return engine_args, name, host, port
+    return cfg, engine_args, name, host, port
 
 
 def serve(args) -> None:
     from llm_serving.entrypoints.api_server import run_server
-    engine_args, name, host, port = server_settings(args)
+    cfg, engine_args, name, host, port = _settings(args)
     # Resolved once here (the model's config.json read, the KV pool sized), so a missing
     # model or an impossible setting fails before anything starts. The engine resolves them
     # again: give it the sizes decided here (the same values, and no second warning).
-    resolved = engine_args.create_engine_config()
+    with cfg.named_as_in_file():
+        resolved = engine_args.create_engine_config()
     engine_args = dataclasses.replace(engine_args, num_blocks=resolved.cache.num_blocks,
                                       max_model_len=resolved.model.max_model_len)
     from llm_serving.config import describe_kv_cache

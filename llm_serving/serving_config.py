@@ -33,6 +33,7 @@ that is present, is a ConfigError naming the key's path.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
@@ -158,6 +159,20 @@ class ServingConfig:
     ignored: dict = field(default_factory=dict)   # legacy key -> why it has no effect
     # Where the model came from, when not from llm_serving.model / --model: one line.
     model_source: Optional[str] = None
+    # engine argument -> the legacy key it was read from (when that key's value is used)
+    legacy_keys: dict = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def named_as_in_file(self):
+        """A ConfigError about an engine argument read from a legacy key names that key, the
+        one in the user's file (``model_config.max_generate_length``, not max_model_len)."""
+        try:
+            yield
+        except ConfigError as e:
+            legacy = self.legacy_keys.get(e.key)
+            if legacy is None:
+                raise
+            raise ConfigError(legacy, f"{e.problem} (read as {e.key})") from None
 
     def ignored_warning(self) -> Optional[str]:
         """One line: the ignored keys, grouped by why."""
@@ -208,23 +223,29 @@ def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> Servi
 
     kw: dict = {}
     out = ServingConfig(engine_kwargs=kw)
+    legacy = out.legacy_keys
     mc, sc, pa = cfg.model_cfg, cfg.serving_config, cfg.pa_config
     if mc is not None:
         out.served_model_name = mc.model_name
         if mc.decode_batch_size is not None:
             kw["max_num_seqs"] = _biggest(mc.decode_batch_size)
+            legacy["max_num_seqs"] = "model_config.decode_batch_size"
         if mc.max_generate_length is not None:
             kw["max_model_len"] = mc.max_generate_length
+            legacy["max_model_len"] = "model_config.max_generate_length"
         elif mc.seq_length is not None:
             kw["max_model_len"] = _biggest(mc.seq_length)
+            legacy["max_model_len"] = "model_config.seq_length"
     if pa is not None:
         for key in ("num_blocks", "block_size"):
             if getattr(pa, key) is not None:
                 kw[key] = getattr(pa, key)
+                legacy[key] = f"pa_config.{key}"
     if sc is not None:
         out.host, out.port = sc.server_ip, sc.server_port
         out.agent_ports, out.start_device_id = list(sc.agent_ports), sc.start_device_id
         kw["start_device_id"] = sc.start_device_id
+        legacy["start_device_id"] = "serving_config.start_device_id"
     if cfg.multi_stream is not None:
         knobs = dict(cfg.multi_stream)
         enabled = knobs.pop("enabled", None)
@@ -245,7 +266,11 @@ def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> Servi
                 "the engine arguments, by the same names)"))
     kw.update(cfg.llm_serving or {})
     kw.update(overrides or {})
+    for key in {**(cfg.llm_serving or {}), **(overrides or {})}:
+        legacy.pop(key, None)           # the legacy key's value is not the one used
     if sc is not None and len(sc.agent_ports) > 1:
+        if "tensor_parallel_size" not in kw:
+            legacy["tensor_parallel_size"] = "serving_config.agent_ports"
         tp = kw.setdefault("tensor_parallel_size", len(sc.agent_ports))
         if tp != len(sc.agent_ports):
             key = ("--tensor-parallel-size" if "tensor_parallel_size" in (overrides or {})

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,30 @@ def test_bad_config_names_the_key(tmp_path, text, key):
     assert str(e.value).startswith(key + ":"), str(e.value)
     if key == "llm_serving.max_num_seqz":
         assert "did you mean max_num_seqs?" in str(e.value)
+
+
+def _start_error(config: Path, *flags: str) -> str:
+    """The error line of ``start.py --config FILE --dry-run``, which must fail."""
+    r = subprocess.run([sys.executable, str(ROOT / "start.py"), "--config", str(config),
+                        "--dry-run", *flags], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    return next(line for line in r.stderr.splitlines() if line.startswith("error: "))
+
+
+def test_an_impossible_legacy_value_is_named_by_its_key_in_the_file(tmp_path, tiny_model_dir):
+    """The shipped file's max_generate_length: 4096 on a model of 2048 positions, or three
+    agent_ports for a model of 4 heads: the error names the key the user wrote, not the
+    engine argument it became; given as a flag, the flag's own name."""
+    p = tmp_path / "c.yaml"
+    for length, ports, key in [(4096, "[1]", "model_config.max_generate_length"),
+                               (1024, "[1, 2, 3]", "serving_config.agent_ports")]:
+        p.write_text(f"model_config: {{model_name: m, end_token: 2, vocab_size: 1024, "
+                     f"max_generate_length: {length}}}\n"
+                     f"serving_config: {{agent_ports: {ports}, server_port: 8835}}\n"
+                     f"llm_serving: {{model: {tiny_model_dir}}}\n")
+        assert _start_error(p).startswith(f"error: {key}: ")
+    assert _start_error(p, "--tensor-parallel-size", "3").startswith(
+        "error: tensor_parallel_size: 3 does not divide")
 
 
 def test_serve_with_only_a_model_takes_the_engine_defaults_not_the_tiny_models_file(tmp_path):

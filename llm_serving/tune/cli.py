@@ -130,7 +130,8 @@ def run_tune(args) -> int:
     kw = cfg.engine_kwargs
     mml = _max_model_len(kw)
     model_dir = resolve_model(kw["model"])
-    base = baseline_params({**kw, "model": model_dir})
+    with cfg.named_as_in_file():
+        base = baseline_params({**kw, "model": model_dir})
     # the engine's own defaults (for this model and the fixed flags)
     defaults = baseline_params({**fixed, "model": model_dir})
     space = without_fixed(default_space(mml, kw.get("tensor_parallel_size", 1),
