@@ -156,6 +156,22 @@ def test_objective_and_slo_errors_name_the_flag():
     assert make_objective("ttft-p99").direction == "minimize"
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--rate", "0"], "error: --rate: expected requests per second > 0"),
+    (["--rate", "-1"], "error: --rate: expected requests per second > 0"),
+    (["--max-output", "0"], "error: --max-output: expected a positive integer"),
+    (["--n-trials", "0"], "error: --n-trials: expected a positive integer"),
+    (["--dataset", str(LLAMA_7B)], "error: --dataset: "),
+])
+def test_bad_workload_flags_fail_naming_the_flag_before_any_trial(tmp_path, tiny_model_dir,
+                                                                   flags, needle):
+    r = subprocess.run([sys.executable, "-m", "llm_serving.cli", "tune", "--model",
+                        tiny_model_dir, "--out", str(tmp_path / "t.yaml"), "--no-progress",
+                        *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and needle in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "trial 0" not in r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("base_file", [LLAMA_7B, TINY], ids=["llama_7b", "tiny"])
 def test_tuned_yaml_round_trip(tmp_path, tiny_model_dir, base_file):
     from llm_serving.config import EngineArgs

@@ -103,6 +103,31 @@ def baseline_params(kw: dict) -> dict:
             "enable_multi_stream": e.multi_stream is not None}
 
 
+def check_arguments(args) -> None:
+    """The workload's flags, checked before any trial server starts: a bad one is a
+    ConfigError naming the flag."""
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-output", args.max_output),
+                        ("--n-trials", args.n_trials)):
+        if value is not None and value < 1:
+            raise ConfigError(flag, f"expected a positive integer, got {value}")
+    if args.budget_s <= 0:
+        raise ConfigError("--budget-s", f"expected seconds > 0, got {args.budget_s}")
+    if args.rate is not None and not args.rate > 0:      # inf: all at once
+        raise ConfigError("--rate", f"expected requests per second > 0, got {args.rate} "
+                          "(--all-at-once sends every prompt at once)")
+    if not Path(args.dataset).is_file():
+        raise ConfigError("--dataset", f"file {args.dataset!r} not found")
+    try:
+        rows = json.loads(Path(args.dataset).read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError("--dataset", f"{args.dataset!r} is not JSON: {e}") from None
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and isinstance(r.get("instruction"), str)
+            and isinstance(r.get("output"), str) for r in rows[:args.num_prompts]):
+        raise ConfigError("--dataset", f"{args.dataset!r} is not an alpaca-style JSON list of "
+                          "records with instruction, input and output")
+
+
 def run_tune(args) -> int:
     from llm_serving.cli_args import cli_engine_overrides, resolve_model, serve_config
     from llm_serving.serving_config import load_config
@@ -118,12 +143,7 @@ def run_tune(args) -> int:
         raise SystemExit("error: llm-serving tune needs Optuna: pip install -e '.[tune]'") \
             from None
     objective = make_objective(args.objective, args.slo)
-    if args.num_prompts < 1:
-        raise ConfigError("--num-prompts", f"expected a positive integer, got {args.num_prompts}")
-    if args.budget_s <= 0:
-        raise ConfigError("--budget-s", f"expected seconds > 0, got {args.budget_s}")
-    if not Path(args.dataset).is_file():
-        raise ConfigError("--dataset", f"file {args.dataset!r} not found")
+    check_arguments(args)
     base_path = serve_config(args)        # None: --model alone, the engine's defaults
     fixed = cli_engine_overrides(args)
     cfg = load_config(base_path, fixed)          # a bad base file fails here, not per trial
