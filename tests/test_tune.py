@@ -286,6 +286,25 @@ def test_a_killed_tune_leaves_no_trial_server(tmp_path, tiny_model_dir):
                 pass
 
 
+def test_sigterm_stops_the_search_as_ctrl_c_does(tmp_path, tiny_model_dir):
+    """kill, timeout or a cancelled job sends SIGTERM: the trials done so far are not lost
+    (the best is written), and the trial under way is stopped with its shared memory."""
+    out = tmp_path / "tuned.yaml"
+    proc, lines, servers = _tune_until_a_trial_server(out, tmp_path / "work", tiny_model_dir)
+    try:
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + rest
+    assert proc.returncode == 130 and f"wrote {out}" in text, text
+    assert "interrupted" in out.read_text()
+    for pid in servers:
+        assert not _left_behind(pid), f"trial server {pid} left {_left_behind(pid)}"
+
+
 def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_dir):
     out, work = tmp_path / "tuned.yaml", tmp_path / "work"
     proc, lines, servers = _tune_until_a_trial_server(out, work, tiny_model_dir)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -144,6 +146,10 @@ def run_tune(args) -> int:
             from None
     objective = make_objective(args.objective, args.slo)
     check_arguments(args)
+    # SIGTERM (kill, timeout, a cancelled job) stops the search as Ctrl-C does: the trial
+    # under way is dropped and the best so far written. Taken as a SIGINT, it is held back
+    # while a trial server is being stopped, as a Ctrl-C is.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     base_path = serve_config(args)        # None: --model alone, the engine's defaults
     fixed = cli_engine_overrides(args)
     cfg = load_config(base_path, fixed)          # a bad base file fails here, not per trial
