@@ -162,6 +162,7 @@ def test_objective_and_slo_errors_name_the_flag():
     (["--max-output", "0"], "error: --max-output: expected a positive integer"),
     (["--n-trials", "0"], "error: --n-trials: expected a positive integer"),
     (["--dataset", str(LLAMA_7B)], "error: --dataset: "),
+    (["--out", "configs"], "error: --out: 'configs' is a directory"),
 ])
 def test_bad_workload_flags_fail_naming_the_flag_before_any_trial(tmp_path, tiny_model_dir,
                                                                    flags, needle):

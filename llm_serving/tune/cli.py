@@ -106,7 +106,7 @@ def baseline_params(kw: dict) -> dict:
 
 
 def check_arguments(args) -> None:
-    """The workload's flags, checked before any trial server starts: a bad one is a
+    """The flags, checked before any trial server starts: a bad one is a
     ConfigError naming the flag."""
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-output", args.max_output),
                         ("--n-trials", args.n_trials)):
@@ -114,6 +114,9 @@ def check_arguments(args) -> None:
             raise ConfigError(flag, f"expected a positive integer, got {value}")
     if args.budget_s <= 0:
         raise ConfigError("--budget-s", f"expected seconds > 0, got {args.budget_s}")
+    if Path(args.out).is_dir():
+        raise ConfigError("--out", f"{args.out!r} is a directory; give the config file to "
+                          "write, e.g. tuned.yaml in it")
     if args.rate is not None and not args.rate > 0:      # inf: all at once
         raise ConfigError("--rate", f"expected requests per second > 0, got {args.rate} "
                           "(--all-at-once sends every prompt at once)")
