@@ -157,7 +157,10 @@ def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generato
     return rng.gamma(burstiness, theta, n)
 
 
-async def run(args) -> dict:
+async def run(args, time_limit: Optional[float] = None) -> dict:
+    """Send the requests and collect their records. ``time_limit``: seconds the requests may
+    take from the first send (the set-up before it, counting output lengths, is not timed);
+    past it they are cancelled and asyncio.TimeoutError is raised."""
     import aiohttp
     from tqdm import tqdm
     rng = random.Random(args.seed)
@@ -185,12 +188,19 @@ async def run(args) -> dict:
                 rec = await send(session, args, model, prompt, n, t_start)
             bar.update(1)
             return rec
-        tasks = []
-        for (prompt, _, n), gap in zip(data, gaps):
-            if gap > 0:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.ensure_future(one(prompt, n)))
-        records = await asyncio.gather(*tasks)
+
+        async def send_all():
+            tasks = []
+            for (prompt, _, n), gap in zip(data, gaps):
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                tasks.append(asyncio.ensure_future(one(prompt, n)))
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:       # cancelled (time limit): their requests are dropped
+                    task.cancel()
+        records = await asyncio.wait_for(send_all(), time_limit)
         duration = time.perf_counter() - t_start
         bar.close()
     return {"model": model, "duration": duration, "records": records}

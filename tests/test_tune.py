@@ -3,6 +3,7 @@ round trip through load_config, a real trial server that fails to start, and a r
 to a real ``llm-serving tune`` (the best so far written, no server or segment left)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -204,6 +205,33 @@ def test_trial_server_that_cannot_start_fails_with_its_reason(tmp_path, tiny_mod
                                                "num_blocks": 4}, ["bad"])
     with pytest.raises(TrialFailed, match="num_blocks"):
         TrialServer(config, tmp_path / "bad.log", startup_timeout=120)
+
+
+def test_a_rungs_time_limit_counts_the_requests_not_the_clients_set_up(tmp_path,
+                                                                       tiny_model_dir,
+                                                                       monkeypatch):
+    """The limit is slack x the fastest run's duration, which runs from the first request
+    sent; the client's set-up before it (loading the tokenizer, counting output lengths)
+    must not count, or on a short rung every trial is pruned as slower than the best,
+    the best's own setting included."""
+    from clients import benchmark_serving as bs
+    from llm_serving.tune.trial_server import Workload, run_client
+    workload = Workload(dataset=str(ROOT / "clients" / "data" / "alpaca_5010.json"),
+                        request_rate=float("inf"), max_output=8, tokenizer=tiny_model_dir)
+    server = TrialServer(None, tmp_path / "s.log", startup_timeout=120,
+                         extra_args=("--model", tiny_model_dir, "--max-model-len", "256"))
+    try:
+        duration = run_client(server.url, workload, 4)["duration"]
+        counted = bs.output_lengths
+
+        async def slow_set_up(*args):
+            await asyncio.sleep(3.0)
+            return await counted(*args)
+        monkeypatch.setattr(bs, "output_lengths", slow_set_up)
+        summary = run_client(server.url, workload, 4, time_limit=duration + 2.0)
+        assert summary["completed"] == 4
+    finally:
+        server.stop()
 
 
 def _procs_where(field: int, value: int) -> list[int]:
