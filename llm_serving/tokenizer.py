@@ -11,7 +11,7 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from llm_serving.errors import ModelLoadError
 
@@ -638,12 +638,24 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> List[Optional[str]]:
-        """Token strings; None for ids outside the vocabulary (as transformers), which decode skips."""
+    def convert_ids_to_tokens(self, ids: Union[int, Iterable[int]]):
+        """Token strings; None for ids outside the vocabulary (as transformers), which decode
+        skips. One id gives one string, as transformers' does."""
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
         return [self._backend.id_to_token(i) for i in ids]
 
-    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> List[Optional[int]]:
-        return [self._backend.token_to_id(t) for t in tokens]
+    def convert_tokens_to_ids(self, tokens: Union[str, Iterable[str]]):
+        """Token ids; a token outside the vocabulary is the unknown token's id (None without
+        one). One token string gives one id, as transformers' does (vLLM scripts write
+        ``stop_token_ids=[tok.convert_tokens_to_ids("<|eot_id|>")]``)."""
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(t) for t in tokens]
+
+    def _token_id(self, token: str) -> Optional[int]:
+        tid = self._backend.token_to_id(token)
+        return self.unk_token_id if tid is None else tid
 
     def convert_tokens_to_string(self, tokens: List[str]) -> str:
         """Join tokens into text as decode() would (used by the incremental detokenizer)."""

@@ -272,3 +272,15 @@ def test_generation_config_eos_int_and_config_fallback(tiny_dir, tmp_path):
     cfg["eos_token_id"] = [2, 4]
     (d / "config.json").write_text(json.dumps(cfg))
     assert Tokenizer.from_pretrained(str(d)).eos_token_ids == {2, 4}
+
+
+def test_convert_one_token_or_id_as_transformers(pair):
+    """vLLM scripts write ``stop_token_ids=[tok.convert_tokens_to_ids("<|eot_id|>")]``: one
+    token string gives one id (not a list of its characters' ids), one id one string."""
+    ours, hf = pair
+    for token in ("</s>", "<s>", "not-a-token-in-the-vocab"):
+        assert ours.convert_tokens_to_ids(token) == hf.convert_tokens_to_ids(token)
+    tokens = ["</s>", "not-a-token-in-the-vocab"]
+    assert ours.convert_tokens_to_ids(tokens) == hf.convert_tokens_to_ids(tokens)
+    for tid in (2, 40, ours.vocab_size + 5):
+        assert ours.convert_ids_to_tokens(tid) == hf.convert_ids_to_tokens(tid)
