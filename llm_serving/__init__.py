@@ -8,10 +8,12 @@ _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 from llm_serving.outputs import CompletionOutput, RequestOutput  # noqa: F401
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 from llm_serving.config import EngineArgs  # noqa: F401
+from llm_serving.inputs import TextPrompt, TokensPrompt  # noqa: F401
 
 __version__ = "0.1.0"
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLM", "LLMEngine",
-           "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "TextPrompt", "TokensPrompt",
+           "__version__"]
 
 
 def __getattr__(name):

@@ -183,3 +183,19 @@ def test_prompt_longer_than_model_is_refused(tiny_llm):
         tiny_llm.generate({"prompt_token_ids": [5] * 5000}, SamplingParams(max_tokens=4))
     # The engine is still usable afterwards.
     assert tiny_llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs
+
+
+def test_vllm_prompt_dicts_and_one_priority(tiny_llm):
+    """A vLLM script passes TextPrompt / TokensPrompt dicts (imported from the package, as
+    from vllm) and may give one priority for every prompt."""
+    from llm_serving import TextPrompt, TokensPrompt
+    tok = tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain, text, ids = tiny_llm.generate(
+        ["Hello there", TextPrompt(prompt="Hello there"),
+         TokensPrompt(prompt_token_ids=tok.encode("Hello there"))], params, priority=0)
+    assert text.prompt == plain.prompt == "Hello there"
+    assert text.prompt_token_ids == plain.prompt_token_ids == ids.prompt_token_ids
+    assert text.outputs[0].token_ids == plain.outputs[0].token_ids == ids.outputs[0].token_ids
+    with pytest.raises(ValueError, match="TextPrompt"):
+        tiny_llm.generate({"text": "Hello"}, params)

@@ -102,9 +102,13 @@ class InputProcessor:
                              f"kv_both instance, this one is {kv.kv_role}")
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            # vLLM's TextPrompt: {"prompt": text} is tokenized as the text alone would be.
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError("a prompt dict needs 'prompt_token_ids' (a TokensPrompt) or "
+                                 f"a 'prompt' string (a TextPrompt), got keys {list(prompt)}")
+            prompt = prompt["prompt"]
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt_token_ids'")
             try:
                 ids = [int(t) for t in prompt["prompt_token_ids"]]
             except (TypeError, ValueError):
@@ -115,7 +119,8 @@ class InputProcessor:
                 raise ValueError("prompt: it is empty")
             text, ids = prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         else:
-            raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
+            raise TypeError(f"a prompt is a string, {{'prompt': text}} or "
+                            f"{{'prompt_token_ids': [...]}}, "
                             f"got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: it is empty")

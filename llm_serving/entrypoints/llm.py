@@ -27,9 +27,11 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False,
-                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)      # one for every prompt, as vLLM's
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()
                                ] * len(prompts)
