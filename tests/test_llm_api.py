@@ -199,3 +199,25 @@ def test_vllm_prompt_dicts_and_one_priority(tiny_llm):
     assert text.outputs[0].token_ids == plain.outputs[0].token_ids == ids.outputs[0].token_ids
     with pytest.raises(ValueError, match="TextPrompt"):
         tiny_llm.generate({"text": "Hello"}, params)
+
+
+def test_chat_takes_vllms_arguments(tiny_llm):
+    """vLLM's LLM.chat arguments: use_tqdm third, OpenAI text parts, continue_final_message,
+    tools and chat_template_kwargs (both reach the template)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    conv = [{"role": "user", "content": "Hi there"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                          {"type": "text", "text": "there"}]}]
+    plain = tiny_llm.chat(conv, params, False)[0]
+    assert tiny_llm.chat(parts, params)[0].prompt == plain.prompt.replace("Hi there", "Hi\nthere")
+    cont = tiny_llm.chat(conv + [{"role": "assistant", "content": "Well,"}], params,
+                         add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("<|im_start|>assistant\nWell,")
+    template = ("{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+                "{{ tools[0]['function']['name'] }}|{{ flavour }}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    out = tiny_llm.chat(conv, params, chat_template=template, tools=tools,
+                        chat_template_kwargs={"flavour": "plain"})[0]
+    assert out.prompt == "Hi there|get_weather|plain"
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tiny_llm.chat(conv, params, continue_final_message=True)

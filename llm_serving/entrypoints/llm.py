@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from llm_serving.config import EngineArgs
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
+from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,21 +63,43 @@ class LLM:
             raise
         return self._run(order, use_tqdm)
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
+                                                   None] = None,
+             use_tqdm: bool = False, *, priority: Union[int, Sequence[int], None] = None,
              chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of conversations."""
+             continue_final_message: bool = False, tools: Optional[list] = None,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of conversations, with
+        vLLM's arguments in vLLM's order. A message's content may be a string or OpenAI's list
+        of text parts (joined with newlines); ``tools`` and ``chat_template_kwargs`` go to the
+        chat template; ``continue_final_message`` carries on the last message instead of
+        starting a new turn."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: it continues the last message, so "
+                             "add_generation_prompt must be False (it defaults to True)")
+        kwargs = dict(chat_template_kwargs or {})
+        taken = sorted({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                        "chat_template"} & kwargs.keys())
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {taken[0]!r} is chat()'s own argument, "
+                             "not a template variable to set here")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = chat_template or self.engine.config.model.chat_template
         prompts = []
         for conv in conversations:
+            try:
+                conv = [ChatMessage.model_validate(m).for_template() for m in conv]
+            except ValidationError as e:
+                raise ValueError(f"messages: {e.errors()[0]['msg']} at "
+                                 f"{e.errors()[0]['loc']}") from None
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=template)
+                conv, add_generation_prompt=add_generation_prompt, chat_template=template,
+                continue_final_message=continue_final_message, tools=tools, **kwargs)
             # The template already holds any BOS token; don't add a second one.
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text,
                                                                       add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def _run(self, order: dict, use_tqdm: bool) -> list[RequestOutput]:
         results: list[Optional[RequestOutput]] = [None] * len(order)
