@@ -221,3 +221,21 @@ def test_chat_takes_vllms_arguments(tiny_llm):
     assert out.prompt == "Hi there|get_weather|plain"
     with pytest.raises(ValueError, match="add_generation_prompt"):
         tiny_llm.chat(conv, params, continue_final_message=True)
+
+
+def test_vllm_arguments_without_effect_are_accepted_and_named(tiny_model_dir, caplog):
+    """LLM(model, gpu_memory_utilization=0.9, trust_remote_code=True), as vLLM scripts write
+    it, runs (with one warning naming what has no effect); a misspelt argument is refused."""
+    from llm_serving import LLM
+    with caplog.at_level("WARNING", logger="llm_serving.entrypoints.llm"):
+        llm = LLM(tiny_model_dir, num_blocks=64, gpu_memory_utilization=0.9,
+                  trust_remote_code=True, disable_log_stats=True)
+    warned = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(warned) == 1
+    assert all(k in warned[0] for k in ("gpu_memory_utilization", "trust_remote_code",
+                                        "disable_log_stats"))
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ConfigError) as e:
+        LLM(tiny_model_dir, gpu_memory_utilisation=0.9)
+    assert e.value.key == "gpu_memory_utilisation"
