@@ -122,7 +122,8 @@ class SamplingParams:
     prompt_logprobs: same for prompt tokens (0..20).
     skip_special_tokens, spaces_between_special_tokens: detokenizer options.
     include_stop_str_in_output: keep the matched stop string in the text.
-    detokenize: produce text at all.
+    detokenize: produce text at all; False: the outputs' text is "" and logprobs' decoded_token
+        None (vLLM's), and stop strings are refused.
     output_kind: what each streamed output holds (RequestOutputKind; default cumulative).
     logit_bias: token id -> value added to its logit before sampling ([-100, 100], at most
         300 entries; OpenAI's).
@@ -320,6 +321,8 @@ class SamplingParams:
                 need(0 <= value <= MAX_LOGPROBS,
                      f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
         need("" not in self.stop, "stop must not contain an empty string")
+        need(self.detokenize or not self.stop,
+             "stop: stop strings are matched on the text, so they need detokenize=True")
         need(len(self.stop) <= MAX_STOPS,
              f"stop must hold at most {MAX_STOPS} strings, got {len(self.stop)}")
         stop_chars = sum(map(len, self.stop))

@@ -239,3 +239,20 @@ def test_vllm_arguments_without_effect_are_accepted_and_named(tiny_model_dir, ca
     with pytest.raises(ConfigError) as e:
         LLM(tiny_model_dir, gpu_memory_utilisation=0.9)
     assert e.value.key == "gpu_memory_utilisation"
+
+
+def test_detokenize_false_gives_ids_without_text(tiny_llm):
+    """SamplingParams(detokenize=False), as vLLM: the same tokens, no text, logprobs' and
+    prompt logprobs' decoded_token None; stop strings (matched on text) are refused."""
+    kw = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    with_text = tiny_llm.generate("Hello there", SamplingParams(**kw))[0]
+    ids_only = tiny_llm.generate("Hello there", SamplingParams(detokenize=False, **kw))[0]
+    out = ids_only.outputs[0]
+    assert out.token_ids == with_text.outputs[0].token_ids and with_text.outputs[0].text
+    assert out.text == ""
+    assert all(lp.decoded_token is None for entry in out.logprobs for lp in entry.values())
+    assert all(lp.decoded_token is None for entry in ids_only.prompt_logprobs[1:]
+               for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(with_text.outputs[0].cumulative_logprob)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

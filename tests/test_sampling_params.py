@@ -25,7 +25,7 @@ def test_keyword_names_are_vllms():
                        stop_token_ids=[7], ignore_eos=True, max_tokens=100, min_tokens=5,
                        logprobs=5, prompt_logprobs=1, skip_special_tokens=False,
                        spaces_between_special_tokens=False, include_stop_str_in_output=True,
-                       detokenize=False)
+                       detokenize=True)   # False with stop: refused, as vLLM
     assert p.top_k == 40 and p.stop == ["###"] and p.max_tokens == 100
 
 

@@ -63,6 +63,10 @@ class StepInFlight:
     dumps: tuple = ()                            # LogitsDumper.plan, when dumping
 
 
+def _no_text(token_id: int) -> None:
+    return None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int):
         self.tokenizer = tokenizer
@@ -167,7 +171,8 @@ class OutputProcessor:
             if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
                 self._record_logprobs(seq, row, token, result)
             status = self._stop_token(seq, token)
-            stepped = status is None or seq.params.include_stop_str_in_output
+            stepped = (status is None or seq.params.include_stop_str_in_output) \
+                and seq.params.detokenize
             if stepped:
                 seq.detokenizer.step([token])   # an EOS or stop id's text is left out (vLLM)
             if status is None:
@@ -215,9 +220,10 @@ class OutputProcessor:
 
     # ---- logprobs -------------------------------------------------------------------------
     def _logprob_entry(self, token: int, logprob: float, rank: Optional[int], top_ids,
-                       top_lps) -> dict[int, Logprob]:
-        """vLLM's shape: the token itself, then its top alternatives by rank."""
-        text = self._token_text
+                       top_lps, detokenize: bool = True) -> dict[int, Logprob]:
+        """vLLM's shape: the token itself, then its top alternatives by rank (their text
+        None without detokenize, as vLLM's)."""
+        text = self._token_text if detokenize else _no_text
         entry = {token: Logprob(logprob, rank, text(token))}
         for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), 1):
             if tid not in entry:
@@ -232,7 +238,7 @@ class OutputProcessor:
         seq.output_logprobs.append(self._logprob_entry(
             token, lp, int(r.ranks[row]) if r.ranks is not None else None,
             r.top_token_ids[row][:k].tolist() if top else (),
-            r.top_logprobs[row][:k].tolist() if top else ()))
+            r.top_logprobs[row][:k].tolist() if top else (), seq.params.detokenize))
 
     @staticmethod
     def _name_partial_character(seq: Sequence, token: int) -> None:
@@ -261,7 +267,7 @@ class OutputProcessor:
             row += min(again, count)
             for tid in seq.prompt_token_ids[first + again:first + count]:
                 scored.append(self._logprob_entry(tid, lps[row], ranks[row], top_ids[row][:k],
-                                                  top_lps[row][:k]))
+                                                  top_lps[row][:k], seq.params.detokenize))
                 row += 1
 
     def _token_text(self, token_id: int) -> str:
