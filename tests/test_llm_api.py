@@ -256,3 +256,16 @@ def test_detokenize_false_gives_ids_without_text(tiny_llm):
     assert out.cumulative_logprob == pytest.approx(with_text.outputs[0].cumulative_logprob)
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_reset_prefix_cache(tiny_llm):
+    """llm.reset_prefix_cache(), as vLLM's (its prefix-caching benchmarks call it between
+    runs): a repeated prompt is served from the cache, and after a reset it is not."""
+    prompt = {"prompt_token_ids": list(range(5, 5 + 40))}       # more than two 16-token blocks
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    tiny_llm.generate(prompt, params)
+    assert tiny_llm.generate(prompt, params)[0].num_cached_tokens >= 32
+    assert tiny_llm.reset_prefix_cache() is True
+    again = tiny_llm.generate(prompt, params)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == tiny_llm.generate(prompt, params)[0].outputs[0].token_ids

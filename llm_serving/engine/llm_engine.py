@@ -261,6 +261,15 @@ class LLMEngine:
         while len(metrics) > kept:          # the warm-up's own timings
             metrics.pop()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): the next prompts are
+        computed in full. False, and nothing done, while a request is unfinished."""
+        if self.requests or any(self.block_manager.ref_counts):
+            return False
+        self._drain()        # a step of requests that have ended may still be running
+        self.block_manager.reset()
+        return True
+
     def runner_alive(self) -> bool:
         is_alive = getattr(self.runner, "is_alive", None)
         return is_alive() if is_alive is not None else True

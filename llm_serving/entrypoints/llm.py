@@ -40,6 +40,10 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's: True once done, False while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params: the model's
         generation_config.json defaults (``generation_config``), as vLLM's."""
