@@ -34,6 +34,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 CPU_ALLREDUCE = ("shm", "mccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's (and torch's) other names for them
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 # KV cache storage (vLLM's --kv-cache-dtype): auto is the backend's own (float32 on CPU,
 # float16 on Ascend); float16 and bfloat16 halve a CPU block's bytes.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -181,6 +183,10 @@ class EngineArgs:
         if (not isinstance(self.kv_cache_space, (int, float)) or isinstance(self.kv_cache_space, bool)
                 or self.kv_cache_space <= 0):
             raise ConfigError("kv_cache_space", f"expected GiB > 0, got {self.kv_cache_space!r}")
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
+            self.dtype = str(self.dtype)[len("torch."):]     # a torch.dtype, as vLLM takes
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

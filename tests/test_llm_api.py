@@ -269,3 +269,16 @@ def test_reset_prefix_cache(tiny_llm):
     again = tiny_llm.generate(prompt, params)[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == tiny_llm.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_dtype_takes_vllms_names(tiny_model_dir):
+    """dtype="float" and torch.float32, as vLLM scripts write them, are float32; "half" is
+    float16 (refused on CPU by that name)."""
+    import torch
+    from llm_serving import EngineArgs
+    assert EngineArgs(model=tiny_model_dir, dtype="float").dtype == "float32"
+    assert EngineArgs(model=tiny_model_dir, dtype=torch.float32).dtype == "float32"
+    assert EngineArgs(model=tiny_model_dir, dtype=torch.bfloat16).dtype == "bfloat16"
+    assert EngineArgs(model=tiny_model_dir, dtype="half").dtype == "float16"
+    with pytest.raises(ConfigError, match="float64"):
+        EngineArgs(model=tiny_model_dir, dtype=torch.float64)
