@@ -282,3 +282,19 @@ def test_dtype_takes_vllms_names(tiny_model_dir):
     assert EngineArgs(model=tiny_model_dir, dtype="half").dtype == "float16"
     with pytest.raises(ConfigError, match="float64"):
         EngineArgs(model=tiny_model_dir, dtype=torch.float64)
+
+
+def test_generate_takes_more_prompts_than_the_waiting_queue(tiny_model_dir):
+    """vLLM's offline API takes any number of prompts; max_waiting_requests bounds the
+    server's queue, not a generate() call: the prompts beyond it wait their turn."""
+    from llm_serving import LLM
+    llm = LLM(tiny_model_dir, num_blocks=64, max_waiting_requests=3, max_num_seqs=2)
+    prompts = [f"Prompt number {i}" for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.prompt for o in outs] == prompts
+    assert all(o.finished and len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert outs[7].outputs[0].token_ids == llm.generate(prompts[7], params)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt"):       # checked before any runs
+        llm.generate(prompts[:5] + [""], params)
+    assert not llm.engine.has_unfinished_requests()

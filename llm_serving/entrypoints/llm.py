@@ -1,6 +1,7 @@
 """The offline API, with vLLM's names: ``LLM(model=...).generate(prompts, sampling_params)``."""
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Optional, Sequence, Union
 
@@ -10,6 +11,7 @@ from tqdm import tqdm
 from llm_serving.config import EngineArgs
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
+from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -73,18 +75,13 @@ class LLM:
                 if p.output_kind is not RequestOutputKind.FINAL_ONLY:
                     final[id(p)] = p.clone()
                     final[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
-        order = {}
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                rid = self.engine.add_request(prompt, final[id(params)],
-                                              request_id=f"llm-{id(self)}-{i}",
-                                              priority=priority[i] if priority else 0)
-                order[rid] = i
-        except Exception:
-            for rid in order:
-                self.engine.abort_request(rid)
-            raise
-        return self._run(order, use_tqdm)
+        # Every prompt is checked before any runs; they are queued as the waiting queue
+        # (max_waiting_requests, the server's bound) has room, so any number can be given.
+        news = [self.engine.process_request(prompt, final[id(params)],
+                                            request_id=f"llm-{id(self)}-{i}",
+                                            priority=priority[i] if priority else 0)
+                for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
+        return self._run(news, use_tqdm)
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                    None] = None,
@@ -124,12 +121,20 @@ class LLM:
                                                                       add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, priority)
 
-    def _run(self, order: dict, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, news: list, use_tqdm: bool) -> list[RequestOutput]:
+        order = {new.request_id: i for i, new in enumerate(news)}
+        pending = collections.deque(news)
         results: list[Optional[RequestOutput]] = [None] * len(order)
         remaining = len(order)
         bar = tqdm(total=remaining, desc="Processed prompts", disable=not use_tqdm)
         try:
             while remaining:
+                while pending:
+                    try:
+                        self.engine.add_processed(pending[0])
+                    except QueueFullError:
+                        break
+                    pending.popleft()
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
