@@ -298,3 +298,18 @@ def test_generate_takes_more_prompts_than_the_waiting_queue(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt"):       # checked before any runs
         llm.generate(prompts[:5] + [""], params)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("method, args", [("encode", ("Hello",)), ("embed", ("Hello",)),
+                                          ("classify", ("Hello",)), ("reward", ("Hello",)),
+                                          ("score", ("a", "b"))])
+def test_pooling_methods_are_refused_by_name(tiny_llm, method, args):
+    """vLLM's pooling methods exist and refuse with a ValueError naming the method, as vLLM
+    does on a generative model, instead of an AttributeError that reads like a typo."""
+    with pytest.raises(ValueError, match=f"LLM.{method}\\(\\).*generative models only"):
+        getattr(tiny_llm, method)(*args)
+
+
+def test_beam_search_is_refused_by_name(tiny_llm):
+    with pytest.raises(NotImplementedError, match="beam_search"):
+        tiny_llm.beam_search([{"prompt": "Hello"}], None)

@@ -29,6 +29,12 @@ VLLM_NO_EFFECT = {
 }
 
 
+def _no_pooling(method: str) -> ValueError:
+    return ValueError(f"LLM.{method}() is for pooling models (embeddings, classification, "
+                      "scores); llm_serving runs generative models only: use generate() or "
+                      "chat()")
+
+
 class LLM:
     def __init__(self, model: str, **engine_args):
         ignored = [k for k in engine_args if k in VLLM_NO_EFFECT]
@@ -120,6 +126,27 @@ class LLM:
                             "prompt_token_ids": self.tokenizer.encode(text,
                                                                       add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, priority)
+
+    # vLLM's pooling-model methods, and its beam search: refused by name, as vLLM refuses
+    # pooling on a generative model, rather than as a missing attribute.
+    def encode(self, *args, **kwargs):
+        raise _no_pooling("encode")
+
+    def embed(self, *args, **kwargs):
+        raise _no_pooling("embed")
+
+    def classify(self, *args, **kwargs):
+        raise _no_pooling("classify")
+
+    def score(self, *args, **kwargs):
+        raise _no_pooling("score")
+
+    def reward(self, *args, **kwargs):
+        raise _no_pooling("reward")
+
+    def beam_search(self, *args, **kwargs):
+        raise NotImplementedError("LLM.beam_search() is not supported by llm_serving; "
+                                  "SamplingParams(n=..., seed=...) samples several outputs")
 
     def _run(self, news: list, use_tqdm: bool) -> list[RequestOutput]:
         order = {new.request_id: i for i, new in enumerate(news)}
