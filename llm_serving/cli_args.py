@@ -54,7 +54,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     generated from EngineArgs so the CLI, the YAML and LLM(...) take the same knobs."""
     import dataclasses
     import typing
-    from llm_serving.config import EngineArgs
+    from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs
     group = parser.add_argument_group("engine arguments (override the config file)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -77,6 +77,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, dest=f.name, type=base, default=None,
                                metavar=f.name.upper(), help=help)
+    # vLLM's flags that mean nothing here: taken, with a warning (cli_engine_overrides)
+    for name, why in VLLM_NO_EFFECT_ARGS.items():
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                           **({"type": float, "metavar": "FRACTION"}
+                              if name == "gpu_memory_utilization" else {"action": "store_true"}),
+                           help=f"vLLM's flag, taken for its command lines; no effect: {why}")
 
 
 def _json_object(text: str) -> dict:
@@ -91,7 +97,10 @@ def _json_object(text: str) -> dict:
 
 
 def cli_engine_overrides(args: argparse.Namespace) -> dict:
+    """The engine arguments given on the command line (warning of vLLM's no-effect ones)."""
     import dataclasses
-    from llm_serving.config import EngineArgs
+    from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
+    drop_no_effect_args({k: True for k in VLLM_NO_EFFECT_ARGS if getattr(args, k, None)},
+                        "the command line")
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
             if getattr(args, f.name, None) is not None}

@@ -40,6 +40,16 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 # float16 on Ascend); float16 and bfloat16 halve a CPU block's bytes.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# vLLM's engine arguments that mean nothing on this engine, whatever their value: LLM(...) and
+# the command line take them with one warning (drop_no_effect_args), so that a vLLM script or
+# command line runs; any other unknown argument is refused by name.
+VLLM_NO_EFFECT_ARGS = {
+    "gpu_memory_utilization": "the KV pool is kv_cache_space GiB or num_blocks, as vLLM-CPU "
+                              "sizes it from VLLM_CPU_KVCACHE_SPACE, not from this fraction",
+    "trust_remote_code": "models run on this package's own model code; none is loaded from "
+                         "the model directory",
+    "disable_custom_all_reduce": "there is no CUDA all-reduce to turn off",
+}
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
 # `vllm bench serve` (docs/benchmarks.md).
@@ -48,6 +58,16 @@ MAX_CAPTURE_BATCH = 32
 
 def _arg(default, help: str):
     return field(default=default, metadata={"help": help})
+
+
+def drop_no_effect_args(kwargs: dict, where: str, table: dict = VLLM_NO_EFFECT_ARGS) -> dict:
+    """``kwargs`` without the arguments of ``table`` (name -> why it has no effect), with one
+    warning naming those given."""
+    given = [k for k in kwargs if k in table]
+    if given:
+        logger.warning("%s: these vLLM arguments have no effect here: %s", where,
+                       "; ".join(f"{k} ({table[k]})" for k in given))
+    return {k: v for k, v in kwargs.items() if k not in table}
 
 
 @dataclass

@@ -96,3 +96,22 @@ def test_dry_run_states_the_kv_pool_it_would_allocate(tiny_model_dir, kv, itemsi
     mib = 2 * hf["num_hidden_layers"] * 300 * 16 * kvh * d * itemsize / 2**20
     assert res.stdout.splitlines()[0] == (
         f"KV cache: 300 blocks of 16 tokens (4800 tokens), {kv}, {mib:.1f} MiB per rank")
+
+
+def test_vllm_flags_without_effect_are_taken_with_a_warning(tiny_model_dir):
+    """A `vllm serve` command line's --trust-remote-code, --gpu-memory-utilization and
+    --disable-custom-all-reduce start the server (here --dry-run) with one warning naming
+    them; a misspelt flag is still refused."""
+    base = [sys.executable, "start.py", "--model", str(tiny_model_dir), "--device", "cpu",
+            "--num-blocks", "300", "--dry-run"]
+    res = subprocess.run(base + ["--trust-remote-code", "--gpu-memory-utilization", "0.9",
+                                 "--disable-custom-all-reduce"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    warned = [line for line in res.stderr.splitlines() if "no effect" in line]
+    assert len(warned) == 1 and all(k in warned[0] for k in (
+        "gpu_memory_utilization", "trust_remote_code", "disable_custom_all_reduce"))
+    assert res.stdout.startswith("KV cache: 300 blocks")
+    res = subprocess.run(base + ["--gpu-memory-utilisation", "0.9"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--gpu-memory-utilisation" in res.stderr, res.stderr

@@ -227,7 +227,7 @@ def test_vllm_arguments_without_effect_are_accepted_and_named(tiny_model_dir, ca
     """LLM(model, gpu_memory_utilization=0.9, trust_remote_code=True), as vLLM scripts write
     it, runs (with one warning naming what has no effect); a misspelt argument is refused."""
     from llm_serving import LLM
-    with caplog.at_level("WARNING", logger="llm_serving.entrypoints.llm"):
+    with caplog.at_level("WARNING", logger="llm_serving.config"):
         llm = LLM(tiny_model_dir, num_blocks=64, gpu_memory_utilization=0.9,
                   trust_remote_code=True, disable_log_stats=True)
     warned = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]

@@ -2,31 +2,21 @@
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Optional, Sequence, Union
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from llm_serving.config import EngineArgs
+from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
-logger = logging.getLogger(__name__)
 
-# vLLM's LLM(...) arguments that mean nothing on this engine, whatever their value: a vLLM
-# script passes them and runs, with one warning. Any other unknown argument is refused.
-VLLM_NO_EFFECT = {
-    "gpu_memory_utilization": "the KV pool is kv_cache_space GiB or num_blocks, as vLLM-CPU "
-                              "sizes it from VLLM_CPU_KVCACHE_SPACE, not from this fraction",
-    "trust_remote_code": "models run on this package's own model code; none is loaded from "
-                         "the model directory",
-    "disable_log_stats": "LLM logs no periodic stats",
-    "disable_custom_all_reduce": "there is no CUDA all-reduce to turn off",
-}
+# LLM(...) also takes vLLM's disable_log_stats, which means nothing offline.
+_LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS, "disable_log_stats": "LLM logs no periodic stats"}
 
 
 def _no_pooling(method: str) -> ValueError:
@@ -37,11 +27,7 @@ def _no_pooling(method: str) -> ValueError:
 
 class LLM:
     def __init__(self, model: str, **engine_args):
-        ignored = [k for k in engine_args if k in VLLM_NO_EFFECT]
-        if ignored:
-            logger.warning("LLM: these vLLM arguments have no effect here: %s",
-                           "; ".join(f"{k} ({VLLM_NO_EFFECT[k]})" for k in ignored))
-        engine_args = {k: v for k, v in engine_args.items() if k not in VLLM_NO_EFFECT}
+        engine_args = drop_no_effect_args(engine_args, "LLM", _LLM_NO_EFFECT)
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
