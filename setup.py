@@ -21,6 +21,7 @@ setup(
     install_requires=[
         "mindspore==2.10.0",
         "numpy<2",
+        "ml_dtypes>=0.5,<0.6",  # FP8 KV caches' numpy dtypes (0.6 needs numpy 2)
         "safetensors",
         "tokenizers",
         "sentencepiece",

@@ -36,7 +36,8 @@ DATA = ROOT / "clients" / "data" / "alpaca_521.json"
 # to bf16 (where the CPU has them).
 ARMS = {"fp32": ("float32", "float32", None), "bf16 weights": ("bfloat16", "float32", None),
         "bf16 KV": ("float32", "bfloat16", None), "bf16 both": ("bfloat16", "bfloat16", None),
-        "fp16 KV": ("float32", "float16", None),
+        "fp16 KV": ("float32", "float16", None), "fp8 KV": ("float32", "fp8_e4m3", None),
+        "fp8_e5m2 KV": ("float32", "fp8_e5m2", None),
         **{f"bf16 weights ({k})": ("bfloat16", "float32", k) for k in ("widen", "amx", "dot")},
         **{f"bf16 both ({k})": ("bfloat16", "bfloat16", k) for k in ("widen", "amx", "dot")}}
 ATOL = 5e-3

@@ -13,7 +13,8 @@ shared VM).
 ``--arms`` compares configurations in one run, interleaved step by step (each case alternates
 the arms, so both see the same machine load): fp32; bf16 (``--dtype bfloat16 --kv-cache-dtype
 bfloat16``, each shape's bf16 kernel picked by the probe: see layers/gemm.py); bf16-weights;
-bf16-kv; fp16-kv (``--kv-cache-dtype float16``); fp32-eager (``--enforce-eager``: no decode
+bf16-kv; fp16-kv (``--kv-cache-dtype float16``); fp8-kv and fp8e5m2-kv (``--kv-cache-dtype
+fp8`` or ``fp8_e5m2``); fp32-eager (``--enforce-eager``: no decode
 step replayed from a capture, model_executor/cpu_graph.py); bf16-widen, bf16-amx and bf16-dot
 (bf16 with that kernel forced, ``LLM_SERVING_GEMM_BF16``: weights widened to fp32 with fp32
 activations, or activations rounded to bf16 on AMX tiles or in AVX512-BF16 dot products; the
@@ -102,6 +103,8 @@ ARMS = {"fp32": ("float32", "float32", False, None),
         "bf16-weights": ("bfloat16", "float32", False, None),
         "bf16-kv": ("float32", "bfloat16", False, None),
         "fp16-kv": ("float32", "float16", False, None),
+        "fp8-kv": ("float32", "fp8_e4m3", False, None),
+        "fp8e5m2-kv": ("float32", "fp8_e5m2", False, None),
         "fp32-eager": ("float32", "float32", True, None),
         **{f"bf16-{k}": ("bfloat16", "bfloat16", False, k) for k in ("widen", "amx", "dot")}}
 

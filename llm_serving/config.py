@@ -37,9 +37,10 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # vLLM's (and torch's) other names for them
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 # KV cache storage (vLLM's --kv-cache-dtype): auto is the backend's own (float32 on CPU,
-# float16 on Ascend); float16 and bfloat16 halve a CPU block's bytes.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# float16 on Ascend); float16 and bfloat16 halve a CPU block's bytes, FP8 (vLLM's names; fp8
+# is fp8_e4m3) quarters them.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # vLLM's engine arguments that mean nothing on this engine, whatever their value: LLM(...) and
 # the command line take them with one warning (drop_no_effect_args), so that a vLLM script or
 # command line runs; any other unknown argument is refused by name.
@@ -135,7 +136,10 @@ class EngineArgs:
         "KV cache storage: auto (float32 on CPU, float16 on Ascend), float32, float16 or "
         "bfloat16 (CPU: half the bytes per block, so kv_cache_space holds twice the tokens, "
         "and decode attention reads half; float16 keeps 3 more bits than bfloat16, and stores "
-        "values beyond +-65504 as +-65504; docs/benchmarks.md has their accuracy cost)")
+        "values beyond +-65504 as +-65504), or fp8 (= fp8_e4m3) or fp8_e5m2 (CPU: a quarter "
+        "of the bytes; unscaled, as vLLM without checkpoint scales: E4M3 keeps 3 mantissa "
+        "bits up to +-448, E5M2 2 bits up to +-57344); docs/benchmarks.md has their "
+        "accuracy cost")
     device: str = _arg("auto",
         "auto, cpu or ascend")
     enforce_eager: bool = _arg(False,
@@ -297,7 +301,8 @@ class EngineArgs:
     def _kv_cache_dtype(self, on_cpu: bool) -> str:
         """The KV cache storage dtype this configuration runs with."""
         if on_cpu:
-            return "float32" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+            return {"auto": "float32", "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype,
+                                                              self.kv_cache_dtype)
         if self.kv_cache_dtype not in ("auto", "float16"):
             raise ConfigError("kv_cache_dtype", "the Ascend attention backend stores KV in "
                               "float16 (its PagedAttention kernel's dtype); use auto or float16")

@@ -47,7 +47,20 @@ def f16_round(x):
     return np.clip(x, np.float32(-65504), np.float32(65504)).astype(np.float16).astype(np.float32)
 
 
-STORED = {"float32": lambda x: x, "bfloat16": bf16_round, "float16": f16_round}
+def f8_round(kind, largest):
+    """float32 -> nearest FP8 (ties to even; beyond the largest finite: it, as our caches store
+    it) -> float32, by torch (independent of ours)."""
+    def rnd(x):
+        import torch
+        x = np.clip(np.ascontiguousarray(x, np.float32), np.float32(-largest),
+                    np.float32(largest))
+        return torch.from_numpy(x).to(getattr(torch, kind)).float().numpy()
+    return rnd
+
+
+STORED = {"float32": lambda x: x, "bfloat16": bf16_round, "float16": f16_round,
+          "fp8_e4m3": f8_round("float8_e4m3fn", 448), "fp8_e5m2": f8_round("float8_e5m2", 57344)}
+NARROW = ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
 
 
 def widen(cache):
@@ -66,10 +79,9 @@ class PagedHarness:
         # NaN-filled so that reading an unwritten slot shows up in the result
         shape = (num_blocks, block_size, kvh, d)
         self.cache_dtype = cache_dtype
-        fill = {"float32": (np.nan, np.float32), "bfloat16": (np.uint16(0x7FC0), np.uint16),
-                "float16": (np.nan, np.float16)}[cache_dtype]
-        self.k_cache = np.full(shape, *fill)
-        self.v_cache = np.full(shape, *fill)
+        nan = np.uint16(0x7FC0) if cache_dtype == "bfloat16" else np.nan
+        self.k_cache = np.full(shape, nan, K.CACHE_DTYPES[cache_dtype])
+        self.v_cache = np.full(shape, nan, K.CACHE_DTYPES[cache_dtype])
         self.free = list(self.rng.permutation(num_blocks))  # shuffled, non-contiguous ids
         self.blocks = {}
         self.k_hist = {}
@@ -173,13 +185,14 @@ def test_mixed_ragged_batches(block_size, h, kvh):
     hs.check_cache()
 
 
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cache_dtype", NARROW)
 @pytest.mark.parametrize("d", [8, 40, 64, 128, 160, 256])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_16_bit_caches(block_size, d, cache_dtype):
-    """A bfloat16 or float16 cache holds each K/V value rounded to nearest even (bits as torch,
-    or NumPy, rounds them) and attention over it equals float64 attention over those rounded
-    values, to the float32 tolerance: only the storage loses precision, not the arithmetic."""
+def test_narrow_caches(block_size, d, cache_dtype):
+    """A bfloat16, float16 or FP8 cache holds each K/V value rounded to nearest even (bits as
+    torch, or NumPy, rounds them) and attention over it equals float64 attention over those
+    rounded values, to the float32 tolerance: only the storage loses precision, not the
+    arithmetic."""
     hs = PagedHarness(num_blocks=(400 // block_size + 8) * 2, block_size=block_size, h=8,
                       kvh=2, d=d, max_blocks_per_seq=200 // block_size + 2, seed=d + block_size,
                       cache_dtype=cache_dtype)
@@ -238,6 +251,62 @@ def test_f16_cache_rounds_ties_to_even_saturates_and_keeps_nan(monkeypatch, lib_
     assert np.isnan(k[0, 2, 0]).all() and not np.isnan(k[0, :2]).any()
 
 
+F8_EDGES = np.array([[1.0, 1.0625, 1.1875, -2.125, 448, 463.9, 464, 1e6, 57344, 61439, 61440,
+                       -np.inf, np.inf, 2**-9, 3 * 2**-11, 2**-10, 5 * 2**-11, 2**-16,
+                       3 * 2**-18, 2**-17, 0.0136, 0.0156, -0.0, 1e-40, 1e-3]], np.float32)
+# exact, E4M3 ties to even (down, up), a negative tie, E4M3's largest, rounds to it, rounds past
+# it (saturates), far past, E5M2's largest, rounds to it, rounds past it, infinities (saturate),
+# E4M3's smallest subnormal and subnormal ties (up to even, down to zero, up), E5M2's smallest
+# subnormal and its ties, just below and at E4M3's smallest normal, -0, a float32 denormal
+
+
+@pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",), ("-DLLS_FORCE_SCALAR",)],
+                         ids=["native", "avx2-build", "scalar"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_cache_rounds_ties_to_even_saturates_keeps_nan_and_reads_back(monkeypatch, kind,
+                                                                          lib_flags):
+    """Every build stores an FP8 value as torch rounds it, to nearest even, and a value beyond
+    the range (infinities too) as the largest finite one, over edge cases and 200 k random
+    values of every magnitude from below the subnormals to overflow; a NaN stays a NaN. Each
+    build's attention reads the stored values back exactly: with one context position, the
+    output is its V row."""
+    monkeypatch.setattr(K, "_default_lib", K.load_library(list(lib_flags)))
+    rng = np.random.default_rng(8)
+    rand = (rng.standard_normal((3200, 64))
+            * np.exp(rng.uniform(-14, 12, (3200, 64)))).astype(np.float32)
+    for x in (F8_EDGES, rand):
+        t, d = x.shape
+        k = np.full((t // 4 + 1, 4, 1, d), np.nan, K.CACHE_DTYPES[kind])
+        v = k.copy()
+        K.reshape_and_cache(x, -x, k, v, np.arange(t, dtype=np.int32))
+        got_k, got_v = k.reshape(-1, d)[:t], v.reshape(-1, d)[:t]
+        np.testing.assert_array_equal(got_k.astype(np.float32), STORED[kind](x))
+        np.testing.assert_array_equal(got_v.astype(np.float32), STORED[kind](-x))
+        np.testing.assert_array_equal(np.signbit(got_v.astype(np.float32)), np.signbit(-x))
+    # read back: row r attends to its own position only (a one-token context), giving V
+    rows = 64
+    raw = (rng.standard_normal((rows, 32))
+           * np.exp(rng.uniform(-12, 8, (rows, 32)))).astype(np.float32)
+    raw[0, :3] = [2**-9, -(2**-16), 0.0]                      # subnormals of both kinds, zero
+    x = STORED[kind](raw)
+    k = np.zeros((rows, 1, 1, 32), K.CACHE_DTYPES[kind])
+    v = k.copy()
+    K.reshape_and_cache(x, x, k, v, np.arange(rows, dtype=np.int32))
+    out = K.paged_attention(np.zeros((rows, 32), np.float32), k, v,
+                            np.arange(rows, dtype=np.int32).reshape(rows, 1),
+                            np.arange(rows + 1, dtype=np.int32), np.ones(rows, np.int32), 1.0)
+    np.testing.assert_array_equal(out, x)
+    nan = np.full((1, 8), np.nan, np.float32)
+    k = np.zeros((1, 4, 1, 8), K.CACHE_DTYPES[kind])
+    K.reshape_and_cache(nan, nan, k, k.copy(), np.array([2], np.int32))
+    assert np.isnan(k[0, 2, 0].astype(np.float32)).all()
+    assert not np.isnan(k[0, :2].astype(np.float32)).any()
+    out = K.paged_attention(np.zeros((1, 8), np.float32), k, k.copy(),
+                            np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
+                            np.array([3], np.int32), 1.0)
+    assert np.isnan(out).all()                  # a NaN read back is a NaN
+
+
 def test_cache_dtype_mismatch_is_refused():
     k = np.zeros((2, 4, 1, 8), np.float32)
     with pytest.raises(K.KernelArgumentError, match="differ"):
@@ -279,7 +348,7 @@ def test_chunked_prefill_matches_one_shot():
 
 
 @pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",)], ids=["avx512", "avx2-build"])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", *NARROW])
 @pytest.mark.parametrize("h,kvh,d,bs", [(12, 12, 64, 16), (8, 2, 36, 16), (6, 1, 160, 1)],
                          ids=["mha-d64", "gqa-d36", "mqa-d160"])
 def test_decode_row_equals_the_same_row_in_a_prefill_chunk(monkeypatch, lib_flags, cache_dtype,
@@ -359,7 +428,7 @@ def test_strided_rows_from_fused_qkv():
 
 
 @pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",)], ids=["avx512", "avx2-build"])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", *NARROW])
 @pytest.mark.parametrize("h,kvh", [(12, 12), (8, 2)], ids=["mha", "gqa"])
 def test_a_decode_row_has_the_same_bits_alone_in_a_batch_and_on_any_thread_count(
         monkeypatch, lib_flags, cache_dtype, h, kvh):
@@ -693,7 +762,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.parametrize("cache_dtype,itemsize", [("auto", 4), ("bfloat16", 2), ("float16", 2)])
+@pytest.mark.parametrize("cache_dtype,itemsize", [("auto", 4), ("bfloat16", 2), ("float16", 2),
+                                                  ("fp8", 1), ("fp8_e5m2", 1)])
 def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
     """The CPU backend's cache arrays are zeros of the kernels' storage type, writable and
     contiguous, and their memory is committed at allocation (start-up), not page by page by
@@ -709,7 +779,8 @@ def test_kv_cache_is_zeroed_and_committed_when_allocated(cache_dtype, itemsize):
     assert grown >= 0.9 * (k.nbytes + v.nbytes)
     # and the kernels take them
     hs = PagedHarness(num_blocks=1024, block_size=16, h=8, kvh=2, d=64, max_blocks_per_seq=8,
-                      cache_dtype="float32" if cache_dtype == "auto" else cache_dtype)
+                      cache_dtype={"auto": "float32", "fp8": "fp8_e4m3"}.get(cache_dtype,
+                                                                             cache_dtype))
     hs.k_cache, hs.v_cache = k, v
     for work in MIXED_STEPS[:2]:
         _, out, ref = hs.run(work)

@@ -93,6 +93,9 @@ def test_the_kv_pool_key_names_resolved_dtypes(tiny_model_dir):
     assert tag(kv_cache_dtype="bfloat16") != tag()
     # two 16-bit caches of the same bytes per block, but not the same values
     assert tag(kv_cache_dtype="float16") not in (tag(), tag(kv_cache_dtype="bfloat16"))
+    # fp8 is E4M3: the same blocks by either name, and not E5M2's
+    assert tag(kv_cache_dtype="fp8") == tag(kv_cache_dtype="fp8_e4m3")
+    assert tag(kv_cache_dtype="fp8") != tag(kv_cache_dtype="fp8_e5m2")
     assert tag(dtype="bfloat16") != tag()
     # On Ascend, auto KV is float16: another block than the CPU's float32 one.
     assert "kv:float16" in tag(device="ascend") and "kv:float32" in tag()

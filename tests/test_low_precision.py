@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -330,11 +331,18 @@ PROMPT_LENS = [1, 17, 64, 129]
 NEW_TOKENS = 16
 
 
-def _rounding_kv_attention(dtype):
-    """HF's sdpa attention over keys and values rounded to ``dtype`` (torch's rounding): what
-    a KV cache of that dtype holds."""
+# a KV cache dtype -> (torch's dtype, the largest finite value the cache saturates to)
+TORCH_KV = {"bfloat16": (torch.bfloat16, None), "float16": (torch.float16, 65504.0),
+            "fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+
+
+def _rounding_kv_attention(dtype, largest=None):
+    """HF's sdpa attention over keys and values rounded to ``dtype`` (torch's rounding; beyond
+    ``largest``, saturated to it): what a KV cache of that dtype holds."""
     def attention(module, query, key, value, attention_mask, **kw):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        if largest is not None:
+            key, value = key.clamp(-largest, largest), value.clamp(-largest, largest)
         key = key.to(dtype).to(torch.float32)
         value = value.to(dtype).to(torch.float32)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
@@ -421,12 +429,11 @@ def test_engine_matches_hf_with_the_same_rounding(model_dirs, hf_bf16, fresh_pla
         eng.shutdown()
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
-def test_16_bit_kv_cache_without_bf16_weights_matches_hf(model_dirs, kv):
-    """--kv-cache-dtype bfloat16 or float16 alone: HF with fp32 weights and K/V rounded to it
-    by torch."""
-    transformers.AttentionInterface.register(f"{kv}_kv",
-                                             _rounding_kv_attention(getattr(torch, kv)))
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+def test_narrow_kv_cache_without_bf16_weights_matches_hf(model_dirs, kv):
+    """--kv-cache-dtype bfloat16, float16 or an FP8 alone: HF with fp32 weights and K/V
+    rounded to it by torch."""
+    transformers.AttentionInterface.register(f"{kv}_kv", _rounding_kv_attention(*TORCH_KV[kv]))
     name = "llama3-gqa"
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dirs[name], dtype=torch.float32, attn_implementation=f"{kv}_kv").eval()
@@ -443,9 +450,11 @@ def test_16_bit_kv_cache_without_bf16_weights_matches_hf(model_dirs, kv):
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("kv,storage", [("bfloat16", np.uint16), ("float16", np.float16)])
-def test_16_bit_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir, kv, storage):
-    """With a bf16 or fp16 KV cache, sequences swapped out to the host pool (of the same
+@pytest.mark.parametrize("kv,storage", [("bfloat16", np.uint16), ("float16", np.float16),
+                                        ("fp8", ml_dtypes.float8_e4m3fn),
+                                        ("fp8_e5m2", ml_dtypes.float8_e5m2)])
+def test_narrow_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir, kv, storage):
+    """With a bf16, fp16 or FP8 KV cache, sequences swapped out to the host pool (of the same
     dtype) and back, and prompts served from cached prefix blocks, give the tokens of an
     unpressured run."""
     rng = np.random.default_rng(3)
@@ -484,20 +493,23 @@ def test_tensor_parallel_with_bf16_weights_and_kv(tiny_model_dir):
 
 # ---- configuration ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
-def test_16_bit_kv_doubles_the_blocks_of_the_same_space(tiny_model_dir, kv):
+@pytest.mark.parametrize("kv,times,storage", [("bfloat16", 2, "bfloat16"),
+                                              ("float16", 2, "float16"),
+                                              ("fp8", 4, "fp8_e4m3"), ("fp8_e5m2", 4, "fp8_e5m2")])
+def test_narrow_kv_multiplies_the_blocks_of_the_same_space(tiny_model_dir, kv, times, storage):
     f32 = EngineArgs(tiny_model_dir, kv_cache_space=0.01).create_engine_config()
-    b16 = EngineArgs(tiny_model_dir, kv_cache_space=0.01,
-                     kv_cache_dtype=kv).create_engine_config()
-    assert b16.cache.num_blocks // 2 == f32.cache.num_blocks     # the same bytes (floored)
-    assert (f32.model.kv_cache_dtype, b16.model.kv_cache_dtype) == ("auto", kv)
-    assert b16.model.kv_storage_dtype == kv
+    narrow = EngineArgs(tiny_model_dir, kv_cache_space=0.01,
+                        kv_cache_dtype=kv).create_engine_config()
+    assert narrow.cache.num_blocks // times == f32.cache.num_blocks  # the same bytes (floored)
+    assert (f32.model.kv_cache_dtype, narrow.model.kv_cache_dtype) == ("auto", kv)
+    assert narrow.model.kv_storage_dtype == storage
 
 
 @pytest.mark.parametrize("kwargs,key", [
     (dict(dtype="float16"), "dtype"),
     (dict(dtype="int8"), "dtype"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8", device="ascend"), "kv_cache_dtype"),
     (dict(kv_cache_dtype="bfloat16", device="ascend"), "kv_cache_dtype"),
     (dict(kv_cache_dtype="float32", device="ascend"), "kv_cache_dtype"),
 ])

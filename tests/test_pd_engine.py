@@ -108,13 +108,15 @@ def test_p_then_d_is_token_identical_to_colocated_with_logprobs_within_1e_5(pd, 
     assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
 
 
-@pytest.mark.parametrize("kv,other", [("bfloat16", "float32"), ("float16", "bfloat16")])
-def test_16_bit_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir, kv,
-                                                                          other):
-    """--kv-cache-dtype bfloat16 or float16 on both sides: P then D gives the tokens of a
-    colocated engine of that dtype and moves 16-bit blocks (2 bytes a value); a consumer with
-    another cache dtype (float32, or the other 16-bit one: the same bytes, other values) does
-    not load them (it would read garbage) but computes the prompt under the recompute policy."""
+@pytest.mark.parametrize("kv,other", [("bfloat16", "float32"), ("float16", "bfloat16"),
+                                      ("fp8", "fp8_e5m2")])
+def test_narrow_kv_moves_fewer_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir, kv,
+                                                                      other):
+    """--kv-cache-dtype bfloat16, float16 or fp8 on both sides: P then D gives the tokens of a
+    colocated engine of that dtype and moves its blocks (2 or 1 bytes a value); a consumer
+    with another cache dtype (float32, or another of the same width: the same bytes, other
+    values) does not load them (it would read garbage) but computes the prompt under the
+    recompute policy."""
     from llm_serving.config import kv_bytes_per_block
 
     def engine(role=None, eid=None, kv_dtype=kv):
@@ -135,7 +137,8 @@ def test_16_bit_kv_moves_half_the_bytes_and_a_dtype_mismatch_is_computed(tiny_mo
     st = D.get_stats()
     assert st.kv_transfers == {"done": 3}
     hf = D.model_config
-    assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, kv)
+    assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, D.config.model
+                                                           .kv_storage_dtype)
     settle(P, D)
 
     D_other = engine("kv_consumer", f"D-{other}", kv_dtype=other)

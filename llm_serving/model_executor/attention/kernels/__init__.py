@@ -7,11 +7,13 @@ or another machine gets its own build. Builds go to a temporary name and are ren
 so processes building at the same time never see a half-written library.
 
 KV cache layout (per layer): ``k_cache``, ``v_cache`` ``[num_blocks, block_size, num_kv_heads,
-head_dim]``, C-contiguous, float32, bfloat16 or float16. NumPy has no bfloat16, so a bf16 cache
-is a ``uint16`` array of bf16 bits; a float16 cache is a ``float16`` array (``CACHE_DTYPES``).
-16-bit rows are written rounded to nearest even and widened to float32 on read; all arithmetic
-stays float32. A float16 cache stores values beyond its range (infinities included) as
-+-65504, its largest finite value. A token's slot is ``block_id * block_size + offset``.
+head_dim]``, C-contiguous, float32, bfloat16, float16 or FP8 (E4M3 or E5M2). NumPy has no
+bfloat16, so a bf16 cache is a ``uint16`` array of bf16 bits; a float16 cache is a ``float16``
+array, an FP8 one an ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` array (``CACHE_DTYPES``).
+Narrower rows are written rounded to nearest even and widened to float32 on read; all
+arithmetic stays float32. A float16 or FP8 cache stores values beyond its range (infinities
+included) as its largest finite value (+-65504, +-448, +-57344); FP8 is unscaled (vLLM's
+k_scale = v_scale = 1). A token's slot is ``block_id * block_size + offset``.
 
 NumPy API (no copies; inputs are checked and errors raised as :class:`KernelArgumentError`,
 or ``MemoryError`` when the kernel cannot allocate its work buffers):
@@ -53,6 +55,7 @@ import weakref
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from llm_serving.errors import LLMServingError
@@ -88,8 +91,12 @@ SOURCE_PATH = Path(__file__).with_name("cpu_paged_attention.cpp")
 ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread", "-fno-trapping-math")
 ABI_VERSION = 2
 # Cache storage per KV cache dtype name (engine argument kv_cache_dtype).
+# vLLM's names for FP8; "fp8" is E4M3, as in vLLM.
 CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16),
-                "float16": np.dtype(np.float16)}
+                "float16": np.dtype(np.float16),
+                "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+                "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+CACHE_DTYPES["fp8"] = CACHE_DTYPES["fp8_e4m3"]
 
 
 class KernelArgumentError(LLMServingError, ValueError):
@@ -197,7 +204,8 @@ def _check_cache(k_cache: np.ndarray, v_cache: np.ndarray) -> Tuple[int, int, in
             raise KernelArgumentError(f"{name} must be a numpy.ndarray, got {type(c).__name__}")
         if c.dtype not in _CACHE_SUFFIX or c.ndim != 4 or not c.flags.c_contiguous:
             raise KernelArgumentError(
-                f"{name} must be a C-contiguous float32, float16 (or uint16 bfloat16 bits) array "
+                f"{name} must be a C-contiguous float32, float16, FP8 (or uint16 bfloat16 bits) "
+                f"array "
                 f"[num_blocks, block_size, num_kv_heads, head_dim]; got dtype={c.dtype}, "
                 f"shape={c.shape}, contiguous={c.flags.c_contiguous}"
             )
@@ -211,7 +219,8 @@ def _check_cache(k_cache: np.ndarray, v_cache: np.ndarray) -> Tuple[int, int, in
 
 
 # Entry point suffix per cache storage dtype.
-_CACHE_SUFFIX = {_F32: "", np.dtype(np.uint16): "_bf16", np.dtype(np.float16): "_f16"}
+_CACHE_SUFFIX = {_F32: "", np.dtype(np.uint16): "_bf16", np.dtype(np.float16): "_f16",
+                 CACHE_DTYPES["fp8_e4m3"]: "_f8e4m3", CACHE_DTYPES["fp8_e5m2"]: "_f8e5m2"}
 
 
 def _fn(name: str, k_cache: np.ndarray):

@@ -1,11 +1,13 @@
 // CPU kernels for attention over a paged KV cache with ragged (unpadded) batches.
 //
 // Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
-// contiguous, float32, bfloat16 (uint16 bits; the *_bf16 entry points) or float16 (IEEE half
-// bits; the *_f16 entry points): 16-bit caches are written rounded to nearest even and widened
-// to float32 on read, so all arithmetic stays float32 and only the stored K/V lose precision.
-// A float16 cache stores what lies beyond its range (infinities included) as +-65504, its
-// largest finite value; NaN stays NaN. A token's slot is block_id * block_size + offset; its K
+// contiguous, float32, bfloat16 (uint16 bits; the *_bf16 entry points), float16 (IEEE half
+// bits; the *_f16 entry points) or 8-bit floats (OCP FP8 E4M3 "fn" and E5M2 bits; the
+// *_f8e4m3 and *_f8e5m2 entry points): narrower caches are written rounded to nearest even and
+// widened to float32 on read, so all arithmetic stays float32 and only the stored K/V lose
+// precision. A float16 or FP8 cache stores what lies beyond its range (infinities included) as
+// its largest finite value (+-65504, +-448 for E4M3, +-57344 for E5M2); NaN stays NaN. FP8
+// values are stored unscaled (vLLM's k_scale = v_scale = 1). A token's slot is block_id * block_size + offset; its K
 // row for kv head g starts at (slot * num_kv_heads + g) * head_dim.
 //
 // Entry points (all extern "C", loaded with ctypes or through MindSpore's ops.Custom "aot"):
@@ -15,7 +17,8 @@
 //   lls_aot_attention          the fused call with MindSpore's CPU aot signature
 //   lls_aot_paged_attention    attention only, aot signature
 //   lls_reshape_and_cache_bf16, lls_paged_attention_bf16, lls_attention_fused_bf16: the same
-//                              contracts with bfloat16 caches; *_f16: with float16 caches
+//                              contracts with bfloat16 caches; *_f16: with float16 caches;
+//                              *_f8e4m3 and *_f8e5m2: with FP8 caches
 // Every function returns 0 on success and a negative code on bad input, or -5 when the kernel
 // could not allocate its work buffers; lls_last_error() then describes the problem. Nothing is
 // written to the caches or the output when input validation fails. No C++ exception leaves an
@@ -434,6 +437,65 @@ inline f16_t to_f16(float f) {
 #endif
 }
 
+// FP8 cache elements (OCP 8-bit floats), a byte each: E4M3 "fn" (bias 7, no infinities, NaN
+// = S.1111.111, largest 448, smallest subnormal 2^-9) and E5M2 (float16's top byte: bias 15,
+// largest finite 57344, smallest subnormal 2^-16).
+struct f8e4m3_t {
+  uint8_t bits;
+};
+struct f8e5m2_t {
+  uint8_t bits;
+};
+constexpr float kE4M3Max = 448.f, kE5M2Max = 57344.f;
+
+inline float tof(f8e4m3_t x) {
+  const uint32_t sign = (uint32_t)(x.bits & 0x80u) << 24, mag = x.bits & 0x7Fu;
+  float f;
+  if (mag == 0x7Fu) {
+    f = std::numeric_limits<float>::quiet_NaN();
+  } else if (mag < 8) {                // zero or subnormal: mag * 2^-9, exact
+    f = (float)mag * 0.001953125f;
+  } else {                             // rebias the exponent (7 -> 127), widen the mantissa
+    const uint32_t u = (mag << 20) + (120u << 23);
+    std::memcpy(&f, &u, 4);
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u |= sign;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float tof(f8e5m2_t x) { return tof(f16_t{(uint16_t)(x.bits << 8)}); }
+
+// float -> an 8-bit float with `man` mantissa bits and exponent bias `bias`, rounded to nearest
+// even; beyond the largest finite value `max_code` (infinities included) saturates to it; NaN
+// is `nan_code`.
+template <int man, int bias>
+inline uint8_t to_f8(float f, uint8_t max_code, float max_value, uint8_t nan_code) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | nan_code;
+  float af;
+  std::memcpy(&af, &a, 4);
+  if (af >= max_value) return sign | max_code;
+  constexpr uint32_t kMinNormal = (uint32_t)(127 + 1 - bias) << 23;
+  if (a < kMinNormal) {
+    // subnormal: a multiple of 2^(1 - bias - man), rounded to nearest even (the default
+    // rounding mode); a result of 2^man steps is the smallest normal's code, as it should be
+    constexpr float kSteps = (float)(1ull << (bias - 1 + man));
+    return sign | (uint8_t)std::nearbyint(af * kSteps);
+  }
+  constexpr int drop = 23 - man;
+  a -= (uint32_t)(127 - bias) << 23;
+  a += (1u << (drop - 1)) - 1 + ((a >> drop) & 1u);
+  const uint32_t code = a >> drop;
+  return sign | (uint8_t)std::min<uint32_t>(code, max_code);
+}
+inline f8e4m3_t to_f8e4m3(float f) { return f8e4m3_t{to_f8<3, 7>(f, 0x7E, kE4M3Max, 0x7F)}; }
+inline f8e5m2_t to_f8e5m2(float f) { return f8e5m2_t{to_f8<2, 15>(f, 0x7B, kE5M2Max, 0x7E)}; }
+
 template <class C>
 struct Scratch {
   AlignedBuf qbuf, obuf, mbuf, lbuf, sbuf, pbuf, fobuf, fmbuf, flbuf;
@@ -532,6 +594,13 @@ inline void store_row(f16_t* dst, const float* src, int64_t n) {
   }
 #endif
   for (; i < n; ++i) dst[i] = to_f16(src[i]);
+}
+
+inline void store_row(f8e4m3_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f8e4m3(src[i]);
+}
+inline void store_row(f8e5m2_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f8e5m2(src[i]);
 }
 
 template <class C>
@@ -769,6 +838,47 @@ inline __m512 ld16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 ld16(__mmask16 m, const f16_t* p) { return _mm512_cvtph_ps(ld16_bits(m, p)); }
+// The 8-bit elements of p in the lanes of `m`, zero elsewhere (both FP8 kinds).
+inline __m128i ld16_bytes(__mmask16 m, const void* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm_maskz_loadu_epi8(m, p);
+#else
+  alignas(16) uint8_t t[16] = {};
+  const uint8_t* u = static_cast<const uint8_t*>(p);
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) t[i] = u[i];
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+#endif
+}
+// E5M2 is float16's top byte: shift each byte into the high half of a 16-bit lane.
+inline __m512 widen_e5m2(__m128i b) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+// E4M3 as float16 bits: the byte's magnitude shifted to the half's exponent and mantissa
+// (byte << 8, arithmetic >> 1, the copied sign bit cleared), which F16C widens exactly, normals
+// and subnormals alike; * 2^8 rebiases (15 -> 7). The NaN code is a NaN.
+inline __m512 widen_e4m3(__m128i b) {
+  const __m256i h = _mm256_and_si256(
+      _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8), 1),
+      _mm256_set1_epi16((short)0xBFFF));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)),
+                                            _mm_set1_epi8(0x7F));
+#else
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(
+      _mm512_and_si512(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
+#endif
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+inline __m512 ld16(const f8e5m2_t* p) {
+  return widen_e5m2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 ld16(__mmask16 m, const f8e5m2_t* p) { return widen_e5m2(ld16_bytes(m, p)); }
+inline __m512 ld16(const f8e4m3_t* p) {
+  return widen_e4m3(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 ld16(__mmask16 m, const f8e4m3_t* p) { return widen_e4m3(ld16_bytes(m, p)); }
 
 // Scores of one (pre-scaled, zero-padded) query row against 16 context rows (kp[j] + off).
 template <int NC, class C>
@@ -1184,6 +1294,21 @@ inline __m256 load8(const bf16_t* p) {
 }
 inline __m256 load8(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const f8e5m2_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+}
+// E4M3 as widen_e4m3 does it, 8 at a time (the NaN code by a blend).
+inline __m256 load8(const f8e4m3_t* p) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1),
+                                  _mm_set1_epi16((short)0xBFFF));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  const __m128i nan16 = _mm_cmpeq_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)),
+                                        _mm_set1_epi16(0x7F));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan16));
+  return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
 }
 
 // q . k: 8 partial sums (element d in lane d % 8, one FMA chain per lane in the order of d),
@@ -1701,6 +1826,8 @@ extern "C" {
 LLS_CACHE_ENTRY_POINTS(, float)
 LLS_CACHE_ENTRY_POINTS(_bf16, bf16_t)
 LLS_CACHE_ENTRY_POINTS(_f16, f16_t)
+LLS_CACHE_ENTRY_POINTS(_f8e4m3, f8e4m3_t)
+LLS_CACHE_ENTRY_POINTS(_f8e5m2, f8e5m2_t)
 
 // ---------------------------------------------------------------------------------------------
 // MindSpore CPU aot entry points:
