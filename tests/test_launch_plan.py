@@ -81,7 +81,8 @@ def test_the_plan_matches_what_each_agent_will_select(tiny_model_dir, device, tp
     assert cmd[cmd.index("--control-fd") + 1] == "9" and cmd[cmd.index("--shm-in") + 1] == "a,b"
 
 
-@pytest.mark.parametrize("kv,itemsize", [("float32", 4), ("float16", 2), ("bfloat16", 2)])
+@pytest.mark.parametrize("kv,itemsize", [("float32", 4), ("float16", 2), ("bfloat16", 2),
+                                       ("fp8_e5m2", 1)])
 def test_dry_run_states_the_kv_pool_it_would_allocate(tiny_model_dir, kv, itemsize):
     """The KV pool's line (start.py logs it before starting): blocks, tokens, the storage
     dtype asked for, and its bytes, computed here from the model's config.json."""
