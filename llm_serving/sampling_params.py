@@ -333,7 +333,10 @@ class SamplingParams:
         if self.kv_transfer_params is not None:
             need(isinstance(self.kv_transfer_params, dict),
                  f"kv_transfer_params must be a JSON object, got {self.kv_transfer_params!r}")
-            need(self.n == 1, f"kv_transfer_params: only n = 1 is transferred, got n={self.n}")
+            # A producer offers one sequence's blocks; a consumer's n > 1 children fork from
+            # the loaded prompt as they fork from a computed one.
+            need(self.n == 1 or not self.kv_transfer_params.get("do_remote_decode"),
+                 f"kv_transfer_params: do_remote_decode needs n = 1, got n={self.n}")
         if self.seed is not None:
             need(-(2**63) <= self.seed < 2**63, f"seed must fit in 64 bits, got {self.seed}")
         need(all(t < 2**31 for t in self.stop_token_ids),

@@ -230,6 +230,31 @@ def test_a_different_prompt_is_not_loaded_but_computed(pd, colocated):
     settle(P, D)
 
 
+def test_n_completions_on_the_consumer_fork_from_the_loaded_prompt(pd, colocated):
+    """n > 1 through P then D (a proxy sends P n = 1): D loads the prompt once and its n
+    sequences are the colocated engine's, logprobs within 1e-5; no block stays held."""
+    P, D = pd
+    ids = list(range(300, 337))         # a prompt D's prefix cache has not seen
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    colocated.add_request({"prompt_token_ids": ids}, params, request_id="cn")
+    ref = drive(colocated)["cn"]
+    kv = prefill_on_p(P, [ids])[0]
+    before = D.get_stats().kv_transfers.get("done", 0)
+    D.add_request({"prompt_token_ids": ids},
+                  SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True,
+                                 logprobs=2, kv_transfer_params=kv), request_id="dn")
+    out = drive(D, [P])["dn"]
+    assert len(out.outputs) == 3
+    for r, d in zip(ref.outputs, out.outputs):
+        assert d.token_ids == r.token_ids
+        for er, ed in zip(r.logprobs, d.logprobs):
+            np.testing.assert_allclose([v.logprob for v in ed.values()],
+                                       [v.logprob for v in er.values()], atol=1e-5)
+    assert D.get_stats().kv_transfers.get("done", 0) == before + 1
+    settle(P, D)
+    assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
+
+
 def test_kv_transfer_params_are_refused_by_name_where_they_cannot_work(pd, colocated):
     P, D = pd
     with pytest.raises(ValueError, match="^kv_transfer_params: this instance has no KV"):
@@ -238,7 +263,7 @@ def test_kv_transfer_params_are_refused_by_name_where_they_cannot_work(pd, coloc
         D.add_request("hi", greedy(2, {"do_remote_decode": True}))
     with pytest.raises(ValueError, match="^kv_transfer_params: do_remote_prefill needs"):
         P.add_request("hi", greedy(2, {"do_remote_prefill": True}))
-    with pytest.raises(ValueError, match="kv_transfer_params: only n = 1"):
+    with pytest.raises(ValueError, match="kv_transfer_params: do_remote_decode needs n = 1"):
         SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
     with pytest.raises(ValueError, match="kv_transfer_params must be a JSON object"):
         SamplingParams(kv_transfer_params=[1])

@@ -100,6 +100,37 @@ def test_greedy_outputs_through_the_proxy_match_colocated(pd, order):
     pools_empty(u["P"], u["D"])
 
 
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+def test_n_completions_through_the_proxy_match_colocated(pd, order):
+    """n > 1 (completions and chat, streamed or not): P computes the prompt once, D loads it
+    and samples the n choices, which are the colocated instance's."""
+    u = pd["urls"]
+    proxy = openai.OpenAI(base_url=u[order] + "/v1", api_key="none")
+    colo = openai.OpenAI(base_url=u["C"] + "/v1", api_key="none")
+    done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
+    kw = dict(model="tiny", prompt=fresh(PROMPTS[0], order + " n"), max_tokens=8, n=3,
+              temperature=0, logprobs=1)
+    ref, out = colo.completions.create(**kw), proxy.completions.create(**kw)
+    assert [c.text for c in out.choices] == [c.text for c in ref.choices]
+    for o, r in zip(out.choices, ref.choices):
+        assert o.logprobs.token_logprobs == pytest.approx(r.logprobs.token_logprobs, abs=1e-5)
+    texts = ["", ""]
+    for chunk in proxy.completions.create(**dict(kw, n=2), stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in ref.choices[:2]]
+    msgs = [{"role": "user", "content": fresh(PROMPTS[1], order + " n")}]
+    ref = colo.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, n=2,
+                                       temperature=0)
+    out = proxy.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, n=2,
+                                        temperature=0)
+    assert [c.message.content for c in out.choices] == [c.message.content
+                                                        for c in ref.choices]
+    # The completion's and the chat's prompts came over (the stream's was in D's cache).
+    assert metric(u["D"], 'kv_transfers_total{outcome="done"}') == done0 + 2
+    pools_empty(u["P"], u["D"])
+
+
 def test_clients_disconnecting_during_transfers_leak_nothing(pd):
     u = pd["urls"]
     for order in ("p-first", "d-first"):

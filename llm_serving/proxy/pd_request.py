@@ -79,6 +79,7 @@ def prefill_request(path: str, body: dict) -> tuple[str, dict]:
     out.pop("stream_options", None)
     if path in OPENAI_ROUTES:
         out["max_tokens"] = 1
+        out.pop("n", None)          # the prompt is computed once, whatever n D samples
         out.pop("min_tokens", None)
         if path == "/v1/chat/completions":
             out["max_completion_tokens"] = 1
