@@ -163,6 +163,21 @@ def test_with_the_master_gone_requests_are_computed_here_without_hanging(pool, m
     assert requests.get(pool["B"] + "/health", timeout=5).status_code == 200
 
 
+def test_with_the_master_gone_a_producer_skips_its_puts_instead_of_stalling(pool, master):
+    """A producer puts the blocks of every prefill, and with its master gone the store's client
+    retries each put for seconds (about 4), in the step. After the first failure the puts are
+    skipped until the master accepts a connection again: the prefills go on at their speed."""
+    proc, _ = master
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+    complete(pool["A"], "first: " + PROMPT, 2)     # its put finds the master gone
+    t0 = time.monotonic()
+    for i in range(4):
+        complete(pool["A"], f"{i}: {PROMPT}", 2)
+    assert time.monotonic() - t0 < 8
+
+
 class _SlowStore:
     """A store client whose lookups wait for ``answer`` (a slow or hung master)."""
 

@@ -11,12 +11,15 @@ The store needs its master (``mooncake_master``, started beside the instances; i
 ``kv_connector_extra_config.master_server_address``). The master is probed with a plain TCP
 connect first: Mooncake's own ``setup`` retries for about 90 s when it is absent, and a
 serving instance must say so at once. When the master goes away later, puts and gets fail
-at once (status -900), and callers treat that as a failed transfer.
+(status -900) after the client's retries, seconds later; callers treat that as a failed
+transfer, and ``MasterWatch`` keeps them from asking again until the master is back.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import time
+from typing import Optional
 
 import numpy as np
 
@@ -35,6 +38,39 @@ def check_master(address: str, timeout: float = 2.0) -> None:
         raise KVTransferError(f"the Mooncake master at {address} is unreachable ({e}); start "
                               f"it with `mooncake_master --rpc_port={port}` or fix "
                               "kv_connector_extra_config.master_server_address") from None
+
+
+class MasterWatch:
+    """Whether to ask the store now. After a failed call the store is not asked for
+    ``backoff`` seconds, then only once its master accepts a connection: a master that is gone
+    refuses at once, where the store's client retries for seconds (a producer puts in every
+    prefill step, so each put would stall the step that long)."""
+
+    def __init__(self, address: str, backoff: float = 5.0, probe_timeout: float = 0.5):
+        self.address, self.backoff, self.probe_timeout = address, backoff, probe_timeout
+        self._down_until: Optional[float] = None
+
+    def failed(self) -> None:
+        self._down_until = time.monotonic() + self.backoff
+
+    def answered(self) -> None:
+        self._down_until = None
+
+    @property
+    def down(self) -> bool:
+        return self._down_until is not None
+
+    def usable(self) -> bool:
+        if self._down_until is None:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            check_master(self.address, self.probe_timeout)
+        except KVTransferError:
+            self.failed()
+            return False
+        return True
 
 
 class MooncakeStoreTransport:

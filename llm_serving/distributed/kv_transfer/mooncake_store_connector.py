@@ -24,8 +24,11 @@ asked once (``get_num_new_matched_tokens`` answers "not known yet" meanwhile, an
 waits at the head of the queue while the running ones go on), and its answer is reused for
 ``LOOKUP_REUSE_S``. A lookup that takes longer than ``LOOKUP_TIMEOUT_S`` fails (the request
 is computed here) and the store is not asked again for ``LOOKUP_BACKOFF_S``. When the master
-is gone, lookups fail at once and the request is computed here (counted in /metrics); puts
-and gets fail within a few seconds and are counted the same way: nothing hangs.
+is gone, lookups fail and the request is computed here (counted in /metrics); puts and gets
+fail within a few seconds and are counted the same way: nothing hangs. After a failure,
+neither side asks the store again until its master accepts a connection (``MasterWatch``,
+probed at most every ``LOOKUP_BACKOFF_S``): a producer without its master skips the puts
+instead of stalling each prefill step for the client's retries.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from llm_serving.distributed.kv_transfer.base import (KVConnectorBase, KVConnect
                                                       KVRequest, KVTransferError,
                                                       num_transfer_blocks)
 from llm_serving.distributed.kv_transfer.block_hash import block_hashes
+from llm_serving.distributed.kv_transfer.mooncake_store import MasterWatch
 
 logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 2.0      # a lookup not answered by then fails (the request computes)
@@ -71,6 +75,7 @@ class MooncakeStoreConnector(KVConnectorBase):
         self._lookups: dict[str, _Lookup] = {}      # request id -> its lookup
         self._lookup_queue: Optional[queue.SimpleQueue] = None
         self._store_quiet_until = 0.0
+        self._watch = MasterWatch(self._extra("master_server_address"), LOOKUP_BACKOFF_S)
 
     def _extra(self, key, default=None):
         return self.config.extra(key, default)
@@ -175,6 +180,9 @@ class MooncakeStoreConnector(KVConnectorBase):
     def _lookup(self, hashes: list, first: int) -> int:
         """On the lookup thread: how many blocks from ``first`` every rank has stored."""
         found = len(hashes)
+        master = self._extra("master_server_address")
+        if not self._watch.usable():
+            raise KVTransferError(f"the Mooncake master at {master} is unreachable")
         try:
             for rank in range(self.tp_size):    # every rank's part must be there
                 keys = [self.key(rank, h) for h in hashes[first:found]]
@@ -182,10 +190,12 @@ class MooncakeStoreConnector(KVConnectorBase):
                 if found == first:
                     break
         except KVTransferError as e:
-            raise KVTransferError(f"{e} (master {self._extra('master_server_address')})") \
-                from None
+            self._watch.failed()
+            raise KVTransferError(f"{e} (master {master})") from None
         except Exception as e:  # noqa: BLE001 - whatever the client raises fails the lookup
+            self._watch.failed()
             raise KVTransferError(f"the Mooncake store lookup failed ({e!r})") from None
+        self._watch.answered()
         return found
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int],
@@ -269,12 +279,16 @@ class MooncakeStoreConnector(KVConnectorBase):
         per_block = t.layout.block_bytes * len(t.layout.base_addrs)
         for key, load in md.loads.items():
             keys = [self.key(self.rank, h) for h in load["hashes"]]
-            try:
-                ok = t.get_blocks(keys, load["local_block_ids"])
-            except KVTransferError as e:
-                ok, why = [], str(e)
+            if not self._watch.usable():
+                ok, why = [], f"the Mooncake master at {self._watch.address} is unreachable"
             else:
-                why = f"{ok.count(False)} of {len(keys)} blocks were not in the store"
+                try:
+                    ok = t.get_blocks(keys, load["local_block_ids"])
+                except KVTransferError as e:
+                    ok, why = [], str(e)
+                    self._watch.failed()
+                else:
+                    why = f"{ok.count(False)} of {len(keys)} blocks were not in the store"
             if ok and all(ok):
                 self._bytes += per_block * len(keys)
             else:
@@ -285,13 +299,28 @@ class MooncakeStoreConnector(KVConnectorBase):
         md = self._metadata
         if md is None or not md.saves:
             return
+        was_down = self._watch.down
+        if not self._watch.usable():
+            return                  # the blocks are not shared; the answers are unchanged
         for name, save in md.saves.items():
             keys = [self.key(self.rank, h) for h in save["hashes"]]
             try:
                 stored = self.transport.put_blocks(keys, save["block_ids"])
             except KVTransferError as e:
-                logger.warning("KV blocks of %s not put in the store: %s", name, e)
-                continue
+                stored, why = [], str(e)
+            else:
+                why = f"{stored.count(False)} of {len(keys)} were not stored"
+            if stored and any(stored):
+                self._watch.answered()
+                if was_down:
+                    logger.info("the Mooncake store answers again: KV blocks are put")
+                    was_down = False
+            else:
+                self._watch.failed()
+                logger.warning("KV blocks of %s not put in the store (%s); no puts until its "
+                               "master at %s answers (checked every %g s)", name, why,
+                               self._watch.address, self._watch.backoff)
+                return
             if not all(stored):
                 logger.warning("%d of %d KV blocks of %s not put in the store",
                                stored.count(False), len(keys), name)
