@@ -131,6 +131,32 @@ def test_n_completions_through_the_proxy_match_colocated(pd, order):
     pools_empty(u["P"], u["D"])
 
 
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+def test_a_completion_of_several_prompts_moves_each_prompts_own_kv(pd, order):
+    """A list of prompts (as lm-eval sends them): P offers each prompt's blocks and D loads
+    each prompt its own offer; the answers are the colocated instance's and no load fails
+    (one prompt given another's offer used to be refused, and its refusal freed the offer
+    the other prompt was reading)."""
+    u = pd["urls"]
+    proxy = openai.OpenAI(base_url=u[order] + "/v1", api_key="none")
+    colo = openai.OpenAI(base_url=u["C"] + "/v1", api_key="none")
+    done0 = metric(u["D"], 'kv_transfers_total{outcome="done"}')
+    failed0 = metric(u["D"], 'kv_transfers_total{outcome="failed"}')
+    prompts = [fresh(PROMPTS[0], order + " list"), fresh(PROMPTS[1], order + " list"), "Hi"]
+    kw = dict(model="tiny", prompt=prompts, max_tokens=8, temperature=0, logprobs=1)
+    ref, out = colo.completions.create(**kw), proxy.completions.create(**kw)
+    assert [c.text for c in out.choices] == [c.text for c in ref.choices]
+    for o, r in zip(out.choices, ref.choices):
+        assert o.logprobs.token_logprobs == pytest.approx(r.logprobs.token_logprobs, abs=1e-5)
+    assert metric(u["D"], 'kv_transfers_total{outcome="done"}') == done0 + 2   # not "Hi"
+    assert metric(u["D"], 'kv_transfers_total{outcome="failed"}') == failed0
+    pools_empty(u["P"], u["D"])
+    r = requests.post(u["D"] + "/v1/completions", timeout=60, json=dict(
+        kw, kv_transfer_params={"do_remote_prefill": True, "prompts": [None]}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    assert "one offer per prompt (3)" in r.json()["error"]["message"]
+
+
 def test_clients_disconnecting_during_transfers_leak_nothing(pd):
     u = pd["urls"]
     for order in ("p-first", "d-first"):

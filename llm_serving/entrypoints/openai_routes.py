@@ -22,6 +22,7 @@ from llm_serving.entrypoints import remote_prefill, tool_calls
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.engine.input_processor import encode_prompt
 from llm_serving.outputs import RequestOutput
+from llm_serving.proxy import pd_request as pd
 
 router = APIRouter()
 logger = logging.getLogger("llm_serving.server")
@@ -55,7 +56,8 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
     """Queue one engine request per prompt; all or none. ``grammar_field``: the request field
     a grammar error (the engine says "structured_outputs: ...") is about. As vLLM, a
     max_tokens above max_model_len is refused, and one that fits the model but not after the
-    prompt is lowered to what is left."""
+    prompt is lowered to what is left. Each prompt takes its own KV offer when a producer
+    answered per prompt (pd_request.offer_of_prompt)."""
     engine = state.require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
@@ -77,10 +79,19 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
         raise HTTPError(400, f"logprobs: up to {entries} log-probabilities asked for (prompts x "
                         f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
+    kv = params.kv_transfer_params
+    try:
+        offers = [pd.offer_of_prompt(kv, i, len(prompts)) for i in range(len(prompts))]
+    except ValueError as e:
+        raise HTTPError(400, str(e), param=pd.KV_FIELD) from None
     streams = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{rid}-{i}", prompt, params, priority))
+            p = params
+            if offers[i] is not kv:
+                p = params.clone()
+                p.kv_transfer_params = offers[i]
+            streams.append(await engine.add_request(f"{rid}-{i}", prompt, p, priority))
     except Exception as e:
         for s in streams:
             await s.aclose()
@@ -142,14 +153,15 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
     requests (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
+    offers: dict[int, dict] = {}
     async for i, out in stream_or_disconnect(request, _merge(streams)):
         if out.error:
             raise _grammar_named(output_error(out.error), grammar_field)
         prompt_tokens[i] = len(out.prompt_token_ids)
         if echo is not None:
             echo.see(i, out)
-        if extra is not None and out.kv_transfer_params is not None:
-            extra["kv_transfer_params"] = out.kv_transfer_params
+        if out.kv_transfer_params is not None:
+            offers[i] = out.kv_transfer_params
         for c in out.outputs:
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
                                                       "finish": None, "stop_reason": None})
@@ -160,6 +172,10 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
             ch["finish"], ch["stop_reason"] = c.finish_reason, c.stop_reason
     if len(choices) < len(streams) * n:
         raise HTTPError(499, "the client closed the connection")
+    if extra is not None and offers:
+        extra[pd.KV_FIELD] = (offers[0] if len(streams) == 1 else
+                              pd.per_prompt_offers([offers.get(i)
+                                                    for i in range(len(streams))]))
     for ch in choices.values():
         ch["text"] = "".join(ch["text"])
     return dict(sorted(choices.items())), sum(prompt_tokens.values())

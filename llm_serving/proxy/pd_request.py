@@ -11,8 +11,10 @@ A client's body becomes:
   asks P itself, ``entrypoints/remote_prefill.py``).
 
 The OpenAI routes carry ``kv_transfer_params`` at the top level (vLLM's place); llm-serving's
-generate routes inside ``parameters``. Shared by the proxy and the consumer-side hook, so
-both speak the same contract. Plain data: no HTTP client, no engine.
+generate routes inside ``parameters``. A completion request of several prompts gets one offer
+per prompt (``per_prompt_offers`` / ``offer_of_prompt``), so no prompt is handed another's.
+Shared by the proxy and the consumer-side hook, so both speak the same contract. Plain data:
+no HTTP client, no engine.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from typing import Optional
 
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 KV_FIELD = "kv_transfer_params"
+# A completion request of several prompts: the producer's answer holds one offer per prompt,
+# in order, under this key; the consumer gives each prompt its own.
+PROMPTS_KEY = "prompts"
 # Keys a first-D request carries; anything else means the producer's parameters are there.
 D_FIRST_KEYS = {"do_remote_prefill", "remote_prefill_url", "do_remote_decode"}
 
@@ -97,3 +102,24 @@ def is_d_first(params) -> bool:
     carrying the producer's answer."""
     return (isinstance(params, dict) and bool(params.get("remote_prefill_url"))
             and set(params) <= D_FIRST_KEYS)
+
+
+def per_prompt_offers(offers: list) -> dict:
+    """A producer's ``kv_transfer_params`` for a request of several prompts: each prompt's
+    offer (None: it offered nothing), in the order of the prompts."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, PROMPTS_KEY: offers}
+
+
+def offer_of_prompt(params: Optional[dict], i: int, count: int) -> Optional[dict]:
+    """The ``kv_transfer_params`` prompt ``i`` of ``count`` takes from a request's: its own
+    offer when the producer answered per prompt, else the request's. ValueError when the
+    per-prompt offers do not match the prompts."""
+    if not isinstance(params, dict) or PROMPTS_KEY not in params:
+        return params
+    offers = params[PROMPTS_KEY]
+    if not isinstance(offers, list) or len(offers) != count:
+        raise ValueError(f"{KV_FIELD}.{PROMPTS_KEY}: expected one offer per prompt ({count}), "
+                         f"got {len(offers) if isinstance(offers, list) else repr(offers)}")
+    if offers[i] is not None and not isinstance(offers[i], dict):
+        raise ValueError(f"{KV_FIELD}.{PROMPTS_KEY}[{i}]: expected an object or null")
+    return offers[i]
