@@ -240,6 +240,20 @@ def test_dead_and_unhealthy_instances_leave_the_rotation(procs, fakes):
     assert r.status_code == 503 and dead in r.json()["error"]["message"]
 
 
+def test_no_decode_instance_up_is_a_503_before_p_is_asked(procs, fakes):
+    """p-first with every D down: the request is refused at once, and P is not asked to
+    prefill (it would hold the prompt's KV blocks for a reader that cannot come)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    _, proxy = procs.proxy([fakes["P1"]], [dead])
+    before = clear_logs(fakes["P1"])
+    for body in ({"prompt": "x"}, {"prompt": "x", "stream": True}):
+        r = requests.post(proxy + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "no decode instance is up" in r.json()["error"]["message"]
+    r = requests.post(proxy + "/models/llama2/generate", json={"inputs": "x"}, timeout=30)
+    assert r.status_code == 503
+    assert new_entries(fakes["P1"], before) == []
+
+
 def test_p_killed_mid_request(procs, fakes):
     for policy, expect in (("recompute", 200), ("fail", 502)):
         p_proc, p_url = procs.fake("Pdying")

@@ -256,6 +256,9 @@ class Proxy:
 
     async def _generate(self, request: Request, path: str, body: dict) -> Response:
         if self.order == "p-first":
+            if not self.D.healthy():      # else P would hold the prompt's KV for no reader
+                raise ProxyError(503, f"no decode instance is up ({self.D.describe()})",
+                                 kind="service_unavailable")
             kv = await self._prefill(request, path, body)
             if isinstance(kv, Response):            # P's error answer, passed through
                 return kv
