@@ -6,7 +6,8 @@ instance, without a model, for the proxy's routing tests (tests/test_pd_proxy_ro
 Every request is recorded (route, body, and whether the client left before the answer
 ended) and listed at ``GET /_log``. What it answers depends on the prompt text:
 ``status:NNN`` answers that status with a fixed body; ``slow`` waits 0.4 s per stream chunk
-(and 3 s before a non-streamed answer); a producer request (do_remote_decode) answers
+(and 3 s before a non-streamed answer); ``linger`` keeps a stream open 1 s after its last
+event; a producer request (do_remote_decode) answers
 ``kv_transfer_params`` naming this instance. Answers are odd-looking on purpose (extra
 spaces, a custom header) so that a byte-for-byte relay can be told from a re-encoding.
 """
@@ -98,6 +99,8 @@ async def _generate(request: Request):
                 yield f"data:  {json.dumps({'i': i, 'from': STATE['name']})}\n\n".encode()
             yield b"data: [DONE]\n\n"
             entry["done"] = True
+            if "linger" in prompt:      # the connection ends a moment after the last event
+                await asyncio.sleep(1.0)
         finally:
             if not entry["done"]:
                 entry["disconnected"] = True

@@ -160,6 +160,28 @@ def test_stream_is_relayed_as_it_comes(procs, fakes):
     assert arrivals[-1] - arrivals[0] > 1.0       # chunks 0.4 s apart, not buffered
 
 
+def test_a_client_leaving_after_the_last_event_is_counted_ok(procs, fakes):
+    """A client that closes its stream once it has ``data: [DONE]`` (as openai's and aiohttp
+    clients do) got its whole answer: requests_total counts it ok, not client_gone, and the
+    proxy logs no error. One that leaves before the end is client_gone."""
+    proc, proxy = procs.proxy([fakes["P1"]], [fakes["D1"]])
+    for _ in range(3):
+        with requests.post(proxy + "/v1/completions", json={"prompt": "linger",
+                                                            "stream": True},
+                           stream=True, timeout=30) as r:
+            for line in r.iter_lines():
+                if line == b"data: [DONE]":
+                    break
+    with requests.post(proxy + "/v1/completions", json={"prompt": "slow", "stream": True},
+                       stream=True, timeout=30) as r:
+        next(r.iter_lines())
+    time.sleep(1.5)
+    assert metric(proxy, "requests_total", outcome="ok") == 3
+    assert metric(proxy, "requests_total", outcome="client_gone") == 1
+    procs.stop(proc)
+    assert "Task exception was never retrieved" not in proc.stderr.read()
+
+
 def test_round_robin_and_least_loaded(procs, fakes):
     P, D = [fakes["P1"], fakes["P2"]], [fakes["D1"], fakes["D2"]]
     _, proxy = procs.proxy(P, D)

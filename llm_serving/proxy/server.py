@@ -50,6 +50,7 @@ MAX_BODY_BYTES = 4 << 20
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date",
                  "server"}
 _FORWARD_HEADERS = ("authorization", "x-request-id")
+_SSE_END = b"data: [DONE]\n\n"         # the last event of an OpenAI stream
 
 
 class ProxyError(Exception):
@@ -312,8 +313,11 @@ class Proxy:
 
     async def _relay(self, inst: Instance, resp: httpx.Response, path: str, body: dict):
         """D's stream, chunk by chunk. Ended by the client (Starlette cancels it), by D's
-        end, or by D failing (an error event in the stream's own shape)."""
+        end, or by D failing (an error event in the stream's own shape). A client that
+        leaves once it has the OpenAI stream's last event (``data: [DONE]``) got its whole
+        answer: that request is ok, not client_gone."""
         outcome = "client_gone"
+        tail = b""
         try:
             chunks = resp.aiter_raw()
             while True:
@@ -326,13 +330,15 @@ class Proxy:
                     down.cancel()
                     if not nxt.done():
                         nxt.cancel()
+                    elif not nxt.cancelled():
+                        nxt.exception()       # retrieved, even when the client left meanwhile
                 if nxt not in done:
                     outcome = "failed"
                     yield _stream_error(path, body, f"decode instance {inst.url} stopped "
                                         f"answering ({inst.reason})")
                     return
                 try:
-                    yield nxt.result()
+                    chunk = nxt.result()
                 except StopAsyncIteration:
                     outcome = "ok"
                     return
@@ -341,6 +347,10 @@ class Proxy:
                     yield _stream_error(path, body, f"decode instance {inst.url} failed "
                                         f"mid-stream: {type(e).__name__}: {e}")
                     return
+                tail = (tail + chunk)[-len(_SSE_END):]
+                if tail == _SSE_END and path in pd.OPENAI_ROUTES:
+                    outcome = "ok"
+                yield chunk
         finally:
             self.metrics.requests.labels(outcome).inc()
             inst.inflight -= 1
