@@ -240,7 +240,9 @@ def test_dead_and_unhealthy_instances_leave_the_rotation(procs, fakes):
     dead = f"http://127.0.0.1:{free_port()}"             # nothing listens there
     _, loading = procs.fake("loading", health=503)       # up, but not ready to serve
     _, proxy = procs.proxy([dead, loading, fakes["P1"]], [fakes["D1"]])
-    assert requests.get(proxy + "/health", timeout=10).status_code == 200
+    for method, route in (("GET", "/health"), ("GET", "/ready"), ("GET", "/ping"),
+                          ("POST", "/ping")):
+        assert requests.request(method, proxy + route, timeout=10).status_code == 200
     before = clear_logs(loading, fakes["P1"])
     for _ in range(4):
         assert requests.post(proxy + "/v1/completions", json={"prompt": "x"},
@@ -254,10 +256,12 @@ def test_dead_and_unhealthy_instances_leave_the_rotation(procs, fakes):
     for _ in range(4):
         requests.post(proxy + "/v1/completions", json={"prompt": "x"}, timeout=30)
     assert len(new_entries(loading, before)) == 2
-    # No decode instance up: /health and requests say so.
+    # No decode instance up: /health (and /ready, /ping, as on an instance) and requests say so.
     _, proxy = procs.proxy([fakes["P1"]], [dead])
-    r = requests.get(proxy + "/health", timeout=10)
-    assert r.status_code == 503 and "no decode instance is up" in r.json()["error"]["message"]
+    for method, route in (("GET", "/health"), ("GET", "/ready"), ("GET", "/ping"),
+                          ("POST", "/ping")):
+        r = requests.request(method, proxy + route, timeout=10)
+        assert r.status_code == 503 and "no decode instance is up" in r.json()["error"]["message"]
     r = requests.post(proxy + "/v1/completions", json={"prompt": "x"}, timeout=30)
     assert r.status_code == 503 and dead in r.json()["error"]["message"]
 

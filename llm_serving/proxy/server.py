@@ -404,14 +404,18 @@ def build_app(proxy: Proxy) -> FastAPI:
     async def live():
         return Response(status_code=200)
 
-    @app.get("/health")
     async def health():
-        """200 when at least one P and one D pass their health checks."""
+        """200 when at least one P and one D pass their health checks; also ``/ready`` and
+        vLLM's ``/ping`` (GET or POST), as on an instance, for probes pointed at either."""
         missing = [p for p in (proxy.P, proxy.D) if not p.healthy()]
         if missing:
             return _error(503, "; ".join(f"no {p.role} instance is up ({p.describe()})"
                                          for p in missing), kind="service_unavailable")
         return Response(status_code=200)
+
+    for route in ("/health", "/ready"):
+        app.add_api_route(route, health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/metrics")
     async def metrics():
