@@ -280,6 +280,21 @@ def test_no_decode_instance_up_is_a_503_before_p_is_asked(procs, fakes):
     assert new_entries(fakes["P1"], before) == []
 
 
+def test_a_malformed_body_is_a_400_naming_the_field(procs, fakes):
+    """llm-serving's ``parameters`` that is not an object is a 400 naming it, as on an
+    instance (the proxy sets fields in it), in both orders; no instance is asked."""
+    before = clear_logs(fakes["P1"], fakes["D1"])
+    for order in ("p-first", "d-first"):
+        _, proxy = procs.proxy([fakes["P1"]], [fakes["D1"]], "--order", order)
+        for route in ("generate", "generate_stream"):
+            for bad in ("x", [1], 3):
+                r = requests.post(f"{proxy}/models/llama2/{route}",
+                                  json={"inputs": "x", "parameters": bad}, timeout=30)
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "parameters"
+    assert new_entries(fakes["P1"], before) == [] and new_entries(fakes["D1"], before) == []
+
+
 def test_p_killed_mid_request(procs, fakes):
     for policy, expect in (("recompute", 200), ("fail", 502)):
         p_proc, p_url = procs.fake("Pdying")

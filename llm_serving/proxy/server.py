@@ -236,6 +236,11 @@ class Proxy:
                           "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "body", "invalid_request_error")
+        if (pd.generate_model(path) is not None
+                and not isinstance(body.get("parameters") or {}, dict)):   # the proxy sets some
+            return _error(400, f"parameters: expected a JSON object, got "
+                          f"{type(body['parameters']).__name__}", "parameters",
+                          "invalid_request_error")
         if pd.kv_params(path, body) is not None:
             return _error(400, "kv_transfer_params: set by the proxy, not accepted from "
                           "clients", pd.KV_FIELD, "invalid_request_error")
