@@ -313,3 +313,15 @@ def test_pooling_methods_are_refused_by_name(tiny_llm, method, args):
 def test_beam_search_is_refused_by_name(tiny_llm):
     with pytest.raises(NotImplementedError, match="beam_search"):
         tiny_llm.beam_search([{"prompt": "Hello"}], None)
+
+
+def test_the_builtin_model_by_name(tmp_path, monkeypatch):
+    """LLM("builtin:tiny-llama"), as start.py's --model takes it: the built-in model is
+    generated under LLM_SERVING_HOME on first use and served."""
+    from llm_serving import LLM
+    monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path))
+    llm = LLM("builtin:tiny-llama", num_blocks=32)
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert (tmp_path / "models" / "tiny-llama" / "config.json").is_file()
+    llm.engine.shutdown()

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from llm_serving.cli_args import resolve_model
 from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
@@ -27,8 +28,10 @@ def _no_pooling(method: str) -> ValueError:
 
 class LLM:
     def __init__(self, model: str, **engine_args):
+        """``model``: an HF model directory, or ``builtin:tiny-llama`` (as start.py's
+        --model: the built-in tiny model, generated on first use)."""
         engine_args = drop_no_effect_args(engine_args, "LLM", _LLM_NO_EFFECT)
-        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+        self.engine = LLMEngine(EngineArgs.from_kwargs(resolve_model(model), **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):
