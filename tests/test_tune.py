@@ -315,19 +315,26 @@ def test_a_killed_tune_leaves_no_trial_server(tmp_path, tiny_model_dir):
                 pass
 
 
-def test_sigterm_stops_the_search_as_ctrl_c_does(tmp_path, tiny_model_dir):
-    """kill, timeout or a cancelled job sends SIGTERM: the trials done so far are not lost
-    (the best is written), and the trial under way is stopped with its shared memory."""
-    out = tmp_path / "tuned.yaml"
-    proc, lines, servers = _tune_until_a_trial_server(out, tmp_path / "work", tiny_model_dir)
+def _stop_tune_with(sig, out, work, model):
+    """Send ``sig`` to a tune with one trial complete and the next one's server up: (the
+    process, once ended; all it printed; the trial servers' pids)."""
+    proc, lines, servers = _tune_until_a_trial_server(out, work, model)
     try:
         time.sleep(2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = "".join(lines) + rest
+    return proc, "".join(lines) + rest, servers
+
+
+def test_sigterm_stops_the_search_as_ctrl_c_does(tmp_path, tiny_model_dir):
+    """kill, timeout or a cancelled job sends SIGTERM: the trials done so far are not lost
+    (the best is written), and the trial under way is stopped with its shared memory."""
+    out = tmp_path / "tuned.yaml"
+    proc, text, servers = _stop_tune_with(signal.SIGTERM, out, tmp_path / "work",
+                                          tiny_model_dir)
     assert proc.returncode == 130 and f"wrote {out}" in text, text
     assert "interrupted" in out.read_text()
     for pid in servers:
@@ -335,16 +342,9 @@ def test_sigterm_stops_the_search_as_ctrl_c_does(tmp_path, tiny_model_dir):
 
 
 def test_ctrl_c_writes_the_best_so_far_and_leaves_nothing(tmp_path, tiny_model_dir):
-    out, work = tmp_path / "tuned.yaml", tmp_path / "work"
-    proc, lines, servers = _tune_until_a_trial_server(out, work, tiny_model_dir)
-    try:
-        time.sleep(2)
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = "".join(lines) + rest
+    out = tmp_path / "tuned.yaml"
+    proc, text, servers = _stop_tune_with(signal.SIGINT, out, tmp_path / "work",
+                                          tiny_model_dir)
     assert proc.returncode == 130, text
     assert "interrupted" in text and f"wrote {out}" in text
     trials = json.loads(Path(str(out) + ".trials.json").read_text())
