@@ -6,7 +6,9 @@ command each:
     python clients/benchmark_serving.py --base-url http://127.0.0.1:8835 \\
         --dataset-name alpaca --num-prompts 200 --request-rate 4 --ignore-eos
 
-Requests stream from ``/v1/completions`` and arrive as a Poisson process (``--burstiness 1``)
+Requests stream from ``/v1/completions`` (or, with ``--endpoint /v1/chat/completions``, from
+the chat route, each prompt as one user message, as vLLM's ``openai-chat`` backend sends them)
+and arrive as a Poisson process (``--burstiness 1``)
 or a gamma process (other values) at ``--request-rate`` (``inf`` = all at once), with at
 most ``--max-concurrency`` in flight. It prints vLLM's "Serving Benchmark Result" block and
 saves JSON with every request's record (send, first token and end times, token counts, error).
@@ -104,8 +106,12 @@ async def output_lengths(session, args, refs: list[Optional[str]]) -> list[int]:
 
 async def send(session, args, model: str, prompt: str, max_tokens: int, t_start: float):
     import aiohttp
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    chat = args.endpoint.rstrip("/").endswith("/chat/completions")
+    body = {"model": model, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": prompt}],
+                "max_completion_tokens": max_tokens} if chat else
+               {"prompt": prompt, "max_tokens": max_tokens})}
     if args.ignore_eos:
         body["ignore_eos"] = True
     rec = {"send": time.perf_counter() - t_start, "ttft": None, "itl": [], "latency": None,
@@ -134,7 +140,8 @@ async def send(session, args, model: str, prompt: str, max_tokens: int, t_start:
                     if obj.get("usage"):
                         rec["prompt_tokens"] = obj["usage"]["prompt_tokens"]
                         rec["output_tokens"] = obj["usage"]["completion_tokens"]
-                    if any(c.get("text") for c in obj.get("choices", [])):
+                    if any(c.get("text") or (c.get("delta") or {}).get("content")
+                           for c in obj.get("choices", [])):
                         chunks += 1
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0

@@ -972,10 +972,13 @@ def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm)
         assert png.startswith(b"\x89PNG") and len(png) > 5000
 
 
-def test_benchmark_serving_client_prints_vllm_block_and_saves_records(server, tmp_path):
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_benchmark_serving_client_prints_vllm_block_and_saves_records(server, tmp_path,
+                                                                      endpoint):
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, str(ROOT / "clients" / "benchmark_serving.py"),
-                          "--base-url", server, "--dataset-name", "alpaca", "--dataset-path",
+                          "--base-url", server, "--endpoint", endpoint, "--dataset-name",
+                          "alpaca", "--dataset-path",
                           str(ROOT / "clients" / "data" / "alpaca_521.json"),
                           "--num-prompts", "12", "--request-rate", "20", "--max-output", "24",
                           "--ignore-eos", "--goodput", "ttft:60000", "--result-file", str(out)],
