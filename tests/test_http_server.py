@@ -1070,6 +1070,8 @@ def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
                for s in _samples(text, "vllm:request_success_total")}
     assert set(reasons) >= {"stop", "length", "abort", "error", "repetition"}
     assert reasons["error"] == reasons["repetition"] == 0
+    outcomes = {s["outcome"]: s["value"] for s in _samples(text, "llm_serving:kv_transfers_total")}
+    assert outcomes == {"done": 0, "failed": 0, "timeout": 0}     # a series each from the start
     [info] = _samples(text, "vllm:cache_config_info")
     assert info["value"] == 1 and info["engine"] == "0" and info["num_gpu_blocks"] == "512"
     assert info["enable_prefix_caching"] == "True"

@@ -192,6 +192,8 @@ class ServerMetrics:
                                    ["outcome", "reason"], registry=r)
         self.kv_transfers = Counter(P + "kv_transfers", "KV loads from other instances, by "
                                     "outcome (done, failed, timeout)", ["outcome"], registry=r)
+        for outcome in ("done", "failed", "timeout"):      # each at 0 from the start
+            self.kv_transfers.labels(outcome=outcome)
         self.kv_blocks_held = Gauge(P + "kv_blocks_held", "KV blocks held for transfers in "
                                     "flight (deferred release)", registry=r)
         self.kv_loads = Gauge(P + "kv_loads_in_flight", "Requests waiting for their KV from "

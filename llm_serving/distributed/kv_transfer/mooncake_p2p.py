@@ -375,8 +375,8 @@ class MooncakeP2PTransport:
             return (f"Mooncake read from {r.peer} failed (check status {r.check_status}): "
                     "the producer is gone")
         if int(self._inbox[idx]) == -r.token:
-            return (f"the producer at {r.peer} released transfer {tid} (expired) while it "
-                    "was read: its blocks may have been reused")
+            return (f"the producer at {r.peer} released transfer {tid} while it was read (the "
+                    "offer expired, or a reader declined it): its blocks may have been reused")
         return ""
 
     def _check_settled(self, r: _Read) -> bool:
