@@ -161,7 +161,15 @@ def add_proxy_parser(sub) -> None:
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between /health checks of every instance")
     p.add_argument("--max-connections", type=int, default=256,
-                   help="bound on the connections to the instances (all together)")
+                   help="bound on the connections to the instances (all together); the "
+                        "proxy takes at most this many + 128 from clients (fewer under a "
+                        "low open-file limit)")
+    p.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
+                   help="seconds a client may take to send a whole request, as on an "
+                        f"instance (default {REQUEST_READ_TIMEOUT_S:g})")
+    p.add_argument("--response-write-timeout", type=float, default=RESPONSE_WRITE_TIMEOUT_S,
+                   help="seconds a client may go without reading a response, as on an "
+                        f"instance (default {RESPONSE_WRITE_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
 
@@ -182,6 +190,10 @@ def main(argv=None) -> None:
     try:
         if args.command == "proxy":
             from llm_serving.proxy.server import run_proxy
+            for flag in ("request_read_timeout", "response_write_timeout"):
+                if getattr(args, flag) <= 0:
+                    raise ConfigError("--" + flag.replace("_", "-"), f"expected seconds > 0, "
+                                      f"got {getattr(args, flag)}")
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             return run_proxy(args)
         if args.command == "tune":

@@ -366,3 +366,20 @@ def test_client_disconnect_closes_the_upstream_request(procs, fakes):
     assert new_entries(fakes["D1"], before) == []
     assert metric(proxy, "requests_total", outcome="client_gone") == 2
     assert metric(proxy, "instance_requests_in_flight", role="decode", url=fakes["D1"]) == 0
+
+
+def test_client_connections_are_bounded_as_on_an_instance(procs, fakes):
+    """The proxy's own client side: a request that never arrives whole is closed with a 408
+    after --request-read-timeout, an oversized head gets a 431, and requests still pass."""
+    import socket
+    _, proxy = procs.proxy([fakes["P1"]], [fakes["D1"]], "--request-read-timeout", "1")
+    host, port = proxy.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        t0, data = time.monotonic(), b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 408 ") and 0.5 < time.monotonic() - t0 < 5, data
+    big = requests.get(proxy + "/health", headers={"X-Big": "a" * 40_000}, timeout=10)
+    assert big.status_code == 431
+    assert requests.get(proxy + "/health", timeout=10).status_code == 200

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llm_serving.entrypoints import connections
 from llm_serving.proxy import pd_request as pd
 from llm_serving.proxy.pool import Instance, Pool, check_all, keep_checking
 
@@ -455,8 +456,17 @@ def run_proxy(args) -> None:
                   max_connections=args.max_connections,
                   on_prefill_failure=args.on_prefill_failure)
     app = build_app(proxy)
+    # The client side bounded as an instance's is (entrypoints/connections.py): a connection
+    # for each upstream one and headroom, a whole request within the read timeout, a reader
+    # that stalls cut off.
+    fd_limit = connections.raise_open_file_limit()
+    bounds = connections.ConnectionBounds(
+        connections.connection_cap(args.max_connections, 0, fd_limit),
+        args.request_read_timeout, args.response_write_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10)
+                            access_log=False, timeout_graceful_shutdown=10,
+                            http=connections.bounded_protocol(bounds),
+                            backlog=connections.listen_backlog(fd_limit))
     server = uvicorn.Server(config)
 
     async def main():
@@ -466,6 +476,7 @@ def run_proxy(args) -> None:
             print(f"llm_serving proxy ready: http://{args.host}:{args.port} ({args.order}, "
                   f"{args.policy}; prefill {' '.join(args.prefill)}; decode "
                   f"{' '.join(args.decode)})", flush=True)
+        asyncio.get_running_loop().set_exception_handler(bounds.log_accept_errors)
         task = asyncio.ensure_future(announce())
         await server.serve()
         task.cancel()
