@@ -79,10 +79,7 @@ def serve(args) -> None:
     if args.shutdown_timeout < 0:
         raise ConfigError("--shutdown-timeout", f"expected seconds >= 0, got "
                           f"{args.shutdown_timeout}")
-    for flag in ("request_read_timeout", "response_write_timeout"):
-        if getattr(args, flag) <= 0:
-            raise ConfigError("--" + flag.replace("_", "-"), f"expected seconds > 0, got "
-                              f"{getattr(args, flag)}")
+    _check_client_bounds(args)
     run_server(engine_args, name, host, port, api_key=args.api_key,
                chat_template=engine_args.chat_template,
                log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
@@ -120,14 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "finish (vLLM's flag); then they end with a 503 or a stream error "
                         "event 'the server is shutting down'; 0: at once (default "
                         f"{SHUTDOWN_TIMEOUT_S:g})")
-    s.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
-                   help="seconds a client may take to send a whole request (head and body) "
-                        "once connected; then the connection is closed (default "
-                        f"{REQUEST_READ_TIMEOUT_S:g})")
-    s.add_argument("--response-write-timeout", type=float, default=RESPONSE_WRITE_TIMEOUT_S,
-                   help="seconds a client may go without reading a response being sent to "
-                        "it (a stream it stopped reading); then the connection is closed and "
-                        f"the request aborted (default {RESPONSE_WRITE_TIMEOUT_S:g})")
+    _add_client_bounds(s)
     s.add_argument("--dry-run", action="store_true",
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")
@@ -136,6 +126,28 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_serving.tune.cli import add_tune_parser
     add_tune_parser(sub)
     return parser
+
+
+def _add_client_bounds(parser) -> None:
+    """The timeouts of a server's client side (entrypoints/connections.py): serve's and the
+    proxy's."""
+    parser.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
+                        help="seconds a client may take to send a whole request (head and "
+                             "body) once connected; then the connection is closed (default "
+                             f"{REQUEST_READ_TIMEOUT_S:g})")
+    parser.add_argument("--response-write-timeout", type=float,
+                        default=RESPONSE_WRITE_TIMEOUT_S,
+                        help="seconds a client may go without reading a response being sent "
+                             "to it (a stream it stopped reading); then the connection is "
+                             "closed and the request aborted (default "
+                             f"{RESPONSE_WRITE_TIMEOUT_S:g})")
+
+
+def _check_client_bounds(args) -> None:
+    for flag in ("request_read_timeout", "response_write_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError("--" + flag.replace("_", "-"), f"expected seconds > 0, got "
+                              f"{getattr(args, flag)}")
 
 
 def add_proxy_parser(sub) -> None:
@@ -164,12 +176,7 @@ def add_proxy_parser(sub) -> None:
                    help="bound on the connections to the instances (all together); the "
                         "proxy takes at most this many + 128 from clients (fewer under a "
                         "low open-file limit)")
-    p.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
-                   help="seconds a client may take to send a whole request, as on an "
-                        f"instance (default {REQUEST_READ_TIMEOUT_S:g})")
-    p.add_argument("--response-write-timeout", type=float, default=RESPONSE_WRITE_TIMEOUT_S,
-                   help="seconds a client may go without reading a response, as on an "
-                        f"instance (default {RESPONSE_WRITE_TIMEOUT_S:g})")
+    _add_client_bounds(p)
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
 
@@ -190,10 +197,7 @@ def main(argv=None) -> None:
     try:
         if args.command == "proxy":
             from llm_serving.proxy.server import run_proxy
-            for flag in ("request_read_timeout", "response_write_timeout"):
-                if getattr(args, flag) <= 0:
-                    raise ConfigError("--" + flag.replace("_", "-"), f"expected seconds > 0, "
-                                      f"got {getattr(args, flag)}")
+            _check_client_bounds(args)
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             return run_proxy(args)
         if args.command == "tune":

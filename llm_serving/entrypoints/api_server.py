@@ -315,15 +315,11 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     finally:
         probe.close()
     app = build_app(state, load=True)
-    fd_limit = connections.raise_open_file_limit()
-    bounds = connections.ConnectionBounds(
-        connections.connection_cap(engine_args.max_num_seqs, engine_args.max_waiting_requests,
-                                   fd_limit),
-        request_read_timeout, response_write_timeout)
+    bounds, bounded = connections.bounded_server(
+        engine_args.max_num_seqs + engine_args.max_waiting_requests, request_read_timeout,
+        response_write_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            http=connections.bounded_protocol(bounds),
-                            backlog=connections.listen_backlog(fd_limit),
-                            timeout_graceful_shutdown=ANSWER_ABORTED_S)
+                            timeout_graceful_shutdown=ANSWER_ABORTED_S, **bounded)
     server = Server(config)
     failed = []
 

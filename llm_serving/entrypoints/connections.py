@@ -70,12 +70,23 @@ def listen_backlog(fd_limit: int) -> int:
     return max(64, min(2048, fd_limit // 8))
 
 
-def connection_cap(max_num_seqs: int, max_waiting: int, fd_limit: int) -> int:
-    """The connections served at once: a connection for every request the engine can hold
-    (running and waiting; more would only be refused with 503), plus headroom; fewer when
-    the open-file limit leaves less room."""
+def connection_cap(max_requests: int, fd_limit: int) -> int:
+    """The connections served at once: a connection for every request the server can hold
+    (an engine's running and waiting ones, a proxy's upstream connections; more would only
+    be refused with 503), plus headroom; fewer when the open-file limit leaves less room."""
     room = fd_limit - FD_RESERVE - REFUSING - listen_backlog(fd_limit)
-    return max(16, min(max_num_seqs + max_waiting + CONNECTION_HEADROOM, room))
+    return max(16, min(max_requests + CONNECTION_HEADROOM, room))
+
+
+def bounded_server(max_requests: int, read_timeout: float,
+                   write_timeout: float) -> tuple["ConnectionBounds", dict]:
+    """A server's bounds (raising the open-file limit first) and the ``uvicorn.Config``
+    arguments that apply them. The server's loop should take ``bounds.log_accept_errors``
+    as its exception handler."""
+    fd_limit = raise_open_file_limit()
+    bounds = ConnectionBounds(connection_cap(max_requests, fd_limit), read_timeout,
+                              write_timeout)
+    return bounds, {"http": bounded_protocol(bounds), "backlog": listen_backlog(fd_limit)}
 
 
 class _Every:
@@ -144,8 +155,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0        # bytes of the current request's head read so far
         self._num_headers = 0
         self._in_head = True        # between requests, or reading a head
-        self._deadline: Optional[asyncio.TimerHandle] = None
-        self._stalled: Optional[asyncio.TimerHandle] = None     # writing paused, since
+        self._deadline: Optional[asyncio.TimerHandle] = None  # the read timeout
+        self._stalled: Optional[asyncio.TimerHandle] = None   # the write timeout (paused)
         self._idle_since = 0.0
         self._refused = False
 
@@ -253,9 +264,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = self.loop.call_later(self.bounds.read_timeout, self._read_timed_out)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline = _cancelled(self._deadline)
 
     def _read_timed_out(self) -> None:
         self._deadline = None
@@ -302,13 +311,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._stalled = self.loop.call_later(self.bounds.write_timeout, self._write_timed_out)
 
     def resume_writing(self) -> None:
-        self._unstall()
+        self._stalled = _cancelled(self._stalled)
         super().resume_writing()
-
-    def _unstall(self) -> None:
-        if self._stalled is not None:
-            self._stalled.cancel()
-            self._stalled = None
 
     def _write_timed_out(self) -> None:
         self._stalled = None
@@ -319,8 +323,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
-        self._unstall()
+        self._stalled = _cancelled(self._stalled)
         super().connection_lost(exc)
+
+
+def _cancelled(timer: Optional[asyncio.TimerHandle]) -> None:
+    """Cancel ``timer`` if set; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
 
 
 def bounded_protocol(bounds: ConnectionBounds) -> type:

@@ -459,14 +459,10 @@ def run_proxy(args) -> None:
     # The client side bounded as an instance's is (entrypoints/connections.py): a connection
     # for each upstream one and headroom, a whole request within the read timeout, a reader
     # that stalls cut off.
-    fd_limit = connections.raise_open_file_limit()
-    bounds = connections.ConnectionBounds(
-        connections.connection_cap(args.max_connections, 0, fd_limit),
-        args.request_read_timeout, args.response_write_timeout)
+    bounds, bounded = connections.bounded_server(
+        args.max_connections, args.request_read_timeout, args.response_write_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10,
-                            http=connections.bounded_protocol(bounds),
-                            backlog=connections.listen_backlog(fd_limit))
+                            access_log=False, timeout_graceful_shutdown=10, **bounded)
     server = uvicorn.Server(config)
 
     async def main():
