@@ -437,6 +437,32 @@ def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
     assert r.json()["generated_text"] == greedy(tiny_llm, PROMPTS[2], 300).text
 
 
+def test_llm_serving_sampling_without_top_k_draws_from_the_three_likeliest(server, tiny_llm):
+    """llm-serving sampled among the 3 likeliest tokens when a do_sample request gave no top_k
+    (or a null one); a given top_k, 0 (the whole vocabulary) included, is taken as given. At
+    temperature 50 the distribution is nearly flat, so 40 seeds reach all 3 and, with top_k 0,
+    far more than 3 of the 1024 tokens."""
+    prompt = PROMPTS[0]
+    ref = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1,
+                                                   logprobs=3))[0].outputs[0]
+    top3 = set(ref.logprobs[0])
+    assert len(top3) == 3
+
+    def first_ids(extra):
+        def one(seed):
+            params = {"do_sample": True, "temperature": 50.0, "seed": seed,
+                      "max_new_tokens": 1, "ignore_eos": True, **extra}
+            r = requests.post(server + "/models/llama2/generate",
+                              json={"inputs": prompt, "parameters": params})
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"][0]["id"]
+        with ThreadPoolExecutor(8) as pool:
+            return set(pool.map(one, range(40)))
+    assert first_ids({}) == top3
+    assert first_ids({"top_k": None}) == top3
+    assert len(first_ids({"top_k": 0})) > 10
+
+
 def test_llm_serving_finish_reason_is_eos_for_every_end_of_sequence_id(server, tiny_llm):
     """The model's generation_config.json lists end ids beside the tokenizer's EOS (the tiny
     model's <|im_end|>, Llama 3's <|eot_id|>): ending on one is "eos" on llm-serving's

@@ -71,11 +71,16 @@ class _LlmServingBody(BaseModel):
         return data
 
 
+LLM_SERVING_TOP_K = 3       # llm-serving's top_k when a sampling request gives none
+
+
 class Parameters(_LlmServingBody):
     do_sample: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0)
+    # Unset, llm-serving sampled among the 3 likeliest tokens (server_app.send_request);
+    # 0 is the whole vocabulary.
+    top_k: Optional[int] = Field(None, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
     return_full_text: bool = False
@@ -110,7 +115,8 @@ def _params(p: Parameters) -> SamplingParams:
     sample = p.do_sample and p.temperature > 0
     want_lp = p.details or p.top_n_tokens > 0
     return SamplingParams(
-        temperature=p.temperature if sample else 0.0, top_k=p.top_k if sample else 0,
+        temperature=p.temperature if sample else 0.0,
+        top_k=(LLM_SERVING_TOP_K if p.top_k is None else p.top_k) if sample else 0,
         top_p=p.top_p if sample else 1.0, repetition_penalty=p.repetition_penalty,
         seed=p.seed, stop=p.stop, max_tokens=p.max_new_tokens, ignore_eos=p.ignore_eos,
         kv_transfer_params=p.kv_transfer_params,
