@@ -964,7 +964,8 @@ def test_small_server_readiness_overload_and_fuzzing(tmp_path, tiny_model_dir):
 def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm):
     """Run as the original was: from a directory holding alpaca_5010.json (here the 521
     set under that name, so that its rows tell which file was read), flags short or long;
-    the result file is named by -X as a float, as the original's."""
+    the result file is named by -X as a float, the score line is also logged under
+    ./testLog, as the original's."""
     port = server.rsplit(":", 1)[1]
     data = ROOT / "clients" / "data" / "alpaca_521.json"
     shutil.copy(data, tmp_path / "alpaca_5010.json")
@@ -976,6 +977,9 @@ def test_performance_serving_client_runs_and_records(server, tmp_path, tiny_llm)
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith("All Tasks Done; Exec Time is ")
     assert float(last.rsplit(" ", 1)[1]) >= 1.75            # paced over -T seconds
+    # ... and, as the original's, in ./testLog/test_performance_<time>.log
+    logs = list((tmp_path / "testLog").glob("test_performance_*.log"))
+    assert len(logs) == 1 and logs[0].read_text().splitlines()[-1] == last
     records = json.loads((tmp_path / "result_4.0_x.json").read_text())
     assert len(records) == 8
     rows = json.loads(data.read_text())
