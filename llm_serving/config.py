@@ -178,7 +178,8 @@ class EngineArgs:
         "PD disaggregation (the YAML kv_transfer: section; on the CLI as JSON, vLLM's shape): "
         "kv_connector (MooncakeConnector, MooncakeStoreConnector), kv_role (kv_producer, "
         "kv_consumer, kv_both), kv_connector_extra_config, kv_transfer_timeout, "
-        "kv_failure_policy (recompute, fail)")
+        "kv_failure_policy (recompute, fail; vLLM's kv_load_failure_policy too), "
+        "kv_buffer_device (cpu, npu); the pool also reads MOONCAKE_CONFIG_PATH's file")
     tool_call_parser: Optional[str] = _arg(None,
         "how tool calls are read from the model's text with tool_choice 'auto': hermes or "
         "llama3_json (needs enable_auto_tool_choice)")

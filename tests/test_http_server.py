@@ -68,7 +68,7 @@ def free_port() -> int:
 
 
 def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
-                 preexec_fn=None):
+                 preexec_fn=None, env=None):
     port = free_port()
     cfg = tmp_path / f"server-{port}.yaml"
     ports = ", ".join(map(str, agent_ports))
@@ -79,7 +79,8 @@ def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
     proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--config", str(cfg),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True,      # a test run killed outright leaves no server
-                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())},
+                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid()),
+                                 **(env or {})},
                             preexec_fn=preexec_fn)
     deadline = time.monotonic() + 120
     line = ""

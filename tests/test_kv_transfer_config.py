@@ -66,6 +66,65 @@ def test_a_bad_key_is_named(data, key):
     assert str(e.value).startswith(key + ":"), str(e.value)
 
 
+def test_vllms_own_keys_are_taken():
+    """vLLM 0.32's KVTransferConfig names the failure policy kv_load_failure_policy, and CPU
+    examples set kv_buffer_device; a vLLM user's JSON works unchanged."""
+    cfg = KVTransferConfig.from_dict({"kv_connector": "MooncakeConnector",
+                                      "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
+                                      "kv_load_failure_policy": "fail"})
+    assert (cfg.kv_role, cfg.kv_failure_policy) == ("kv_consumer", "fail")
+    assert KVTransferConfig.from_dict(cfg.to_dict()) == cfg
+    for bad, key in (({"kv_buffer_device": "cuda"}, "kv_buffer_device"),
+                     ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
+                     ({"kv_load_failure_policy": "fail", "kv_failure_policy": "recompute"},
+                      "kv_load_failure_policy")):
+        with pytest.raises(ConfigError) as e:
+            KVTransferConfig.from_dict({"kv_connector": "MooncakeConnector", **bad})
+        assert str(e.value).startswith(f"kv_transfer.{key}:"), str(e.value)
+
+
+def test_the_pool_reads_vllms_mooncake_config_file(tmp_path, monkeypatch):
+    """As vLLM's MooncakeStoreConnector: the store's settings from the file MOONCAKE_CONFIG_PATH
+    names, sizes with units; kv_connector_extra_config wins; what we do not run is refused."""
+    f = tmp_path / "mooncake_config.json"
+    f.write_text('{"mode": "embedded", "metadata_server": "P2PHANDSHAKE", '
+                 '"master_server_address": "10.0.0.5:50051", "global_segment_size": "1.5GB", '
+                 '"local_buffer_size": "512MB", "protocol": "tcp", "device_name": ""}')
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(f))
+    cfg = KVTransferConfig.from_dict({"kv_connector": "MooncakeStoreConnector",
+                                      "kv_role": "kv_both"})
+    assert cfg.extra("master_server_address") == "10.0.0.5:50051"
+    assert cfg.extra("global_segment_size") == 3 << 29
+    assert cfg.extra("local_buffer_size") == 512 << 20
+    assert cfg.extra("metadata_server") == "P2PHANDSHAKE"
+    over = KVTransferConfig.from_dict({"kv_connector": "MooncakeStoreConnector",
+                                       "kv_connector_extra_config": {
+                                           "master_server_address": "10.0.0.6:50051",
+                                           "global_segment_size": 4096}})
+    assert over.extra("master_server_address") == "10.0.0.6:50051"
+    assert over.extra("global_segment_size") == 4096
+    # P2P does not read the pool's file
+    assert KVTransferConfig.from_dict({"kv_connector": "MooncakeConnector"}).extra(
+        "master_server_address") is None
+    for text, key in (('{"mode": "standalone-store"}', ".mode"),
+                      ('{"enable_offload": true}', ".enable_offload"),
+                      ('{"master_server": "x:1"}', ".master_server"),
+                      ('[1]', ""), ('{"mode": ', "")):
+        f.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            KVTransferConfig.from_dict({"kv_connector": "MooncakeStoreConnector"})
+        assert str(e.value).startswith(f"MOONCAKE_CONFIG_PATH ({f}){key}:"), str(e.value)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH")
+    for size in ("4 XB", "-1GB", 0, True, "0"):
+        with pytest.raises(ConfigError) as e:
+            KVTransferConfig.from_dict({"kv_connector": "MooncakeStoreConnector",
+                                        "kv_connector_extra_config": {
+                                            "master_server_address": "h:1",
+                                            "local_buffer_size": size}})
+        assert str(e.value).startswith(
+            "kv_transfer.kv_connector_extra_config.local_buffer_size:"), str(e.value)
+
+
 def test_a_bad_yaml_section_is_named_before_anything_starts(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("llm_serving: {model: /m}\nkv_transfer: {kv_connector: MooncakeConnector, "

@@ -48,19 +48,30 @@ def master():
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, tiny_model_dir, master):
+    """A is set up in our terms; B as vLLM's MooncakeStoreConnector guide sets up an instance:
+    vLLM's keys on the command line's JSON and the store's settings in the JSON file that
+    MOONCAKE_CONFIG_PATH names (sizes with units)."""
     tmp = tmp_path_factory.mktemp("pool")
     started = {}
-
-    def section(role):
-        return "kv_transfer: " + json.dumps({
-            "kv_connector": "MooncakeStoreConnector", "kv_role": role,
-            "kv_transfer_timeout": 5,
-            "kv_connector_extra_config": {"master_server_address": master[1],
-                                          "global_segment_size": 64 << 20}}) + "\n"
+    a_section = "kv_transfer: " + json.dumps({
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+        "kv_transfer_timeout": 5,
+        "kv_connector_extra_config": {"master_server_address": master[1],
+                                      "global_segment_size": 64 << 20}}) + "\n"
+    store_file = tmp / "mooncake_config.json"
+    store_file.write_text(json.dumps({
+        "mode": "embedded", "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": master[1], "global_segment_size": "64MB",
+        "local_buffer_size": "16MB", "protocol": "tcp", "device_name": ""}))
+    b_flag = json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                         "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+                         "kv_transfer_timeout": 5})
     try:
-        for name, role in (("A", "kv_both"), ("B", "kv_both")):
-            started[name] = start_server(tmp, tiny_model_dir, section=section(role),
-                                         agent_ports=(free_port(),))
+        started["A"] = start_server(tmp, tiny_model_dir, section=a_section,
+                                    agent_ports=(free_port(),))
+        started["B"] = start_server(tmp, tiny_model_dir, "--kv-transfer-config", b_flag,
+                                    agent_ports=(free_port(),),
+                                    env={"MOONCAKE_CONFIG_PATH": str(store_file)})
         yield {name: s[1] for name, s in started.items()}
     finally:
         codes = {name: stop_server(s[0]) for name, s in started.items()}
