@@ -54,7 +54,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     generated from EngineArgs so the CLI, the YAML and LLM(...) take the same knobs."""
     import dataclasses
     import typing
-    from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs
+    from llm_serving.config import VLLM_NO_EFFECT_ARGS, VLLM_NO_EFFECT_VALUES, EngineArgs
     group = parser.add_argument_group("engine arguments (override the config file)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -75,14 +75,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, type=_json_object, default=None,
                                metavar="JSON", help=help)
         else:
-            group.add_argument(flag, dest=f.name, type=base, default=None,
+            parse = (human_readable_int if f.metadata.get("cli_type") == "human_readable_int"
+                    else base)
+            group.add_argument(flag, dest=f.name, type=parse, default=None,
                                metavar=f.name.upper(), help=help)
     # vLLM's flags that mean nothing here: taken, with a warning (cli_engine_overrides)
     for name, why in VLLM_NO_EFFECT_ARGS.items():
+        kind = _NO_EFFECT_TYPES.get(name)
+        allowed = VLLM_NO_EFFECT_VALUES.get(name)
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                           **({"type": float, "metavar": "FRACTION"}
-                              if name == "gpu_memory_utilization" else {"action": "store_true"}),
-                           help=f"vLLM's flag, taken for its command lines; no effect: {why}")
+                           **({"type": kind, "metavar": name.upper()} if kind
+                              else {"action": "store_true"}),
+                           help=f"vLLM's flag, taken for its command lines; no effect: {why}"
+                           + (f" (only {' or '.join(map(str, allowed))})" if allowed else ""))
+
+
+# The value types of vLLM's no-effect flags that take one (the others are switches).
+_NO_EFFECT_TYPES = {"gpu_memory_utilization": float, "load_format": str, "tokenizer_mode": str,
+                    "pipeline_parallel_size": int, "data_parallel_size": int,
+                    "max_parallel_loading_workers": int}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's: '1k' is 1000, '1K' 1024 (m/M, g/G, t/T alike), '25.6k' 25600; else an int."""
+    import re
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    if match:
+        number, suffix = match.groups()
+        power = "kmgt".index(suffix.lower()) + 1
+        return int(float(number) * (2 ** (10 * power) if suffix.isupper() else 10 ** (3 * power)))
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, e.g. 4294967296 or 4G, got "
+                                         f"{text!r}") from None
 
 
 def _json_object(text: str) -> dict:
@@ -100,7 +126,7 @@ def cli_engine_overrides(args: argparse.Namespace) -> dict:
     """The engine arguments given on the command line (warning of vLLM's no-effect ones)."""
     import dataclasses
     from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
-    drop_no_effect_args({k: True for k in VLLM_NO_EFFECT_ARGS if getattr(args, k, None)},
-                        "the command line")
+    drop_no_effect_args({k: getattr(args, k) for k in VLLM_NO_EFFECT_ARGS
+                         if getattr(args, k, None) is not None}, "the command line")
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
             if getattr(args, f.name, None) is not None}

@@ -22,6 +22,7 @@ from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
+from llm_serving.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from llm_serving.model_executor.loader import ModelConfig
@@ -50,6 +51,20 @@ VLLM_NO_EFFECT_ARGS = {
     "trust_remote_code": "models run on this package's own model code; none is loaded from "
                          "the model directory",
     "disable_custom_all_reduce": "there is no CUDA all-reduce to turn off",
+    "load_format": "the model directory's weights load with this engine's loader",
+    "tokenizer_mode": "the tokenizer is the model's Hugging Face tokenizer",
+    "pipeline_parallel_size": "one pipeline stage (tensor_parallel_size splits a model)",
+    "data_parallel_size": "one engine per server (run more servers behind a load balancer)",
+    "disable_sliding_window": "the models served here have no sliding window",
+    "max_parallel_loading_workers": "each WorkAgent loads its own share of the weights",
+}
+# Of those, the ones whose other values would mean something this engine does not do: only
+# these values are taken; any other is refused naming it.
+VLLM_NO_EFFECT_VALUES = {
+    "load_format": ("auto", "safetensors"),
+    "tokenizer_mode": ("auto", "hf"),
+    "pipeline_parallel_size": (1,),
+    "data_parallel_size": (1,),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
@@ -63,8 +78,14 @@ def _arg(default, help: str):
 
 def drop_no_effect_args(kwargs: dict, where: str, table: dict = VLLM_NO_EFFECT_ARGS) -> dict:
     """``kwargs`` without the arguments of ``table`` (name -> why it has no effect), with one
-    warning naming those given."""
+    warning naming those given; a value other than VLLM_NO_EFFECT_VALUES allows is a
+    ConfigError naming the argument."""
     given = [k for k in kwargs if k in table]
+    for k in given:
+        allowed = VLLM_NO_EFFECT_VALUES.get(k)
+        if allowed is not None and kwargs[k] not in allowed:
+            raise ConfigError(k, f"{kwargs[k]!r} is not supported here (only "
+                              f"{' or '.join(map(str, allowed))}: {table[k]})")
     if given:
         logger.warning("%s: these vLLM arguments have no effect here: %s", where,
                        "; ".join(f"{k} ({table[k]})" for k in given))
@@ -88,8 +109,13 @@ class EngineArgs:
         "tokens per KV block")
     num_blocks: Optional[int] = _arg(None,
         "KV blocks (llm-serving's pa_config.num_blocks; default from kv_cache_space)")
+    num_gpu_blocks_override: Optional[int] = _arg(None,
+        "KV blocks, vLLM's name: wins over num_blocks")
     kv_cache_space: float = _arg(2.0,
         "GiB for the KV cache when num_blocks is unset (per WorkAgent rank)")
+    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={
+        "help": "bytes for the KV cache per WorkAgent rank, instead of kv_cache_space "
+                "(vLLM's flag; '4G' is 4 GiB, '4g' 4e9)", "cli_type": "human_readable_int"})
     enable_chunked_prefill: bool = _arg(True,
         "chunk long prefills into the step budget (Dynamic SplitFuse)")
     enable_prefix_caching: bool = _arg(True,
@@ -155,6 +181,9 @@ class EngineArgs:
         "in flight fail and the agent is replaced (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
+    max_logprobs: int = _arg(MAX_LOGPROBS,
+        "the most logprobs, top_logprobs or prompt_logprobs a request may ask for (vLLM's "
+        f"flag; at most {MAX_LOGPROBS} here, the alternatives a step returns per token)")
     chat_template: Optional[str] = _arg(None,
         "a Jinja chat template overriding the tokenizer's")
     generation_config: str = _arg("auto",
@@ -205,6 +234,10 @@ class EngineArgs:
         positive("max_model_len", self.max_model_len, True)
         positive("block_size", self.block_size)
         positive("num_blocks", self.num_blocks, True)
+        positive("num_gpu_blocks_override", self.num_gpu_blocks_override, True)
+        if self.num_gpu_blocks_override is not None:     # vLLM's: wins over the sizing
+            self.num_blocks = self.num_gpu_blocks_override
+        positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, True)
         if (not isinstance(self.kv_cache_space, (int, float)) or isinstance(self.kv_cache_space, bool)
                 or self.kv_cache_space <= 0):
             raise ConfigError("kv_cache_space", f"expected GiB > 0, got {self.kv_cache_space!r}")
@@ -221,6 +254,11 @@ class EngineArgs:
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
         positive("max_waiting_requests", self.max_waiting_requests)
         positive("dump_logits_every", self.dump_logits_every)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ConfigError("max_logprobs", f"expected 0 to {MAX_LOGPROBS} (the most "
+                              "alternatives this engine returns per token; vLLM's -1, no "
+                              f"cap, is not supported), got {self.max_logprobs!r}")
 
         def number(key, value, low, allow_none=False, low_inclusive=True, high=None):
             if value is None and allow_none:
@@ -323,7 +361,9 @@ class EngineArgs:
         kv_dtype = self._kv_cache_dtype(on_cpu)
         block_bytes = kv_bytes_per_block(hf, self.block_size, self.tensor_parallel_size,
                                          kv_dtype)
-        num_blocks = self.num_blocks or max(1, int(self.kv_cache_space * 2**30) // block_bytes)
+        kv_bytes = (self.kv_cache_memory_bytes if self.kv_cache_memory_bytes is not None
+                    else int(self.kv_cache_space * 2**30))
+        num_blocks = self.num_blocks or max(1, kv_bytes // block_bytes)
         capacity = num_blocks * self.block_size
         if capacity < max_len and self.max_model_len is None:
             logger.warning("max_model_len lowered from %d to %d, what %d KV blocks hold",
@@ -352,6 +392,7 @@ class EngineArgs:
                 checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
                 kv_storage_dtype=kv_dtype, max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
+                max_logprobs=self.max_logprobs,
                 default_sampling_params=generation_defaults(
                     self.model, self.generation_config, self.override_generation_config,
                     max_len)),
@@ -465,6 +506,7 @@ class ModelSettings:
     hf: "ModelConfig"              # the architecture, from config.json
     # What OpenAI requests that leave a sampling field out get (generation_defaults).
     default_sampling_params: dict = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS   # the most logprobs a request may ask for
 
     @property
     def vocab_size(self) -> int:

@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from llm_serving.config import EngineArgs
+from llm_serving.config import EngineArgs, drop_no_effect_args
 from llm_serving.errors import ConfigError
 
 # Legacy keys we accept and ignore, and why (shown once, in the warning).
@@ -258,6 +258,11 @@ def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> Servi
     if cfg.kv_transfer is not None:
         kw["kv_transfer_config"] = dict(cfg.kv_transfer)
     known = {f.name for f in dataclasses.fields(EngineArgs)}
+    if cfg.llm_serving:     # vLLM's no-effect arguments: one warning (a bad value refused)
+        try:
+            cfg.llm_serving = drop_no_effect_args(cfg.llm_serving, "config llm_serving")
+        except ConfigError as e:
+            raise ConfigError(f"llm_serving.{e.key}", e.problem) from None
     for key in cfg.llm_serving or {}:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)

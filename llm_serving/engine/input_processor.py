@@ -52,6 +52,7 @@ class InputProcessor:
         self.constraints = constraints      # engine.constraints.Constraints
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
+        self.max_logprobs = config.model.max_logprobs
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.policy = config.scheduler.policy
         self.kv_transfer = config.kv_transfer
@@ -74,6 +75,11 @@ class InputProcessor:
         if params.n > self.max_num_seqs:
             raise ValueError(f"n: {params.n} is more than max_num_seqs ({self.max_num_seqs}), "
                              "the most sequences a step runs")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"{name}: {asked} asked for, more than this server's "
+                                 f"max_logprobs ({self.max_logprobs})")
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params.kv_transfer_params)
         if self.constraints is not None and (params.constrained or params.logit_bias):
