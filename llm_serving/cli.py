@@ -51,7 +51,9 @@ def _settings(args) -> tuple:
 
 def serve(args) -> None:
     from llm_serving.entrypoints.api_server import run_server
+    from llm_serving.entrypoints.frontend_args import FrontendArgs
     cfg, engine_args, name, host, port = _settings(args)
+    frontend = FrontendArgs.from_args(args)     # a bad TLS file or root path: before loading
     # Resolved once here (the model's config.json read, the KV pool sized), so a missing
     # model or an impossible setting fails before anything starts. The engine resolves them
     # again: give it the sizes decided here (the same values, and no second warning).
@@ -85,7 +87,8 @@ def serve(args) -> None:
                log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
                shutdown_timeout=args.shutdown_timeout,
                request_read_timeout=args.request_read_timeout,
-               response_write_timeout=args.response_write_timeout)
+               response_write_timeout=args.response_write_timeout,
+               frontend=frontend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "event 'the server is shutting down'; 0: at once (default "
                         f"{SHUTDOWN_TIMEOUT_S:g})")
     _add_client_bounds(s)
+    from llm_serving.entrypoints.frontend_args import add_frontend_arguments
+    add_frontend_arguments(s)
     s.add_argument("--dry-run", action="store_true",
                    help="print the processes that would be launched (rank -> device, "
                         "environment, command lines) and exit without starting them")

@@ -416,6 +416,7 @@ _COMMON_HONOURED = {
     "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"7": -5},
     "user": "u1", "max_tokens": 4, "top_k": 5, "min_p": 0.1, "min_tokens": 1,
     "ignore_eos": True, "repetition_penalty": 1.1, "stop_token_ids": [2], "priority": 0,
+    "return_tokens_as_token_ids": True,
     "skip_special_tokens": False, "include_stop_str_in_output": True,
     "spaces_between_special_tokens": False, "allowed_token_ids": list(range(3, 900)),
     "bad_words": ["zzz"], "guided_regex": "[a-z]{1,4}", "safety_identifier": "s1",
@@ -423,7 +424,7 @@ _COMMON_HONOURED = {
 }
 _COMMON_REFUSED = {
     "use_beam_search": True, "length_penalty": 2.0, "truncate_prompt_tokens": 5,
-    "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "logits_processors": ["x"], "return_token_ids": True,
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",

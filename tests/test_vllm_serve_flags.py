@@ -1,11 +1,135 @@
-"""`vllm serve` flags that users' scripts pass: vLLM's names for the KV pool size, the
-logprobs cap, and the start-up checks of the ones whose values we cannot honour."""
+"""`vllm serve` flags that users' scripts pass, on our server: one real server started with
+many of them at once (TLS, root path, CORS, X-Request-Id, request logging, the usage and
+logprobs flags, vLLM's names for the KV pool size), driven by `openai` and `requests`; and
+the start-up checks of the ones whose values we cannot honour."""
 from __future__ import annotations
 
+import logging
+import shutil
+import subprocess
+import sys
+
+import openai
 import pytest
+import requests
 
 from llm_serving.cli import build_parser, server_settings
+from llm_serving.entrypoints.frontend_args import FrontendArgs
+from llm_serving.entrypoints.http_common import ServerState, log_arrival
 from llm_serving.errors import ConfigError
+from test_http_server import ROOT, start_server, stop_server
+
+ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a self-signed certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(d / "key.pem"), str(d / "cert.pem")
+
+
+def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
+        tmp_path, tiny_model_dir, cert, monkeypatch):
+    key, crt = cert
+    proc, url, line = start_server(
+        tmp_path, tiny_model_dir,
+        "--ssl-keyfile", key, "--ssl-certfile", crt, "--root-path", "/llm",
+        "--api-key", "k", "--allowed-origins", f'["{ORIGIN}"]', "--enable-request-id-headers",
+        "--disable-fastapi-docs", "--enable-log-requests", "--uvicorn-log-level", "info",
+        "--disable-uvicorn-access-log", "--response-role", "bot",
+        "--enable-prompt-tokens-details", "--enable-force-include-usage",
+        "--num-gpu-blocks-override", "300", "--max-logprobs", "2",
+        "--return-tokens-as-token-ids",
+        "--load-format", "safetensors", "--tokenizer-mode", "auto",
+        "--pipeline-parallel-size", "1", "--data-parallel-size", "1",
+        "--disable-sliding-window", "--max-parallel-loading-workers", "2")
+    try:
+        assert line.startswith("llm_serving ready: https://")
+        url = url.replace("http://", "https://")
+        base = url + "/llm/v1"             # as a path-based proxy forwards it
+        auth = {"Authorization": "Bearer k"}
+        get = lambda path, **kw: requests.get(url + path, verify=crt, **kw)  # noqa: E731
+        # TLS: plain HTTP is not served; the certificate verifies
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(url.replace("https://", "http://") + "/health", timeout=10)
+        assert get("/health").status_code == 200
+        # the API key guards /v1 under the root path too
+        assert get("/llm/v1/models").status_code == 401
+        assert get("/llm/v1/models", headers=auth).status_code == 200
+        assert get("/v1/models", headers=auth).status_code == 200
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert get(path).status_code == 404, path
+        # CORS: a browser's preflight from the allowed origin passes, from another fails
+        pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization,content-type"}
+        r = requests.options(base + "/chat/completions", headers=pre, verify=crt)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+        r = requests.options(base + "/chat/completions", verify=crt,
+                             headers={**pre, "Origin": "http://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        # X-Request-Id: echoed, or a new one
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+        r = requests.post(base + "/completions", json=body, verify=crt,
+                          headers={**auth, "Origin": ORIGIN, "X-Request-Id": "trace-1"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-1"
+        assert r.headers["access-control-allow-origin"] == ORIGIN
+        assert len(requests.get(url + "/health", verify=crt).headers["x-request-id"]) == 32
+
+        monkeypatch.setenv("SSL_CERT_FILE", crt)
+        client = openai.OpenAI(base_url=base, api_key="k")
+        messages = [{"role": "user", "content": "Tell me about the prefix cache, please."}]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        assert first.choices[0].message.role == "bot"
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16    # a full block reused
+        # usage on every stream without stream_options
+        chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3,
+                                                stream=True))
+        assert all(c.usage is not None for c in chunks)
+        assert chunks[-1].usage.completion_tokens == 3
+        # --max-logprobs 2
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=1,
+                                         logprobs=2).choices[0].logprobs
+        with pytest.raises(openai.BadRequestError, match="max_logprobs"):
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=1, logprobs=3)
+        # --return-tokens-as-token-ids, unless a request says otherwise
+        lp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                            logprobs=True, top_logprobs=2).choices[0].logprobs
+        assert all(t.token.startswith("token_id:") and len(t.top_logprobs) == 2
+                   and all(a.token.startswith("token_id:") for a in t.top_logprobs)
+                   for t in lp.content)
+        lp = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": False}
+                                       ).choices[0].logprobs
+        assert not any(t.startswith("token_id:") for t in lp.tokens)
+        # --num-gpu-blocks-override 300
+        metrics = get("/metrics").text
+        assert 'num_gpu_blocks="300"' in metrics
+    finally:
+        assert stop_server(proc) == 0
+    log = proc.stderr.read()
+    assert "Received request cmpl-" in log and "max_tokens=2" in log     # --enable-log-requests
+    assert "these vLLM arguments have no effect here: load_format" in log
+    assert '"GET /health' not in log + proc.stdout.read()     # no access log
+
+
+def test_request_log_cuts_prompts_to_max_log_len(caplog, tiny_model_dir):
+    from llm_serving.config import EngineArgs
+    state = ServerState(EngineArgs(model=tiny_model_dir), "tiny",
+                        frontend=FrontendArgs(enable_log_requests=True, max_log_len=4))
+    with caplog.at_level(logging.DEBUG, logger="llm_serving.server"):
+        log_arrival(state, "r-1", ["abcdefgh", {"prompt": "xyz123", "prompt_token_ids":
+                                                list(range(10))}], "PARAMS")
+    assert "Received request r-1: params: PARAMS" in caplog.text
+    assert "'abcd'" in caplog.text and "'xyz1'" in caplog.text and "[0, 1, 2, 3]" in caplog.text
+    assert "abcde" not in caplog.text
 
 
 def _settings(model, *flags):
@@ -45,6 +169,14 @@ def test_the_engine_flags_are_yaml_keys_too(tmp_path, tiny_model_dir):
     cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  load_format: gguf\n")
     with pytest.raises(ConfigError, match="llm_serving.load_format"):
         server_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))
+
+
+def test_a_bad_tls_or_root_path_flag_fails_before_loading(tiny_model_dir, tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                          "--ssl-keyfile", str(tmp_path / "missing.pem"),
+                          "--ssl-certfile", str(tmp_path / "missing.pem")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--ssl-keyfile" in run.stderr and "no such file" in run.stderr
 
 
 def test_max_logprobs_caps_what_a_request_may_ask_for(tiny_model_dir):

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,7 @@ import llm_serving
 from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
                                   SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
+from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState, error_response, logger,
                                                 translate_error)
 from llm_serving.errors import LLMServingError
@@ -94,14 +96,36 @@ class _ApiKey:
         self.app, self.expected = app, f"Bearer {key}".encode("latin-1")
 
     async def __call__(self, scope, receive, send):
+        # the route's path: behind --root-path, FastAPI keeps the prefix in scope["path"]
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" \
-                and scope["path"].startswith(self.GUARDED):
+                and path.startswith(self.GUARDED):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 return await error_response(401, "missing or wrong API key (Authorization: "
                                             "Bearer)", kind="authentication_error")(
                     scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+class _RequestIdHeader:
+    """ASGI middleware (--enable-request-id-headers, vLLM's): every answer carries an
+    X-Request-Id header, the request's own if it sent one, else a new id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        rid = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+            await send(message)
+        return await self.app(scope, receive, send_with_id)
 
 
 def _not_serving(state: ServerState) -> str:
@@ -142,7 +166,12 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="llm_serving", version=llm_serving.__version__, lifespan=lifespan)
+    front = state.frontend
+    docs = {} if not front.disable_fastapi_docs else dict(openapi_url=None, docs_url=None,
+                                                           redoc_url=None)
+    app = FastAPI(title="llm_serving", version=llm_serving.__version__, lifespan=lifespan,
+                  **docs)
+    app.root_path = front.root_path or ""       # behind a path-based proxy (vLLM's way)
     app.state.server = state
     state.metrics = ServerMetrics(state.served_model_name)
 
@@ -235,6 +264,14 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     if state.api_key:
         app.add_middleware(_ApiKey, key=state.api_key)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    if front.enable_request_id_headers:
+        app.add_middleware(_RequestIdHeader)
+    if front.allowed_origins:   # outermost: preflights answered, and errors carry the headers
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=front.allowed_origins,
+                           allow_methods=front.allowed_methods,
+                           allow_headers=front.allowed_headers,
+                           allow_credentials=front.allow_credentials)
     return app
 
 
@@ -277,8 +314,10 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
                log_stats_interval: float = 10.0,
                shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
                request_read_timeout: float = REQUEST_READ_TIMEOUT_S,
-               response_write_timeout: float = RESPONSE_WRITE_TIMEOUT_S) -> None:
+               response_write_timeout: float = RESPONSE_WRITE_TIMEOUT_S,
+               frontend: Optional[FrontendArgs] = None) -> None:
     """Load the model, then serve until SIGINT/SIGTERM; prints one line when ready.
+    ``frontend``: vLLM's server flags (TLS, CORS, uvicorn's logging ...).
     ``shutdown_timeout``: seconds the requests in flight may take to finish once stopped;
     ``request_read_timeout``: seconds a client may take to send a whole request;
     ``response_write_timeout``: seconds it may go without reading a response."""
@@ -302,8 +341,9 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = api_key or os.environ.get("LLM_SERVING_API_KEY") or None
+    frontend = frontend or FrontendArgs()
     state = ServerState(engine_args, served_model_name, api_key, chat_template,
-                        log_stats_interval=log_stats_interval)
+                        log_stats_interval=log_stats_interval, frontend=frontend)
     # A busy port fails at once, before the model loads.
     probe = socket.socket()
     try:
@@ -318,8 +358,9 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     bounds, bounded = connections.bounded_server(
         engine_args.max_num_seqs + engine_args.max_waiting_requests, request_read_timeout,
         response_write_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=ANSWER_ABORTED_S, **bounded)
+    config = uvicorn.Config(app, host=host, port=port,
+                            timeout_graceful_shutdown=ANSWER_ABORTED_S,
+                            **frontend.uvicorn_kwargs(), **bounded)
     server = Server(config)
     failed = []
 
@@ -330,7 +371,8 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
             failed.append(state.load_error)
             server.should_exit = True
             return
-        print(f"llm_serving ready: http://{host}:{port} (model {served_model_name!r})",
+        print(f"llm_serving ready: {frontend.scheme}://{host}:{port} "
+              f"(model {served_model_name!r})",
               flush=True)
         # An engine loop that stopped for good (a WorkAgent that could not be replaced) ends
         # the server with an error, as vLLM's does, so that a supervisor restarts it.

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from llm_serving.config import EngineArgs
 from llm_serving.engine.engine_client import EngineClient
+from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.errors import (EngineDeadError, LLMServingError, QueueFullError,
                                 ShuttingDownError)
 
@@ -45,6 +46,7 @@ class ServerState:
     metrics: object = None
     started: float = field(default_factory=time.time)
     log_stats_interval: float = 10.0      # seconds between stats log lines; 0: none
+    frontend: FrontendArgs = field(default_factory=FrontendArgs)   # vLLM's server flags
 
     async def stats(self):
         """The engine's stats, also fed to /metrics: the engine hands each finished request's
@@ -128,6 +130,28 @@ def log_request(rid: str, prompt_tokens: int, completion_tokens: int, t0: float)
     """The one access-log line of a request (nothing is logged per token)."""
     logger.info("request %s: %d prompt + %d completion tokens in %.3f s", rid, prompt_tokens,
                 completion_tokens, time.perf_counter() - t0)
+
+
+def log_arrival(state: ServerState, rid: str, prompts: list, params) -> None:
+    """--enable-log-requests (vLLM's): a request's id and sampling parameters at info as it
+    arrives, its prompts (cut to --max-log-len) at debug. Called by the handlers, once per
+    request; nothing is logged per step."""
+    front = state.frontend
+    if not front.enable_log_requests:
+        return
+    logger.info("Received request %s: params: %s", rid, params)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("Request %s prompt: %r", rid,
+                     [_cut(p, front.max_log_len) for p in prompts])
+
+
+def _cut(prompt, n: Optional[int]):
+    """A prompt (text, token ids, or a dict of them) cut to ``n`` characters or ids."""
+    if n is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return {k: _cut(v, n) for k, v in prompt.items()}
+    return prompt[:n] if isinstance(prompt, (str, list)) else prompt
 
 
 def new_request_id(prefix: str) -> str:

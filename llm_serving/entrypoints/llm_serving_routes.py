@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from llm_serving.entrypoints import remote_prefill
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
-                                                new_request_id, output_error,
+                                                log_arrival, new_request_id, output_error,
                                                 refuse_unsupported, renamed, sse,
                                                 stream_or_disconnect, translate_error)
 from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
@@ -153,6 +153,7 @@ async def _start(request: Request, model: str, req: GenerateRequest):
         rid = new_request_id("gen")
         # max_new_tokens beyond what the prompt leaves is lowered: llm-serving stopped at
         # max_generate_length, its cap on prompt + output ("length")
+        log_arrival(state, rid, [req.inputs], params)
         stream = await engine.add_request(rid, req.inputs, params)
     except Exception as e:
         raise _own_names(translate_error(e)) from None

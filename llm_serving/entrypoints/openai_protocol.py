@@ -19,7 +19,7 @@ from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputK
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
 _REFUSED_COMMON = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": (),
-    "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "logits_processors": (),
     "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
     "cache_salt": (), "vllm_xargs": (), "request_id": (),
     "prompt_logprobs": (), "mm_processor_kwargs": (), "guided_decoding_backend": (
@@ -72,6 +72,8 @@ class _SamplingFields(BaseModel):
     min_p: Optional[float] = Field(None, ge=0, le=1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # vLLM's: logprobs name tokens 'token_id:<id>' (None: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: Optional[bool] = None
     repetition_penalty: Optional[float] = Field(None, gt=0)
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOPS)
     priority: int = 0
@@ -93,7 +95,6 @@ class _SamplingFields(BaseModel):
     length_penalty: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     guided_whitespace_pattern: Any = None
     guided_decoding_backend: Any = None

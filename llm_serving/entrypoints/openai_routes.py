@@ -11,7 +11,8 @@ from typing import AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_request,
+from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_arrival,
+                                                log_request,
                                                 new_request_id, openai_finish_reason,
                                                 output_error, refuse_unsupported, renamed,
                                                 response_id, sse,
@@ -79,6 +80,7 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
         raise HTTPError(400, f"logprobs: up to {entries} log-probabilities asked for (prompts x "
                         f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
+    log_arrival(state, rid, prompts, params)
     kv = params.kv_transfer_params
     try:
         offers = [pd.offer_of_prompt(kv, i, len(prompts)) for i in range(len(prompts))]
@@ -144,13 +146,13 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
-                   extra: Optional[dict] = None, grammar_field: Optional[str] = None
-                   ) -> tuple[dict, int]:
+                   extra: Optional[dict] = None, grammar_field: Optional[str] = None,
+                   cached: Optional[dict] = None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
-    tokens; ``echo`` sees every output; ``extra`` gets the top-level fields the engine
-    returned (a producer's ``kv_transfer_params``). A client that leaves first aborts the
-    requests (HTTPError 499)."""
+    tokens; ``cached`` gets each prompt's prefix-cached tokens; ``echo`` sees every output;
+    ``extra`` gets the top-level fields the engine returned (a producer's
+    ``kv_transfer_params``). A client that leaves first aborts the requests (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
     offers: dict[int, dict] = {}
@@ -158,6 +160,8 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
         if out.error:
             raise _grammar_named(output_error(out.error), grammar_field)
         prompt_tokens[i] = len(out.prompt_token_ids)
+        if cached is not None and out.num_cached_tokens is not None:
+            cached[i] = out.num_cached_tokens
         if echo is not None:
             echo.see(i, out)
         if out.kv_transfer_params is not None:
@@ -187,36 +191,69 @@ def _sse_error(e: HTTPError) -> bytes:
                           "code": e.status}})
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: Optional[int] = None) -> dict:
+    """OpenAI's usage; ``cached`` (--enable-prompt-tokens-details): the prompt tokens the
+    prefix cache served, as prompt_tokens_details.cached_tokens."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _stream_usage(state: ServerState, req) -> tuple[bool, bool]:
+    """(a final chunk with usage, usage in every chunk): the request's stream_options, or
+    both with --enable-force-include-usage (vLLM's)."""
+    if state.frontend.enable_force_include_usage:
+        return True, True
+    return req.stream_usage()
+
+
+def _cached(state: ServerState, cached: dict) -> Optional[int]:
+    """The prompt tokens served from the prefix cache, over the prompts seen (prompt index
+    -> count), when --enable-prompt-tokens-details asks for them."""
+    if not state.frontend.enable_prompt_tokens_details or not cached:
+        return None
+    return sum(cached.values())
 
 
 
 
 # ---- completions -------------------------------------------------------------------------
 
-def _completion_logprobs(entries, text_offset: int, k: int, prompt: Optional[dict] = None
-                         ) -> dict:
+def _as_ids(state: ServerState, req) -> bool:
+    """Whether logprobs name tokens 'token_id:<id>': the request's return_tokens_as_token_ids,
+    else --return-tokens-as-token-ids (vLLM's)."""
+    asked = req.return_tokens_as_token_ids
+    return state.frontend.return_tokens_as_token_ids if asked is None else bool(asked)
+
+
+def _name(token_id: int, lp, as_ids: bool) -> str:
+    """A token in a logprobs answer: its text, or 'token_id:<id>' (vLLM's form, for tokens
+    whose text is not valid UTF-8 alone)."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token or ""
+
+
+def _completion_logprobs(entries, text_offset: int, k: int, prompt: Optional[dict] = None,
+                         as_ids: bool = False) -> dict:
     """OpenAI's logprobs object of generated tokens, after the echoed prompt's if given."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     if prompt is not None:
         out = {key: list(v) for key, v in prompt.items()}
     for entry in entries:
-        lp = next(iter(entry.values()))          # the chosen token comes first
-        text = lp.decoded_token or ""
-        out["tokens"].append(text)
+        tid, lp = next(iter(entry.items()))      # the chosen token comes first
+        out["tokens"].append(_name(tid, lp, as_ids))
         out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append(_with_chosen(entry, k))
+        out["top_logprobs"].append(_with_chosen(entry, k, as_ids))
         out["text_offset"].append(text_offset)
-        text_offset += len(text)
+        text_offset += len(lp.decoded_token or "")
     return out
 
 
-def _with_chosen(entry: dict, k: int) -> dict:
+def _with_chosen(entry: dict, k: int, as_ids: bool = False) -> dict:
     """Legacy completions' top_logprobs at a position (OpenAI's and vLLM's): the chosen token
     and the k most likely, text -> logprob (so logprobs=0 gives the chosen token alone)."""
-    return {v.decoded_token or "": v.logprob for v in list(entry.values())[:k + 1]}
+    return {_name(t, v, as_ids): v.logprob for t, v in list(entry.items())[:k + 1]}
 
 
 class _Echo:
@@ -224,8 +261,8 @@ class _Echo:
     first token's logprob null), built once per prompt and shared by its n choices. A
     token-id prompt is decoded with its special tokens, as vLLM echoes it."""
 
-    def __init__(self, tokenizer, k: Optional[int]):
-        self.tok, self.k = tokenizer, k
+    def __init__(self, tokenizer, k: Optional[int], as_ids: bool = False):
+        self.tok, self.k, self.as_ids = tokenizer, k, as_ids
         self._outs: dict[int, RequestOutput] = {}   # prompt index -> its first output
         self._scored: dict[int, list] = {}          # prompt index -> its prompt logprobs
         self._done: dict[int, tuple[str, Optional[dict]]] = {}
@@ -252,11 +289,13 @@ class _Echo:
                 scored = self._scored.get(i) or [None] * len(ids)
                 for tid, entry in zip(ids, scored):
                     chosen = entry.get(tid) if entry is not None else None
-                    lp["tokens"].append(chosen.decoded_token if chosen is not None
-                                        else self.tok.decode([tid], skip_special_tokens=False))
+                    lp["tokens"].append(
+                        f"token_id:{tid}" if self.as_ids else chosen.decoded_token
+                        if chosen is not None
+                        else self.tok.decode([tid], skip_special_tokens=False))
                     lp["token_logprobs"].append(None if chosen is None else chosen.logprob)
                     lp["top_logprobs"].append(None if entry is None
-                                              else _with_chosen(entry, self.k))
+                                              else _with_chosen(entry, self.k, self.as_ids))
             self._done[i] = (text, lp)
         return self._done[i]
 
@@ -293,7 +332,9 @@ async def completions(req: CompletionRequest, request: Request):
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
     # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
     echo_only = req.echo and req.max_tokens == 0
-    echo = _Echo(state.require_engine().tokenizer, req.logprobs) if req.echo else None
+    as_ids = _as_ids(state, req)
+    echo = (_Echo(state.require_engine().tokenizer, req.logprobs, as_ids) if req.echo
+            else None)
     try:
         params = req.sampling_params(
             1 if echo_only else req.max_tokens, None if echo_only else req.logprobs,
@@ -310,13 +351,15 @@ async def completions(req: CompletionRequest, request: Request):
     t0 = time.perf_counter()
 
     if req.stream:
-        include_usage, continuous = req.stream_usage()
+        include_usage, continuous = _stream_usage(state, req)
 
         async def gen():
-            prompt_tokens, offsets, choice_tokens = {}, {}, {}
+            prompt_tokens, offsets, choice_tokens, cached = {}, {}, {}, {}
             try:
                 async for i, out in _merge(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
+                    if out.num_cached_tokens is not None:
+                        cached[i] = out.num_cached_tokens
                     if out.error:
                         yield _sse_error(_grammar_named(output_error(out.error),
                                                         grammar_field))
@@ -339,7 +382,7 @@ async def completions(req: CompletionRequest, request: Request):
                         lp = None
                         if req.logprobs is not None:
                             lp = _completion_logprobs(entries, gen_start, req.logprobs,
-                                                      prompt_lp)
+                                                      prompt_lp, as_ids)
                         offsets[idx] = start + len(text)
                         chunk = {"id": resp_id, "object": "text_completion", "created": created,
                                  "model": model,
@@ -354,7 +397,8 @@ async def completions(req: CompletionRequest, request: Request):
                     yield sse({"id": resp_id, "object": "text_completion", "created": created,
                                 "model": model, "choices": [],
                                 "usage": _usage(sum(prompt_tokens.values()),
-                                                sum(choice_tokens.values()))})
+                                                sum(choice_tokens.values()),
+                                                _cached(state, cached))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
@@ -363,7 +407,9 @@ async def completions(req: CompletionRequest, request: Request):
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
-    choices, prompt_tokens = await _collect(request, streams, n, echo, extra, grammar_field)
+    cached: dict = {}
+    choices, prompt_tokens = await _collect(request, streams, n, echo, extra, grammar_field,
+                                            cached)
 
     def build() -> dict:
         for idx, ch in choices.items():
@@ -374,7 +420,7 @@ async def completions(req: CompletionRequest, request: Request):
                 prompt_text, prompt_lp = echo.prompt(idx // n)
             ch["logprobs"] = (None if req.logprobs is None else
                               _completion_logprobs(ch["lp"], len(prompt_text), req.logprobs,
-                                                   prompt_lp))
+                                                   prompt_lp, as_ids))
             ch["text"] = prompt_text + ch["text"]
         body = {"id": resp_id, "object": "text_completion", "created": created,
                 "model": model,
@@ -382,7 +428,8 @@ async def completions(req: CompletionRequest, request: Request):
                              "finish_reason": openai_finish_reason(ch["finish"]),
                              "stop_reason": ch["stop_reason"]}
                             for idx, ch in choices.items()],
-                "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values())),
+                "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()),
+                                _cached(state, cached)),
                 **extra}
         log_request(resp_id, body["usage"]["prompt_tokens"],
                     body["usage"]["completion_tokens"], t0)
@@ -392,20 +439,20 @@ async def completions(req: CompletionRequest, request: Request):
 
 # ---- chat --------------------------------------------------------------------------------
 
-def _top(entry: dict, k: int) -> list:
+def _top(entry: dict, k: int, as_ids: bool = False) -> list:
     """The k most likely of a token's (text, logprob): the chosen token plus the top-k."""
-    ranked = sorted(entry.values(), key=lambda v: -v.logprob)[:k]
-    return [(v.decoded_token or "", v.logprob) for v in ranked]
+    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+    return [(_name(t, v, as_ids), v.logprob) for t, v in ranked]
 
 
-def _chat_logprobs(entries, top: int) -> dict:
+def _chat_logprobs(entries, top: int, as_ids: bool = False) -> dict:
     content = []
     for entry in entries:
-        lp = next(iter(entry.values()))          # the chosen token comes first
-        text = lp.decoded_token or ""
+        tid, lp = next(iter(entry.items()))      # the chosen token comes first
+        text = _name(tid, lp, as_ids)
         content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                         for t, v in _top(entry, top)]})
+                                         for t, v in _top(entry, top, as_ids)]})
     return {"content": content}
 
 
@@ -438,6 +485,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     ids = _encode(engine, text, "messages", req.add_special_tokens)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
+    as_ids = _as_ids(state, req)
     try:
         params = req.sampling_params(max_tokens, top if req.logprobs else None,
                                      structured=forced or structured,
@@ -447,18 +495,21 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # How the text becomes tool calls: forced (named / required), parsed (auto), or not.
     tool_mode = None if not tools else ("forced" if forced is not None else "auto")
 
+    # vLLM's: --response-role answers a generation prompt; else the last message's role
+    role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role
+
     def message_of(text: str) -> tuple[dict, Optional[str]]:
-        """The assistant message of a finished choice and its finish reason override."""
+        """The message of a finished choice and its finish reason override."""
         if tool_mode == "forced":
             calls = tool_calls.forced_calls(text, choice)
-            return ({"role": "assistant", "content": None, "tool_calls": calls},
+            return ({"role": role, "content": None, "tool_calls": calls},
                     "tool_calls" if choice == "required" and calls else None)
         if tool_mode == "auto":
             content, calls = tool_calls.parse_auto(text, args.tool_call_parser)
             if calls:
-                return ({"role": "assistant", "content": content, "tool_calls": calls},
+                return ({"role": role, "content": content, "tool_calls": calls},
                         "tool_calls")
-        return {"role": "assistant", "content": text}, None
+        return {"role": role, "content": text}, None
     rid = new_request_id("chatcmpl")
     resp_id = response_id(request, "chatcmpl", rid)
     # vLLM's echo: a last assistant message (begun by the caller) comes before the reply.
@@ -471,8 +522,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     t0 = time.perf_counter()
 
     if req.stream:
-        include_usage, continuous = req.stream_usage()
+        include_usage, continuous = _stream_usage(state, req)
         choice_tokens: dict[int, int] = {}
+        cached: dict = {}
 
         def chunk(idx, delta, finish=None, lp=None, stop_reason=None):
             c = {"id": resp_id, "object": "chat.completion.chunk", "created": created,
@@ -490,6 +542,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             parsed = tool_mode == "auto" or choice == "required"
             try:
                 async for _, out in _merge(streams):
+                    if out.num_cached_tokens is not None:
+                        cached[0] = out.num_cached_tokens
                     if out.error:
                         yield _sse_error(_grammar_named(output_error(out.error),
                                                         grammar_field))
@@ -497,7 +551,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                     for c in out.outputs:
                         if c.index not in started:
                             started.add(c.index)
-                            yield chunk(c.index, {"role": "assistant", "content": ""})
+                            yield chunk(c.index, {"role": role, "content": ""})
                             if echoed:
                                 yield chunk(c.index, {"content": echoed})
                             if tool_mode == "forced" and choice != "required":
@@ -507,7 +561,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 calls[c.index] = tool_calls.CallStream(
                                     "required" if choice == "required" else args.tool_call_parser)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
-                        lp = _chat_logprobs(c.logprobs, top) if c.logprobs else None
+                        lp = _chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
                         if tool_mode is None:
                             if c.text or lp:
                                 yield chunk(c.index, {"content": c.text}, None, lp)
@@ -533,7 +587,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 if include_usage:
                     yield sse({"id": resp_id, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
-                                "usage": _usage(prompt_tokens, sum(choice_tokens.values()))})
+                                "usage": _usage(prompt_tokens, sum(choice_tokens.values()),
+                                                _cached(state, cached))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
@@ -542,8 +597,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     extra: dict = {}
+    cached = {}
     choices, _ = await _collect(request, streams, req.n, extra=extra,
-                                grammar_field=grammar_field)
+                                grammar_field=grammar_field, cached=cached)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(resp_id, len(ids), completion_tokens, t0)
 
@@ -554,11 +610,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             if echoed:
                 msg["content"] = echoed + (msg["content"] or "")
             out.append({"index": idx, "message": msg,
-                        "logprobs": _chat_logprobs(ch["lp"], top) if req.logprobs else None,
+                        "logprobs": (_chat_logprobs(ch["lp"], top, as_ids) if req.logprobs
+                                     else None),
                         "finish_reason": override or openai_finish_reason(ch["finish"]),
                         "stop_reason": ch["stop_reason"]})
         return {"id": resp_id, "object": "chat.completion", "created": created,
-                "model": model, "choices": out, "usage": _usage(len(ids), completion_tokens),
+                "model": model, "choices": out,
+                "usage": _usage(len(ids), completion_tokens, _cached(state, cached)),
                 **extra}
     return await _json_answer(build)
 

@@ -1,0 +1,151 @@
+"""The HTTP server's options that are vLLM's ``vllm serve`` flags (its FrontendArgs): how
+uvicorn listens and logs, TLS, CORS, the root path behind a proxy, the X-Request-Id header,
+request logging and the OpenAI answers' options. One declaration each (``FrontendArgs``);
+``add_frontend_arguments`` makes them ``serve`` flags, with vLLM's names and meanings."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import ssl
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from llm_serving.errors import ConfigError
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _arg(default, help: str, **flag):
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+def _list(default):
+    return field(default_factory=lambda: list(default))
+
+
+@dataclass
+class FrontendArgs:
+    uvicorn_log_level: str = _arg(
+        "warning", "uvicorn's log level (vLLM's flag; vLLM's default is info, which with "
+        "the access log logs a line per request)", choices=UVICORN_LOG_LEVELS)
+    disable_uvicorn_access_log: bool = _arg(
+        False, "no uvicorn access log line per request (it shows at --uvicorn-log-level "
+        "info or lower)")
+    disable_fastapi_docs: bool = _arg(
+        False, "no /docs, /redoc and /openapi.json (FastAPI's schema and UIs)")
+    root_path: Optional[str] = _arg(
+        None, "the path prefix a path-based proxy serves this server under (FastAPI's "
+        "root_path, e.g. /llm: /llm/v1/models answers as /v1/models)")
+    ssl_keyfile: Optional[str] = _arg(None, "TLS private key file (with --ssl-certfile: "
+                                      "serve HTTPS)")
+    ssl_certfile: Optional[str] = _arg(None, "TLS certificate file")
+    ssl_ca_certs: Optional[str] = _arg(None, "CA certificates to verify clients' "
+                                       "certificates with (--ssl-cert-reqs 2 requires one)")
+    ssl_cert_reqs: int = _arg(
+        int(ssl.CERT_NONE), "client certificates: 0 none, 1 optional, 2 required (the ssl "
+        "module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
+    allowed_origins: list = _arg(
+        None, "CORS: origins browsers may call from, as JSON, e.g. '[\"http://localhost:3000\"]'"
+        " or '[\"*\"]' (default: none, cross-origin calls refused, as vLLM)", json_list=True)
+    allowed_methods: list = _arg(None, "CORS: allowed methods, as JSON (default [\"*\"])",
+                                 json_list=True)
+    allowed_headers: list = _arg(None, "CORS: allowed request headers, as JSON (default "
+                                 "[\"*\"])", json_list=True)
+    allow_credentials: bool = _arg(False, "CORS: allow cookies and Authorization")
+    enable_request_id_headers: bool = _arg(
+        False, "every answer carries an X-Request-Id header: the request's own, else a new id")
+    enable_log_requests: bool = _arg(
+        False, "log each generation request as it arrives: its id and sampling parameters "
+        "at info, its prompt at debug (--log-level debug), as vLLM")
+    max_log_len: Optional[int] = _arg(
+        None, "with --enable-log-requests, the most prompt characters or token ids logged "
+        "(default: all)")
+    response_role: str = _arg(
+        "assistant", "the role of chat answers to requests with add_generation_prompt (the "
+        "default); otherwise the last message's role")
+    return_tokens_as_token_ids: bool = _arg(
+        False, "logprobs name tokens 'token_id:<id>' (a request's return_tokens_as_token_ids "
+        "decides for itself)")
+    enable_prompt_tokens_details: bool = _arg(
+        False, "usage carries prompt_tokens_details.cached_tokens: the prompt tokens the "
+        "prefix cache served")
+    enable_force_include_usage: bool = _arg(
+        False, "every stream carries usage, as if each request asked stream_options: "
+        "{include_usage: true, continuous_usage_stats: true}")
+
+    def __post_init__(self):
+        self.allowed_origins = [] if self.allowed_origins is None else self.allowed_origins
+        self.allowed_methods = ["*"] if self.allowed_methods is None else self.allowed_methods
+        self.allowed_headers = ["*"] if self.allowed_headers is None else self.allowed_headers
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError("--max-log-len", f"expected an integer >= 0, got "
+                              f"{self.max_log_len}")
+        if self.root_path is not None and self.root_path and (
+                not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError("--root-path", f"expected a path like /llm (a leading '/', no "
+                              f"trailing one), got {self.root_path!r}")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ConfigError("--ssl-cert-reqs", f"expected 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ConfigError("--ssl-certfile" if self.ssl_keyfile else "--ssl-keyfile",
+                              "HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, flag)
+            if path and not os.path.isfile(path):
+                raise ConfigError("--" + flag.replace("_", "-"), f"{path}: no such file")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and not self.ssl_ca_certs:
+            raise ConfigError("--ssl-ca-certs", "needed to verify client certificates "
+                              f"(--ssl-cert-reqs {self.ssl_cert_reqs})")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+    def uvicorn_kwargs(self) -> dict:
+        """What of these goes to ``uvicorn.Config``."""
+        return dict(log_level=self.uvicorn_log_level,
+                    access_log=not self.disable_uvicorn_access_log,
+                    ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile,
+                    ssl_ca_certs=self.ssl_ca_certs, ssl_cert_reqs=self.ssl_cert_reqs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "FrontendArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if getattr(args, f.name, None) is not None})
+
+
+def _json_list(text: str) -> list:
+    """vLLM's form, a JSON list ('["*"]'); a bare word is taken as a list of one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP server (vLLM's flags)")
+    hints = typing.get_type_hints(FrontendArgs)
+    for f in dataclasses.fields(FrontendArgs):
+        flag, extra = "--" + f.name.replace("_", "-"), dict(f.metadata["flag"])
+        kind = hints[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        if base is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", default=None,
+                               help=f.metadata["help"])
+            continue
+        if extra.pop("json_list", False):
+            extra["type"], extra["metavar"] = _json_list, "JSON"
+        else:
+            extra.setdefault("type", base)
+            if "choices" not in extra:
+                extra["metavar"] = f.name.upper()
+        help = f.metadata["help"]
+        if f.default not in (None, dataclasses.MISSING) and "default" not in help:
+            help = f"{help} (default: {f.default})"
+        group.add_argument(flag, dest=f.name, default=None, help=help, **extra)
