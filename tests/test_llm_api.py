@@ -81,8 +81,10 @@ def test_stop_strings_and_stop_token_ids(tiny_llm):
     tok = tiny_llm.get_tokenizer()
     assert out.outputs[0].token_ids == base.token_ids[:first + 1]
     assert out.outputs[0].stop_reason == tid
-    # The stop id's text is left out, as vLLM does, unless include_stop_str_in_output.
-    assert out.outputs[0].text == tok.decode(base.token_ids[:first])
+    # The stop id's text is left out, as vLLM does, unless include_stop_str_in_output (and,
+    # as vLLM, the bytes of a character the stop cut off: here the text ends in one).
+    assert tok.decode(base.token_ids[:first]).endswith("\ufffd")
+    assert out.outputs[0].text == tok.decode(base.token_ids[:first]).rstrip("\ufffd")
     out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24,
                                                     stop_token_ids=[tid], ignore_eos=True,
                                                     include_stop_str_in_output=True))[0]
@@ -256,6 +258,19 @@ def test_detokenize_false_gives_ids_without_text(tiny_llm):
     assert out.cumulative_logprob == pytest.approx(with_text.outputs[0].cumulative_logprob)
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_output_cut_inside_a_character_drops_its_bytes(tiny_llm):
+    """An output that ends inside a multi-byte character (max_tokens after some of its byte
+    tokens) ends before it, as vLLM's: no trailing U+FFFD; those tokens are named ""."""
+    tok = tiny_llm.get_tokenizer()
+    lead = tok.encode("日", add_special_tokens=False)[0]      # a first byte of three
+    assert tok.decode([lead]) == "\ufffd"
+    params = SamplingParams(temperature=0.0, max_tokens=3, allowed_token_ids=[lead], logprobs=0)
+    out = tiny_llm.generate("Hello", params)[0].outputs[0]
+    assert out.token_ids == [lead] * 3 and out.finish_reason == "length"
+    assert out.text == ""
+    assert [entry[lead].decoded_token for entry in out.logprobs] == ["", "", ""]
 
 
 def test_reset_prefix_cache(tiny_llm):

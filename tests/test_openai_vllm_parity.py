@@ -148,6 +148,30 @@ def test_logprob_tokens_of_a_split_character_add_up_to_the_text(server, client):
     assert [t.token for t in content] == tokens[:-1]
 
 
+def test_output_cut_inside_a_character_drops_its_bytes(client):
+    """max_tokens cuts the output after 2 of an emoji's 4 byte tokens: the text ends before
+    it (vLLM drops the bytes; it was "a\ufffd"), the same in a stream, where no delta is
+    lost; the cut tokens are named "" in logprobs, as vLLM names them."""
+    forced = {"structured_outputs": {"regex": "a\U0001F600b"}}
+    kw = dict(model="tiny", prompt="Hello", temperature=0, extra_body=forced)
+    cut = client.completions.create(max_tokens=3, logprobs=0, **kw).choices[0]
+    assert (cut.text, cut.finish_reason) == ("a", "length")
+    assert cut.logprobs.tokens == ["a", "", ""]
+    deltas = [ch.choices[0].text for ch in client.completions.create(max_tokens=3, stream=True,
+                                                                     **kw) if ch.choices]
+    assert "".join(deltas) == "a" and "\ufffd" not in "".join(deltas)
+    whole = client.completions.create(max_tokens=5, **kw).choices[0].text
+    assert whole == "a\U0001F600"
+    deltas = [ch.choices[0].text for ch in client.completions.create(max_tokens=5, stream=True,
+                                                                     **kw) if ch.choices]
+    assert "".join(deltas) == whole
+    chat = dict(model="tiny", messages=MSG, max_tokens=3, temperature=0, extra_body=forced)
+    assert client.chat.completions.create(**chat).choices[0].message.content == "a"
+    streamed = [ch.choices[0].delta.content or "" for ch in
+                client.chat.completions.create(stream=True, **chat) if ch.choices]
+    assert "".join(streamed) == "a"
+
+
 @pytest.mark.parametrize("route,body,field", [
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "temperature": 2.5}, "temperature"),

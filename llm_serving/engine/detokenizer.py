@@ -3,7 +3,8 @@
 Text is produced with the prefix/read-offset method: each step decodes only a short window of
 tokens, ``tokens[prefix_offset:]`` against ``tokens[prefix_offset:read_offset]``, and the difference
 is the new text. A window whose text ends in U+FFFD (an incomplete multi-byte character split
-across byte tokens) is held back until later tokens complete it, or until :meth:`flush`.
+across byte tokens) is held back until later tokens complete it; if the sequence ends first,
+:meth:`flush` drops it (as vLLM: the output never ends in a character cut in two).
 The cost of a step is proportional to the new tokens (plus a small window), not the output length.
 
 Stop strings are matched on the visible text, including matches that span tokens. Text that
@@ -32,7 +33,8 @@ class IncrementalDetokenizer:
     With ``min_tokens``, a stop string counts only if it ends in the text of a later token
     (vLLM's rule): text within the first ``min_tokens`` tokens is released as it comes.
 
-    Joined deltas equal ``tokenizer.decode(output_ids)`` when no stop string matched, for
+    Joined deltas equal ``tokenizer.decode(output_ids)`` when no stop string matched and the
+    output does not end inside a multi-byte character (those bytes are dropped), for
     tokenizers whose decode does not depend on the preceding text (byte-level BPE). A Llama-style
     (sentencepiece) decode drops the leading space of its first token; here the prompt provides
     context, so the first word keeps its space as in ``decode(prompt + output)``.
@@ -68,7 +70,7 @@ class IncrementalDetokenizer:
         self._chunks: List[str] = []  # the deltas returned so far
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._tail = ""  # the last max_stop_len - 1 chars returned: stop strings may start there
-        # The text the last step's tokens added to the decoded output (and a flush after it),
+        # The text the last step's tokens added to the decoded output,
         # before stop strings are looked for ("" while they hold part of a character).
         self.last_piece = ""
 
@@ -88,29 +90,26 @@ class IncrementalDetokenizer:
             return ""
         if self._stop_free >= 0:
             self._stop_free -= len(new_token_ids)
-        new_tokens = self._ids_to_tokens(new_token_ids)
-        if new_tokens:
-            self._tokens.extend(new_tokens)
+        # One token at a time, so that several give the text one by one would: the whole
+        # characters before one they leave incomplete come out now.
+        for token in self._ids_to_tokens(new_token_ids):
+            self._tokens.append(token)
             prefix_text, new_text = self._window_texts()
             # Hold back while the window adds nothing or ends in an incomplete character.
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-                self.last_piece = new_text[len(prefix_text):]
-                self._pending += self.last_piece
+                self.last_piece += new_text[len(prefix_text):]
+                self._pending += new_text[len(prefix_text):]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._tokens)
                 self._compact()
         return self._emit(final=False)
 
     def flush(self) -> str:
-        """Finish: return all text still held back (the last tokens' text is never lost)."""
+        """Finish: return the text still held back for stop strings. The bytes of a character
+        the last tokens left incomplete are dropped, as vLLM drops them: the text does not
+        end in U+FFFD for a character cut off by max_tokens or a stop token."""
         if self.finished:
             return ""
-        if self._read_offset < len(self._tokens):
-            prefix_text, new_text = self._window_texts()
-            if len(new_text) > len(prefix_text):
-                self.last_piece += new_text[len(prefix_text):]     # an incomplete character
-                self._pending += new_text[len(prefix_text):]
-            self._prefix_offset = self._read_offset = len(self._tokens)
         delta = self._emit(final=True)
         self.finished = True
         return delta
