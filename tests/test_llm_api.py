@@ -273,6 +273,20 @@ def test_output_cut_inside_a_character_drops_its_bytes(tiny_llm):
     assert [entry[lead].decoded_token for entry in out.logprobs] == ["", "", ""]
 
 
+def test_empty_prompt_is_the_bos_alone(tiny_llm):
+    """generate("") as vLLM's: the prompt is the tokenizer's special tokens alone (the BOS),
+    and generates; a prompt of no token ids at all is refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    bos = tiny_llm.get_tokenizer().bos_token_id
+    empty, from_bos = tiny_llm.generate(["", {"prompt_token_ids": [bos]}], params)
+    assert empty.prompt_token_ids == [bos]
+    assert empty.outputs[0].token_ids == from_bos.outputs[0].token_ids
+    assert len(empty.outputs[0].token_ids) == 4
+    assert tiny_llm.generate({"prompt": ""}, params)[0].prompt_token_ids == [bos]
+    with pytest.raises(ValueError, match="prompt: it is empty"):
+        tiny_llm.generate({"prompt_token_ids": []}, params)
+
+
 def test_reset_prefix_cache(tiny_llm):
     """llm.reset_prefix_cache(), as vLLM's (its prefix-caching benchmarks call it between
     runs): a repeated prompt is served from the cache, and after a reset it is not."""
@@ -311,7 +325,7 @@ def test_generate_takes_more_prompts_than_the_waiting_queue(tiny_model_dir):
     assert all(o.finished and len(o.outputs[0].token_ids) == 3 for o in outs)
     assert outs[7].outputs[0].token_ids == llm.generate(prompts[7], params)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt"):       # checked before any runs
-        llm.generate(prompts[:5] + [""], params)
+        llm.generate(prompts[:5] + [{"prompt_token_ids": []}], params)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -172,6 +172,20 @@ def test_output_cut_inside_a_character_drops_its_bytes(client):
     assert "".join(streamed) == "a"
 
 
+def test_empty_prompt_as_vllm_serves_it(server):
+    """/v1/completions as vLLM's: prompt "" is a 400 naming the prompt, but a list holding
+    "" is that prompt's BOS alone, and generates (as offline generate(""))."""
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = requests.post(server + "/v1/completions", json={**body, "prompt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = requests.post(server + "/v1/completions", json={**body, "prompt": ["", "Hi"]})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["finish_reason"] == "length"
+    bos = requests.post(server + "/v1/completions", json={**body, "prompt": [1]}).json()
+    assert choices[0]["text"] == bos["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("route,body,field", [
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "temperature": 2.5}, "temperature"),

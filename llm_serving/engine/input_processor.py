@@ -121,13 +121,12 @@ class InputProcessor:
                 raise ValueError("prompt_token_ids must be a list of integers") from None
             text = prompt.get("prompt")
         elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: it is empty")
+            # "" is its special tokens alone (the BOS, if the tokenizer adds one), as vLLM's
             text, ids = prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         else:
             raise TypeError(f"a prompt is a string, {{'prompt': text}} or "
                             f"{{'prompt_token_ids': [...]}}, "
                             f"got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("prompt: it is empty")
+            raise ValueError("prompt: it is empty (it has no tokens)")
         return text, ids

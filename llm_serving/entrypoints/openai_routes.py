@@ -324,6 +324,8 @@ async def completions(req: CompletionRequest, request: Request):
         raise HTTPError(400, "max_tokens: Input should be greater than or equal to 1 "
                         "(0 only with echo, to score the prompt)", param="max_tokens")
     p = req.prompt
+    if p == "":     # vLLM refuses this one, though [""] is the BOS alone, as offline
+        raise HTTPError(400, "prompt: must not be empty", param="prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         p = [p]
     if not p:
