@@ -287,6 +287,31 @@ def test_empty_prompt_is_the_bos_alone(tiny_llm):
         tiny_llm.generate({"prompt_token_ids": []}, params)
 
 
+def test_llm_engine_as_vllm_scripts_use_it(tiny_llm, tiny_model_dir):
+    """llm.llm_engine, vLLM's: the tokenizer, model_config and the add_request / step loop
+    (request id first); an attribute it does not map is an AttributeError naming it."""
+    eng = tiny_llm.llm_engine
+    assert eng.get_tokenizer() is tiny_llm.get_tokenizer() is eng.tokenizer
+    mc = eng.model_config
+    hf = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    assert mc.max_model_len == tiny_llm.engine.max_model_len and mc.model == str(tiny_model_dir)
+    assert mc.hf_config.num_hidden_layers == hf["num_hidden_layers"]
+    assert mc.get_vocab_size() == hf["vocab_size"] and mc.dtype == "float32"
+    assert mc.architecture == hf["architectures"][0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("a", "Hello", params)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert eng.get_num_unfinished_requests() == 0
+    assert done["a"].outputs[0].token_ids == \
+        tiny_llm.generate("Hello", params)[0].outputs[0].token_ids
+    with pytest.raises(AttributeError, match="llm_engine.vllm_config"):
+        eng.vllm_config
+    with pytest.raises(AttributeError, match="model_config.hf_text_config"):
+        mc.hf_text_config
+
+
 def test_reset_prefix_cache(tiny_llm):
     """llm.reset_prefix_cache(), as vLLM's (its prefix-caching benchmarks call it between
     runs): a repeated prompt is served from the cache, and after a reset it is not."""

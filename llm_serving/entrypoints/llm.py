@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Optional, Sequence, Union
 
 from pydantic import ValidationError
@@ -11,6 +12,7 @@ from llm_serving.cli_args import resolve_model
 from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
+from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
@@ -36,6 +38,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @functools.cached_property
+    def llm_engine(self) -> VllmLLMEngine:
+        """vLLM's ``llm.llm_engine``: its tokenizer, model_config and request loop."""
+        return VllmLLMEngine(self.engine)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache, as vLLM's: True once done, False while requests run."""
