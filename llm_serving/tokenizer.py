@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from llm_serving.errors import ModelLoadError
 
-__all__ = ["Tokenizer"]
+__all__ = ["BatchEncoding", "Tokenizer"]
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -142,6 +142,7 @@ class _HFBackend:
             tid for tid, t in self.tok.get_added_tokens_decoder().items() if t.special
         }
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.base_vocab_size = self.tok.get_vocab_size(with_added_tokens=False)
         self._decoder = self.tok.decoder
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False)) and type(
             self.tok.model
@@ -156,6 +157,9 @@ class _HFBackend:
 
     def id_to_token(self, tid: int) -> Optional[str]:
         return self.tok.id_to_token(int(tid))
+
+    def get_vocab(self) -> Dict[str, int]:
+        return self.tok.get_vocab(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self.tok.token_to_id(token)
@@ -301,6 +305,7 @@ class _SentencePieceBackend:
             else None
         )
         self.vocab_size = self.n_pieces + sum(1 for tid in self.id_to_added if tid >= self.n_pieces)
+        self.base_vocab_size = self.n_pieces
         self.special_ids: Set[int] = {t.id for t in self.added.values() if t.special}
         self.special_ids |= {i for i in range(self.n_pieces) if sp.is_control(i)}
 
@@ -369,6 +374,11 @@ class _SentencePieceBackend:
 
     def tokens_to_string(self, tokens: List[str]) -> str:
         return self._decoder.decode(tokens)
+
+    def get_vocab(self) -> Dict[str, int]:
+        vocab = {self.sp_plain.id_to_piece(i): i for i in range(self.n_pieces)}
+        vocab.update((c, t.id) for c, t in self.added.items())
+        return vocab
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         if skip_special_tokens:
@@ -516,6 +526,21 @@ def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -
 # The tokenizer
 # ---------------------------------------------------------------------------------------------
 
+# transformers' apply_chat_template options that shape tensors, not the text or ids
+_HF_CHAT_OPTIONS = ("padding", "truncation", "max_length", "return_tensors",
+                    "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+class BatchEncoding(dict):
+    """What transformers' ``tokenizer(text)`` returns: a dict of ``input_ids`` and
+    ``attention_mask``, also read as attributes (``enc.input_ids``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
 
 class Tokenizer:
     """A model's tokenizer: ``tokenizer.json`` if present, else a sentencepiece ``tokenizer.model``.
@@ -635,8 +660,34 @@ class Tokenizer:
                 ids = ids + [self.eos_token_id]
         return ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    def __call__(self, text: Union[str, Sequence[str]], add_special_tokens: bool = True,
+                 **kwargs: Any) -> "BatchEncoding":
+        """transformers' ``tokenizer(text)``: ``{"input_ids", "attention_mask"}`` (also as
+        attributes), lists of lists for a list of texts. Padding, truncation and tensors are
+        not supported: such an argument is a TypeError naming it."""
+        if kwargs:
+            raise TypeError(f"llm_serving's tokenizer takes add_special_tokens only, not "
+                            f"{', '.join(sorted(kwargs))}")
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        ids = [self.encode(t, add_special_tokens) for t in text]
+        return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> List[str]:
+        """The token strings of ``text`` (transformers': no special tokens added)."""
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens))
+
+    def decode(self, ids: Union[int, Iterable[int]], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; special tokens are kept unless skip_special_tokens
+        (transformers' default)."""
+        if isinstance(ids, int):
+            ids = [ids]
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+
+    def batch_decode(self, sequences: Iterable[Iterable[int]],
+                     skip_special_tokens: bool = False) -> List[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, ids: Union[int, Iterable[int]]):
         """Token strings; None for ids outside the vocabulary (as transformers), which decode
@@ -666,25 +717,73 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, added tokens included (``len(tokenizer)``)."""
-        return self._backend.vocab_size
+        """The base vocabulary's size, without added tokens (transformers'); ``len()``
+        counts those too."""
+        return self._backend.base_vocab_size
 
     def __len__(self) -> int:
-        return self.vocab_size
+        """Number of token ids, added tokens included."""
+        return self._backend.vocab_size
+
+    def get_vocab(self) -> Dict[str, int]:
+        """Every token string and its id, added tokens included."""
+        return self._backend.get_vocab()
+
+    @property
+    def all_special_tokens(self) -> List[str]:
+        return [t for t in self.convert_ids_to_tokens(self.all_special_ids) if t is not None]
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
         """The most characters one token's text can have (its vocabulary string is at least
         as long): a text longer than n times this needs more than n tokens, which is known
         without tokenizing it."""
-        return max(len(t) for t in self.convert_ids_to_tokens(range(self.vocab_size)) if t) + 1
+        return max(len(t) for t in self.convert_ids_to_tokens(range(len(self))) if t) + 1
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size})"
+        return f"Tokenizer({self.name_or_path!r}, len={len(self)})"
 
     # --- chat ------------------------------------------------------------------------------------
 
     def apply_chat_template(
+        self,
+        conversation: Sequence[Any],
+        tools: Optional[list] = None,
+        documents: Optional[list] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' (5.x) call, with its defaults: the conversation's token ids as
+        ``{"input_ids", "attention_mask"}``, or their list with ``return_dict=False``, or the
+        text with ``tokenize=False``; a list of conversations gives one of each. Other keyword
+        arguments are template variables; transformers' padding/truncation/tensor options
+        are not supported (a TypeError naming them). The servers call render_chat_template."""
+        unsupported = sorted(k for k in _HF_CHAT_OPTIONS if kwargs.get(k))
+        if unsupported:
+            raise TypeError(f"apply_chat_template: {', '.join(unsupported)} not supported by "
+                            "llm_serving's tokenizer")
+        for k in _HF_CHAT_OPTIONS:
+            kwargs.pop(k, None)
+        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        texts = [self.render_chat_template(conv, add_generation_prompt, chat_template,
+                                           continue_final_message, tools=tools,
+                                           documents=documents, **kwargs)
+                 for conv in (conversation if batched else [conversation])]
+        if not tokenize:
+            return texts if batched else texts[0]
+        # the template writes the special tokens (as transformers: none added)
+        ids = [self.encode(text, add_special_tokens=False) for text in texts]
+        if not return_dict:
+            return ids if batched else ids[0]
+        if batched:
+            return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+        return BatchEncoding(input_ids=ids[0], attention_mask=[1] * len(ids[0]))
+
+    def render_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
@@ -692,7 +791,9 @@ class Tokenizer:
         continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` with the chat template (``chat_template`` overrides the model's).
+        """The text of ``messages`` by the chat template (``chat_template`` overrides the
+        model's), with a generation prompt unless told not to: what the servers and LLM.chat
+        use (apply_chat_template is transformers' interface to it).
 
         The template sees ``messages``, ``add_generation_prompt``, ``tools``/``documents`` (None
         unless given), the special tokens (``bos_token``, ``eos_token``, ...) and ``kwargs``.

@@ -147,7 +147,7 @@ def test_stop_string_split_across_tokens_stops_and_is_trimmed(tiny_llm):
                                                     ignore_eos=True))[0].outputs[0]
     ids = free.token_ids
     # A stop string made of the end of token 5's text and the start of token 6's.
-    texts = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+    texts = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
     k = next(k for k in range(4, len(ids) - 1)
              if len(texts[k]) - len(texts[k - 1]) >= 2 and len(texts[k + 1]) - len(texts[k]) >= 2)
     stop = texts[k][-2:] + texts[k + 1][len(texts[k]):len(texts[k]) + 2]
@@ -171,7 +171,8 @@ def _unpredictable_workload(llm):
         k = 3 + i % 7
         kinds = [
             SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[out.token_ids[k]]),
-            SamplingParams(temperature=0.0, max_tokens=20, stop=[tok.decode(out.token_ids[k:k + 2])]),
+            SamplingParams(temperature=0.0, max_tokens=20,
+                           stop=[tok.decode(out.token_ids[k:k + 2], skip_special_tokens=True)]),
             SamplingParams(temperature=0.8, seed=i, max_tokens=20, n=2, logprobs=2),
             SamplingParams(temperature=0.8, seed=i, max_tokens=20, repetition_penalty=1.2,
                            stop_token_ids=[out.token_ids[k]]),

@@ -25,7 +25,8 @@ def test_generate_accepts_strings_and_token_ids(tiny_llm):
     assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids
     assert len(text_out.outputs[0].token_ids) == 8
     assert text_out.outputs[0].finish_reason == "length"
-    assert text_out.outputs[0].text == tok.decode(text_out.outputs[0].token_ids)
+    assert text_out.outputs[0].text == tok.decode(text_out.outputs[0].token_ids,
+                                                      skip_special_tokens=True)
 
 
 def test_n_greater_than_one_returns_n_seeded_samples(tiny_llm):
@@ -83,12 +84,14 @@ def test_stop_strings_and_stop_token_ids(tiny_llm):
     assert out.outputs[0].stop_reason == tid
     # The stop id's text is left out, as vLLM does, unless include_stop_str_in_output (and,
     # as vLLM, the bytes of a character the stop cut off: here the text ends in one).
-    assert tok.decode(base.token_ids[:first]).endswith("\ufffd")
-    assert out.outputs[0].text == tok.decode(base.token_ids[:first]).rstrip("\ufffd")
+    before = tok.decode(base.token_ids[:first], skip_special_tokens=True)
+    assert before.endswith("\ufffd")
+    assert out.outputs[0].text == before.rstrip("\ufffd")
     out = tiny_llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=24,
                                                     stop_token_ids=[tid], ignore_eos=True,
                                                     include_stop_str_in_output=True))[0]
-    assert out.outputs[0].text == tok.decode(base.token_ids[:first + 1])
+    assert out.outputs[0].text == tok.decode(base.token_ids[:first + 1],
+                                             skip_special_tokens=True)
 
 
 def test_stop_strings_count_only_after_min_tokens(tiny_llm):
@@ -115,8 +118,7 @@ def test_chat_uses_the_models_chat_template(tiny_llm):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     out = tiny_llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     tok = tiny_llm.get_tokenizer()
-    expected = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True),
-                          add_special_tokens=False)
+    expected = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
     assert out.prompt_token_ids == expected
     assert expected.count(tok.bos_token_id) == 1
     assert len(out.outputs[0].token_ids) == 4

@@ -95,7 +95,7 @@ def test_matches_transformers_random_text(pair, text):
 @given(data=st.data())
 def test_decode_random_ids_matches_transformers(pair, data):
     ours, hf = pair
-    ids = data.draw(st.lists(st.integers(0, ours.vocab_size - 1), max_size=16))
+    ids = data.draw(st.lists(st.integers(0, len(ours) - 1), max_size=16))
     for skip in (True, False):
         expected = hf.decode(ids, skip_special_tokens=skip)
         assert ours.decode(ids, skip_special_tokens=skip) == expected
@@ -106,7 +106,7 @@ def test_decode_random_ids_matches_transformers(pair, data):
 
 def test_special_ids_and_sizes(pair):
     ours, hf = pair
-    assert ours.vocab_size == len(hf)
+    assert len(ours) == len(hf) and ours.vocab_size == hf.vocab_size
     assert ours.bos_token_id == hf.bos_token_id == 1
     assert ours.eos_token_id == hf.eos_token_id == 2
     assert set(hf.all_special_ids) <= set(ours.all_special_ids)
@@ -119,7 +119,7 @@ def test_tiny_model_specials(tiny_dir):
     ids = tok.encode("hi")
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # post-processor only, once
     assert tok.encode("<s>hi", add_special_tokens=False)[0] == 1  # specials split out of text
-    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>"), skip_special_tokens=True) == "hi"
     assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>"), skip_special_tokens=False) == "<s><|im_start|>hi<|im_end|>"
 
 
@@ -129,7 +129,7 @@ def test_sentencepiece_details(sp_dir):
     newline = tok.convert_tokens_to_ids(["<0x0A>"])[0]
     assert tok.decode([newline]) == "\n"
     assert tok.convert_tokens_to_string(["▁Hello", "▁wor", "ld", "<0x0A>", "<0xE4>", "<0xBD>", "<0xA0>"]) == "Hello world\n你"
-    assert tok.decode(tok.encode("Hello 你好 😀\n")) == "Hello 你好 😀\n"
+    assert tok.decode(tok.encode("Hello 你好 😀\n"), skip_special_tokens=True) == "Hello 你好 😀\n"
     assert tok.eos_token_ids == {2}
 
 
@@ -151,9 +151,9 @@ def test_chat_template_matches_transformers(tiny_dir):
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More?"}]
     for gen in (True, False):
         expected = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-        assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == expected
-    assert ours.apply_chat_template(msgs[1:2]) == "<s><|im_start|>user\nHi 你好<|im_end|>\n<|im_start|>assistant\n"
-    ids = ours.encode(ours.apply_chat_template(msgs), add_special_tokens=False)
+        assert ours.render_chat_template(msgs, add_generation_prompt=gen) == expected
+    assert ours.render_chat_template(msgs[1:2]) == "<s><|im_start|>user\nHi 你好<|im_end|>\n<|im_start|>assistant\n"
+    ids = ours.encode(ours.render_chat_template(msgs), add_special_tokens=False)
     assert ids == hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id
 
@@ -171,7 +171,7 @@ def test_chat_template_features_match_transformers(tiny_dir):
     tools = [{"name": "f", "description": "<b>"}]
     expected = hf.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True,
                                       tools=tools, extra="x")
-    assert ours.apply_chat_template(msgs, chat_template=template, tools=tools, extra="x") == expected
+    assert ours.render_chat_template(msgs, chat_template=template, tools=tools, extra="x") == expected
     assert expected == '<s>[U]q <&>[A]a</s>[{"name": "f", "description": "<b>"}][A]<x>'
 
 
@@ -179,17 +179,17 @@ def test_chat_template_helpers(tiny_dir):
     import jinja2
 
     tok = Tokenizer.from_pretrained(tiny_dir)
-    assert len(tok.apply_chat_template([], chat_template="{{ strftime_now('%Y') }}")) == 4
+    assert len(tok.render_chat_template([], chat_template="{{ strftime_now('%Y') }}")) == 4
     with pytest.raises(jinja2.TemplateError, match="no system"):
-        tok.apply_chat_template([], chat_template="{{ raise_exception('no system') }}")
+        tok.render_chat_template([], chat_template="{{ raise_exception('no system') }}")
     gen = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
-    assert tok.apply_chat_template([{"role": "assistant", "content": "x"}], chat_template=gen) == "x"
+    assert tok.render_chat_template([{"role": "assistant", "content": "x"}], chat_template=gen) == "x"
     loop = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
-    assert tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+    assert tok.render_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                                    chat_template=loop) == "a"
-    assert tok.apply_chat_template([], chat_template="{{ pad_token is defined }}") == "False"
+    assert tok.render_chat_template([], chat_template="{{ pad_token is defined }}") == "False"
     with pytest.raises(jinja2.exceptions.SecurityError):  # sandboxed: inputs are immutable
-        tok.apply_chat_template([], chat_template="{{ messages.append(1) }}")
+        tok.render_chat_template([], chat_template="{{ messages.append(1) }}")
 
 
 def test_chat_template_cannot_build_huge_values(tiny_dir):
@@ -208,15 +208,15 @@ def test_chat_template_cannot_build_huge_values(tiny_dir):
                      doubling.replace("OP", "+"), "{{ 10 ** 100000 }}",
                      "{{ [1] * 100000000 }}"):
         with pytest.raises(jinja2.exceptions.SecurityError):
-            tok.apply_chat_template(msgs, chat_template=template)
+            tok.render_chat_template(msgs, chat_template=template)
     endless = "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}"
     with pytest.raises(ValueError, match=f"more than {MAX_RENDERED_CHARS}"):
-        tok.apply_chat_template(msgs, chat_template=endless)
+        tok.render_chat_template(msgs, chat_template=endless)
     hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     ordinary = ("{{ bos_token ~ '[' ~ messages|length ~ ']' }}{% for m in messages %}"
                 "{{ m['role'] + ': ' + m['content'] * 2 }}{{ '-' * 3 }}{{ 2 ** 10 }}"
                 "{% endfor %}")
-    assert tok.apply_chat_template(msgs, chat_template=ordinary) == \
+    assert tok.render_chat_template(msgs, chat_template=ordinary) == \
         hf.apply_chat_template(msgs, chat_template=ordinary, tokenize=False) == \
         "<s>[1]user: hihi---1024"
 
@@ -232,11 +232,11 @@ def test_continue_final_message_matches_transformers(tiny_dir):
             want = hf.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                           add_generation_prompt=False,
                                           continue_final_message=True)
-            assert ours.apply_chat_template(msgs, chat_template=template,
+            assert ours.render_chat_template(msgs, chat_template=template,
                                             add_generation_prompt=False,
                                             continue_final_message=True) == want
     with pytest.raises(ValueError, match="continue_final_message"):
-        ours.apply_chat_template([{"role": "user", "content": "x"}],
+        ours.render_chat_template([{"role": "user", "content": "x"}],
                                  chat_template="{{ 'nothing of it' }}",
                                  add_generation_prompt=False, continue_final_message=True)
 
@@ -244,14 +244,14 @@ def test_continue_final_message_matches_transformers(tiny_dir):
 def test_no_chat_template_error(sp_dir):
     tok = Tokenizer.from_pretrained(sp_dir)
     with pytest.raises(ValueError, match="no chat template.*--chat-template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        tok.render_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_chat_template_file_takes_priority(tiny_dir, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(tiny_dir, d)
     (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }};{% endfor %}")
-    assert Tokenizer.from_pretrained(str(d)).apply_chat_template([{"role": "user", "content": "x"}]) == "x;"
+    assert Tokenizer.from_pretrained(str(d)).render_chat_template([{"role": "user", "content": "x"}]) == "x;"
 
 
 def test_missing_tokenizer_errors(tmp_path):
@@ -282,5 +282,47 @@ def test_convert_one_token_or_id_as_transformers(pair):
         assert ours.convert_tokens_to_ids(token) == hf.convert_tokens_to_ids(token)
     tokens = ["</s>", "not-a-token-in-the-vocab"]
     assert ours.convert_tokens_to_ids(tokens) == hf.convert_tokens_to_ids(tokens)
-    for tid in (2, 40, ours.vocab_size + 5):
+    for tid in (2, 40, len(ours) + 5):
         assert ours.convert_ids_to_tokens(tid) == hf.convert_ids_to_tokens(tid)
+
+
+def test_transformers_call_surface_matches(pair):
+    """What vLLM scripts call on llm.get_tokenizer() (vLLM hands out transformers' tokenizer):
+    the same results and defaults as transformers on the same files, both tokenizer kinds."""
+    ours, hf = pair
+    for text in ("Hello world", ["Hello", "Hi there 你好"]):
+        for add in (True, False):
+            a, b = ours(text, add_special_tokens=add), hf(text, add_special_tokens=add)
+            assert dict(a) == dict(b) and a.input_ids == b.input_ids
+    with pytest.raises(TypeError, match="return_tensors"):
+        ours("Hello", return_tensors="pt")
+    ids = hf.encode("Hello world") + [hf.eos_token_id]
+    assert ours.decode(ids) == hf.decode(ids)            # special tokens kept by default
+    assert ours.decode(ids[1]) == hf.decode(ids[1])      # one id
+    assert ours.batch_decode([ids, ids[:2]]) == hf.batch_decode([ids, ids[:2]])
+    assert ours.batch_decode([ids], skip_special_tokens=True) == \
+        hf.batch_decode([ids], skip_special_tokens=True)
+    assert ours.tokenize("Hello world") == hf.tokenize("Hello world")
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id",
+                 "eos_token_id", "unk_token_id", "pad_token_id", "vocab_size"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert len(ours) == len(hf) and ours.get_vocab() == hf.get_vocab()
+    assert sorted(ours.all_special_tokens) == sorted(hf.all_special_tokens)
+
+
+def test_apply_chat_template_defaults_match_transformers(tiny_dir):
+    """transformers' (5.x) defaults: token ids as a dict, no generation prompt; return_dict
+    False the ids, tokenize False the text; a list of conversations gives a list."""
+    ours = Tokenizer.from_pretrained(tiny_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    convs = [msgs, msgs + [{"role": "assistant", "content": "Hi"}]]
+    for conv in (msgs, convs):
+        assert dict(ours.apply_chat_template(conv)) == dict(hf.apply_chat_template(conv))
+        for kw in ({"return_dict": False}, {"tokenize": False},
+                   {"add_generation_prompt": True, "return_dict": False},
+                   {"add_generation_prompt": True, "tokenize": False}):
+            assert ours.apply_chat_template(conv, **kw) == hf.apply_chat_template(conv, **kw), kw
+    assert ours.apply_chat_template(msgs).input_ids == hf.apply_chat_template(msgs).input_ids
+    with pytest.raises(TypeError, match="return_tensors"):
+        ours.apply_chat_template(msgs, return_tensors="pt")

@@ -114,7 +114,7 @@ class LLM:
             except ValidationError as e:
                 raise ValueError(f"messages: {e.errors()[0]['msg']} at "
                                  f"{e.errors()[0]['loc']}") from None
-            text = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.render_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=template,
                 continue_final_message=continue_final_message, tools=tools, **kwargs)
             # The template already holds any BOS token; don't add a second one.

@@ -661,7 +661,7 @@ def _chat_prompt(state: ServerState, tok, req, tools) -> str:
                         "add_generation_prompt must be false (it defaults to true)",
                         param="continue_final_message")
     try:
-        return tok.apply_chat_template(
+        return tok.render_chat_template(
             [m.for_template() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
