@@ -231,6 +231,14 @@ class AsyncLLMEngine:
             self._commands.put(("abort", request_id))
             self._wake.set()
 
+    def decline_kv_offers(self, offers: list) -> None:
+        """PD consumer: requests refused before they were queued will not read these offers
+        (each a producer's ``kv_transfer_params`` for one prompt); the producer is told at the
+        next step, so it frees the blocks at once."""
+        for params in offers:
+            self._commands.put(("decline", params))
+        self._wake.set()
+
     @property
     def num_requests(self) -> int:
         """Requests whose outputs are still coming (queued or running): what a shutdown
@@ -352,6 +360,7 @@ class AsyncLLMEngine:
                 try:
                     engine.add_processed(arg)
                 except Exception as e:    # noqa: BLE001 - refused; goes to its caller
+                    engine.decline_kv_offer(arg.params.kv_transfer_params)
                     self._post(self._fail, arg.request_id, e)
                 finally:
                     # Counted only once it is in the waiting queue, so that the bound check
@@ -361,6 +370,8 @@ class AsyncLLMEngine:
                 out = engine.abort_request(arg)
                 if out is not None:
                     outs.append(out)
+            elif cmd == "decline":
+                engine.decline_kv_offer(arg)
             elif cmd == "stats":
                 self._post(_resolve, arg, engine.get_stats())
             elif cmd == "abort_all":

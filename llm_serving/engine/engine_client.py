@@ -84,4 +84,8 @@ class EngineClient(Protocol):
     def abort_all(self, reason: str) -> None:
         """End every request with the error ``reason``; later requests are refused with it."""
 
+    def decline_kv_offers(self, offers: list) -> None:
+        """PD consumer: offers (a producer's ``kv_transfer_params``, one per prompt) of
+        requests refused before they were queued; the producer frees their blocks at once."""
+
     async def get_stats(self) -> "EngineStats": ...

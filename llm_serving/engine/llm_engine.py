@@ -119,6 +119,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         return new.request_id
 
+    def decline_kv_offer(self, params: Optional[dict]) -> None:
+        """A request refused before it was queued will not read the producer's offer its
+        ``kv_transfer_params`` carry: the producer frees the blocks at once, not when the
+        offer expires. Nothing for other parameters, or without kv_transfer."""
+        if self.remote_kv is not None and params:
+            self.remote_kv.decline(params)
+
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """End the request now, whatever its state, and free its KV blocks and its slot.
         Returns its final output (finish_reason "abort"), or None for an unknown request."""

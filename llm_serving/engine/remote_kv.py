@@ -24,6 +24,7 @@ import bisect
 import logging
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Optional
 
 from llm_serving.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorOutput,
@@ -91,6 +92,11 @@ class RemoteKV:
         if n <= 0:              # its own prefix cache holds what the producer offers
             self.connector.request_not_loaded(seq)
         return n if is_async else 0
+
+    def decline(self, params: dict) -> None:
+        """An offer (a request's ``kv_transfer_params``) that no request here will read: the
+        request was refused before it was queued. The producer is told with the next step."""
+        self.connector.request_not_loaded(SimpleNamespace(kv_transfer_params=params))
 
     def start_load(self, seq: Sequence, num_external: int) -> None:
         """The scheduler allocated the blocks: wait for them to arrive."""

@@ -137,7 +137,8 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import llm_serving_routes, openai_routes, remote_prefill
+    from llm_serving.entrypoints import (llm_serving_routes, openai_routes, remote_prefill,
+                                         unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
 
     @asynccontextmanager
@@ -177,10 +178,12 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
+        unread_offers.decline(request)
         return error_response(e.status, e.message, e.param, e.kind, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
+        unread_offers.decline(request, e.body)
         err = e.errors()[0]
         if err["type"] == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {err['msg']}", "body")
@@ -207,6 +210,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         logger.exception("unexpected error on %s", request.url.path)
+        unread_offers.decline(request)
         err = translate_error(e)
         return error_response(err.status, err.message, err.param, err.kind, err.headers)
 

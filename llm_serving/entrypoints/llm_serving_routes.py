@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llm_serving.entrypoints import remote_prefill
+from llm_serving.entrypoints import remote_prefill, unread_offers
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
                                                 log_arrival, new_request_id, output_error,
@@ -140,6 +140,7 @@ def _line(obj: dict, protocol: str) -> bytes:
 
 
 async def _start(request: Request, model: str, req: GenerateRequest):
+    unread_offers.hold(request, req.parameters.kv_transfer_params)
     state: ServerState = request.app.state.server
     if model not in ("llama2", state.served_model_name):
         raise HTTPError(404, f"model {model!r} does not exist; this server serves "
@@ -157,6 +158,7 @@ async def _start(request: Request, model: str, req: GenerateRequest):
         stream = await engine.add_request(rid, req.inputs, params)
     except Exception as e:
         raise _own_names(translate_error(e)) from None
+    unread_offers.handed_over(request)
     return state, engine, req, stream
 
 

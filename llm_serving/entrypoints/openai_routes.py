@@ -19,7 +19,7 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
-from llm_serving.entrypoints import remote_prefill, tool_calls
+from llm_serving.entrypoints import remote_prefill, tool_calls, unread_offers
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.engine.input_processor import encode_prompt
 from llm_serving.outputs import RequestOutput
@@ -52,14 +52,15 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _start(state: ServerState, rid: str, prompts: list, params, priority: int,
+async def _start(request: Request, rid: str, prompts: list, params, priority: int,
                  grammar_field: Optional[str] = None):
     """Queue one engine request per prompt; all or none. ``grammar_field``: the request field
     a grammar error (the engine says "structured_outputs: ...") is about. As vLLM, a
     max_tokens above max_model_len is refused, and one that fits the model but not after the
     prompt is lowered to what is left. Each prompt takes its own KV offer when a producer
-    answered per prompt (pd_request.offer_of_prompt)."""
-    engine = state.require_engine()
+    answered per prompt (pd_request.offer_of_prompt); the offers of prompts never queued
+    are declined (unread_offers)."""
+    engine = _state(request).require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
         raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request exceed the "
@@ -80,7 +81,7 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
         raise HTTPError(400, f"logprobs: up to {entries} log-probabilities asked for (prompts x "
                         f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
-    log_arrival(state, rid, prompts, params)
+    log_arrival(_state(request), rid, prompts, params)
     kv = params.kv_transfer_params
     try:
         offers = [pd.offer_of_prompt(kv, i, len(prompts)) for i in range(len(prompts))]
@@ -95,9 +96,11 @@ async def _start(state: ServerState, rid: str, prompts: list, params, priority: 
                 p.kv_transfer_params = offers[i]
             streams.append(await engine.add_request(f"{rid}-{i}", prompt, p, priority))
     except Exception as e:
+        unread_offers.handed_over(request, offers[len(streams):])
         for s in streams:
             await s.aclose()
         raise _grammar_named(translate_error(e), grammar_field) from None
+    unread_offers.handed_over(request)
     return streams
 
 
@@ -314,6 +317,7 @@ def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) ->
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
+    unread_offers.hold(request, req.kv_transfer_params)
     state = _state(request)
     state.check_model(req.model)
     _check_fields(req)
@@ -347,7 +351,7 @@ async def completions(req: CompletionRequest, request: Request):
     rid = new_request_id("cmpl")
     resp_id = response_id(request, "cmpl", rid)
     grammar_field = req.structured_field()
-    streams = await _start(state, rid, prompts, params, req.priority, grammar_field)
+    streams = await _start(request, rid, prompts, params, req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     n = req.n
     t0 = time.perf_counter()
@@ -460,6 +464,7 @@ def _chat_logprobs(entries, top: int, as_ids: bool = False) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
+    unread_offers.hold(request, req.kv_transfer_params)
     state = _state(request)
     state.check_model(req.model)
     _check_fields(req)
@@ -518,7 +523,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
-    streams = await _start(state, rid, [{"prompt": text, "prompt_token_ids": ids}], params,
+    streams = await _start(request, rid, [{"prompt": text, "prompt_token_ids": ids}], params,
                            req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from fastapi import Request
 
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
+from llm_serving.entrypoints import unread_offers
 from llm_serving.entrypoints.http_common import HTTPError, ServerState, client_gone
 from llm_serving.proxy import pd_request as pd
 
@@ -54,6 +55,7 @@ async def resolve(request: Request, holder) -> None:
                         f"of a producer instance, got {url!r}", param="kv_transfer_params")
     try:
         holder.kv_transfer_params = await _ask_producer(request, url, config)
+        unread_offers.hold(request, holder.kv_transfer_params)
     except RemotePrefillError as e:
         reason = f"KV transfer failed: the remote prefill at {url} {e}"
         if state.metrics is not None:

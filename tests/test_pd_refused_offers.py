@@ -1,0 +1,95 @@
+"""PD: a request that only the consumer refuses (``max_tokens: -1``, ``n: 0``: the producer
+got 1 and no ``n``; a max_tokens beyond D's max_model_len) has been prefilled by P, which holds
+its KV blocks for D. D's 4xx declines the offer, so P frees the blocks at once, not when the
+offer expires (kv_transfer_timeout, 60 s here). Real start.py instances over
+MooncakeConnector behind ``llm-serving proxy`` in both orders, real clients."""
+from __future__ import annotations
+
+import pytest
+import requests
+
+from test_http_server import start_server, stop_server, free_port, wait_until
+from test_pd_mooncake import fresh, kv_section
+from test_pd_proxy_routing import Procs
+from conftest import metric
+
+TIMEOUT_S = 60
+LONG = " ".join(["Summarize the following notes about the history of the river valley."] * 6)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("pd-refused")
+    started, procs = {}, Procs()
+    try:
+        for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+            started[name] = start_server(tmp, tiny_model_dir,
+                                         section=kv_section(role, kv_transfer_timeout=TIMEOUT_S),
+                                         agent_ports=(free_port(),))
+        urls = {name: s[1] for name, s in started.items()}
+        for order in ("p-first", "d-first"):
+            urls[order] = procs.proxy([urls["P"]], [urls["D"]], "--order", order)[1]
+            wait_until(lambda: requests.get(urls[order] + "/health", timeout=5).ok, timeout=30)
+        yield urls
+    finally:
+        procs.close()
+        codes = {name: stop_server(s[0]) for name, s in started.items()}
+    assert codes == {"P": 0, "D": 0}
+
+
+REFUSED = [
+    ("/v1/completions", {"prompt": "max_tokens -1", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "n 0", "max_tokens": 4, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "too long", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["two prompts a", "two prompts b"], "max_tokens": -1},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": "chat", "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    ("/models/llama2/generate", {"inputs": "generate", "parameters": {"max_new_tokens": -1}},
+     "parameters.max_new_tokens"),
+]
+
+
+def _body(route: str, body: dict, tag: str) -> dict:
+    """``body`` with prompts of full blocks of their own (so P has blocks to offer)."""
+    def text(s):
+        return fresh(f"{s} {LONG}", tag)
+    out = dict(body)
+    if "prompt" in out:
+        p = out["prompt"]
+        out["prompt"] = [text(x) for x in p] if isinstance(p, list) else text(p)
+    if "messages" in out:
+        out["messages"] = [{"role": "user", "content": text(out["messages"])}]
+    if "inputs" in out:
+        out["inputs"] = text(out["inputs"])
+    if route.startswith("/v1/"):
+        out["model"] = "tiny"
+    return out
+
+
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+@pytest.mark.parametrize("route,body,field", REFUSED)
+def test_a_request_d_refuses_frees_ps_blocks_at_once(pd, order, route, body, field):
+    offered0 = metric(pd["P"], "kv_transfers_offered_total")
+    r = requests.post(pd[order] + route, json=_body(route, body, f"{order} {field}"), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    # P prefilled it and offered its blocks (first D: only once D's schema accepted it) ...
+    if order == "p-first" or body.get("max_tokens") == 5000:
+        assert metric(pd["P"], "kv_transfers_offered_total") > offered0
+    # ... and frees them now, not when the offer expires.
+    wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 3,
+               message="P still holds the blocks of an offer D refused")
+    # D still serves the same prompt, and everything is back to idle.
+    ok = dict(_body(route, body, f"{order} {field} again"))
+    ok.pop("n", None)
+    if route == "/models/llama2/generate":
+        ok["parameters"] = {"max_new_tokens": 3}
+    else:
+        ok["max_tokens"] = 3
+        ok.pop("max_completion_tokens", None)
+    r = requests.post(pd[order] + route, json=ok, timeout=120)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: all(metric(pd[x], "kv_blocks_held") == 0
+                           and metric(pd[x], "kv_cache_usage_perc") == 0 for x in "PD"),
+               timeout=TIMEOUT_S / 3)
