@@ -12,6 +12,7 @@ from llm_serving.cli_args import resolve_model
 from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
+from llm_serving.entrypoints.step_interrupt import StepInterrupt
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
@@ -150,21 +151,24 @@ class LLM:
         results: list[Optional[RequestOutput]] = [None] * len(order)
         remaining = len(order)
         bar = tqdm(total=remaining, desc="Processed prompts", disable=not use_tqdm)
-        try:
-            while remaining:
-                while pending:
-                    try:
-                        self.engine.add_processed(pending[0])
-                    except QueueFullError:
-                        break
-                    pending.popleft()
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        remaining -= 1
-                        bar.update(1)
-        finally:
-            bar.close()
-            for rid in order:
-                self.engine.abort_request(rid)
+        with StepInterrupt() as interrupt:       # Ctrl-C: at a step boundary
+            try:
+                while remaining:
+                    while pending:
+                        try:
+                            self.engine.add_processed(pending[0])
+                        except QueueFullError:
+                            break
+                        pending.popleft()
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            remaining -= 1
+                            bar.update(1)
+                    if interrupt.pending:
+                        interrupt.raise_pending()
+            finally:
+                bar.close()
+                for rid in order:
+                    self.engine.abort_request(rid)
         return results
