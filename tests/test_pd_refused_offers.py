@@ -93,3 +93,39 @@ def test_a_request_d_refuses_frees_ps_blocks_at_once(pd, order, route, body, fie
     wait_until(lambda: all(metric(pd[x], "kv_blocks_held") == 0
                            and metric(pd[x], "kv_cache_usage_perc") == 0 for x in "PD"),
                timeout=TIMEOUT_S / 3)
+
+
+MALFORMED = [("remote_ranks", 5), ("remote_ranks", ["rank"]), ("ttl", "soon"),
+             ("remote_block_ids", "all"), ("slot", "zero")]
+
+
+@pytest.mark.parametrize("field,value", MALFORMED)
+def test_a_malformed_offer_is_a_400_and_fails_no_other_request(pd, field, value):
+    """An offer whose fields the consumer's workers cannot use (a hand-made or corrupted
+    kv_transfer_params sent to D) used to fail the model step it reached, and with it every
+    request in flight (503 "internal error in a model step"). It is now refused as it
+    arrives, naming the field; a request streaming meanwhile ends normally."""
+    from llm_serving.distributed.kv_transfer.base import num_transfer_blocks
+    from llm_serving.distributed.kv_transfer.block_transfer import prefix_hash
+    prompt = fresh(LONG, f"malformed {field} {value}")
+    ids = requests.post(pd["D"] + "/tokenize", json={"model": "tiny", "prompt": prompt},
+                        timeout=30).json()["tokens"]
+    k = num_transfer_blocks(len(ids), 16)
+    offer = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t-1",
+             "remote_engine_id": "p", "remote_block_ids": list(range(1, k + 1)), "tp_size": 1,
+             "prefix_hash": prefix_hash(ids, 16, k), "ttl": 30.0, "remote_ranks": [{}],
+             "slot": 0, "token": 1, field: value}
+    bystander = requests.post(pd["D"] + "/v1/completions", stream=True, timeout=120, json={
+        "model": "tiny", "prompt": fresh("bystander", field), "max_tokens": 600,
+        "ignore_eos": True, "stream": True})
+    lines = bystander.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: {")     # it runs
+    for max_tokens in (3, -1):             # admitted by the route, and refused by it
+        r = requests.post(pd["D"] + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "kv_transfer_params": offer})
+        assert r.status_code == 400, r.text
+        if max_tokens == 3:
+            assert r.json()["error"]["param"] == f"kv_transfer_params.{field}"
+    rest = [line for line in lines if line]
+    assert rest[-1] == b"data: [DONE]" and not any(b'"error"' in line for line in rest)

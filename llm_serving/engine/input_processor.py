@@ -56,6 +56,9 @@ class InputProcessor:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.policy = config.scheduler.policy
         self.kv_transfer = config.kv_transfer
+        if self.kv_transfer is not None:
+            from llm_serving.distributed.kv_transfer.factory import connector_class
+            self._check_offer = connector_class(self.kv_transfer).check_offer
         self._ids = itertools.count()
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -106,6 +109,8 @@ class InputProcessor:
         if p.get("do_remote_prefill") and not kv.is_consumer:
             raise ValueError(f"kv_transfer_params: do_remote_prefill needs a kv_consumer or "
                              f"kv_both instance, this one is {kv.kv_role}")
+        if p.get("do_remote_prefill"):
+            self._check_offer(p)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:

@@ -95,7 +95,13 @@ class RemoteKV:
 
     def decline(self, params: dict) -> None:
         """An offer (a request's ``kv_transfer_params``) that no request here will read: the
-        request was refused before it was queued. The producer is told with the next step."""
+        request was refused before it was queued. The producer is told with the next step;
+        a malformed offer (the reason it was refused, maybe) is dropped: the workers could not
+        use it."""
+        try:
+            self.connector.check_offer(params)
+        except ValueError:
+            return
         self.connector.request_not_loaded(SimpleNamespace(kv_transfer_params=params))
 
     def start_load(self, seq: Sequence, num_external: int) -> None:

@@ -209,6 +209,13 @@ class KVConnectorBase(ABC):
         """Metadata is waiting for the next step."""
         return False
 
+    @classmethod
+    def check_offer(cls, params: dict) -> None:
+        """A consumer's check of a producer's offer (``kv_transfer_params`` with
+        ``do_remote_prefill``) as a request arrives: ValueError naming the field whose value
+        this connector could not use (it would fail a step later, and every request in it).
+        Default: nothing read from it."""
+
     @abstractmethod
     def request_finished(self, request: KVRequest,
                          block_ids: Sequence[int]) -> tuple[bool, Optional[dict]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import time
 from typing import Optional, Sequence
@@ -54,6 +55,15 @@ def reader_expiry(request: KVRequest, p: dict) -> float:
     ttl = float(p["ttl"])
     arrival = getattr(request, "arrival_time", None) or time.time()
     return arrival + ttl - min(TTL_MARGIN_S, 0.1 * ttl)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
 
 
 def params_of(request: KVRequest) -> dict:
@@ -130,6 +140,23 @@ class BlockTransferScheduler(KVConnectorBase):
         p = params_of(request)
         if p.get("do_remote_prefill") and p.get("remote_block_ids") and p.get("transfer_id"):
             self._declines[str(p["transfer_id"])] = self._load_params(p)
+
+    # Fields of an offer this side reads, and what each must be when present.
+    OFFER_FIELDS = {"remote_block_ids": ("a list of block numbers", lambda v: isinstance(v, list)
+                                         and all(_is_int(b) and b >= 0 for b in v)),
+                    "transfer_id": ("a string", lambda v: isinstance(v, str)),
+                    "remote_engine_id": ("a string", lambda v: isinstance(v, str)),
+                    "prefix_hash": ("a string", lambda v: isinstance(v, str)),
+                    "tp_size": ("a positive integer", lambda v: _is_int(v) and v > 0),
+                    "ttl": ("a number of seconds", lambda v: _is_number(v) and v >= 0),
+                    "expires_at": ("a number", _is_number)}
+
+    @classmethod
+    def check_offer(cls, params: dict) -> None:
+        for key, (what, ok) in cls.OFFER_FIELDS.items():
+            if key in params and not ok(params[key]):
+                raise ValueError(f"kv_transfer_params.{key}: expected {what}, got "
+                                 f"{params[key]!r:.80}")
 
     # ---- producer -------------------------------------------------------------------------
 

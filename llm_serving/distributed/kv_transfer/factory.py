@@ -17,11 +17,14 @@ _CLASSES = {
 }
 
 
+def connector_class(config: KVTransferConfig) -> type:
+    module, name = _CLASSES[config.kv_connector]
+    return getattr(importlib.import_module(module), name)
+
+
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size: int,
                      rank: int = 0, tp_size: int = 1, model_tag: str = "") -> KVConnectorBase:
-    module, name = _CLASSES[config.kv_connector]
-    cls = getattr(importlib.import_module(module), name)
-    conn = cls(config, role, block_size, rank, tp_size)
+    conn = connector_class(config)(config, role, block_size, rank, tp_size)
     conn.model_tag = model_tag
     return conn
 

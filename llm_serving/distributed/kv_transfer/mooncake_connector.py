@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from llm_serving.distributed.kv_transfer.base import KVConnectorOutput, KVTransferError
-from llm_serving.distributed.kv_transfer.block_transfer import BlockTransferScheduler
+from llm_serving.distributed.kv_transfer.block_transfer import BlockTransferScheduler, _is_int
 
 logger = logging.getLogger(__name__)
 MAX_TRANSFERS = 4096        # offers held at once (notification slots) and reads in flight
@@ -50,6 +50,12 @@ class MooncakeConnector(BlockTransferScheduler):
         host, _, port = self._ranks[0]["engine"].rpartition(":")
         offer.update(remote_host=host, remote_port=int(port), remote_ranks=self._ranks)
         return offer
+
+    OFFER_FIELDS = {**BlockTransferScheduler.OFFER_FIELDS,
+                    "remote_ranks": ("a list of the producer ranks' descriptions (objects)",
+                                     lambda v: isinstance(v, list)
+                                     and all(isinstance(r, dict) for r in v)),
+                    "slot": ("an integer", _is_int), "token": ("an integer", _is_int)}
 
     def _save_keys(self) -> tuple:
         return ("slot", "token")
