@@ -336,6 +336,8 @@ def test_d_killed_mid_stream_and_mid_answer(procs, fakes):
     assert time.monotonic() - t0 < 10
     last = json.loads(lines[-1][len(b"data: "):])
     assert last["error"]["code"] == 502 and d_url in last["error"]["message"]
+    # The shape of every error object the proxy and the instances send (param included).
+    assert set(last["error"]) == {"message", "type", "param", "code"}
     assert b"[DONE]" not in lines[-1]
     # It left the rotation: the next request says no decode instance is up.
     time.sleep(1)

@@ -387,7 +387,8 @@ class Proxy:
 def _stream_error(path: str, body: dict, message: str) -> bytes:
     """One error event in the stream's own framing (the instances' own mid-stream errors)."""
     if path in pd.OPENAI_ROUTES:
-        err = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
+        err = {"error": {"message": message, "type": "bad_gateway", "param": None,
+                         "code": 502}}
         return f"data: {json.dumps(err)}\n\n".encode()
     line = {"details": None, "generated_text": "", "finish_reason": "error", "error": message}
     params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
