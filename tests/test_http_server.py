@@ -825,6 +825,50 @@ def test_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
     assert not [p for p in children if os.path.exists(f"/proc/{p}")], "a process outlived it"
 
 
+def _own_group_with_ctrl_c():
+    """A server in its own process group that takes Ctrl-C as a terminal's foreground job
+    does (a test run in the background inherits SIGINT ignored)."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_drains_a_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_llm):
+    """Ctrl-C in a terminal reaches the whole process group, the WorkAgents included: a
+    request in flight still finishes whole within --shutdown-timeout, then every process
+    exits. MindSpore's collective init had installed a SIGINT handler in each rank that
+    stopped its communication, so the drain's next step hung in a collective for 30 s and
+    the request ended with an error."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "60",
+                                agent_ports=(16002, 16003), preexec_fn=_own_group_with_ctrl_c)
+    children = []
+    try:
+        children = agent_pids(proc.pid) + agent_pids(proc.pid,
+                                                     "llm_serving.executor.comm_scheduler")
+        assert len(children) == 3
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            lines = (line for line in r.iter_lines() if line)
+            first = next(lines)                              # the request is running
+            t0 = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = [first] + list(lines)
+        assert rest[-1] == b"data: [DONE]"
+        chunks = [json.loads(line[len(b"data: "):]) for line in rest[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks[-1]
+        want = tiny_llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200,
+                                                            ignore_eos=True))[0].outputs[0]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 45      # (the stream, then the exit; 57 s before)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+    assert not [p for p in children if os.path.exists(f"/proc/{p}")], "a process outlived it"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_while_the_model_loads_is_clean(tmp_path, tiny_model_dir, sig):
     """SIGTERM or Ctrl-C while the WorkAgent is still loading: the server exits 0 at once,

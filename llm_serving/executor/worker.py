@@ -123,6 +123,9 @@ def main(argv=None) -> int:
             ms.device_context.cpu.op_tuning.threads_num(n)
             kernels.set_num_threads(n)
         tp = init_tensor_parallel(rank, tp_size, device)
+        # MindSpore's collective init installs its own SIGINT handler, which stops this
+        # rank's communication at Ctrl-C: the drain's steps then hung in a collective.
+        ignore_stop_signals()
         runner = ModelRunner(config)
         # Step n reads input segment n % 2; rank 0 writes its result to output segment n % 2.
         shm_in = [ch.ShmSegment(name=n) for n in args.shm_in.split(",")]
