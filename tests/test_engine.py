@@ -312,3 +312,24 @@ def test_cli_flags_override_the_yaml_with_the_same_knobs(tiny_model_dir, tmp_pat
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: preemption_mode: expected one of recompute, swap, got 'bogus'"]
+
+
+def test_n_children_of_a_parent_swapped_out_before_their_fork_see_its_prompt(tiny_model_dir,
+                                                                            tiny_llm):
+    """n > 1 under swap preemption and async scheduling: a parent can be swapped out while
+    the step that sampled its first token still runs; its children, forked when that sample
+    is collected, took the parent's computed length without any of its blocks and attended
+    to whatever the new blocks held, so from their second token on they answered wrongly.
+    Greedy children must all give the answer the request gets alone."""
+    llm = LLM(tiny_model_dir, num_blocks=40, block_size=8, max_num_seqs=64, max_model_len=320,
+              preemption_mode="swap", swap_space=0.01, async_scheduling=True)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:32], params)
+    alone = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS[:32], SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True))]
+    wrong = [(i, c.index) for i, o in enumerate(outs) for c in o.outputs
+             if c.token_ids != alone[i]]
+    assert not wrong, f"{len(wrong)} completions differ from the request alone: {wrong[:6]}"
+    stats = llm.engine.get_stats()
+    assert stats.num_swap_preemptions > 0
+    assert stats.kv_cache_usage == 0.0 and stats.cpu_cache_usage == 0.0

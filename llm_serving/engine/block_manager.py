@@ -231,15 +231,20 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares the parent's computed blocks (copy-on-write on its first write).
         A block the parent holds for a step still running (async scheduling) is not shared:
-        the child would write its own token into the same slot."""
+        the child would write its own token into the same slot. A parent swapped out (its
+        step's sample collected after it was preempted) holds its KV on the host: the child
+        then computes its own from the start, as after a recompute preemption."""
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_tokens = parent.num_cached_tokens
+        if parent.cpu_block_table:
+            child.block_table, child.cached_uids, child.num_computed_tokens = [], [], 0
+            return
         shared = parent.block_table[:self._blocks_for(parent.num_computed_tokens)]
         for block in shared:
             self.ref_counts[block] += 1
         child.block_table = list(shared)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.block_hashes = list(parent.block_hashes)
         child.cached_uids = list(parent.cached_uids)
-        child.num_cached_tokens = parent.num_cached_tokens
 
     # ---- freeing --------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
