@@ -22,10 +22,6 @@ def _arg(default, help: str, **flag):
     return field(default=default, metadata={"help": help, "flag": flag})
 
 
-def _list(default):
-    return field(default_factory=lambda: list(default))
-
-
 @dataclass
 class FrontendArgs:
     uvicorn_log_level: str = _arg(
