@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import re
 from datetime import datetime
 from pathlib import Path
@@ -681,7 +682,7 @@ class Tokenizer:
     def decode(self, ids: Union[int, Iterable[int]], skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; special tokens are kept unless skip_special_tokens
         (transformers' default)."""
-        if isinstance(ids, int):
+        if isinstance(ids, numbers.Integral):      # an int, or a NumPy integer
             ids = [ids]
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
@@ -692,9 +693,9 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Union[int, Iterable[int]]):
         """Token strings; None for ids outside the vocabulary (as transformers), which decode
         skips. One id gives one string, as transformers' does."""
-        if isinstance(ids, int):
-            return self._backend.id_to_token(ids)
-        return [self._backend.id_to_token(i) for i in ids]
+        if isinstance(ids, numbers.Integral):
+            return self._backend.id_to_token(int(ids))
+        return [self._backend.id_to_token(int(i)) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: Union[str, Iterable[str]]):
         """Token ids; a token outside the vocabulary is the unknown token's id (None without
@@ -714,6 +715,13 @@ class Tokenizer:
 
     def is_special_id(self, token_id: int) -> bool:
         return token_id in self._special_set
+
+    @property
+    def model_max_length(self) -> int:
+        """tokenizer_config.json's ``model_max_length``; without one, transformers' "no
+        limit" value, 10**30."""
+        value = self._config.get("model_max_length")
+        return int(value) if isinstance(value, (int, float)) else int(1e30)
 
     @property
     def vocab_size(self) -> int:

@@ -308,6 +308,13 @@ def test_transformers_call_surface_matches(pair):
         assert getattr(ours, name) == getattr(hf, name), name
     assert len(ours) == len(hf) and ours.get_vocab() == hf.get_vocab()
     assert sorted(ours.all_special_tokens) == sorted(hf.all_special_tokens)
+    assert ours.model_max_length == hf.model_max_length
+    # ids as NumPy arrays and integers (what a script slicing logits hands over)
+    import numpy as np
+    arr = np.array(ids)
+    assert ours.decode(arr) == hf.decode(ids) and ours.decode(arr[1]) == hf.decode(ids[1])
+    assert ours.convert_ids_to_tokens(arr[1]) == hf.convert_ids_to_tokens(ids[1])
+    assert ours.convert_ids_to_tokens(arr) == hf.convert_ids_to_tokens(ids)
 
 
 def test_apply_chat_template_defaults_match_transformers(tiny_dir):
