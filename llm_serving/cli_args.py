@@ -54,7 +54,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     generated from EngineArgs so the CLI, the YAML and LLM(...) take the same knobs."""
     import dataclasses
     import typing
-    from llm_serving.config import VLLM_NO_EFFECT_ARGS, VLLM_NO_EFFECT_VALUES, EngineArgs
+    from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs
     group = parser.add_argument_group("engine arguments (override the config file)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -80,20 +80,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, type=parse, default=None,
                                metavar=f.name.upper(), help=help)
     # vLLM's flags that mean nothing here: taken, with a warning (cli_engine_overrides)
-    for name, why in VLLM_NO_EFFECT_ARGS.items():
-        kind = _NO_EFFECT_TYPES.get(name)
-        allowed = VLLM_NO_EFFECT_VALUES.get(name)
+    for name, spec in VLLM_NO_EFFECT_ARGS.items():
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                           **({"type": kind, "metavar": name.upper()} if kind
+                           **({"type": spec.type, "metavar": name.upper()} if spec.type
                               else {"action": "store_true"}),
-                           help=f"vLLM's flag, taken for its command lines; no effect: {why}"
-                           + (f" (only {' or '.join(map(str, allowed))})" if allowed else ""))
-
-
-# The value types of vLLM's no-effect flags that take one (the others are switches).
-_NO_EFFECT_TYPES = {"gpu_memory_utilization": float, "load_format": str, "tokenizer_mode": str,
-                    "pipeline_parallel_size": int, "data_parallel_size": int,
-                    "max_parallel_loading_workers": int}
+                           help=f"vLLM's flag, taken for its command lines; no effect: "
+                           f"{spec.why}" + (f" (only {' or '.join(map(str, spec.allowed))})"
+                                            if spec.allowed else ""))
 
 
 def human_readable_int(text: str) -> int:

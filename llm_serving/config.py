@@ -42,29 +42,37 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 # is fp8_e4m3) quarters them.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
-# vLLM's engine arguments that mean nothing on this engine, whatever their value: LLM(...) and
-# the command line take them with one warning (drop_no_effect_args), so that a vLLM script or
-# command line runs; any other unknown argument is refused by name.
+@dataclass(frozen=True)
+class NoEffect:
+    """A vLLM engine argument that means nothing on this engine: why, its value's type on the
+    command line (None: a switch), and the values taken when another would mean something this
+    engine does not do (empty: any)."""
+    why: str
+    type: Optional[type] = None
+    allowed: tuple = ()
+
+
+# vLLM's engine arguments that mean nothing here: LLM(...), the YAML and the command line take
+# them with one warning (drop_no_effect_args), so that a vLLM script or command line runs; any
+# other unknown argument is refused by name.
 VLLM_NO_EFFECT_ARGS = {
-    "gpu_memory_utilization": "the KV pool is kv_cache_space GiB or num_blocks, as vLLM-CPU "
-                              "sizes it from VLLM_CPU_KVCACHE_SPACE, not from this fraction",
-    "trust_remote_code": "models run on this package's own model code; none is loaded from "
-                         "the model directory",
-    "disable_custom_all_reduce": "there is no CUDA all-reduce to turn off",
-    "load_format": "the model directory's weights load with this engine's loader",
-    "tokenizer_mode": "the tokenizer is the model's Hugging Face tokenizer",
-    "pipeline_parallel_size": "one pipeline stage (tensor_parallel_size splits a model)",
-    "data_parallel_size": "one engine per server (run more servers behind a load balancer)",
-    "disable_sliding_window": "the models served here have no sliding window",
-    "max_parallel_loading_workers": "each WorkAgent loads its own share of the weights",
-}
-# Of those, the ones whose other values would mean something this engine does not do: only
-# these values are taken; any other is refused naming it.
-VLLM_NO_EFFECT_VALUES = {
-    "load_format": ("auto", "safetensors"),
-    "tokenizer_mode": ("auto", "hf"),
-    "pipeline_parallel_size": (1,),
-    "data_parallel_size": (1,),
+    "gpu_memory_utilization": NoEffect(
+        "the KV pool is kv_cache_space GiB or num_blocks, as vLLM-CPU sizes it from "
+        "VLLM_CPU_KVCACHE_SPACE, not from this fraction", float),
+    "trust_remote_code": NoEffect("models run on this package's own model code; none is "
+                                  "loaded from the model directory"),
+    "disable_custom_all_reduce": NoEffect("there is no CUDA all-reduce to turn off"),
+    "load_format": NoEffect("the model directory's weights load with this engine's loader",
+                            str, ("auto", "safetensors")),
+    "tokenizer_mode": NoEffect("the tokenizer is the model's Hugging Face tokenizer", str,
+                               ("auto", "hf")),
+    "pipeline_parallel_size": NoEffect(
+        "one pipeline stage (tensor_parallel_size splits a model)", int, (1,)),
+    "data_parallel_size": NoEffect(
+        "one engine per server (run more servers behind a load balancer)", int, (1,)),
+    "disable_sliding_window": NoEffect("the models served here have no sliding window"),
+    "max_parallel_loading_workers": NoEffect(
+        "each WorkAgent loads its own share of the weights", int),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
@@ -77,18 +85,18 @@ def _arg(default, help: str):
 
 
 def drop_no_effect_args(kwargs: dict, where: str, table: dict = VLLM_NO_EFFECT_ARGS) -> dict:
-    """``kwargs`` without the arguments of ``table`` (name -> why it has no effect), with one
-    warning naming those given; a value other than VLLM_NO_EFFECT_VALUES allows is a
-    ConfigError naming the argument."""
+    """``kwargs`` without the arguments of ``table`` (name -> NoEffect), with one warning
+    naming those given; a value other than the ones its NoEffect allows is a ConfigError
+    naming the argument."""
     given = [k for k in kwargs if k in table]
     for k in given:
-        allowed = VLLM_NO_EFFECT_VALUES.get(k)
-        if allowed is not None and kwargs[k] not in allowed:
+        allowed = table[k].allowed
+        if allowed and kwargs[k] not in allowed:
             raise ConfigError(k, f"{kwargs[k]!r} is not supported here (only "
-                              f"{' or '.join(map(str, allowed))}: {table[k]})")
+                              f"{' or '.join(map(str, allowed))}: {table[k].why})")
     if given:
         logger.warning("%s: these vLLM arguments have no effect here: %s", where,
-                       "; ".join(f"{k} ({table[k]})" for k in given))
+                       "; ".join(f"{k} ({table[k].why})" for k in given))
     return {k: v for k, v in kwargs.items() if k not in table}
 
 

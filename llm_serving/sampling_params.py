@@ -90,11 +90,11 @@ def _check_unicode(field: str, texts: List[str]) -> None:
                              "unpaired UTF-16 surrogate)") from None
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -183,16 +183,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                      "temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if not _is_number(value):
+            if not is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             setattr(self, name, float(value))
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value):
+            if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r}")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output", "detokenize"):
@@ -230,7 +230,7 @@ class SamplingParams:
                 raise ValueError("stop_token_ids must be a list of integers, "
                                  f"got {self.stop_token_ids!r}") from None
             for t in self.stop_token_ids:
-                if not _is_int(t) or t < 0:
+                if not is_int(t) or t < 0:
                     raise ValueError(
                         f"stop_token_ids must be integers >= 0, got {t!r} in it")
 
@@ -247,7 +247,7 @@ class SamplingParams:
                     tid = int(k)
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
-                if tid < 0 or tid >= 2**31 or not _is_number(v) \
+                if tid < 0 or tid >= 2**31 or not is_number(v) \
                         or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                     raise ValueError(f"logit_bias: token {k!r} -> {v!r}; ids are >= 0 and "
                                      f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
@@ -256,7 +256,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids \
-                    or not all(_is_int(t) and 0 <= t < 2**31 for t in ids):
+                    or not all(is_int(t) and 0 <= t < 2**31 for t in ids):
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids, "
                                  f"got {ids!r}")
             self.allowed_token_ids = list(ids)

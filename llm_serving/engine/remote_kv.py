@@ -24,7 +24,6 @@ import bisect
 import logging
 import time
 from collections import defaultdict
-from types import SimpleNamespace
 from typing import Optional
 
 from llm_serving.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorOutput,
@@ -102,7 +101,7 @@ class RemoteKV:
             self.connector.check_offer(params)
         except ValueError:
             return
-        self.connector.request_not_loaded(SimpleNamespace(kv_transfer_params=params))
+        self.connector.decline_offer(params)
 
     def start_load(self, seq: Sequence, num_external: int) -> None:
         """The scheduler allocated the blocks: wait for them to arrive."""

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from llm_serving.cli_args import resolve_model
-from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
+from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
+                                drop_no_effect_args)
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
@@ -20,7 +21,8 @@ from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
 
 # LLM(...) also takes vLLM's disable_log_stats, which means nothing offline.
-_LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS, "disable_log_stats": "LLM logs no periodic stats"}
+_LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS,
+                  "disable_log_stats": NoEffect("LLM logs no periodic stats")}
 
 
 def _no_pooling(method: str) -> ValueError:

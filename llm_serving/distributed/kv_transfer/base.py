@@ -203,7 +203,13 @@ class KVConnectorBase(ABC):
         tokens, the offer does not fit its prompt, it scores its prompt, or it ended before
         its load began. The producer is told (with the next step), so it frees the blocks
         now rather than when the offer expires (vLLM's NIXL connector does the same on a
-        full prefix hit). Default: nothing (an offer that is not held)."""
+        full prefix hit)."""
+        self.decline_offer(getattr(request, "kv_transfer_params", None) or {})
+
+    def decline_offer(self, params: dict) -> None:
+        """The producer's offer ``params`` (a request's ``kv_transfer_params``) will not be
+        read here: tell the producer with the next step. Default: nothing (an offer that is
+        not held)."""
 
     def has_pending_meta(self) -> bool:
         """Metadata is waiting for the next step."""

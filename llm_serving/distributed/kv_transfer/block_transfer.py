@@ -34,6 +34,7 @@ from llm_serving.distributed.kv_transfer.base import (MAX_METADATA_BYTES, KVConn
                                                       KVConnectorMetadata, KVRequest,
                                                       num_transfer_blocks)
 from llm_serving.distributed.kv_transfer.block_hash import block_hashes
+from llm_serving.sampling_params import is_int, is_number
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -57,13 +58,8 @@ def reader_expiry(request: KVRequest, p: dict) -> float:
     return arrival + ttl - min(TTL_MARGIN_S, 0.1 * ttl)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v))
+def _is_finite(v) -> bool:
+    return is_number(v) and math.isfinite(v)
 
 
 def params_of(request: KVRequest) -> dict:
@@ -136,20 +132,19 @@ class BlockTransferScheduler(KVConnectorBase):
         key = self._load_keys.pop(request.request_id, None)
         return self._loads.pop(key, None) is not None
 
-    def request_not_loaded(self, request: KVRequest) -> None:
-        p = params_of(request)
+    def decline_offer(self, p: dict) -> None:
         if p.get("do_remote_prefill") and p.get("remote_block_ids") and p.get("transfer_id"):
             self._declines[str(p["transfer_id"])] = self._load_params(p)
 
     # Fields of an offer this side reads, and what each must be when present.
     OFFER_FIELDS = {"remote_block_ids": ("a list of block numbers", lambda v: isinstance(v, list)
-                                         and all(_is_int(b) and b >= 0 for b in v)),
+                                         and all(is_int(b) and b >= 0 for b in v)),
                     "transfer_id": ("a string", lambda v: isinstance(v, str)),
                     "remote_engine_id": ("a string", lambda v: isinstance(v, str)),
                     "prefix_hash": ("a string", lambda v: isinstance(v, str)),
-                    "tp_size": ("a positive integer", lambda v: _is_int(v) and v > 0),
-                    "ttl": ("a number of seconds", lambda v: _is_number(v) and v >= 0),
-                    "expires_at": ("a number", _is_number)}
+                    "tp_size": ("a positive integer", lambda v: is_int(v) and v > 0),
+                    "ttl": ("a number of seconds", lambda v: _is_finite(v) and v >= 0),
+                    "expires_at": ("a number", _is_finite)}
 
     @classmethod
     def check_offer(cls, params: dict) -> None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 
 from llm_serving.distributed.kv_transfer.base import KVConnectorOutput, KVTransferError
-from llm_serving.distributed.kv_transfer.block_transfer import BlockTransferScheduler, _is_int
+from llm_serving.distributed.kv_transfer.block_transfer import BlockTransferScheduler
+from llm_serving.sampling_params import is_int
 
 logger = logging.getLogger(__name__)
 MAX_TRANSFERS = 4096        # offers held at once (notification slots) and reads in flight
@@ -55,7 +56,7 @@ class MooncakeConnector(BlockTransferScheduler):
                     "remote_ranks": ("a list of the producer ranks' descriptions (objects)",
                                      lambda v: isinstance(v, list)
                                      and all(isinstance(r, dict) for r in v)),
-                    "slot": ("an integer", _is_int), "token": ("an integer", _is_int)}
+                    "slot": ("an integer", is_int), "token": ("an integer", is_int)}
 
     def _save_keys(self) -> tuple:
         return ("slot", "token")
