@@ -193,7 +193,8 @@ class EngineArgs:
         "the most logprobs, top_logprobs or prompt_logprobs a request may ask for (vLLM's "
         f"flag; at most {MAX_LOGPROBS} here, the alternatives a step returns per token)")
     chat_template: Optional[str] = _arg(None,
-        "a Jinja chat template overriding the tokenizer's")
+        "a Jinja chat template overriding the tokenizer's: the path of a template file, or the "
+        "template itself (as vLLM's --chat-template)")
     generation_config: str = _arg("auto",
         "the sampling defaults of OpenAI requests that leave them out (temperature, top_p, "
         "top_k, min_p, repetition/presence/frequency penalties, and max_new_tokens for "
@@ -229,6 +230,8 @@ class EngineArgs:
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, f"expected a positive integer, got {value!r}")
+        from llm_serving.tokenizer import load_chat_template
+        self.chat_template = load_chat_template(self.chat_template)   # a file's path, or text
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", f"expected a model directory path, got {self.model!r}")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):

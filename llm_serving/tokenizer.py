@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from llm_serving.errors import ModelLoadError
+from llm_serving.errors import ConfigError, ModelLoadError
 
 __all__ = ["BatchEncoding", "Tokenizer"]
 
@@ -874,3 +874,19 @@ def _find_chat_template(d: Path, config: Mapping[str, Any]) -> Optional[str]:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         value = named.get("default")
     return value if isinstance(value, str) and value else None
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """A server's or an LLM's ``chat_template`` setting read as vLLM reads it: the path of a
+    template file, or else the template itself. A value with no Jinja characters that opens
+    as no file is taken for a mistyped path: an error naming it, not a template printing it."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:      # ValueError: a NUL in a template's text
+        if not any(c in value for c in "{}\n"):
+            raise ConfigError("chat_template", f"{value!r} looks like a file path, but it "
+                              f"could not be opened ({getattr(e, 'strerror', e)})") from None
+        return value

@@ -187,3 +187,22 @@ def test_max_logprobs_caps_what_a_request_may_ask_for(tiny_model_dir):
     for asked in ({"logprobs": 2}, {"prompt_logprobs": 2}):
         with pytest.raises(ValueError, match="max_logprobs"):
             llm.generate(["Hi"], SamplingParams(max_tokens=2, **asked))
+
+
+def test_chat_template_is_a_file_path_or_the_template_itself(tmp_path, tiny_model_dir):
+    """vLLM's --chat-template reading: ``--chat-template ./tool_chat.jinja`` was taken for the
+    template's text, so every chat prompt was that path."""
+    from llm_serving.config import EngineArgs
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert EngineArgs(model=tiny_model_dir, chat_template=str(path)).chat_template == \
+        path.read_text()
+    inline = "{{ messages[0]['content'] }}"
+    assert EngineArgs(model=tiny_model_dir, chat_template=inline).chat_template == inline
+    with pytest.raises(ConfigError, match="looks like a file path") as e:
+        EngineArgs(model=tiny_model_dir, chat_template=str(tmp_path / "typo.jinja"))
+    assert e.value.key == "chat_template"
+    cfg = tmp_path / "c.yaml"                       # the YAML key too, named as in the file
+    cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  chat_template: {path}\n")
+    engine_args = server_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))[0]
+    assert engine_args.chat_template == path.read_text()
