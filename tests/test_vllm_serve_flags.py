@@ -4,7 +4,9 @@ logprobs flags, vLLM's names for the KV pool size), driven by `openai` and `requ
 the start-up checks of the ones whose values we cannot honour."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -187,6 +189,115 @@ def test_max_logprobs_caps_what_a_request_may_ask_for(tiny_model_dir):
     for asked in ({"logprobs": 2}, {"prompt_logprobs": 2}):
         with pytest.raises(ValueError, match="max_logprobs"):
             llm.generate(["Hi"], SamplingParams(max_tokens=2, **asked))
+
+
+MIDDLEWARE = '''
+class Tag:
+    """a pure ASGI middleware class"""
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-class", b"1")]
+            await send(message)
+        return await self.app(scope, receive, tagged)
+
+
+async def stamp(request, call_next):
+    response = await call_next(request)
+    response.headers["x-function"] = request.url.path
+    return response
+'''
+
+
+def test_a_vllm_serve_command_line_on_a_unix_socket_with_middleware(tmp_path, tiny_model_dir):
+    import httpx2 as httpx         # the openai package's HTTP client
+    (tmp_path / "user_mw.py").write_text(MIDDLEWARE)
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ greeting }}:{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    sock = str(tmp_path / "llm.sock")
+    access = tmp_path / "access.log"
+    (tmp_path / "log.json").write_text(json.dumps({     # uvicorn's access lines to a file
+        "version": 1, "disable_existing_loggers": False,
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(access)}},
+        "loggers": {"uvicorn.access": {"handlers": ["file"], "level": "INFO",
+                                       "propagate": False}}}))
+    proc, url, line = start_server(
+        tmp_path, tiny_model_dir, "--uds", sock, "--chat-template", str(template),
+        "--default-chat-template-kwargs", '{"greeting": "Ahoy"}',
+        "--middleware", "user_mw.Tag", "--middleware", "user_mw.stamp",
+        "--h11-max-header-count", "30", "--api-server-count", "1",
+        "--uvicorn-log-level", "info", "--disable-access-log-for-endpoints", "/health,/metrics",
+        "--log-config-file", str(tmp_path / "log.json"), env={"PYTHONPATH": str(tmp_path)})
+    try:
+        assert line.startswith(f"llm_serving ready: unix:{sock}")
+        with pytest.raises(requests.exceptions.ConnectionError):     # not on TCP
+            requests.get(url + "/health", timeout=10)
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://llm",
+                            timeout=120)
+        r = http.get("/health")
+        assert r.status_code == 200
+        assert r.headers["x-class"] == "1" and r.headers["x-function"] == "/health"
+        assert http.get("/metrics").status_code == 200
+
+        def tokens(body):
+            r = http.post("/tokenize", json={"model": "tiny", "add_special_tokens": False,
+                                             **body})
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+        hello = [{"role": "user", "content": "hello"}]
+        assert tokens({"messages": hello}) == tokens({"prompt": "Ahoy:hello"})
+        assert tokens({"messages": hello, "chat_template_kwargs": {"greeting": "Yo"}}) == \
+            tokens({"prompt": "Yo:hello"})                   # the request's own win
+        client = openai.OpenAI(base_url="http://llm/v1", api_key="none", http_client=http)
+        out = client.chat.completions.create(model="tiny", messages=hello, max_tokens=2)
+        counted = http.post("/tokenize", json={"model": "tiny", "messages": hello}).json()
+        assert out.usage.prompt_tokens == counted["count"]     # chat rendered with the default
+        # --h11-max-header-count 30
+        many = {f"x-h{i}": "v" for i in range(40)}
+        r = http.get("/health", headers=many)
+        assert r.status_code == 431 and "h11-max-header-count" in r.json()["error"]["message"]
+        assert http.get("/health", headers=dict(list(many.items())[:10])).status_code == 200
+    finally:
+        assert stop_server(proc) == 0
+    log = access.read_text()
+    assert '"POST /v1/chat/completions' in log and '"POST /tokenize' in log
+    assert '"GET /health' not in log and '"GET /metrics' not in log
+    assert not os.path.exists(sock)                            # the socket file is gone
+
+
+@pytest.mark.parametrize("flags, key", [
+    (["--api-server-count", "2"], "--api-server-count"),
+    (["--middleware", "no_such_module.mw"], "--middleware"),
+    (["--middleware", "json.dumps"], "--middleware"),          # not async, not a class
+    (["--default-chat-template-kwargs", '{"messages": []}'], "--default-chat-template-kwargs"),
+    (["--h11-max-header-count", "0"], "--h11-max-header-count"),
+    (["--log-config-file", "/no/such.json"], "--log-config-file"),
+])
+def test_bad_server_flags_are_refused_naming_them(flags, key):
+    args = build_parser().parse_args(["serve", *flags])
+    with pytest.raises(ConfigError) as e:
+        FrontendArgs.from_args(args)
+    assert e.value.key == key
+
+
+def test_a_unix_socket_another_server_listens_on_is_refused(tmp_path):
+    import socket
+    from llm_serving.entrypoints.api_server import _check_address
+    from llm_serving.errors import LLMServingError
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    with pytest.raises(LLMServingError, match="another server listens"):
+        _check_address("127.0.0.1", 0, path)
+    listener.close()
+    _check_address("127.0.0.1", 0, path)        # a stale socket file: taken over
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(LLMServingError, match="not a socket"):
+        _check_address("127.0.0.1", 0, str(tmp_path / "plain"))
 
 
 def test_chat_template_is_a_file_path_or_the_template_itself(tmp_path, tiny_model_dir):

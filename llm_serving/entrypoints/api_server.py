@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -50,17 +52,28 @@ SHUTDOWN_REASON = "the server is shutting down"
 ANSWER_ABORTED_S = 3.0
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over the limit gets 413 before it is read in full.
-    Bodies are JSON whatever the declared type (curl -d sends form-urlencoded)."""
+class _RequestLimits:
+    """ASGI middleware: a request with more headers, or more header bytes, than allowed gets
+    431; a body over the limit gets 413 before it is read in full. Bodies are JSON whatever
+    the declared type (curl -d sends form-urlencoded)."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, max_headers: int, max_header_bytes: int):
         self.app, self.limit = app, limit
+        self.max_headers, self.max_header_bytes = max_headers, max_header_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or []
+        if len(headers) > self.max_headers:
+            return await error_response(431, f"the request has {len(headers)} headers, more "
+                                        f"than {self.max_headers} (--h11-max-header-count)")(
+                scope, receive, send)
+        if sum(len(k) + len(v) + 4 for k, v in headers) > self.max_header_bytes:
+            return await error_response(431, f"the request's headers exceed "
+                                        f"{self.max_header_bytes} bytes "
+                                        "(--h11-max-incomplete-event-size)")(
+                scope, receive, send)
         if scope.get("method") == "POST" and not any(
                 k == b"content-type" and b"json" in v for k, v in headers):
             headers = [(k, v) for k, v in headers if k != b"content-type"]
@@ -267,7 +280,9 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(llm_serving_routes.router)
     if state.api_key:
         app.add_middleware(_ApiKey, key=state.api_key)
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(_RequestLimits, limit=MAX_BODY_BYTES,
+                       max_headers=front.h11_max_header_count,
+                       max_header_bytes=front.h11_max_incomplete_event_size)
     if front.enable_request_id_headers:
         app.add_middleware(_RequestIdHeader)
     if front.allowed_origins:   # outermost: preflights answered, and errors carry the headers
@@ -276,6 +291,11 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                            allow_methods=front.allowed_methods,
                            allow_headers=front.allowed_headers,
                            allow_credentials=front.allow_credentials)
+    for middleware in front.middleware_objects():   # --middleware: outermost, as vLLM's
+        if inspect.isclass(middleware):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
     return app
 
 
@@ -313,6 +333,49 @@ async def drain(state: ServerState, timeout: float, forced=lambda: False) -> Non
         await asyncio.sleep(0.02)
 
 
+class _QuietPaths(logging.Filter):
+    """--disable-access-log-for-endpoints: no uvicorn access line for these paths (its
+    record's arguments: client, method, path with query, HTTP version, status)."""
+
+    def __init__(self, paths: frozenset):
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)
+                    and args[2].partition("?")[0] in self.paths)
+
+
+def _check_address(host: str, port: int, uds: Optional[str]) -> None:
+    """Fails at once, before the model loads, when the port or socket is taken."""
+    import socket
+    if uds:
+        if os.path.exists(uds):
+            probe = socket.socket(socket.AF_UNIX)
+            try:
+                probe.connect(uds)
+            except OSError:         # nobody listens: a stale socket file, replaced
+                if not stat.S_ISSOCK(os.stat(uds).st_mode):
+                    raise LLMServingError(f"cannot listen on {uds}: a file that is not a "
+                                          "socket is there") from None
+            else:
+                raise LLMServingError(f"cannot listen on {uds}: another server listens on "
+                                      "it (pass another --uds)")
+            finally:
+                probe.close()
+        return
+    probe = socket.socket()
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as e:
+        raise LLMServingError(f"cannot listen on {host}:{port}: {e.strerror} "
+                              "(another server running? pass --port)") from None
+    finally:
+        probe.close()
+
+
 def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port: int,
                api_key: Optional[str] = None, chat_template: Optional[str] = None,
                log_stats_interval: float = 10.0,
@@ -325,7 +388,6 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     ``shutdown_timeout``: seconds the requests in flight may take to finish once stopped;
     ``request_read_timeout``: seconds a client may take to send a whole request;
     ``response_write_timeout``: seconds it may go without reading a response."""
-    import socket
 
     import uvicorn
 
@@ -348,16 +410,7 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     frontend = frontend or FrontendArgs()
     state = ServerState(engine_args, served_model_name, api_key, chat_template,
                         log_stats_interval=log_stats_interval, frontend=frontend)
-    # A busy port fails at once, before the model loads.
-    probe = socket.socket()
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
-    except OSError as e:
-        raise LLMServingError(f"cannot listen on {host}:{port}: {e.strerror} "
-                              "(another server running? pass --port)") from None
-    finally:
-        probe.close()
+    _check_address(host, port, frontend.uds)   # a busy port fails at once, before loading
     app = build_app(state, load=True)
     bounds, bounded = connections.bounded_server(
         engine_args.max_num_seqs + engine_args.max_waiting_requests, request_read_timeout,
@@ -365,8 +418,11 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     config = uvicorn.Config(app, host=host, port=port,
                             timeout_graceful_shutdown=ANSWER_ABORTED_S,
                             **frontend.uvicorn_kwargs(), **bounded)
+    if frontend.quiet_paths:
+        logging.getLogger("uvicorn.access").addFilter(_QuietPaths(frontend.quiet_paths))
     server = Server(config)
     failed = []
+    where = f"unix:{frontend.uds}" if frontend.uds else f"{frontend.scheme}://{host}:{port}"
 
     async def announce():
         while not server.started or (state.engine is None and state.load_error is None):
@@ -375,9 +431,7 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
             failed.append(state.load_error)
             server.should_exit = True
             return
-        print(f"llm_serving ready: {frontend.scheme}://{host}:{port} "
-              f"(model {served_model_name!r})",
-              flush=True)
+        print(f"llm_serving ready: {where} (model {served_model_name!r})", flush=True)
         # An engine loop that stopped for good (a WorkAgent that could not be replaced) ends
         # the server with an error, as vLLM's does, so that a supervisor restarts it.
         while not (state.engine.is_dead or state.draining):
@@ -391,6 +445,10 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
         task = asyncio.ensure_future(announce())
         await server.serve()
         task.cancel()
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if frontend.uds and os.path.exists(frontend.uds):
+            os.unlink(frontend.uds)     # uvicorn leaves its socket file behind
     if failed:
         raise LLMServingError(failed[0])

@@ -1,11 +1,14 @@
 """The HTTP server's options that are vLLM's ``vllm serve`` flags (its FrontendArgs): how
 uvicorn listens and logs, TLS, CORS, the root path behind a proxy, the X-Request-Id header,
-request logging and the OpenAI answers' options. One declaration each (``FrontendArgs``);
-``add_frontend_arguments`` makes them ``serve`` flags, with vLLM's names and meanings."""
+request logging, header limits, extra middleware and the OpenAI answers' options. One
+declaration each (``FrontendArgs``); ``add_frontend_arguments`` makes them ``serve`` flags,
+with vLLM's names and meanings."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import inspect
 import json
 import os
 import ssl
@@ -16,6 +19,12 @@ from typing import Optional
 from llm_serving.errors import ConfigError
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's defaults for its --h11-max-* flags (it parses with httptools, which ignores them; we
+# check them on every request).
+MAX_HEADER_COUNT = 256
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+# Chat template variables a request sets through its own fields, not through kwargs.
+CHAT_OWN_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "tools")
 
 
 def _arg(default, help: str, **flag):
@@ -40,17 +49,36 @@ class FrontendArgs:
     ssl_certfile: Optional[str] = _arg(None, "TLS certificate file")
     ssl_ca_certs: Optional[str] = _arg(None, "CA certificates to verify clients' "
                                        "certificates with (--ssl-cert-reqs 2 requires one)")
+    ssl_ciphers: Optional[str] = _arg(
+        None, "TLS cipher suites for TLS 1.2 and below, in OpenSSL's format, e.g. "
+        "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305")
     ssl_cert_reqs: int = _arg(
         int(ssl.CERT_NONE), "client certificates: 0 none, 1 optional, 2 required (the ssl "
         "module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
     allowed_origins: list = _arg(
         None, "CORS: origins browsers may call from, as JSON, e.g. '[\"http://localhost:3000\"]'"
-        " or '[\"*\"]' (default: none, cross-origin calls refused, as vLLM)", json_list=True)
+        " or '[\"*\"]' (default: none, cross-origin calls refused, as vLLM)", json=list)
     allowed_methods: list = _arg(None, "CORS: allowed methods, as JSON (default [\"*\"])",
-                                 json_list=True)
+                                 json=list)
     allowed_headers: list = _arg(None, "CORS: allowed request headers, as JSON (default "
-                                 "[\"*\"])", json_list=True)
+                                 "[\"*\"])", json=list)
     allow_credentials: bool = _arg(False, "CORS: allow cookies and Authorization")
+    uds: Optional[str] = _arg(
+        None, "listen on this Unix domain socket instead of --host and --port")
+    log_config_file: Optional[str] = _arg(
+        None, "a logging config file (JSON, dictConfig's schema) for uvicorn's loggers")
+    disable_access_log_for_endpoints: Optional[str] = _arg(
+        None, "paths with no access log line, comma-separated, e.g. /health,/metrics")
+    h11_max_header_count: int = _arg(
+        MAX_HEADER_COUNT, "the most headers a request may send (431 beyond)")
+    h11_max_incomplete_event_size: int = _arg(
+        MAX_HEADER_BYTES, "the most bytes a request's headers may take (431 beyond)")
+    middleware: list = _arg(
+        None, "an ASGI middleware to add, as an import path (module.name): a class is added "
+        "with app.add_middleware, a function as an @app.middleware('http') one; repeatable",
+        action="append")
+    api_server_count: int = _arg(1, "API server processes: one (vLLM's default without "
+                                 "data parallelism)")
     enable_request_id_headers: bool = _arg(
         False, "every answer carries an X-Request-Id header: the request's own, else a new id")
     enable_log_requests: bool = _arg(
@@ -71,11 +99,28 @@ class FrontendArgs:
     enable_force_include_usage: bool = _arg(
         False, "every stream carries usage, as if each request asked stream_options: "
         "{include_usage: true, continuous_usage_stats: true}")
+    default_chat_template_kwargs: dict = _arg(
+        None, "chat template variables every chat request gets, as JSON, e.g. "
+        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win", json=dict)
 
     def __post_init__(self):
         self.allowed_origins = [] if self.allowed_origins is None else self.allowed_origins
         self.allowed_methods = ["*"] if self.allowed_methods is None else self.allowed_methods
         self.allowed_headers = ["*"] if self.allowed_headers is None else self.allowed_headers
+        self.middleware = [] if self.middleware is None else self.middleware
+        self.default_chat_template_kwargs = dict(self.default_chat_template_kwargs or {})
+        taken = sorted(set(CHAT_OWN_FIELDS) & self.default_chat_template_kwargs.keys())
+        if taken:
+            raise ConfigError("--default-chat-template-kwargs", f"{taken[0]!r} is a chat "
+                              "request's own field, not a template variable")
+        if self.api_server_count != 1:
+            raise ConfigError("--api-server-count", f"one API server process is run, got "
+                              f"{self.api_server_count}")
+        self.middleware_objects()      # a bad import path fails before the model loads
+        for flag in ("h11_max_header_count", "h11_max_incomplete_event_size"):
+            if getattr(self, flag) < 1:
+                raise ConfigError("--" + flag.replace("_", "-"), f"expected an integer >= 1, "
+                                  f"got {getattr(self, flag)}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len", f"expected an integer >= 0, got "
                               f"{self.max_log_len}")
@@ -88,7 +133,7 @@ class FrontendArgs:
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ConfigError("--ssl-certfile" if self.ssl_keyfile else "--ssl-keyfile",
                               "HTTPS needs both --ssl-keyfile and --ssl-certfile")
-        for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "log_config_file"):
             path = getattr(self, flag)
             if path and not os.path.isfile(path):
                 raise ConfigError("--" + flag.replace("_", "-"), f"{path}: no such file")
@@ -100,12 +145,37 @@ class FrontendArgs:
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
 
+    def middleware_objects(self) -> list:
+        """--middleware's import paths, imported: ASGI middleware classes, or coroutine
+        functions taking (request, call_next)."""
+        found = []
+        for path in self.middleware:
+            module, _, name = path.rpartition(".")
+            try:
+                obj = getattr(importlib.import_module(module), name) if module else None
+            except (ImportError, AttributeError) as e:
+                raise ConfigError("--middleware", f"cannot import {path!r}: {e}") from None
+            if not (inspect.isclass(obj) or inspect.iscoroutinefunction(obj)):
+                raise ConfigError("--middleware", f"{path!r} is not an ASGI middleware class "
+                                  "or an async function (module.name)")
+            found.append(obj)
+        return found
+
+    @property
+    def quiet_paths(self) -> frozenset:
+        """--disable-access-log-for-endpoints as a set of paths."""
+        text = self.disable_access_log_for_endpoints or ""
+        return frozenset(p.strip() for p in text.split(",") if p.strip())
+
     def uvicorn_kwargs(self) -> dict:
         """What of these goes to ``uvicorn.Config``."""
         return dict(log_level=self.uvicorn_log_level,
                     access_log=not self.disable_uvicorn_access_log,
                     ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile,
-                    ssl_ca_certs=self.ssl_ca_certs, ssl_cert_reqs=self.ssl_cert_reqs)
+                    ssl_ca_certs=self.ssl_ca_certs, ssl_cert_reqs=self.ssl_cert_reqs,
+                    uds=self.uds, **({"ssl_ciphers": self.ssl_ciphers} if self.ssl_ciphers
+                                     else {}),
+                    **({"log_config": self.log_config_file} if self.log_config_file else {}))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "FrontendArgs":
@@ -113,15 +183,21 @@ class FrontendArgs:
                       if getattr(args, f.name, None) is not None})
 
 
-def _json_list(text: str) -> list:
-    """vLLM's form, a JSON list ('["*"]'); a bare word is taken as a list of one."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = [text]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
-    return value
+def _json(kind: type):
+    """The parser of a flag whose value is JSON, as vLLM's: a list of strings ('["*"]'; a bare
+    word is taken as a list of one) or an object."""
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = [text] if kind is list else None
+        if kind is list and not (isinstance(value, list)
+                                 and all(isinstance(v, str) for v in value)):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        if kind is dict and not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        return value
+    return parse
 
 
 def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,8 +211,10 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action="store_true", default=None,
                                help=f.metadata["help"])
             continue
-        if extra.pop("json_list", False):
-            extra["type"], extra["metavar"] = _json_list, "JSON"
+        if "json" in extra:
+            extra["type"], extra["metavar"] = _json(extra.pop("json")), "JSON"
+        elif extra.get("action") == "append":
+            extra["type"], extra["metavar"] = str, "IMPORT_PATH"
         else:
             extra.setdefault("type", base)
             if "choices" not in extra:

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_arrival,
                                                 log_request,
                                                 new_request_id, openai_finish_reason,
@@ -654,10 +655,10 @@ def _chat_prompt(state: ServerState, tok, req, tools) -> str:
         raise HTTPError(400, "chat_template: a request's own chat template is refused unless "
                         "the server runs with --trust-request-chat-template",
                         param="chat_template")
-    kwargs = dict(req.chat_template_kwargs or {})
+    # --default-chat-template-kwargs, then the request's own (they win, as on vLLM)
+    kwargs = {**state.frontend.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
     template = req.chat_template or kwargs.pop("chat_template", None) or state.chat_template
-    taken = sorted({"messages", "add_generation_prompt", "continue_final_message", "tools"}
-                   & kwargs.keys())
+    taken = sorted(set(CHAT_OWN_FIELDS) & kwargs.keys())
     if taken:
         raise HTTPError(400, f"chat_template_kwargs: {taken[0]!r} is the request's own field, "
                         "not a template variable to set here", param="chat_template_kwargs")
