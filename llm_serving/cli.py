@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on (default: the config's server_ip, 127.0.0.1)")
     s.add_argument("--port", type=int, default=None,
                    help="port (default: the config's server_port, 8835)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (also $LLM_SERVING_API_KEY)")
+    s.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY', one of these keys (also "
+                        "$LLM_SERVING_API_KEY, or vLLM's $VLLM_API_KEY)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: --model as given, as vLLM; "
                         "else the config's model_config.model_name)")

@@ -904,7 +904,7 @@ def test_stopping_while_the_model_loads_is_clean(tmp_path, tiny_model_dir, sig):
 def test_api_key_guards_the_generation_routes(tmp_path, tiny_model_dir):
     """As vLLM guards /v1/... (and llm-serving's generation routes here); health, metrics and
     the info routes stay open for probes and scrapers."""
-    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--api-key", "s3cret")
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--api-key", "s3cret", "other")
     try:
         for path in ("/health", "/ping", "/ready", "/metrics", "/version", "/load"):
             assert requests.get(url + path).status_code == 200, path
@@ -916,11 +916,31 @@ def test_api_key_guards_the_generation_routes(tmp_path, tiny_model_dir):
                                  headers={"Authorization": "Bearer s3cret"}).status_code == 200
         ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret")
         assert ok.completions.create(model="tiny", prompt="x", max_tokens=2).choices
-        for wrong in ("wrong", "s3cre", "s3crett"):
+        for wrong in ("wrong", "s3cre", "s3crett", "s3cret other"):
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=url + "/v1", api_key=wrong).models.list()
+        # vLLM's: any of the keys, the scheme in any case
+        assert openai.OpenAI(base_url=url + "/v1", api_key="other").models.list().data
+        for header in ("bearer s3cret", "BEARER other"):
+            assert requests.get(url + "/v1/models",
+                                headers={"Authorization": header}).status_code == 200
+        for header in ("Basic s3cret", "s3cret", "Bearer  s3cret"):
+            assert requests.get(url + "/v1/models",
+                                headers={"Authorization": header}).status_code == 401
     finally:
         assert stop_server(proc) == 0
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from llm_serving.entrypoints.api_server import api_keys
+    monkeypatch.delenv("LLM_SERVING_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys(None) == []
+    monkeypatch.setenv("VLLM_API_KEY", "v")                 # vLLM's variable
+    assert api_keys(None) == ["v"]
+    monkeypatch.setenv("LLM_SERVING_API_KEY", "ours")
+    assert api_keys(None) == ["ours"]
+    assert api_keys(["a", "b"]) == ["a", "b"] and api_keys("a") == ["a"]
 
 
 def test_busy_port_and_broken_config_fail_with_one_line(tmp_path, server, tiny_model_dir):

@@ -21,6 +21,7 @@ bounded (``connections.py``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import inspect
 import logging
@@ -29,7 +30,7 @@ import stat
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -105,8 +106,19 @@ class _ApiKey:
 
     GUARDED = ("/v1/", "/models/")
 
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode("latin-1")
+    def __init__(self, app, keys: list):
+        self.app = app
+        self.expected = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def _accepts(self, header: bytes) -> bool:
+        """'Bearer KEY' with one of the keys (the scheme in any case, as vLLM); every key is
+        compared, in constant time, on digests of equal length."""
+        scheme, _, token = header.partition(b" ")
+        given = hashlib.sha256(token).digest()
+        found = False
+        for key in self.expected:
+            found |= hmac.compare_digest(given, key)
+        return found and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send):
         # the route's path: behind --root-path, FastAPI keeps the prefix in scope["path"]
@@ -114,7 +126,7 @@ class _ApiKey:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" \
                 and path.startswith(self.GUARDED):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self._accepts(given):
                 return await error_response(401, "missing or wrong API key (Authorization: "
                                             "Bearer)", kind="authentication_error")(
                     scope, receive, send)
@@ -278,8 +290,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     app.include_router(openai_routes.router)
     app.include_router(llm_serving_routes.router)
-    if state.api_key:
-        app.add_middleware(_ApiKey, key=state.api_key)
+    if state.api_keys:
+        app.add_middleware(_ApiKey, keys=state.api_keys)
     app.add_middleware(_RequestLimits, limit=MAX_BODY_BYTES,
                        max_headers=front.h11_max_header_count,
                        max_header_bytes=front.h11_max_incomplete_event_size)
@@ -347,6 +359,13 @@ class _QuietPaths(logging.Filter):
                     and args[2].partition("?")[0] in self.paths)
 
 
+def api_keys(given: Optional[Union[str, list]]) -> list:
+    """The keys that open the guarded routes: --api-key's (one or more), else
+    $LLM_SERVING_API_KEY, else vLLM's $VLLM_API_KEY; none: the routes are open."""
+    given = given or os.environ.get("LLM_SERVING_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return [k for k in ([given] if isinstance(given, str) else given or []) if k]
+
+
 def _check_address(host: str, port: int, uds: Optional[str]) -> None:
     """Fails at once, before the model loads, when the port or socket is taken."""
     import socket
@@ -377,7 +396,7 @@ def _check_address(host: str, port: int, uds: Optional[str]) -> None:
 
 
 def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port: int,
-               api_key: Optional[str] = None, chat_template: Optional[str] = None,
+               api_key: Optional[Union[str, list]] = None, chat_template: Optional[str] = None,
                log_stats_interval: float = 10.0,
                shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
                request_read_timeout: float = REQUEST_READ_TIMEOUT_S,
@@ -406,9 +425,8 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = api_key or os.environ.get("LLM_SERVING_API_KEY") or None
     frontend = frontend or FrontendArgs()
-    state = ServerState(engine_args, served_model_name, api_key, chat_template,
+    state = ServerState(engine_args, served_model_name, api_keys(api_key), chat_template,
                         log_stats_interval=log_stats_interval, frontend=frontend)
     _check_address(host, port, frontend.uds)   # a busy port fails at once, before loading
     app = build_app(state, load=True)

@@ -38,7 +38,7 @@ class HTTPError(Exception):
 class ServerState:
     engine_args: EngineArgs
     served_model_name: str
-    api_key: Optional[str] = None
+    api_keys: list = field(default_factory=list)    # any one opens the guarded routes
     chat_template: Optional[str] = None
     engine: Optional[EngineClient] = None   # the AsyncLLMEngine, once loaded
     load_error: Optional[str] = None
