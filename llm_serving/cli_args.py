@@ -72,7 +72,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=help)
         elif base is dict:          # a section of knobs, as JSON: '{"min_total_tokens": 64}'
-            group.add_argument(flag, dest=f.name, type=_json_object, default=None,
+            group.add_argument(flag, dest=f.name, type=json_object, default=None,
                                metavar="JSON", help=help)
         else:
             parse = (human_readable_int if f.metadata.get("cli_type") == "human_readable_int"
@@ -104,7 +104,8 @@ def human_readable_int(text: str) -> int:
                                          f"{text!r}") from None
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """A flag's JSON object value ('{"min_total_tokens": 64}')."""
     import json
     try:
         value = json.loads(text)

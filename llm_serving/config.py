@@ -52,6 +52,7 @@ class NoEffect:
     allowed: tuple = ()
 
 
+LOCAL_ONLY = "the model and tokenizer load from local directories; nothing is downloaded"
 # vLLM's engine arguments that mean nothing here: LLM(...), the YAML and the command line take
 # them with one warning (drop_no_effect_args), so that a vLLM script or command line runs; any
 # other unknown argument is refused by name.
@@ -73,6 +74,17 @@ VLLM_NO_EFFECT_ARGS = {
     "disable_sliding_window": NoEffect("the models served here have no sliding window"),
     "max_parallel_loading_workers": NoEffect(
         "each WorkAgent loads its own share of the weights", int),
+    # the Hugging Face Hub's: as vLLM with a local model directory, they change nothing
+    "revision": NoEffect(LOCAL_ONLY, str),
+    "tokenizer_revision": NoEffect(LOCAL_ONLY, str),
+    "code_revision": NoEffect(LOCAL_ONLY, str),
+    "download_dir": NoEffect(LOCAL_ONLY, str),
+    "hf_token": NoEffect(LOCAL_ONLY, str),
+    "logprobs_mode": NoEffect("logprobs are always vLLM's default, raw_logprobs (the model's "
+                              "log-softmax before temperature, penalties or top-k/p)", str,
+                              ("raw_logprobs",)),
+    "disable_cascade_attn": NoEffect("there is no cascade attention kernel to turn off"),
+    "cpu_offload_gb": NoEffect("the weights are in host memory already", float, (0, 0.0)),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and

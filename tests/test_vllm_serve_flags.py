@@ -50,7 +50,9 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
         "--return-tokens-as-token-ids",
         "--load-format", "safetensors", "--tokenizer-mode", "auto",
         "--pipeline-parallel-size", "1", "--data-parallel-size", "1",
-        "--disable-sliding-window", "--max-parallel-loading-workers", "2")
+        "--disable-sliding-window", "--max-parallel-loading-workers", "2",
+        "--revision", "main", "--tokenizer-revision", "main", "--download-dir", str(tmp_path),
+        "--logprobs-mode", "raw_logprobs", "--disable-cascade-attn", "--cpu-offload-gb", "0")
     try:
         assert line.startswith("llm_serving ready: https://")
         url = url.replace("http://", "https://")
@@ -119,6 +121,7 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
     log = proc.stderr.read()
     assert "Received request cmpl-" in log and "max_tokens=2" in log     # --enable-log-requests
     assert "these vLLM arguments have no effect here: load_format" in log
+    assert "revision (the model and tokenizer load from local directories" in log
     assert '"GET /health' not in log + proc.stdout.read()     # no access log
 
 
@@ -145,6 +148,8 @@ def _settings(model, *flags):
     (["--data-parallel-size", "2"], "data_parallel_size"),
     (["--max-logprobs", "-1"], "max_logprobs"),
     (["--max-logprobs", "21"], "max_logprobs"),
+    (["--logprobs-mode", "processed_logprobs"], "logprobs_mode"),
+    (["--cpu-offload-gb", "4"], "cpu_offload_gb"),
 ])
 def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, flags, key):
     with pytest.raises(ConfigError) as e:

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from llm_serving.cli_args import json_object
 from llm_serving.errors import ConfigError
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -183,21 +184,15 @@ class FrontendArgs:
                       if getattr(args, f.name, None) is not None})
 
 
-def _json(kind: type):
-    """The parser of a flag whose value is JSON, as vLLM's: a list of strings ('["*"]'; a bare
-    word is taken as a list of one) or an object."""
-    def parse(text: str):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = [text] if kind is list else None
-        if kind is list and not (isinstance(value, list)
-                                 and all(isinstance(v, str) for v in value)):
-            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
-        if kind is dict and not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-        return value
-    return parse
+def _json_list(text: str) -> list:
+    """vLLM's form, a JSON list ('["*"]'); a bare word is taken as a list of one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -212,7 +207,8 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
                                help=f.metadata["help"])
             continue
         if "json" in extra:
-            extra["type"], extra["metavar"] = _json(extra.pop("json")), "JSON"
+            extra["type"] = _json_list if extra.pop("json") is list else json_object
+            extra["metavar"] = "JSON"
         elif extra.get("action") == "append":
             extra["type"], extra["metavar"] = str, "IMPORT_PATH"
         else:
