@@ -27,6 +27,12 @@ def server_settings(args) -> tuple:
 def _settings(args) -> tuple:
     """(the loaded config file, EngineArgs, served model name, host, port)."""
     from llm_serving.config import EngineArgs
+    tag = getattr(args, "model_tag", None)      # vLLM's `vllm serve MODEL` form
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ConfigError("--model", f"two models given: {tag!r} and --model "
+                              f"{args.model!r}")
+        args.model = tag
     cfg = load_config(serve_config(args), cli_engine_overrides(args))
     warning = cfg.ignored_warning()
     if warning:
@@ -95,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model from a config file")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model directory, as --model (vLLM's `vllm serve MODEL` form)")
     s.add_argument("--config", default=None,
                    help="llm-serving YAML (a path, or a name under configs/); default: none "
                         f"with --model (the engine's defaults), else {DEFAULT_CONFIG}")

@@ -138,7 +138,7 @@ def test_request_log_cuts_prompts_to_max_log_len(caplog, tiny_model_dir):
 
 
 def _settings(model, *flags):
-    return server_settings(build_parser().parse_args(["serve", "--model", model, *flags]))
+    return _settings_of("serve", "--model", model, *flags)
 
 
 @pytest.mark.parametrize("flags, key", [
@@ -322,3 +322,18 @@ def test_chat_template_is_a_file_path_or_the_template_itself(tmp_path, tiny_mode
     cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  chat_template: {path}\n")
     engine_args = server_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))[0]
     assert engine_args.chat_template == path.read_text()
+
+
+def test_the_model_may_come_first_as_in_vllm_serve_model(tiny_model_dir, tmp_path):
+    engine_args, name = _settings_of("serve", tiny_model_dir, "--max-num-seqs", "8")[:2]
+    assert engine_args.model == tiny_model_dir and name == tiny_model_dir
+    assert engine_args.max_num_seqs == 8
+    assert _settings_of("serve", tiny_model_dir, "--model", tiny_model_dir)[0].model == \
+        tiny_model_dir
+    with pytest.raises(ConfigError, match="two models given") as e:
+        _settings_of("serve", tiny_model_dir, "--model", str(tmp_path))
+    assert e.value.key == "--model"
+
+
+def _settings_of(*argv):
+    return server_settings(build_parser().parse_args(list(argv)))
