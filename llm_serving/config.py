@@ -169,6 +169,9 @@ class EngineArgs:
     async_scheduling: Optional[bool] = _arg(None,
         "schedule step N+1 while the model computes step N (default: on with mp, off with "
         "uni, where nothing runs in parallel)")
+    stream_interval: int = _arg(1,
+        "a stream sends a request's tokens every this many tokens (its first token and its "
+        "end at once): fewer, larger chunks, less work in the server process (vLLM's flag)")
     dump_logits: Optional[str] = _arg(None,
         "directory: save the raw logits of every request at dump_logits_every positions")
     dump_logits_every: int = _arg(100,
@@ -256,6 +259,7 @@ class EngineArgs:
         positive("max_num_batched_tokens", self.max_num_batched_tokens, True)
         positive("max_model_len", self.max_model_len, True)
         positive("block_size", self.block_size)
+        positive("stream_interval", self.stream_interval)
         positive("num_blocks", self.num_blocks, True)
         positive("num_gpu_blocks_override", self.num_gpu_blocks_override, True)
         if self.num_gpu_blocks_override is not None:     # vLLM's: wins over the sizing
@@ -430,7 +434,8 @@ class EngineArgs:
                 policy=self.scheduling_policy, preemption_mode=self.preemption_mode,
                 max_waiting=self.max_waiting_requests, queue_timeout=self.queue_timeout,
                 async_scheduling=(self.async_scheduling if self.async_scheduling is not None
-                                  else mp)),
+                                  else mp),
+                stream_interval=self.stream_interval),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_executor_backend,
                 cpu_affinity=(tuple(tuple(c) for c in self.cpu_affinity)
@@ -560,6 +565,7 @@ class SchedulerConfig:
     max_waiting: int
     queue_timeout: Optional[float]
     async_scheduling: bool         # resolved: on with WorkAgents, off in process
+    stream_interval: int = 1       # tokens per streamed chunk (AsyncLLMEngine's streams)
 
 
 @dataclass(frozen=True)

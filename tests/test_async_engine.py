@@ -192,3 +192,28 @@ def test_a_failing_step_fails_its_requests_but_not_the_engine(tiny_model_dir):
     finally:
         eng.shutdown()
     assert len(ids) == 5 and stats.kv_cache_usage == 0.0      # served on after the failure
+
+
+def test_stream_interval_sends_tokens_in_chunks_of_n(tiny_model_dir, tiny_llm):
+    """vLLM's --stream-interval: a read (an SSE chunk) every N tokens, the first token and the
+    end at once; the tokens and text are those of a token-by-token stream."""
+    eng = AsyncLLMEngine(EngineArgs(tiny_model_dir, num_blocks=64, stream_interval=4))
+    params = delta(max_tokens=18, ignore_eos=True)
+
+    async def main():
+        merged = await asyncio.gather(*(collect(eng, f"m{i}", p, params)
+                                        for i, p in enumerate(PROMPTS[:3])))
+        stream = await eng.add_request("steps", PROMPTS[0], params)
+        reads = [len(outs) async for outs in stream.steps()]
+        return merged, reads
+    try:
+        merged, reads = asyncio.run_coroutine_threadsafe(main(), _loop(eng)).result(300)
+    finally:
+        eng.shutdown()
+    ref = tiny_llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=18,
+                                                        ignore_eos=True))
+    for (text, ids, outs), r in zip(merged, ref):
+        assert ids == r.outputs[0].token_ids and text == r.outputs[0].text
+        sizes = [len(o.outputs[0].token_ids) for o in outs]
+        assert sizes[0] >= 1 and all(n >= 4 for n in sizes[1:-1]) and 1 < len(sizes) <= 6
+    assert sum(reads) == 18 and all(n >= 4 for n in reads[1:-1]) and 1 < len(reads) <= 6

@@ -8,7 +8,9 @@ call per step, so a waiting HTTP handler never holds up a step and a step never 
 the event loop. A stream whose consumer falls behind coalesces what piled up: for DELTA
 outputs, the pending deltas are concatenated; otherwise only the latest output is kept.
 ``steps()`` reads the same stream without merging: each read is the list of step outputs
-that piled up (llm-serving's stream sends a line per token, in one write per read).
+that piled up (llm-serving's stream sends a line per token, in one write per read). With
+``stream_interval`` N > 1 (vLLM's), a read waits for N step outputs, except the first one
+and the last: the consumer wakes, and the client gets a chunk, every N tokens.
 
 Leaving an iteration early (a client disconnect cancels the handler) aborts the request,
 which frees its KV blocks at the next step boundary.
@@ -40,7 +42,8 @@ RESTART_ATTEMPTS = 3      # new WorkAgents tried, one after another, before the 
 class RequestStream:
     """Async iterator of one request's outputs; lives on the caller's event loop."""
 
-    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None):
+    def __init__(self, request_id: str, kind: RequestOutputKind, abort=None,
+                 interval: int = 1):
         self.request_id = request_id
         self.kind = kind
         self._abort = abort
@@ -48,11 +51,14 @@ class RequestStream:
         self._pending: list[RequestOutput] = []
         self._error: Optional[BaseException] = None
         self._ready = asyncio.Event()
+        self._interval = interval
+        self._due = 1               # step outputs that make a read: the first at once
 
     # Called on the event loop by the engine's deliveries.
     def put(self, out: RequestOutput) -> None:
         self._pending.append(out)
-        self._ready.set()
+        if len(self._pending) >= self._due or out.finished:
+            self._ready.set()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
@@ -68,17 +74,24 @@ class RequestStream:
             self._abort(self.request_id)
         self._abort = None
 
+    def _readable(self) -> bool:
+        """Enough piled up: ``_due`` step outputs, the last one, or what came before an
+        error."""
+        pending = self._pending
+        return bool(pending) and (len(pending) >= self._due or pending[-1].finished
+                                  or self._error is not None)
+
     async def _take(self) -> list[RequestOutput]:
         """Every output delivered since the last read, waiting for one."""
-        while not self._pending:
-            if self._error is not None:
+        while not self._readable():
+            if self._error is not None and not self._pending:
                 self.finished = True
                 raise self._error
             if self.finished:
                 raise StopAsyncIteration
             self._ready.clear()
             await self._ready.wait()
-        outs, self._pending = self._pending, []
+        outs, self._pending, self._due = self._pending, [], self._interval
         if outs[-1].finished:
             self.finished = True
         return outs
@@ -196,7 +209,8 @@ class AsyncLLMEngine:
         else:
             new = self.engine.process_request(prompt, params, request_id, priority)
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
-        stream = RequestStream(request_id, new.params.output_kind, self.abort)
+        stream = RequestStream(request_id, new.params.output_kind, self.abort,
+                               self.engine.config.scheduler.stream_interval)
         self._streams[request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))
