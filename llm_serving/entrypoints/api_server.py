@@ -2,7 +2,8 @@
 
 Routes:
 - llm-serving's own (``llm_serving_routes.py``);
-- the OpenAI-compatible API (``openai_routes.py``);
+- the OpenAI-compatible API (``openai_routes.py``), and its Responses API
+  (``responses_routes.py``);
 - operations (here): ``/live`` (the process is up), ``/health`` (requests can be served, as
   vLLM's), ``/ready`` (the same, and not shutting down), ``/metrics``, ``/version``.
 
@@ -163,7 +164,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
     from llm_serving.entrypoints import (llm_serving_routes, openai_routes, remote_prefill,
-                                         unread_offers)
+                                         responses_routes, unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
 
     @asynccontextmanager
@@ -289,6 +290,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
     if state.api_keys:
         app.add_middleware(_ApiKey, keys=state.api_keys)

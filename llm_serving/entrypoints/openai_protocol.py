@@ -41,6 +41,14 @@ _OPENAI_DEFAULTS = {name: SamplingParams.__dataclass_fields__[name].default
                                  "presence_penalty", "frequency_penalty")}
 
 
+def sampling_knobs(req, defaults: Optional[dict]) -> dict:
+    """temperature, top_p, top_k, min_p and the penalties of a request: its own value, else
+    the server's default (``generation_defaults``), else OpenAI's (``_OPENAI_DEFAULTS``)."""
+    defaults = {**_OPENAI_DEFAULTS, **(defaults or {})}
+    return {k: defaults[k] if getattr(req, k) is None else getattr(req, k)
+            for k in _OPENAI_DEFAULTS}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -180,11 +188,9 @@ class _SamplingFields(BaseModel):
         ``max_tokens`` is None."""
         if structured is None:
             structured = self.structured()
-        defaults = {**_OPENAI_DEFAULTS, **(defaults or {})}
-        knobs = {k: defaults[k] if getattr(self, k) is None else getattr(self, k)
-                 for k in _OPENAI_DEFAULTS}
+        knobs = sampling_knobs(self, defaults)
         if max_tokens is None:
-            max_tokens = defaults.get("max_tokens")
+            max_tokens = (defaults or {}).get("max_tokens")
         return SamplingParams(
             n=self.n, **knobs, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,

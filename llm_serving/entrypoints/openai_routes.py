@@ -650,27 +650,37 @@ def _encode(engine, text: str, field: str, add_special_tokens: bool) -> list[int
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
     """The prompt text the chat template makes of a request's messages (the chat route's
     and /tokenize's, so that /tokenize counts what chat will)."""
-    own = req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})
+    if req.continue_final_message and req.add_generation_prompt:
+        raise HTTPError(400, "continue_final_message: it continues the last message, so "
+                        "add_generation_prompt must be false (it defaults to true)",
+                        param="continue_final_message")
+    return render_chat(state, tok, req.messages, req.add_generation_prompt,
+                       req.continue_final_message, req.chat_template, req.chat_template_kwargs,
+                       tools)
+
+
+def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: bool,
+                continue_final_message: bool, chat_template: Optional[str],
+                chat_template_kwargs: Optional[dict], tools=None) -> str:
+    """The prompt text the chat template makes of ``messages`` (ChatMessage), the same for
+    every route that renders a conversation (chat, /tokenize, /v1/responses)."""
+    own = chat_template is not None or "chat_template" in (chat_template_kwargs or {})
     if own and not state.engine_args.trust_request_chat_template:
         raise HTTPError(400, "chat_template: a request's own chat template is refused unless "
                         "the server runs with --trust-request-chat-template",
                         param="chat_template")
     # --default-chat-template-kwargs, then the request's own (they win, as on vLLM)
-    kwargs = {**state.frontend.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
-    template = req.chat_template or kwargs.pop("chat_template", None) or state.chat_template
+    kwargs = {**state.frontend.default_chat_template_kwargs, **(chat_template_kwargs or {})}
+    template = chat_template or kwargs.pop("chat_template", None) or state.chat_template
     taken = sorted(set(CHAT_OWN_FIELDS) & kwargs.keys())
     if taken:
         raise HTTPError(400, f"chat_template_kwargs: {taken[0]!r} is the request's own field, "
                         "not a template variable to set here", param="chat_template_kwargs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise HTTPError(400, "continue_final_message: it continues the last message, so "
-                        "add_generation_prompt must be false (it defaults to true)",
-                        param="continue_final_message")
     try:
         return tok.render_chat_template(
-            [m.for_template() for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
+            [m.for_template() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=template,
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             **kwargs)

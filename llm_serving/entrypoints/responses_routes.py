@@ -1,0 +1,235 @@
+"""OpenAI's Responses API as vLLM 0.32 serves it, for text: ``POST /v1/responses``, and
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``, which find nothing since
+nothing is stored (vLLM's default, without VLLM_ENABLE_RESPONSES_API_STORE).
+
+A request is a chat request underneath: the same chat template, sampling defaults, queue
+bounds, engine stream, abort on a client gone and error shape. Streamed, it is vLLM's event
+sequence (``event: <type>`` and ``data: <json>`` lines, each event with its
+``sequence_number``, no ``[DONE]``): response.created, response.in_progress, then with the
+first text response.output_item.added, response.content_part.added,
+response.output_text.delta..., response.output_text.done, response.content_part.done,
+response.output_item.done, and last response.completed (also for an answer cut by
+max_output_tokens, whose status is "incomplete", as vLLM sends it).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from llm_serving.entrypoints.http_common import (HTTPError, log_request, new_request_id,
+                                                output_error, refuse_unsupported, renamed,
+                                                translate_error)
+from llm_serving.entrypoints.openai_routes import (_chat_logprobs, _collect, _encode,
+                                                   _grammar_named, _json_answer, _merge,
+                                                   _start, _state, render_chat)
+from llm_serving.entrypoints.responses_protocol import ResponsesRequest
+
+router = APIRouter()
+logger = logging.getLogger("llm_serving.server")
+
+
+def _not_found(response_id: str, param: str) -> HTTPError:
+    """vLLM's answer for a response it does not hold (with no store, every one)."""
+    return HTTPError(404, f"Response with id '{response_id}' not found.", param=param)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str):
+    raise _not_found(response_id, "response_id")
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str):
+    raise _not_found(response_id, "response_id")
+
+
+def _check_fields(req: ResponsesRequest) -> None:
+    refuse_unsupported(req, req.REFUSED)
+    if req.previous_response_id is not None:
+        raise _not_found(req.previous_response_id, "previous_response_id")
+    unknown = req.unknown_fields()
+    if unknown:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       ", ".join(unknown))
+
+
+def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
+    """vLLM's usage of a one-turn response."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0,
+                                     "input_tokens_per_turn": [],
+                                     "cached_tokens_per_turn": []},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                      "output_tokens_per_turn": [],
+                                      "tool_output_tokens_per_turn": []},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def _text_part(text: str, logprobs: Optional[list] = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _message(item_id: str, text: str, status: str, logprobs: Optional[list] = None) -> dict:
+    """The output message item (no content part for an empty text, as vLLM)."""
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [_text_part(text, logprobs)] if text else [], "phase": None}
+
+
+def _delta_logprobs(entries: list) -> list:
+    """A delta event's logprobs: as the output text's, without bytes (OpenAI's shape)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                              for t in e["top_logprobs"]]} for e in entries]
+
+
+@router.post("/v1/responses")
+async def create_response(req: ResponsesRequest, request: Request):
+    state = _state(request)
+    state.check_model(req.model)
+    _check_fields(req)
+    engine = state.require_engine()
+    try:
+        messages, continue_final = req.messages()
+        structured, grammar_field = req.structured()
+        top = req.logprobs()
+    except ValueError as e:
+        raise translate_error(e) from None
+    try:
+        text = render_chat(state, engine.tokenizer, messages, not continue_final,
+                           continue_final, None, req.chat_template_kwargs)
+    except HTTPError as e:
+        raise renamed(e, "input" if e.param == "messages" else None) from None
+    ids = _encode(engine, text, "input", False)
+    longest = engine.limits.max_model_len
+    if len(ids) >= longest:
+        raise HTTPError(400, f"input: the prompt is {len(ids)} tokens, which leaves nothing "
+                        f"to generate within the maximum model length ({longest})",
+                        param="input")
+    if req.max_output_tokens is not None and req.max_output_tokens > longest:
+        raise HTTPError(400, f"max_output_tokens: {req.max_output_tokens} is more than the "
+                        f"maximum model length ({longest})", param="max_output_tokens")
+    # vLLM's bound: what is left after the prompt, the request's or the model's default.
+    asked = req.max_output_tokens or engine.default_sampling_params.get("max_tokens")
+    max_tokens = min(longest - len(ids), asked or longest)
+    try:
+        params = req.sampling_params(max_tokens, engine.default_sampling_params, structured,
+                                     top)
+    except ValueError as e:
+        raise translate_error(e) from None
+    resp_id = req.response_id()
+    as_ids = state.frontend.return_tokens_as_token_ids
+
+    def logprobs(entries) -> list:
+        """vLLM's output_text logprobs: each token's text, logprob, bytes and top ones."""
+        return _chat_logprobs(entries, top or 0, as_ids)["content"]
+    streams = await _start(request, new_request_id("resp"),
+                           [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
+                           grammar_field)
+    created = int(time.time())
+    t0 = time.perf_counter()
+
+    def response(status: str, output: list, usage: Optional[dict]) -> dict:
+        return {"id": resp_id, "created_at": created,
+                "incomplete_details": ({"reason": "max_output_tokens"}
+                                       if status == "incomplete" else None),
+                "instructions": req.instructions, "metadata": req.metadata,
+                "model": state.served_model_name, "object": "response", "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "temperature": params.temperature, "tool_choice": "none", "tools": [],
+                "top_p": params.top_p, "background": False, "max_output_tokens": max_tokens,
+                "max_tool_calls": None, "previous_response_id": None, "prompt": None,
+                "reasoning": None, "service_tier": req.service_tier or "auto",
+                "status": status, "text": req.text, "top_logprobs": top,
+                "truncation": "disabled", "usage": usage, "user": req.user,
+                "presence_penalty": params.presence_penalty,
+                "frequency_penalty": params.frequency_penalty,
+                "kv_transfer_params": None, "ec_transfer_params": None,
+                "input_messages": None, "output_messages": None}
+
+    if req.stream:
+        return StreamingResponse(_events(streams, response, len(ids), resp_id, t0,
+                                         grammar_field, logprobs if top is not None else None),
+                                 media_type="text/event-stream")
+
+    cached: dict = {}
+    choices, _ = await _collect(request, streams, 1, grammar_field=grammar_field,
+                                cached=cached)
+    ch = choices[0]
+    log_request(resp_id, len(ids), ch["ids"], t0)
+    status = "incomplete" if ch["finish"] == "length" else "completed"
+
+    def build() -> dict:
+        item = _message(f"msg_{uuid.uuid4().hex}", ch["text"], "completed",
+                        logprobs(ch["lp"]) if top is not None else None)
+        return response(status, [item], _usage(len(ids), ch["ids"], cached.get(0, 0)))
+    return await _json_answer(build)
+
+
+def _event(kind: str, number: int, **fields) -> bytes:
+    """One server-sent event of the Responses API: its type named twice, as vLLM sends it."""
+    body = json.dumps({"type": kind, "sequence_number": number, **fields},
+                      ensure_ascii=False)
+    return f"event: {kind}\ndata: {body}\n\n".encode()
+
+
+async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float,
+                  grammar_field: Optional[str], logprobs):
+    """The streamed answer: vLLM's events, numbered from 0. ``logprobs``: makes the output
+    text's logprobs of engine entries, when asked for. Closing it (a client gone) aborts
+    the request."""
+    seq = iter(range(1 << 62))
+    begun = response("in_progress", [], None)
+    yield _event("response.created", next(seq), response=begun)
+    yield _event("response.in_progress", next(seq), response=begun)
+    item_id, text, tokens, cached, finish, scored = None, [], 0, 0, None, []
+    at = {"output_index": 0, "content_index": 0}
+    merged = _merge(streams)
+    try:
+        async for _, out in merged:
+            if out.error:
+                raise _grammar_named(output_error(out.error), grammar_field)
+            if out.num_cached_tokens is not None:
+                cached = out.num_cached_tokens
+            for c in out.outputs:
+                tokens += len(c.token_ids)
+                finish = c.finish_reason or finish
+                if not c.text:
+                    continue
+                if item_id is None:
+                    item_id = f"msg_{uuid.uuid4().hex}"
+                    yield _event("response.output_item.added", next(seq), output_index=0,
+                                 item=_message(item_id, "", "in_progress"))
+                    yield _event("response.content_part.added", next(seq), item_id=item_id,
+                                 **at, part={**_text_part(""), "logprobs": []})
+                text.append(c.text)
+                lp = logprobs(c.logprobs) if logprobs is not None and c.logprobs else []
+                scored.extend(lp)
+                yield _event("response.output_text.delta", next(seq), item_id=item_id, **at,
+                             delta=c.text, logprobs=_delta_logprobs(lp))
+    except HTTPError as e:
+        yield _event("error", next(seq), error={"message": e.message, "type": e.kind,
+                                                "param": e.param, "code": e.status})
+        return
+    finally:
+        await merged.aclose()
+        log_request(resp_id, prompt_tokens, tokens, t0)
+    output = []
+    if item_id is not None:
+        whole = "".join(text)
+        done = _message(item_id, whole, "completed", scored or None)
+        yield _event("response.output_text.done", next(seq), item_id=item_id, **at,
+                     text=whole, logprobs=[])
+        yield _event("response.content_part.done", next(seq), item_id=item_id, **at,
+                     part=_text_part(whole, scored or None))
+        yield _event("response.output_item.done", next(seq), output_index=0, item=done)
+        output = [done]
+    status = "incomplete" if finish == "length" else "completed"
+    yield _event("response.completed", next(seq),
+                 response=response(status, output, _usage(prompt_tokens, tokens, cached)))

@@ -1,0 +1,206 @@
+"""OpenAI's Responses API (/v1/responses) on the real server with the real `openai` client, as
+vLLM 0.32 serves it: the same text as the chat route for the same conversation, vLLM's event
+sequence when streamed, status "incomplete" at max_output_tokens, usage, nothing stored, and
+every field we cannot honour refused by name."""
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from conftest import metric
+from test_http_server import free_port, start_server, stop_server
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}
+# vLLM's order of a streamed text answer.
+TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+               "response.content_part.added", "response.output_text.delta",
+               "response.output_text.done", "response.content_part.done",
+               "response.output_item.done", "response.completed"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    proc, url, _ = start_server(tmp_path_factory.mktemp("resp"), tiny_model_dir,
+                                agent_ports=(free_port(),))
+    try:
+        yield url
+    finally:
+        assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none")
+
+
+def _chat(client, messages, n_tokens, **kw):
+    return client.chat.completions.create(model="tiny", messages=messages,
+                                          max_tokens=n_tokens, **GREEDY, **kw)
+
+
+def test_text_equals_the_chat_routes(client):
+    chat = _chat(client, MESSAGES, 12)
+    r = client.responses.create(model="tiny", input=MESSAGES[0]["content"],
+                                max_output_tokens=12, **GREEDY)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.id.startswith("msg_") and item.content[0].type == "output_text"
+    cut = chat.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if cut else "completed")
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.input_tokens_details.cached_tokens >= 0
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    # The parameters echoed as they were applied.
+    assert r.temperature == 0 and r.max_output_tokens == 12 and r.model == "tiny"
+
+
+def test_input_messages_parts_and_instructions(client):
+    system = {"role": "system", "content": "Answer in one word."}
+    chat = _chat(client, [system, *MESSAGES], 10)
+    parts = [{"role": "user", "type": "message",
+              "content": [{"type": "input_text", "text": MESSAGES[0]["content"]}]}]
+    r = client.responses.create(model="tiny", input=parts, instructions=system["content"],
+                                max_output_tokens=10, metadata={"run": "7"}, user="u1",
+                                **GREEDY)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens     # the same prompt
+    assert r.instructions == system["content"]
+    assert r.metadata == {"run": "7"} and r.user == "u1"
+    # Without the instructions the prompt is shorter: they were rendered, not dropped.
+    bare = client.responses.create(model="tiny", input=parts, max_output_tokens=1, **GREEDY)
+    assert bare.usage.input_tokens < r.usage.input_tokens
+
+
+def test_max_output_tokens_is_incomplete(client):
+    r = client.responses.create(model="tiny", input="Hello there", max_output_tokens=5,
+                                extra_body={"ignore_eos": True})
+    assert r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5
+
+
+def test_stream_events_in_vllms_order(client):
+    whole = client.responses.create(model="tiny", input="Hello there", max_output_tokens=8,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    events = list(client.responses.create(model="tiny", input="Hello there",
+                                          max_output_tokens=8, stream=True,
+                                          extra_body={"ignore_eos": True}, **GREEDY))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == TEXT_EVENTS
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == whole.output_text
+    created, final = events[0].response, events[-1].response
+    assert created.status == "in_progress" and created.output == []
+    assert final.status == "incomplete" and final.output_text == whole.output_text
+    assert final.usage.output_tokens == 8 and final.id == created.id
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
+    assert item_ids == {final.output[0].id}
+
+
+def test_stream_helper_parses(client):
+    with client.responses.stream(model="tiny", input="Hello there", max_output_tokens=6,
+                                 extra_body={"ignore_eos": True}, **GREEDY) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == text and text
+
+
+def test_structured_output_from_text_format(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 8}}}
+    r = client.responses.create(model="tiny", input="Which city?", max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "c",
+                                                 "schema": schema}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_logprobs_when_included(client):
+    kw = dict(model="tiny", input="Hello there", max_output_tokens=6, top_logprobs=2,
+              include=["message.output_text.logprobs"], extra_body={"ignore_eos": True},
+              **GREEDY)
+    r = client.responses.create(**kw)
+    scored = r.output[0].content[0].logprobs
+    assert len(scored) == 6 and r.top_logprobs == 2
+    assert "".join(t.token for t in scored) == r.output_text
+    for t in scored:
+        assert len(t.top_logprobs) == 2 and bytes(t.bytes).decode() == t.token
+        assert t.logprob == max(x.logprob for x in t.top_logprobs)    # greedy: the best one
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [lp for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in scored]
+    assert events[-1].response.output[0].content[0].logprobs == scored
+    plain = client.responses.create(model="tiny", input="Hello there", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs is None and plain.top_logprobs is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
+    ("reasoning", {"effort": "high"}),
+    ("background", True),
+    ("include", ["reasoning.encrypted_content"]),
+    ("truncation", "auto"),
+    ("max_tool_calls", 2),
+])
+def test_unsupported_fields_are_refused_by_name(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                extra_body={field: value})
+    assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def test_nothing_is_stored(server, client):
+    r = client.responses.create(model="tiny", input="hi", max_output_tokens=2, store=True)
+    for call in (lambda: client.responses.retrieve(r.id),
+                 lambda: client.responses.cancel(r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["message"] == f"Response with id '{r.id}' not found."
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="tiny", input="hi", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_bad_input_names_the_field(server):
+    for body in ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+                 {"input": [{"role": "user", "content": [{"type": "input_image",
+                                                          "image_url": "http://x/y.png"}]}]},
+                 {"input": []}):
+        r = requests.post(server + "/v1/responses", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    # Above the model length is a 400, as vLLM (within it, bounded by what the prompt leaves).
+    r = requests.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 10**6},
+                      timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    with client.responses.create(model="tiny", input="hi", max_output_tokens=1024,
+                                 stream=True) as stream:
+        created = next(iter(stream)).response
+    prompt = requests.post(server + "/tokenize", json={"messages": [
+        {"role": "user", "content": "hi"}]}, timeout=60).json()["count"]
+    assert created.max_output_tokens == 1024 - prompt
+
+
+def test_client_gone_aborts_the_request(server, client):
+    aborted = metric(server, 'request_success_total{finished_reason="abort"}')
+    with client.responses.create(model="tiny", input="Hello", max_output_tokens=900,
+                                 stream=True, extra_body={"ignore_eos": True}) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+    deadline = time.monotonic() + 60
+    while metric(server, 'request_success_total{finished_reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.2)
+    assert metric(server, "num_requests_running") == 0
