@@ -234,6 +234,7 @@ def test_a_vllm_serve_command_line_on_a_unix_socket_with_middleware(tmp_path, ti
         "--default-chat-template-kwargs", '{"greeting": "Ahoy"}',
         "--middleware", "user_mw.Tag", "--middleware", "user_mw.stamp",
         "--h11-max-header-count", "30", "--api-server-count", "1",
+        "--enable-server-load-tracking",
         "--uvicorn-log-level", "info", "--disable-access-log-for-endpoints", "/health,/metrics",
         "--log-config-file", str(tmp_path / "log.json"), env={"PYTHONPATH": str(tmp_path)})
     try:
@@ -246,6 +247,7 @@ def test_a_vllm_serve_command_line_on_a_unix_socket_with_middleware(tmp_path, ti
         assert r.status_code == 200
         assert r.headers["x-class"] == "1" and r.headers["x-function"] == "/health"
         assert http.get("/metrics").status_code == 200
+        assert http.get("/load").json() == {"server_load": 0}
 
         def tokens(body):
             r = http.post("/tokenize", json={"model": "tiny", "add_special_tokens": False,

@@ -78,6 +78,9 @@ class FrontendArgs:
         None, "an ASGI middleware to add, as an import path (module.name): a class is added "
         "with app.add_middleware, a function as an @app.middleware('http') one; repeatable",
         action="append")
+    enable_server_load_tracking: bool = _arg(
+        False, "/load's count of the requests in flight: always kept here (vLLM's /load "
+        "says 0 without this flag)")
     api_server_count: int = _arg(1, "API server processes: one (vLLM's default without "
                                  "data parallelism)")
     enable_request_id_headers: bool = _arg(
