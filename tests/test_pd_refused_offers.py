@@ -74,9 +74,11 @@ def test_a_request_d_refuses_frees_ps_blocks_at_once(pd, order, route, body, fie
     r = requests.post(pd[order] + route, json=_body(route, body, f"{order} {field}"), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
-    # P prefilled it and offered its blocks (first D: only once D's schema accepted it) ...
-    if order == "p-first" or body.get("max_tokens") == 5000:
+    # P prefilled it and offered its blocks (first D: D checks it all before asking P) ...
+    if order == "p-first":
         assert metric(pd["P"], "kv_transfers_offered_total") > offered0
+    else:
+        assert metric(pd["P"], "kv_transfers_offered_total") == offered0
     # ... and frees them now, not when the offer expires.
     wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 3,
                message="P still holds the blocks of an offer D refused")
@@ -93,6 +95,51 @@ def test_a_request_d_refuses_frees_ps_blocks_at_once(pd, order, route, body, fie
     wait_until(lambda: all(metric(pd[x], "kv_blocks_held") == 0
                            and metric(pd[x], "kv_cache_usage_perc") == 0 for x in "PD"),
                timeout=TIMEOUT_S / 3)
+
+
+TOO_LONG = "many words " * 700          # over 1024 tokens: more than max_model_len
+
+# Requests D refuses only after its schema and field checks: its limits, SamplingParams'
+# checks, the input processor's (prompt length, token ids), a chat's tools.
+REFUSED_LATE = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2, 5000], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": "x", "max_completion_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": TOO_LONG, "max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": "x", "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+    ("/models/llama2/generate", {"inputs": TOO_LONG, "parameters": {"max_new_tokens": 4}},
+     "inputs"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_n_tokens": 50,
+                                                               "max_new_tokens": 4}},
+     "parameters.top_n_tokens"),
+]
+
+
+@pytest.mark.parametrize("route,body,field", REFUSED_LATE)
+def test_first_d_never_asks_p_for_a_request_d_refuses(pd, route, body, field):
+    """First D: D asks P for the prefill only once every check of its own has passed, so a
+    request it refuses costs P nothing (it used to be prefilled by P, and its offer declined
+    or, where P refused it too, counted on D as a failed transfer)."""
+    before = {(x, m): metric(pd[x], m) for x, m in (
+        ("P", "kv_transfers_offered_total"), ("P", "request_success_total"),
+        ("D", 'kv_transfers_total{outcome="failed"}'))}
+    ids = isinstance(body.get("prompt"), list)
+    r = requests.post(pd["d-first"] + route, timeout=60,
+                      json={**body, "model": "tiny"} if ids else _body(route, body, field))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+    assert {k: metric(pd[k[0]], k[1]) for k in before} == before
+    # the same request within D's limits is served, P prefilling it
+    ok = _body(route, {"prompt": "x", "max_tokens": 3} if route == "/v1/completions" else
+               {"messages": "x", "max_tokens": 3} if route.startswith("/v1/") else
+               {"inputs": "x", "parameters": {"max_new_tokens": 3}}, f"late ok {field}")
+    r = requests.post(pd["d-first"] + route, json=ok, timeout=120)
+    assert r.status_code == 200, r.text
+    assert metric(pd["P"], "kv_transfers_offered_total") > before[
+        ("P", "kv_transfers_offered_total")]
 
 
 MALFORMED = [("remote_ranks", 5), ("remote_ranks", ["rank"]), ("ttl", "soon"),

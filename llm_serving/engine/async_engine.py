@@ -18,6 +18,8 @@ which frees its KV blocks at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -26,6 +28,7 @@ from typing import AsyncIterator, Optional, Union
 
 from llm_serving.config import EngineArgs, EngineConfig
 from llm_serving.engine.engine_client import EngineLimits
+from llm_serving.engine.input_processor import NewRequest
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.engine.metrics import EngineStats
 from llm_serving.errors import EngineDeadError, RequestIdInUseError, ShuttingDownError
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.01       # how long to sleep when work is queued but nothing could be scheduled
 _HEALTH_POLL_S = 1.0      # how often an idle loop checks that the model runner is alive
+_OWN = object()           # queue(): the request keeps its own kv_transfer_params
 RESTART_ATTEMPTS = 3      # new WorkAgents tried, one after another, before the loop gives up
 
 
@@ -192,26 +196,47 @@ class AsyncLLMEngine:
         Raises ValueError for bad input, QueueFullError when the waiting queue is full, and
         EngineDeadError when the engine loop has stopped.
         """
+        return self.queue(await self.check_request(request_id, prompt, params, priority))
+
+    async def check_request(self, request_id: str, prompt: PromptType,
+                            params: Optional[SamplingParams] = None,
+                            priority: int = 0) -> NewRequest:
+        """``add_request``'s first half: every check of the request, and its tokens; nothing
+        is queued (``queue`` does it). A consumer asks the producer for a first-D request's
+        prefill in between, so a request it refuses costs the producer nothing."""
         self.check_health()
         self._check_open()
         self._bind_loop()
         if request_id in self._streams:
             raise RequestIdInUseError(request_id)
+        self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
         if params is not None and params.structured_outputs is not None:
             # Compiling a grammar can take a while (a large schema; llguidance's view of the
             # tokenizer, once): not on the event loop.
-            new = await asyncio.to_thread(self.engine.process_request, prompt, params,
-                                          request_id, priority)
-            self.check_health()
-            self._check_open()
-            if request_id in self._streams:
-                raise RequestIdInUseError(request_id)
-        else:
-            new = self.engine.process_request(prompt, params, request_id, priority)
+            return await asyncio.to_thread(self.engine.process_request, prompt, params,
+                                           request_id, priority)
+        return self.engine.process_request(prompt, params, request_id, priority)
+
+    def queue(self, new: NewRequest, kv_transfer_params=_OWN) -> RequestStream:
+        """``add_request``'s second half: queue a checked request. ``kv_transfer_params``,
+        when given: the producer's offer that replaces the request's own (a first-D request's
+        answer, None to compute the prompt here, or one prompt's share of a per-prompt
+        answer), checked here. The request arrives now (an offer's ttl counts from it)."""
+        self.check_health()
+        self._check_open()
+        if new.request_id in self._streams:
+            raise RequestIdInUseError(new.request_id)
+        params = new.params
+        if kv_transfer_params is not _OWN and kv_transfer_params is not params.kv_transfer_params:
+            if kv_transfer_params is not None:
+                self.engine.input_processor.check_kv_transfer(kv_transfer_params)
+            params = copy.copy(params)      # the checked rest is shared (a compiled grammar)
+            params.kv_transfer_params = kv_transfer_params
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
-        stream = RequestStream(request_id, new.params.output_kind, self.abort,
+        new = dataclasses.replace(new, params=params, arrival_time=time.time())
+        stream = RequestStream(new.request_id, params.output_kind, self.abort,
                                self.engine.config.scheduler.stream_interval)
-        self._streams[request_id] = stream
+        self._streams[new.request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))
         self._wake.set()

@@ -11,6 +11,7 @@ from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from llm_serving.engine.input_processor import NewRequest
     from llm_serving.engine.metrics import EngineStats
     from llm_serving.tokenizer import Tokenizer
 
@@ -70,6 +71,15 @@ class EngineClient(Protocol):
                           priority: int = 0) -> RequestStream:
         """Queue a request; its outputs come on the stream. Raises ValueError (bad input),
         QueueFullError, EngineDeadError, ShuttingDownError (after ``abort_all``)."""
+
+    async def check_request(self, request_id: str, prompt: PromptType,
+                            params: Optional[SamplingParams] = None,
+                            priority: int = 0) -> "NewRequest":
+        """``add_request`` without queueing: every check, and the tokens (same errors)."""
+
+    def queue(self, new: "NewRequest", kv_transfer_params=...) -> RequestStream:
+        """Queue a request ``check_request`` returned; ``kv_transfer_params``, when given,
+        replace its own (a first-D request's producer answer, checked here)."""
 
     def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
                  request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -84,7 +84,7 @@ class InputProcessor:
                 raise ValueError(f"{name}: {asked} asked for, more than this server's "
                                  f"max_logprobs ({self.max_logprobs})")
         if params.kv_transfer_params is not None:
-            self._check_kv_transfer(params.kv_transfer_params)
+            self.check_kv_transfer(params.kv_transfer_params)
         if self.constraints is not None and (params.constrained or params.logit_bias):
             self.constraints.prepare(params)
         text, ids = self._tokenize(prompt)
@@ -98,7 +98,8 @@ class InputProcessor:
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time)
 
-    def _check_kv_transfer(self, p: dict) -> None:
+    def check_kv_transfer(self, p: dict) -> None:
+        """``kv_transfer_params`` this instance can take (ValueError naming the field)."""
         kv = self.kv_transfer
         if kv is None:
             raise ValueError("kv_transfer_params: this instance has no KV transfer "

@@ -148,14 +148,19 @@ async def _start(request: Request, model: str, req: GenerateRequest):
                         param="model", kind="not_found_error")
     engine = state.require_engine()
     refuse_unsupported(req.parameters, req.parameters.REFUSED, "parameters.")
-    await remote_prefill.resolve(request, req.parameters)   # first D, then P: ask P now
     try:
         params = _params(req.parameters)
         rid = new_request_id("gen")
         # max_new_tokens beyond what the prompt leaves is lowered: llm-serving stopped at
         # max_generate_length, its cap on prompt + output ("length")
         log_arrival(state, rid, [req.inputs], params)
-        stream = await engine.add_request(rid, req.inputs, params)
+        new = await engine.check_request(rid, req.inputs, params)
+    except Exception as e:
+        raise _own_names(translate_error(e)) from None
+    # first D, then P: ask P now that every check here has passed
+    kv = await remote_prefill.resolve(request, params.kv_transfer_params)
+    try:
+        stream = engine.queue(new, kv)
     except Exception as e:
         raise _own_names(translate_error(e)) from None
     unread_offers.handed_over(request)

@@ -58,9 +58,10 @@ async def _start(request: Request, rid: str, prompts: list, params, priority: in
     """Queue one engine request per prompt; all or none. ``grammar_field``: the request field
     a grammar error (the engine says "structured_outputs: ...") is about. As vLLM, a
     max_tokens above max_model_len is refused, and one that fits the model but not after the
-    prompt is lowered to what is left. Each prompt takes its own KV offer when a producer
-    answered per prompt (pd_request.offer_of_prompt); the offers of prompts never queued
-    are declined (unread_offers)."""
+    prompt is lowered to what is left. Every prompt is checked before any is queued, and a
+    first-D request's producer is asked in between (remote_prefill). Each prompt takes its
+    own KV offer when a producer answered per prompt (pd_request.offer_of_prompt); the
+    offers of prompts never queued are declined (unread_offers)."""
     engine = _state(request).require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
@@ -83,19 +84,21 @@ async def _start(request: Request, rid: str, prompts: list, params, priority: in
                         f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
     log_arrival(_state(request), rid, prompts, params)
-    kv = params.kv_transfer_params
+    try:
+        news = [await engine.check_request(f"{rid}-{i}", prompt, params, priority)
+                for i, prompt in enumerate(prompts)]
+    except Exception as e:
+        raise _grammar_named(translate_error(e), grammar_field) from None
+    # first D, then P: ask P now that every check here has passed
+    kv = await remote_prefill.resolve(request, params.kv_transfer_params)
     try:
         offers = [pd.offer_of_prompt(kv, i, len(prompts)) for i in range(len(prompts))]
     except ValueError as e:
         raise HTTPError(400, str(e), param=pd.KV_FIELD) from None
     streams = []
     try:
-        for i, prompt in enumerate(prompts):
-            p = params
-            if offers[i] is not kv:
-                p = params.clone()
-                p.kv_transfer_params = offers[i]
-            streams.append(await engine.add_request(f"{rid}-{i}", prompt, p, priority))
+        for new, offer in zip(news, offers):
+            streams.append(engine.queue(new, offer))
     except Exception as e:
         unread_offers.handed_over(request, offers[len(streams):])
         for s in streams:
@@ -322,7 +325,6 @@ async def completions(req: CompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
     _check_fields(req)
-    await remote_prefill.resolve(request, req)      # first D, then P: ask P now
     if req.suffix:
         raise HTTPError(400, "suffix is not supported", param="suffix")
     if req.max_tokens == 0 and not req.echo:
@@ -469,7 +471,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
     state.check_model(req.model)
     _check_fields(req)
-    await remote_prefill.resolve(request, req)      # first D, then P: ask P now
     engine = state.require_engine()
     args = state.engine_args
     auto_ok = bool(args.enable_auto_tool_choice and args.tool_call_parser)

@@ -13,8 +13,10 @@ logged and counted in /metrics as a failed transfer and a recompute) or ``fail``
 naming kv_transfer_params). A client that disconnects meanwhile closes the request to P,
 which aborts it.
 
-Only ``http``/``https`` URLs are followed. The routes call ``resolve`` before they build
-the engine request; it changes nothing for any other request.
+Only ``http``/``https`` URLs are followed. The routes call ``resolve`` once the engine has
+checked the request (``AsyncLLMEngine.check_request``) and before it queues it (``queue``),
+so a request this instance refuses is never sent to P; it changes nothing for any other
+request.
 """
 from __future__ import annotations
 
@@ -38,24 +40,25 @@ class RemotePrefillError(Exception):
     pass
 
 
-async def resolve(request: Request, holder) -> None:
-    """Replaces ``holder.kv_transfer_params`` (the request model that carries them) by the
-    producer's, when they ask for a remote prefill by URL."""
-    params = holder.kv_transfer_params
+async def resolve(request: Request, params: Optional[dict]) -> Optional[dict]:
+    """The kv_transfer_params a request goes on with: the producer's answer (or None, to
+    compute the prompt here) when ``params`` ask for a remote prefill by URL, else
+    ``params``. Called once every check of the request has passed."""
     if not pd.is_d_first(params):
-        return
+        return params
     state: ServerState = request.app.state.server
     config = KVTransferConfig.from_dict(state.engine_args.kv_transfer_config)
     if config is None or not config.is_consumer:
-        return                     # the engine refuses it, naming kv_transfer_params
+        return params              # the engine refuses it, naming kv_transfer_params
     url = str(params["remote_prefill_url"]).rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise HTTPError(400, f"kv_transfer_params.remote_prefill_url: expected an http(s) URL "
                         f"of a producer instance, got {url!r}", param="kv_transfer_params")
     try:
-        holder.kv_transfer_params = await _ask_producer(request, url, config)
-        unread_offers.hold(request, holder.kv_transfer_params)
+        answer = await _ask_producer(request, url, config)
+        unread_offers.hold(request, answer)
+        return answer
     except RemotePrefillError as e:
         reason = f"KV transfer failed: the remote prefill at {url} {e}"
         if state.metrics is not None:
@@ -66,7 +69,7 @@ async def resolve(request: Request, holder) -> None:
         logger.warning("%s; computing the prefill here", reason)
         if state.metrics is not None:
             state.metrics.counters["kv_transfer_recomputes"].inc()
-        holder.kv_transfer_params = None
+        return None
 
 
 async def _ask_producer(request: Request, url: str, config: KVTransferConfig) -> dict:
