@@ -266,6 +266,31 @@ def test_dead_and_unhealthy_instances_leave_the_rotation(procs, fakes):
     assert r.status_code == 503 and dead in r.json()["error"]["message"]
 
 
+def test_no_prefill_instance_up_is_healthy_when_d_recomputes(procs, fakes):
+    """With ``--on-prefill-failure recompute`` (default) D serves every request while no P is
+    up, so the proxy is healthy (its body says prefill is degraded); with ``fail`` it is not,
+    as its requests then fail."""
+    dead = f"http://127.0.0.1:{free_port()}"             # nothing listens there
+    for order in ("p-first", "d-first"):
+        _, proxy = procs.proxy([dead], [fakes["D1"]], "--order", order)
+        for method, route in (("GET", "/health"), ("GET", "/ready"), ("GET", "/ping"),
+                              ("POST", "/ping")):
+            r = requests.request(method, proxy + route, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] == "degraded" and dead in r.json()["prefill"]
+        assert requests.post(proxy + "/v1/completions", json={"prompt": "x"},
+                             timeout=30).status_code == 200
+        _, proxy = procs.proxy([dead], [fakes["D1"]], "--order", order,
+                               "--on-prefill-failure", "fail")
+        r = requests.get(proxy + "/health", timeout=10)
+        assert r.status_code == 503 and "no prefill instance is up" in r.json()["error"]["message"]
+        assert requests.post(proxy + "/v1/completions", json={"prompt": "x"},
+                             timeout=30).status_code in (502, 503)
+    _, proxy = procs.proxy([fakes["P1"]], [fakes["D1"]])
+    r = requests.get(proxy + "/health", timeout=10)
+    assert r.status_code == 200 and r.content == b""          # nothing degraded
+
+
 def test_no_decode_instance_up_is_a_503_before_p_is_asked(procs, fakes):
     """p-first with every D down: the request is refused at once, and P is not asked to
     prefill (it would hold the prompt's KV blocks for a reader that cannot come)."""

@@ -412,12 +412,19 @@ def build_app(proxy: Proxy) -> FastAPI:
         return Response(status_code=200)
 
     async def health():
-        """200 when at least one P and one D pass their health checks; also ``/ready`` and
-        vLLM's ``/ping`` (GET or POST), as on an instance, for probes pointed at either."""
-        missing = [p for p in (proxy.P, proxy.D) if not p.healthy()]
+        """200 when the proxy can serve: a D passes its health check, and a P does or D
+        computes prompts itself (``--on-prefill-failure recompute``; the body then says that
+        prefill is degraded). Also ``/ready`` and vLLM's ``/ping`` (GET or POST), as on an
+        instance, for probes pointed at either."""
+        needed = [proxy.D] if proxy.on_prefill_failure == "recompute" else [proxy.P, proxy.D]
+        missing = [p for p in needed if not p.healthy()]
         if missing:
             return _error(503, "; ".join(f"no {p.role} instance is up ({p.describe()})"
                                          for p in missing), kind="service_unavailable")
+        if not proxy.P.healthy():
+            return JSONResponse({"status": "degraded", "prefill": (
+                f"no prefill instance is up ({proxy.P.describe()}); the decode instances "
+                "compute prompts themselves (--on-prefill-failure recompute)")})
         return Response(status_code=200)
 
     for route in ("/health", "/ready"):
