@@ -176,3 +176,37 @@ def test_a_malformed_offer_is_a_400_and_fails_no_other_request(pd, field, value)
             assert r.json()["error"]["param"] == f"kv_transfer_params.{field}"
     rest = [line for line in lines if line]
     assert rest[-1] == b"data: [DONE]" and not any(b'"error"' in line for line in rest)
+
+
+def test_p_frees_an_offer_no_d_took(pd):
+    """p-first: P has prefilled the prompt, then the D the proxy picks refuses the connection
+    (it died or closed its port since the last health check). Another live D gets the same
+    offer and reads it; with none, the client gets a 503 and the proxy tells P to decline the
+    offer. Either way P frees the blocks at once, not when the offer expires (60 s here)."""
+    procs = Procs()
+    try:
+        gone_proc, gone = procs.fake("Dgone")
+        # checks every 60 s: the proxies still count the gone D as up when the requests come
+        alone = procs.proxy([pd["P"]], [gone], "--health-interval", "60")[1]
+        both = procs.proxy([pd["P"]], [gone, pd["D"]], "--health-interval", "60")[1]
+        procs.stop(gone_proc)
+        offered0 = metric(pd["P"], "kv_transfers_offered_total")
+        for i in range(2):       # round-robin: one of the two is sent to the gone D first
+            r = requests.post(both + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": fresh(LONG, f"gone D, another {i}"), "max_tokens": 3})
+            assert r.status_code == 200, r.text
+        assert metric(pd["P"], "kv_transfers_offered_total") == offered0 + 2
+        wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 3)
+        r = requests.post(alone + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": fresh(LONG, "gone D, alone"), "max_tokens": 3})
+        assert r.status_code == 503 and "no decode instance is up" in r.text, r.text
+        assert metric(pd["P"], "kv_transfers_offered_total") == offered0 + 3
+        wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 3,
+                   message="P still holds the blocks of an offer no D took")
+        for body, field in (({"do_remote_prefill": True}, "kv_transfer_params"),
+                            ("not json", "body")):
+            r = requests.post(pd["P"] + "/kv_transfer/decline", timeout=30,
+                              **({"json": body} if isinstance(body, dict) else {"data": body}))
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    finally:
+        procs.close()

@@ -292,6 +292,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
+    app.include_router(unread_offers.router)
     if state.api_keys:
         app.add_middleware(_ApiKey, keys=state.api_keys)
     app.add_middleware(_RequestLimits, limit=MAX_BODY_BYTES,

@@ -12,17 +12,26 @@ request it declines what it does not read itself (``engine/remote_kv.py``).
 The routes name the offers of their request (``hold``, also after a first-D request got the
 producer's answer) and say when the engine took them (``handed_over``); a body the route
 never saw (refused by its schema) is read by the validation handler.
+
+``POST /kv_transfer/decline`` takes a producer's answer (its ``kv_transfer_params``, as the
+proxy got them) that no consumer will read, and declines its offers on the instance that
+made them: the proxy's way out when no decode instance could take a request P has prefilled.
+The offers' random tokens are what allow it, as for a consumer's decline.
 """
 from __future__ import annotations
 
 import logging
 from typing import Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
+
+from llm_serving.distributed.kv_transfer.config import KVTransferConfig
+from llm_serving.entrypoints.http_common import HTTPError, ServerState
 
 from llm_serving.proxy import pd_request as pd
 
 logger = logging.getLogger("llm_serving.server")
+router = APIRouter()
 
 
 def offers_in(params) -> list:
@@ -62,3 +71,25 @@ def decline(request: Request, body=None) -> None:
     if engine is not None and engine.is_running:
         engine.decline_kv_offers(offers)
         logger.info("declined %d KV offer(s) of a refused request", len(offers))
+
+
+@router.post("/kv_transfer/decline")
+async def decline_route(request: Request):
+    """Decline the offers of a producer's ``kv_transfer_params`` (the body); 200 with how
+    many."""
+    state: ServerState = request.app.state.server
+    if KVTransferConfig.from_dict(state.engine_args.kv_transfer_config) is None:
+        raise HTTPError(400, "kv_transfer_params: this instance has no KV transfer configured",
+                        param=pd.KV_FIELD)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise HTTPError(400, "body: expected a producer's kv_transfer_params (JSON)",
+                        param="body") from None
+    offers = offers_in(body)
+    if not offers:
+        raise HTTPError(400, "kv_transfer_params: expected a producer's answer (do_remote_prefill "
+                        "and a transfer_id, or one per prompt)", param=pd.KV_FIELD)
+    state.require_engine().decline_kv_offers(offers)
+    logger.info("declined %d KV offer(s) no consumer took", len(offers))
+    return {"declined": len(offers)}

@@ -18,7 +18,9 @@ instance failed mid-request, 503 when no instance of a role is up, 504 on a time
 Failures. An instance whose connection is refused leaves the rotation and the request goes
 to another one (nothing was sent). A P that fails after the request reached it: with
 ``--on-prefill-failure recompute`` (default) D computes the prompt itself, with ``fail`` the
-client gets a 502 naming P. A D that fails mid-answer: a 502, or in a stream an error event
+client gets a 502 naming P. When no D takes the request P has prefilled (every D refused the
+connection), P is told to decline its offer, so it frees the blocks at once. A D that fails
+mid-answer: a 502, or in a stream an error event
 (the stream's own error shape). A client that disconnects closes the upstream request, so
 the instance aborts it (and P's held blocks are freed by its timeout). Every upstream wait is
 bounded (``--timeout``) and ends at once when the health checks find the instance gone.
@@ -55,10 +57,13 @@ _SSE_END = b"data: [DONE]\n\n"         # the last event of an OpenAI stream
 
 
 class ProxyError(Exception):
+    """``unsent``: no instance got the request (none up, or no connection free)."""
+
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 kind: str = "bad_gateway"):
+                 kind: str = "bad_gateway", unsent: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.unsent = unsent
 
 
 class ClientGone(Exception):
@@ -177,7 +182,7 @@ class Proxy:
             inst = pool.pick(tried)
             if inst is None:
                 raise ProxyError(503, f"no {pool.role} instance is up ({pool.describe()})",
-                                 kind="service_unavailable")
+                                 kind="service_unavailable", unsent=True)
             tried.add(inst)
             req = self.client.build_request(method, inst.url + path, json=body,
                                             headers=headers)
@@ -188,7 +193,7 @@ class Proxy:
                 inst.inflight -= 1
                 raise ProxyError(503, f"all {self.max_connections} connections to the "
                                  "instances are busy (--max-connections)",
-                                 kind="service_unavailable") from None
+                                 kind="service_unavailable", unsent=True) from None
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 # Refused: the instance is gone (its requests in flight end too). A connect
                 # timeout may be a busy host: out of rotation until a check passes.
@@ -266,9 +271,17 @@ class Proxy:
             if not self.D.healthy():      # else P would hold the prompt's KV for no reader
                 raise ProxyError(503, f"no decode instance is up ({self.D.describe()})",
                                  kind="service_unavailable")
-            kv = await self._prefill(request, path, body)
+            p_url, kv = await self._prefill(request, path, body)
             if isinstance(kv, Response):            # P's error answer, passed through
                 return kv
+            try:
+                # a D refusing connections is left for the next one, with the same offer
+                return await self._decode(request, path, pd.with_kv_params(path, body, kv),
+                                          pd.is_stream(path, body))
+            except ProxyError as e:
+                if e.unsent and kv is not None:     # no D took it: P need not hold it
+                    await self._decline(request, p_url, kv)
+                raise
         else:
             p = self.P.pick()
             if p is None:
@@ -283,8 +296,8 @@ class Proxy:
                                   pd.is_stream(path, body))
 
     async def _prefill(self, request: Request, path: str, body: dict):
-        """P's kv_transfer_params, P's own error answer (a Response), or None when P failed
-        and D is to compute the prompt itself."""
+        """(P's URL, what P gave): its kv_transfer_params, its own error answer (a
+        Response), or None when P failed and D is to compute the prompt itself."""
         p_path, p_body = pd.prefill_request(path, body)
         t0 = time.perf_counter()
         try:
@@ -295,10 +308,11 @@ class Proxy:
                 raise
             logger.warning("%s; the decode instance computes the prompt", e.message)
             self.metrics.prefill_fallbacks.inc()
-            return None
+            return None, None
         self.metrics.prefill_time.observe(time.perf_counter() - t0)
         if resp.status_code != 200:
-            return Response(content, status_code=resp.status_code, headers=_headers(resp))
+            return inst.url, Response(content, status_code=resp.status_code,
+                                      headers=_headers(resp))
         try:
             kv = json.loads(content).get(pd.KV_FIELD)
         except (ValueError, AttributeError):
@@ -307,7 +321,21 @@ class Proxy:
             raise ProxyError(502, f"prefill instance {inst.url} answered without "
                              "kv_transfer_params (is it started with kv_role kv_producer or "
                              "kv_both?)")
-        return kv
+        return inst.url, kv
+
+    async def _decline(self, request: Request, url: str, kv: dict) -> None:
+        """Tell P that no D will read its offer (``POST /kv_transfer/decline``), so it frees
+        the blocks now rather than when the offer expires (which it does if this fails)."""
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        try:
+            r = await self.client.post(url + "/kv_transfer/decline", json=kv, headers=headers,
+                                       timeout=self.connect_timeout)
+            if r.status_code != 200:
+                logger.warning("prefill instance %s did not decline its offer (%d: %s)", url,
+                               r.status_code, r.text[:200])
+        except httpx.HTTPError as e:
+            logger.warning("prefill instance %s could not be told to decline its offer: %s: "
+                           "%s", url, type(e).__name__, e)
 
     async def _decode(self, request: Request, path: str, body: dict, stream: bool) -> Response:
         inst, resp = await self._send(request, self.D, path, body, stream=stream)
