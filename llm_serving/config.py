@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
+from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
@@ -206,7 +207,8 @@ class EngineArgs:
         "seed of the sampler for requests without their own")
     max_logprobs: int = _arg(MAX_LOGPROBS,
         "the most logprobs, top_logprobs or prompt_logprobs a request may ask for (vLLM's "
-        f"flag; at most {MAX_LOGPROBS} here, the alternatives a step returns per token)")
+        "flag; -1: the vocabulary size). The WorkAgents' result channel is sized for it: one "
+        "whose channel would exceed 1 GiB is refused (lower max_num_batched_tokens then)")
     chat_template: Optional[str] = _arg(None,
         "a Jinja chat template overriding the tokenizer's: the path of a template file, or the "
         "template itself (as vLLM's --chat-template)")
@@ -282,10 +284,9 @@ class EngineArgs:
         positive("max_waiting_requests", self.max_waiting_requests)
         positive("dump_logits_every", self.dump_logits_every)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
-                or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ConfigError("max_logprobs", f"expected 0 to {MAX_LOGPROBS} (the most "
-                              "alternatives this engine returns per token; vLLM's -1, no "
-                              f"cap, is not supported), got {self.max_logprobs!r}")
+                or self.max_logprobs < -1:
+            raise ConfigError("max_logprobs", "expected an integer >= 0, or -1 for the "
+                              f"vocabulary size, got {self.max_logprobs!r}")
 
         def number(key, value, low, allow_none=False, low_inclusive=True, high=None):
             if value is None and allow_none:
@@ -413,13 +414,16 @@ class EngineArgs:
             raise ConfigError("dtype", "bfloat16 weights need our CPU kernels, which "
                               "LLM_SERVING_NATIVE_OPS=1 turns off")
         mp = self.distributed_executor_backend == "mp"
+        max_logprobs = hf.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if mp:
+            check_result_channel(max_logprobs, self.max_num_seqs, budget)
         return EngineConfig(
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
                 checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
                 kv_storage_dtype=kv_dtype, max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
-                max_logprobs=self.max_logprobs,
+                max_logprobs=max_logprobs,
                 default_sampling_params=generation_defaults(
                     self.model, self.generation_config, self.override_generation_config,
                     max_len)),

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Union
 
 # Below this temperature a request is decoded greedily (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
-# The largest `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default max_logprobs).
+# vLLM's default max_logprobs: the largest `logprobs` / `prompt_logprobs` a request may ask for.
 MAX_LOGPROBS = 20
 
 
@@ -318,8 +318,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                need(0 <= value <= MAX_LOGPROBS,
-                     f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+                need(value >= 0, f"{name} must be >= 0 or None (the engine's max_logprobs "
+                     f"caps it), got {value}")
         need("" not in self.stop, "stop must not contain an empty string")
         need(self.detokenize or not self.stop,
              "stop: stop strings are matched on the text, so they need detokenize=True")

@@ -34,6 +34,23 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_logprobs(tiny_model_dir):
+    """Prompts of 1, 2, 30 and 150 tokens and HF transformers' log_softmax over each prompt
+    position of the tiny model (torch, CPU, fp32): the reference of logprob tests."""
+    import numpy as np
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                              dtype=torch.float32).eval()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 1024, n).tolist() for n in (1, 2, 30, 150)]
+    with torch.no_grad():
+        ref = [torch.log_softmax(model(torch.tensor([p])).logits[0], -1).numpy()
+               for p in prompts]
+    return prompts, ref
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
     from llm_serving import LLM
     return LLM(tiny_model_dir, num_blocks=256, block_size=16)

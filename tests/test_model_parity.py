@@ -129,21 +129,7 @@ def test_mindformers_ckpt_gives_same_logits_as_safetensors(model_dirs, hf_refere
 
 # ---- prompt logprobs (SamplingParams.prompt_logprobs) against HF's log_softmax --------------
 
-PROMPT_LP_LENS = [1, 2, 30, 150]
 PROMPT_LP_K = 5
-
-
-@pytest.fixture(scope="module")
-def tiny_hf_logprobs(tiny_model_dir):
-    """The tiny model's prompts and HF's log_softmax over each prompt position."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
-                                                              dtype=torch.float32).eval()
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 1024, n).tolist() for n in PROMPT_LP_LENS]
-    with torch.no_grad():
-        ref = [torch.log_softmax(model(torch.tensor([p])).logits[0], -1).numpy()
-               for p in prompts]
-    return prompts, ref
 
 
 def _check_prompt_logprobs(out, prompt, ref, k=PROMPT_LP_K):

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import openai
 import pytest
 import requests
@@ -146,8 +147,7 @@ def _settings(model, *flags):
     (["--tokenizer-mode", "mistral"], "tokenizer_mode"),
     (["--pipeline-parallel-size", "2"], "pipeline_parallel_size"),
     (["--data-parallel-size", "2"], "data_parallel_size"),
-    (["--max-logprobs", "-1"], "max_logprobs"),
-    (["--max-logprobs", "21"], "max_logprobs"),
+    (["--max-logprobs", "-2"], "max_logprobs"),
     (["--logprobs-mode", "processed_logprobs"], "logprobs_mode"),
     (["--cpu-offload-gb", "4"], "cpu_offload_gb"),
 ])
@@ -339,3 +339,70 @@ def test_the_model_may_come_first_as_in_vllm_serve_model(tiny_model_dir, tmp_pat
 
 def _settings_of(*argv):
     return server_settings(build_parser().parse_args(list(argv)))
+
+
+# ---- max_logprobs above vLLM's default 20, and -1 (the vocabulary) ---------------------------
+
+WIDE = 50
+
+
+def _check_top(entries, ids, ref, k=WIDE):
+    """Each position's top-k (token id -> logprob) against HF's log_softmax row."""
+    for entry, row in zip(entries, ref):
+        top = np.argsort(-row)[:k]
+        assert set(top.tolist()) <= set(entry)
+        np.testing.assert_allclose([entry[t] for t in top], row[top], atol=1e-4, rtol=0)
+
+
+def test_max_logprobs_above_20_offline_matches_hf(tiny_model_dir, tiny_hf_logprobs):
+    from llm_serving import LLM, SamplingParams
+    prompts, ref = tiny_hf_logprobs
+    prompt = prompts[2]
+    llm = LLM(tiny_model_dir, num_blocks=64, max_logprobs=WIDE)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=1, logprobs=WIDE,
+                                      prompt_logprobs=WIDE))[0]
+    _check_top([{t: lp.logprob for t, lp in e.items()} for e in out.prompt_logprobs[1:]],
+               prompt, ref[2])
+    _check_top([{t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}],
+               prompt, ref[2][-1:])
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=1, logprobs=WIDE + 1))
+
+
+def test_max_logprobs_minus_one_serves_the_vocabulary(tmp_path, tiny_model_dir, tiny_hf_logprobs):
+    """--max-logprobs -1 (vLLM: no cap but the vocabulary) on the real server: 50 alternatives
+    on chat and completions through the WorkAgent's result channel, HF's numbers; more than
+    the vocabulary is a 400 naming max_logprobs."""
+    prompts, ref = tiny_hf_logprobs
+    prompt = prompts[2]
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--max-logprobs", "-1")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        comp = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=WIDE,
+            extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+        entry = {int(k.split(":")[1]): v for k, v in comp.top_logprobs[0].items()}
+        _check_top([entry], prompt, ref[2][-1:])
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+            logprobs=True, top_logprobs=WIDE).choices[0].logprobs.content
+        assert [len(t.top_logprobs) for t in chat] == [WIDE] * len(chat)
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                          temperature=0, logprobs=1024)
+        assert len(whole.choices[0].logprobs.top_logprobs[0]) > WIDE
+        with pytest.raises(openai.BadRequestError, match="max_logprobs"):
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=1, logprobs=1025)
+        with pytest.raises(openai.BadRequestError, match="max_logprobs"):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                logprobs=True, top_logprobs=1025)
+    finally:
+        assert stop_server(proc) == 0
+
+
+def test_a_max_logprobs_whose_channel_is_too_large_is_refused(tiny_model_dir):
+    with pytest.raises(ConfigError) as e:
+        _settings(tiny_model_dir, "--max-logprobs", "100000",
+                  "--distributed-executor-backend", "mp")[0].create_engine_config()
+    assert e.value.key == "max_logprobs" and "GiB" in str(e.value)

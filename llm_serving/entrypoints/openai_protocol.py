@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputKind,
+from llm_serving.sampling_params import (MAX_STOPS, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
@@ -208,7 +208,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     # 0 only with echo (checked by the route); null is the default, as vLLM (not "no limit").
     max_tokens: Optional[int] = Field(16, ge=0)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(None, ge=0)      # the engine checks max_logprobs
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=1)
     suffix: Optional[str] = None
@@ -287,7 +287,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0)  # the engine checks max_logprobs
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -92,7 +92,8 @@ class MultiprocExecutor:
                                              c.num_blocks, config.model.vocab_size,
                                              _kv_meta_bytes(config))
             out_bytes = ch.result_channel_bytes(
-                s.max_num_seqs, dump_vocab=config.model.vocab_size if config.dump else 0,
+                s.max_num_seqs, config.model.max_logprobs,
+                dump_vocab=config.model.vocab_size if config.dump else 0,
                 max_tokens=s.max_num_batched_tokens)
             self.shm_in, self.shm_out = [], []
             for _ in range(2):            # step n uses segment n % 2 in each direction

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from llm_serving.errors import ConfigError
 from llm_serving.executor.protocol import (SamplerOutput, SamplingBatch, StepInput,
                                            array_fields, ragged_fields)
 from llm_serving.sampling_params import MAX_LOGPROBS
@@ -214,6 +215,10 @@ def step_from_arrays(arrays: list[Optional[np.ndarray]]) -> StepInput:
 
 _RESULT_FIELDS = array_fields(SamplerOutput)
 
+# The most bytes a result segment may take (there are two): max_logprobs alternatives for
+# every sequence and prompt token of a step must fit in it.
+MAX_RESULT_CHANNEL_BYTES = 1 << 30
+
 
 def result_to_arrays(result: Optional[SamplerOutput]) -> list[Optional[np.ndarray]]:
     if result is None:
@@ -254,3 +259,14 @@ def result_channel_bytes(max_seqs: int, max_logprobs: int = MAX_LOGPROBS, dump_v
     per_prompt_row = 4 + 8 + max_logprobs * 12
     return (max_seqs * per_row + max_tokens * per_prompt_row
             + len(_RESULT_FIELDS) * (_ARR.size + _ALIGN) + (1 << 12))
+
+
+def check_result_channel(max_logprobs: int, max_seqs: int, max_tokens: int) -> None:
+    """Refuse a max_logprobs whose result channel would exceed MAX_RESULT_CHANNEL_BYTES."""
+    size = result_channel_bytes(max_seqs, max_logprobs, max_tokens=max_tokens)
+    if size > MAX_RESULT_CHANNEL_BYTES:
+        raise ConfigError("max_logprobs", f"{max_logprobs} alternatives for each of "
+                          f"{max_seqs} sequences and {max_tokens} prompt tokens a step need a "
+                          f"result channel of {size / 2**30:.1f} GiB, more than its "
+                          f"{MAX_RESULT_CHANNEL_BYTES >> 30} GiB cap; lower max_logprobs, "
+                          "max_num_batched_tokens or max_num_seqs")
