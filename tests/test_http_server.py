@@ -1152,6 +1152,39 @@ _NEW_VLLM_SERIES = [
     'request_params_max_tokens_count', 'request_success_total{finished_reason="abort"}']
 
 
+_N_SERIES = ['request_success_total{finished_reason="length"}', "generation_tokens_total",
+             "prompt_tokens_total", "request_generation_tokens_count",
+             "request_generation_tokens_sum", "request_prompt_tokens_count",
+             "request_prompt_tokens_sum", "time_to_first_token_seconds_count",
+             "e2e_request_latency_seconds_count", "request_params_max_tokens_count",
+             "request_params_n_count", "request_params_n_sum",
+             "request_max_num_generation_tokens_count", "request_max_num_generation_tokens_sum"]
+
+
+def test_n_sequences_are_counted_as_vllm_counts_them(server, client):
+    """vLLM 0.32 counts each of a request's n sequences as a finished request (success,
+    prompt and generation tokens per request, TTFT, e2e, max_tokens) and observes n and the
+    longest sequence once: a dashboard's tokens per request read the same on both."""
+    wait_until(lambda: _gauge(server, "num_requests_running") == 0)
+    before = requests.get(server + "/metrics").text
+    r = client.completions.create(model="tiny", prompt=f"n {time.monotonic_ns()}", n=3,
+                                  max_tokens=5, temperature=1.0, seed=1,
+                                  extra_body={"ignore_eos": True})
+    prompt = r.usage.prompt_tokens
+    assert r.usage.completion_tokens == 15
+    after = requests.get(server + "/metrics").text
+    d = {k: metric_value(after, k) - metric_value(before, k) for k in _N_SERIES}
+    assert d == {'request_success_total{finished_reason="length"}': 3,
+                 "generation_tokens_total": 15, "prompt_tokens_total": 3 * prompt,
+                 "request_generation_tokens_count": 3, "request_generation_tokens_sum": 15,
+                 "request_prompt_tokens_count": 3, "request_prompt_tokens_sum": 3 * prompt,
+                 "time_to_first_token_seconds_count": 3,
+                 "e2e_request_latency_seconds_count": 3, "request_params_max_tokens_count": 3,
+                 "request_params_n_count": 1, "request_params_n_sum": 3,
+                 "request_max_num_generation_tokens_count": 1,
+                 "request_max_num_generation_tokens_sum": 5}
+
+
 def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
     """What vLLM's dashboards read besides the basics, from what was sent: request phases
     (queue + prefill = TTFT, prefill + decode = inference, queue + inference = e2e), one
@@ -1492,7 +1525,7 @@ def test_connections_are_bounded(tmp_path, tiny_model_dir):
                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(stream)
                       + stream)
             wait_until(lambda: metric(url, 'request_success_total{finished_reason="abort"}')
-                       == aborted + 1, timeout=60)
+                       == aborted + 8, timeout=60)       # each of its n sequences, as vLLM
             assert metric(url, "num_requests_running") == 0
             data, _ = _read_to_close(s)      # what the buffers held, then the close
         assert data.startswith(b"HTTP/1.1 200 ") and not data.endswith(b"[DONE]\n\n")

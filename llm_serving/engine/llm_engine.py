@@ -255,8 +255,8 @@ class LLMEngine:
         sampling, kernel loading), so that the first real request is not slow. Leaves the
         stats (counters stay monotonic across a WorkAgent restart) and the prefix cache as
         they were."""
-        stats, metrics = self.stats.saved(), self.output_processor.finished_metrics
-        kept = len(metrics)
+        stats, op = self.stats.saved(), self.output_processor
+        kept = len(op.finished_metrics), len(op.finished_sequences)
         self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
                          SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY),
@@ -265,8 +265,9 @@ class LLMEngine:
             self.step()
         self.block_manager.reset()
         self.stats.restore(stats)
-        while len(metrics) > kept:          # the warm-up's own timings
-            metrics.pop()
+        for metrics, count in zip((op.finished_metrics, op.finished_sequences), kept):
+            while len(metrics) > count:     # the warm-up's own timings
+                metrics.pop()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``): the next prompts are
@@ -313,7 +314,8 @@ class LLMEngine:
         """A snapshot of the engine's state and counters; per-request timings of requests
         finished since the previous call are handed over once."""
         sch, bm, st = self.scheduler, self.block_manager, self.stats
-        snap = EngineStats(**{k: v for k, v in vars(st).items() if k != "finished_requests"})
+        snap = EngineStats(**{k: v for k, v in vars(st).items()
+                              if k not in ("finished_requests", "finished_sequences")})
         snap.finished_by_reason = dict(st.finished_by_reason)
         snap.kv_transfers = dict(st.kv_transfers)
         if self.remote_kv is not None:
@@ -327,6 +329,9 @@ class LLMEngine:
         snap.num_swapped = len(sch.swapped)
         snap.kv_cache_usage = bm.usage
         snap.cpu_cache_usage = bm.cpu_usage
-        snap.finished_requests = list(self.output_processor.finished_metrics)
-        self.output_processor.finished_metrics.clear()
+        op = self.output_processor
+        snap.finished_requests, snap.finished_sequences = (list(op.finished_metrics),
+                                                           list(op.finished_sequences))
+        op.finished_metrics.clear()
+        op.finished_sequences.clear()
         return snap

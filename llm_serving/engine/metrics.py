@@ -65,7 +65,7 @@ class EngineStats:
     # Counters, since the engine started.
     num_requests: int = 0
     num_finished_requests: int = 0  # every ending: stop, length and abort (timeouts included)
-    finished_by_reason: dict = field(default_factory=dict)   # finish reason -> requests
+    finished_by_reason: dict = field(default_factory=dict)   # finish reason -> sequences
     num_aborted_requests: int = 0
     num_timed_out_requests: int = 0
     num_preemptions: int = 0
@@ -99,6 +99,9 @@ class EngineStats:
         default_factory=lambda: StepHistogram(INTER_TOKEN_LATENCY_BUCKETS))
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
+    # ... and each of their sequences as a request of its own (vLLM's metrics count each of a
+    # request's n sequences: request_success, the per-request histograms but n's)
+    finished_sequences: list[RequestMetrics] = field(default_factory=list)
 
     def saved(self) -> dict:
         """Every counter and gauge now, for ``restore``."""

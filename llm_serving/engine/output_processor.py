@@ -49,8 +49,8 @@ class RequestState:
 
     @property
     def finish_reason(self) -> str:
-        """One reason per request, as vLLM counts them: abort if any sequence was aborted,
-        else stop if any stopped, else length."""
+        """One reason per request: abort if any sequence was aborted, else stop if any
+        stopped, else length."""
         reasons = {s.finish_reason for s in self.seqs}
         return next(r for r in ("abort", "stop", "length") if r in reasons)
 
@@ -78,6 +78,8 @@ class OutputProcessor:
         self.stats: EngineStats = scheduler.stats
         self.finished_metrics: collections.deque = collections.deque(
             maxlen=_MAX_FINISHED_METRICS)
+        self.finished_sequences: collections.deque = collections.deque(   # the same, per
+            maxlen=_MAX_FINISHED_METRICS)                                   # sequence
         self._token_texts: dict[int, str] = {}      # single-token decodes (at most the vocab)
         self._last_step_time = 0.0      # when the previous step's samples were processed
 
@@ -162,8 +164,7 @@ class OutputProcessor:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 firsts += 1
-                if seq.index == 0:          # the one that computed the prompt (n > 1)
-                    self._count_prompt(seq)
+                self._count_prompt(seq)
             elif seq.last_token_time != previous:   # none last step: preempted, or left out
                 itl.observe(now - seq.last_token_time)
                 late += 1
@@ -280,9 +281,14 @@ class OutputProcessor:
 
     # ---- outputs --------------------------------------------------------------------------
     def _count_prompt(self, seq: Sequence) -> None:
-        """A prompt's tokens by source, as its first token comes (``num_cached_tokens``: the
-        computed ones it started with, found in the prefix cache or loaded)."""
+        """A sequence's prompt tokens by source, as its first token comes (``num_cached_tokens``:
+        the computed ones it started with, found in the prefix cache or loaded). vLLM counts
+        each of a request's n sequences as a request of its own; the siblings of the first
+        reuse its prompt's KV, as a cache hit."""
         by_source = self.stats.prompt_tokens_by_source
+        if seq.index > 0:
+            by_source["local_cache_hit"] += len(seq.prompt_token_ids)
+            return
         by_source["local_compute"] += len(seq.prompt_token_ids) - seq.num_cached_tokens
         by_source["local_cache_hit"] += seq.num_cached_tokens - seq.kv_external_tokens
         by_source["external_kv_transfer"] += seq.kv_external_tokens
@@ -321,13 +327,32 @@ class OutputProcessor:
             self.finished_metrics.append(metrics)
             self.stats.num_finished_requests += 1
             by_reason = self.stats.finished_by_reason
-            by_reason[req.finish_reason] = by_reason.get(req.finish_reason, 0) + 1
+            for seq in req.seqs:          # vLLM counts each of the n sequences
+                reason = seq.finish_reason or "abort"
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+                self.finished_sequences.append(_sequence_metrics(req, seq))
         return RequestOutput(request_id=req.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outs,
                              finished=finished, prompt_logprobs=prompt_lp, metrics=metrics,
                              num_cached_tokens=first.num_cached_tokens, error=req.error,
                              kv_transfer_params=first.kv_transfer_params_out if finished
                              else None)
+
+
+def _sequence_metrics(req: RequestState, seq: Sequence) -> RequestMetrics:
+    """One of the request's sequences as vLLM's metrics see it: a request of its own, whose
+    prompt a sibling (index > 0) found computed."""
+    first = req.seqs[0]
+    started = first.first_scheduled_time
+    return RequestMetrics(
+        arrival_time=first.arrival_time, last_token_time=seq.last_token_time,
+        first_scheduled_time=started, first_token_time=seq.first_token_time,
+        time_in_queue=None if started is None else started - first.arrival_time,
+        finished_time=seq.finished_time, num_prompt_tokens=len(first.prompt_token_ids),
+        num_generation_tokens=len(seq.output_token_ids),
+        num_cached_tokens=(first.num_cached_tokens if seq.index == 0
+                           else len(first.prompt_token_ids)),
+        num_preemptions=seq.num_preemptions, n=len(req.seqs), max_tokens=first.max_tokens)
 
 
 def _request_metrics(req: RequestState) -> RequestMetrics:

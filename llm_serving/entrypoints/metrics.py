@@ -236,7 +236,10 @@ class ServerMetrics:
         self.kv_loads.set(s.kv_loads_in_flight)
         self.iteration_tokens.advance(s.iteration_tokens)
         self.itl.advance(s.inter_token_latency)
-        for m in s.finished_requests:
+        for m in s.finished_requests:       # once per request, as vLLM
+            self.params_n.observe(m.n)
+            self.max_generation.observe(m.num_generation_tokens)
+        for m in s.finished_sequences:      # each of n's, as vLLM
             prefilled = m.first_token_time is not None
             for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
                                 (self.e2e, m.e2e_latency), (self.queue, m.time_in_queue),
@@ -245,8 +248,7 @@ class ServerMetrics:
                                 (self.prefill_time, m.prefill_time),
                                 (self.decode_time, m.decode_time),
                                 (self.inference_time, m.inference_time),
-                                (self.params_n, m.n), (self.params_max_tokens, m.max_tokens),
-                                (self.max_generation, m.num_generation_tokens),
+                                (self.params_max_tokens, m.max_tokens),
                                 (self.preemptions, m.num_preemptions),
                                 (self.prefill_computed, m.num_prompt_tokens
                                  - m.num_cached_tokens if prefilled else None)):
