@@ -1549,3 +1549,34 @@ def test_accept_errors_are_logged_once_a_minute(caplog):
             bounds.log_accept_errors(loop, {"message": "socket.accept() out of system resource",
                                             "exception": OSError(24, "Too many open files")})
     assert len(caplog.records) == 1 and "Too many open files" in caplog.text
+
+
+def test_a_chat_body_of_many_messages_leaves_other_streams_flowing(server):
+    """100 000 one-character messages (3.4 MB) take seconds to put through the chat template;
+    another client's stream keeps receiving tokens meanwhile (the template runs off the event
+    loop), and the request is refused naming messages (too long for the model)."""
+    body = json.dumps({"model": "tiny", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "a"}] * 100_000})
+    times = []
+
+    def stream():
+        with requests.post(server + "/v1/completions", stream=True, timeout=300,
+                           json={"model": "tiny", "prompt": "Hi", "max_tokens": 900,
+                                 "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line:
+                    times.append(time.monotonic())
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until(lambda: len(times) >= 5, 60)
+    t0 = time.monotonic()
+    big = requests.post(server + "/v1/chat/completions", data=body, timeout=300,
+                        headers={"Content-Type": "application/json"})
+    t1 = time.monotonic()
+    reader.join(300)
+    assert big.status_code == 400 and big.json()["error"]["param"] == "messages"
+    assert times[-1] > t1, "the stream ended before the big request did; make it longer"
+    during = [t for t in times if t0 < t < t1]
+    gaps = [b - a for a, b in zip([t0] + during, during + [t1])]
+    # Before, the loop was held for the whole request: one gap of (t1 - t0).
+    assert max(gaps) < 0.75 * (t1 - t0), (max(gaps), t1 - t0, len(during))

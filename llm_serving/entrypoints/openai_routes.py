@@ -490,8 +490,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                              "response_format or guided decoding")
     except ValueError as e:
         raise translate_error(e) from None
-    text = _chat_prompt(state, engine.tokenizer, req, tools)
-    ids = _encode(engine, text, "messages", req.add_special_tokens)
+    # Off the event loop: a body of many messages takes seconds to template, which would
+    # hold every other client's stream meanwhile.
+    text, ids = await asyncio.to_thread(_chat_prompt_ids, state, engine, req, tools)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
     as_ids = _as_ids(state, req)
@@ -646,6 +647,11 @@ def _encode(engine, text: str, field: str, add_special_tokens: bool) -> list[int
                              add_special_tokens)
     except ValueError as e:
         raise translate_error(e) from None
+
+
+def _chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
+    text = _chat_prompt(state, engine.tokenizer, req, tools)
+    return text, _encode(engine, text, "messages", req.add_special_tokens)
 
 
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
