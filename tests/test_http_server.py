@@ -1580,3 +1580,55 @@ def test_a_chat_body_of_many_messages_leaves_other_streams_flowing(server):
     gaps = [b - a for a, b in zip([t0] + during, during + [t1])]
     # Before, the loop was held for the whole request: one gap of (t1 - t0).
     assert max(gaps) < 0.75 * (t1 - t0), (max(gaps), t1 - t0, len(during))
+
+
+def test_shutdown_answers_every_request_while_a_model_step_hangs(tmp_path, tiny_model_dir):
+    """SIGTERM while the WorkAgent is stuck in a step (here stopped): the engine thread cannot
+    take the shutdown's abort, yet every request in flight still gets the documented answer
+    (a JSON 503 "the server is shutting down"; on a stream an error event, then [DONE]), not
+    uvicorn's text/plain 500 or a cut stream; the server exits 0."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "1")
+    [agent] = agent_pids(proc.pid)
+    results, started = {}, []
+
+    def one(i, stream):
+        body = dict(model="tiny", prompt="Hello", max_tokens=900, ignore_eos=True,
+                    stream=stream)
+        with requests.post(url + "/v1/completions", json=body, stream=stream,
+                           timeout=120) as r:
+            if not stream:
+                results[i] = (r.status_code, r.headers["content-type"], r.text)
+                return
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line.decode())
+                    started.append(i)
+            results[i] = (r.status_code, "stream", lines[-2:])
+    threads = [threading.Thread(target=one, args=(i, i % 2 == 0)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: set(started) == {0, 2}, 60)
+        time.sleep(0.5)                     # the non-streamed ones are running too
+        os.kill(agent, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(agent, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for i in (1, 3):
+        status, kind, text = results[i]
+        assert (status, kind) == (503, "application/json"), results[i]
+        assert json.loads(text)["error"]["message"] == "the server is shutting down"
+    for i in (0, 2):
+        status, _, (error, done) = results[i]
+        assert status == 200 and done == "data: [DONE]", results[i]
+        assert json.loads(error[len("data: "):])["error"]["message"] == \
+            "the server is shutting down"

@@ -293,6 +293,14 @@ class AsyncLLMEngine:
         self._commands.put(("abort_all", reason))
         self._wake.set()
 
+    def fail_open_streams(self, reason: str) -> None:
+        """End every stream still open with ShuttingDownError(reason), from the event loop:
+        for a shutdown whose abort_all the engine thread has not taken (held in a step: a
+        hung WorkAgent, a failed step waiting for the one in flight). Its route answers as
+        for any failed request; what the engine thread later sends for them is dropped."""
+        self._closed = reason
+        self._fail_all(ShuttingDownError(reason))
+
     async def get_stats(self) -> EngineStats:
         """The engine's stats, taken on the engine thread between steps."""
         self.check_health()

@@ -346,6 +346,11 @@ async def drain(state: ServerState, timeout: float, forced=lambda: False) -> Non
     deadline = time.monotonic() + ANSWER_ABORTED_S
     while engine.num_requests and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
+    if engine.num_requests:
+        logger.warning("shutting down: the engine did not end %d request(s) within %g s (a "
+                       "model step still running); answering them now", engine.num_requests,
+                       ANSWER_ABORTED_S)
+        engine.fail_open_streams(SHUTDOWN_REASON)
 
 
 class _QuietPaths(logging.Filter):

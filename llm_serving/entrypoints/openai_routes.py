@@ -411,6 +411,7 @@ async def completions(req: CompletionRequest, request: Request):
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
+                yield SSE_DONE
             finally:
                 log_request(resp_id, sum(prompt_tokens.values()), sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -602,6 +603,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
+                yield SSE_DONE
             finally:
                 log_request(resp_id, prompt_tokens, sum(choice_tokens.values()), t0)
         return StreamingResponse(gen(), media_type="text/event-stream")
