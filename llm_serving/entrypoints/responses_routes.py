@@ -13,6 +13,7 @@ max_output_tokens, whose status is "incomplete", as vLLM sends it).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -101,12 +102,15 @@ async def create_response(req: ResponsesRequest, request: Request):
         top = req.logprobs()
     except ValueError as e:
         raise translate_error(e) from None
-    try:
-        text = render_chat(state, engine.tokenizer, messages, not continue_final,
-                           continue_final, None, req.chat_template_kwargs)
-    except HTTPError as e:
-        raise renamed(e, "input" if e.param == "messages" else None) from None
-    ids = _encode(engine, text, "input", False)
+    def prompt() -> tuple[str, list[int]]:
+        try:
+            text = render_chat(state, engine.tokenizer, messages, not continue_final,
+                               continue_final, None, req.chat_template_kwargs)
+        except HTTPError as e:
+            raise renamed(e, "input" if e.param == "messages" else None) from None
+        return text, _encode(engine, text, "input", False)
+    # off the event loop, as chat's: a long conversation takes a while to template
+    text, ids = await asyncio.to_thread(prompt)
     longest = engine.limits.max_model_len
     if len(ids) >= longest:
         raise HTTPError(400, f"input: the prompt is {len(ids)} tokens, which leaves nothing "
