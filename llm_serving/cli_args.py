@@ -44,8 +44,8 @@ def serve_config(args: argparse.Namespace) -> "Path | None":
 
 def resolve_model(model: str) -> str:
     if model.startswith("builtin:"):
-        from llm_serving.model_executor.tiny_model import ensure_tiny_model
-        return ensure_tiny_model()
+        from llm_serving.model_executor.tiny_model import builtin_model
+        return builtin_model(model[len("builtin:"):])
     return model
 
 

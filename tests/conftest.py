@@ -27,6 +27,15 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory):
+    """The built-in tiny Qwen3 (per-head q/k norms, head_dim 32 on hidden 64 with 4 heads,
+    GQA, tied embeddings)."""
+    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"),
+                           **PRESETS["tiny-qwen3"])
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The built-in default tiny model, built the way start.py builds it."""
     from llm_serving.model_executor.tiny_model import make_tiny_model

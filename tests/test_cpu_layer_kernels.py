@@ -261,6 +261,19 @@ def test_elementwise_kernels(lib, rows):
                              cs.ctypes.data, rows, nq, nk, d, qkv.shape[1], qkv.shape[1])
     np.testing.assert_allclose(qkv, want, rtol=1e-5, atol=1e-5)
 
+    # per-head RMSNorm (Qwen3's q/k norms) in place on the k slice of the fused buffer: only
+    # the k heads change
+    hw = rng.standard_normal(d).astype(np.float32)
+    before = qkv.copy()
+    k = before[:, nq * d:(nq + nk) * d].reshape(rows, nk, d).astype(np.float64)
+    want_k = k / np.sqrt((k * k).mean(-1, keepdims=True) + eps) * hw
+    lib.head_rms_norm_f32(qkv.ctypes.data + 4 * nq * d, hw.ctypes.data, rows, nk, d,
+                          qkv.shape[1], eps)
+    np.testing.assert_allclose(qkv[:, nq * d:(nq + nk) * d], want_k.reshape(rows, -1),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(qkv[:, :nq * d], before[:, :nq * d])
+    np.testing.assert_array_equal(qkv[:, (nq + nk) * d:], before[:, (nq + nk) * d:])
+
 
 def test_silu_and_mul_over_the_whole_float_range(lib):
     # The vector exps (libmvec, 8- and 16-wide builds) and the scalar tail: gates from -100

@@ -154,7 +154,7 @@ def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     assert model_path(None, default="tiny") == d
     own = make_tiny_model(str(tmp_path / "own"), num_layers=1)
     assert model_path(own) == own
-    with pytest.raises(FileNotFoundError, match="bench-gq.*tiny, bench, bench-gqa"):
+    with pytest.raises(FileNotFoundError, match="bench-gq.*tiny, tiny-qwen3, bench, bench-gqa"):
         model_path("bench-gq")                            # a typo: neither a preset nor a model
     assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
     assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]
@@ -171,6 +171,38 @@ def test_cli(tmp_path, capsys):
     assert (out / "model.safetensors.index.json").is_file()
     assert tiny_model.PRESETS["bench"] == dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
                                                intermediate_size=2048, vocab_size=8000)
+
+
+def test_cli_qwen3(tmp_path):
+    """--preset tiny-qwen3, and --architecture qwen3 on another preset's shape: checkpoints
+    transformers loads as Qwen3ForCausalLM, with the q/k norm weights [head_dim]."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "q3"
+    assert tiny_model.main(["--out", str(out), "--preset", "tiny-qwen3"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"]) == (["Qwen3ForCausalLM"], "qwen3")
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]) == (64, 4, 32)
+    assert cfg["tie_word_embeddings"] and not cfg["attention_bias"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert tuple(model.model.layers[1].self_attn.k_norm.weight.shape) == (32,)
+    out = tmp_path / "q3-llama-shape"
+    assert tiny_model.main(["--out", str(out), "--architecture", "qwen3", "--head-dim", "8"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["head_dim"]) == (["Qwen3ForCausalLM"], 8)
+    with pytest.raises(ValueError, match="qkv_bias"):
+        make_tiny_model(str(tmp_path / "m"), architecture="qwen3", qkv_bias=True)
+    with pytest.raises(ValueError, match="architecture"):
+        make_tiny_model(str(tmp_path / "m"), architecture="gemma")
+
+
+def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
+    from llm_serving.cli_args import resolve_model
+    monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
+    d = resolve_model("builtin:tiny-qwen3")
+    assert d == default_model_dir("tiny-qwen3")
+    assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "qwen3"
+    assert resolve_model("builtin:tiny-llama") == default_model_dir("tiny")
 
 
 def test_bad_arguments(tmp_path):

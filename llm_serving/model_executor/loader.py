@@ -28,9 +28,13 @@ __all__ = [
     "save_mindformers_ckpt",
 ]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768, "Qwen2ForCausalLM": 32768}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
+                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+_MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,8 +62,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     #: q/k/v projections have biases (Qwen2, or Llama/Mistral with attention_bias).
     qkv_bias: bool = False
-    #: o_proj has a bias (Llama/Mistral with attention_bias; never Qwen2).
+    #: o_proj has a bias (Llama/Mistral/Qwen3 with attention_bias; never Qwen2).
     o_bias: bool = False
+    #: q and k get an RMSNorm over each head (weights [head_dim]) before rotary (Qwen3).
+    qk_norm: bool = False
     bos_token_id: Optional[int] = None
     #: an int, or a list of ints
     eos_token_id: Optional[Union[int, List[int]]] = None
@@ -84,10 +90,10 @@ class ModelConfig:
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """This config as an HF ``config.json`` (``from_dict`` of it gives it back)."""
-        qwen2 = self.architecture == "Qwen2ForCausalLM"
+        qwen = self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         d: Dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": self.model_type or ("qwen2" if qwen2 else "llama"),
+            "model_type": self.model_type or _MODEL_TYPES[self.architecture],
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -104,9 +110,9 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if qwen2:
+        if qwen:
             d["use_sliding_window"] = False
-        else:
+        if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.qkv_bias
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
@@ -169,6 +175,8 @@ class ModelConfig:
         if heads % kv_heads:
             raise err(f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv_heads})")
         head_dim = cfg.get("head_dim")
+        if head_dim is None and arch == "Qwen3ForCausalLM":
+            head_dim = 128                   # transformers' Qwen3Config default
         if head_dim is None:
             if hidden % heads:
                 raise err(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads}) "
@@ -185,6 +193,9 @@ class ModelConfig:
             raise err("mlp_bias=true is not supported (MLP projections without biases only)")
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        elif arch == "Qwen3ForCausalLM":
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
@@ -247,6 +258,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -448,7 +460,8 @@ _MF_TO_HF_GLOBAL = {
 }
 _HF_TO_MF_GLOBAL = {v: k for k, v in _MF_TO_HF_GLOBAL.items()}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_LAYER_PARTS = set(_HF_TO_MF_LAYER)
+# HF names a .ckpt may also carry as they are (no mindformers Llama name exists for them).
+_HF_LAYER_PARTS = set(_HF_TO_MF_LAYER) | {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 
 def mindformers_to_hf_name(name: str) -> Optional[str]:
@@ -477,6 +490,8 @@ def hf_to_mindformers_name(name: str) -> str:
     m = _LAYER_RE.match(name)
     if m and m.group(2) in _HF_TO_MF_LAYER:
         return f"model.layers.{m.group(1)}.{_HF_TO_MF_LAYER[m.group(2)]}"
+    if m and m.group(2) in _HF_LAYER_PARTS:
+        return name                    # Qwen3's q/k norms keep their HF names
     raise ValueError(f"no mindformers name for weight {name!r}")
 
 

@@ -1,10 +1,11 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
-bench or bench-gqa) writes a directory that ``transformers.AutoModelForCausalLM`` /
+tiny-qwen3, bench or bench-gqa) writes a directory that ``transformers.AutoModelForCausalLM`` /
 ``AutoTokenizer`` and llm_serving both load:
 
-* ``config.json`` (LlamaForCausalLM, or Qwen2ForCausalLM when the q/k/v projections have biases),
+* ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM when the q/k/v projections have biases, or
+  Qwen3ForCausalLM with ``--architecture qwen3``),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
 * a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
   corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
@@ -53,6 +54,19 @@ PRESETS: Dict[str, Dict[str, object]] = {
         num_kv_heads=2,
         intermediate_size=128,
         vocab_size=1024,
+    ),
+    # Qwen3's layout: per-head q/k norms, a head_dim that is not hidden_size / num_heads, tied
+    # embeddings (as Qwen3-0.6B to 4B have).
+    "tiny-qwen3": dict(
+        architecture="qwen3",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=1024,
+        tie_word_embeddings=True,
     ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
@@ -120,7 +134,9 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 # ---------------------------------------------------------------------------------------------
 
 
-_PRESET_DIRS = {"tiny": "tiny-llama", "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
+_PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3", "bench": "bench-97m",
+                "bench-gqa": "bench-gqa-287m"}
+ARCHITECTURES = ("llama", "qwen3")
 
 
 def default_model_dir(preset: str = "tiny") -> str:
@@ -155,6 +171,15 @@ def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def builtin_model(name: str) -> str:
+    """The directory of ``builtin:<name>`` (``name``: a built-in model's directory name, such as
+    tiny-llama or tiny-qwen3, or its preset's), made on first use; any other name gives the
+    tiny Llama."""
+    presets = {d: p for p, d in _PRESET_DIRS.items()}
+    preset = name if name in PRESETS else presets.get(name, "tiny")
+    return ensure_tiny_model(preset=preset)
 
 
 MODEL_HELP = ("a model directory, or a built-in model's preset: "
@@ -299,6 +324,7 @@ def _param_specs(
     vocab_size: int,
     tie_word_embeddings: bool,
     qkv_bias: bool,
+    qk_norm: bool = False,
 ) -> List[Tuple[str, Tuple[int, ...], float, float]]:
     """(name, shape, mean, std) for every parameter, in HF order: values are normal(mean, std)."""
     h, q, kv, i = hidden_size, num_heads * head_dim, num_kv_heads * head_dim, intermediate_size
@@ -325,6 +351,11 @@ def _param_specs(
                 (p + "self_attn.q_proj.bias", (q,), 0.0, 0.2),
                 (p + "self_attn.k_proj.bias", (kv,), 0.0, 0.2),
                 (p + "self_attn.v_proj.bias", (kv,), 0.0, 0.2),
+            ]
+        if qk_norm:
+            specs += [
+                (p + "self_attn.q_norm.weight", (head_dim,), 1.0, 0.2),
+                (p + "self_attn.k_norm.weight", (head_dim,), 1.0, 0.2),
             ]
         specs += [
             (p + "self_attn.o_proj.weight", (h, q), 0.0, q**-0.5),
@@ -404,10 +435,12 @@ def _split_shards(sizes: List[int], num_shards: int) -> List[List[int]]:
 def make_tiny_model(
     out_dir: str,
     *,
+    architecture: str = "llama",
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    head_dim: Optional[int] = None,
     intermediate_size: int = 128,
     vocab_size: int = 1024,
     tie_word_embeddings: bool = False,
@@ -421,27 +454,38 @@ def make_tiny_model(
 ) -> str:
     """Write a random-weight model with a trained tokenizer to ``out_dir``; return ``out_dir``.
 
-    ``rope_scaling``: None or ``"llama3"``. ``qkv_bias=True`` makes a Qwen2ForCausalLM.
+    ``architecture``: ``"llama"`` (a LlamaForCausalLM, or with ``qkv_bias=True`` a
+    Qwen2ForCausalLM) or ``"qwen3"`` (a Qwen3ForCausalLM: per-head q/k norms, no biases).
+    ``head_dim``: default ``hidden_size // num_heads``. ``rope_scaling``: None or ``"llama3"``.
     ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
     """
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}; expected one of "
+                         f"{', '.join(ARCHITECTURES)}")
+    qwen3 = architecture == "qwen3"
+    if qwen3 and qkv_bias:
+        raise ValueError("qkv_bias is Qwen2's (architecture llama); Qwen3 has no q/k/v biases")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        head_dim = hidden_size // num_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
-    if (hidden_size // num_heads) % 2:
-        raise ValueError(f"head_dim {hidden_size // num_heads} must be even for rotary embeddings")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even for rotary embeddings")
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     if rope_scaling not in (None, "none", "llama3"):
         raise ValueError(f"unsupported rope_scaling {rope_scaling!r}; expected None or 'llama3'")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    head_dim = hidden_size // num_heads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     # --- config.json -------------------------------------------------------------------------
-    arch = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    arch, model_type = (("Qwen3ForCausalLM", "qwen3") if qwen3
+                        else ("Qwen2ForCausalLM", "qwen2") if qkv_bias
+                        else ("LlamaForCausalLM", "llama"))
     config: Dict[str, object] = {
         "architectures": [arch],
         "attention_dropout": 0.0,
@@ -453,7 +497,7 @@ def make_tiny_model(
         "initializer_range": 0.02,
         "intermediate_size": intermediate_size,
         "max_position_embeddings": max_position_embeddings,
-        "model_type": "qwen2" if qkv_bias else "llama",
+        "model_type": model_type,
         "num_attention_heads": num_heads,
         "num_hidden_layers": num_layers,
         "num_key_value_heads": num_kv_heads,
@@ -465,7 +509,10 @@ def make_tiny_model(
         "use_cache": True,
         "vocab_size": vocab_size,
     }
-    if qkv_bias:
+    if qwen3:
+        config.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                       "max_window_layers": num_layers})
+    elif qkv_bias:
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
     else:
         config.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
@@ -492,6 +539,7 @@ def make_tiny_model(
         vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings,
         qkv_bias=qkv_bias,
+        qk_norm=qwen3,
     )
     st_dtype, itemsize = _DTYPES[dtype]
     sizes = [int(np.prod(shape)) * itemsize for _, shape, _, _ in specs]
@@ -540,16 +588,21 @@ def _bool_flag(value: str) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m llm_serving.model_executor.tiny_model",
-        description="Write a random-weight Llama/Qwen2 model with a trained BPE tokenizer (HF format).",
+        description="Write a random-weight Llama/Qwen2/Qwen3 model with a trained BPE tokenizer "
+        "(HF format).",
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); bench: the ~97M "
-                        "model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
+                        help="tiny: 64 hidden, 2 layers, vocab 1024 (default); tiny-qwen3: the "
+                        "same size as a Qwen3ForCausalLM (head_dim 32, tied embeddings); bench: "
+                        "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
+    parser.add_argument("--architecture", choices=ARCHITECTURES,
+                        help="llama (default; Qwen2 with --qkv-bias) or qwen3")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)
     parser.add_argument("--num-kv-heads", type=int)
+    parser.add_argument("--head-dim", type=int, help="default: hidden size / heads")
     parser.add_argument("--intermediate-size", type=int)
     parser.add_argument("--vocab-size", type=int)
     parser.add_argument("--tie-word-embeddings", type=_bool_flag, nargs="?", const=True, default=None)
@@ -564,9 +617,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     kwargs: Dict[str, object] = dict(PRESETS[args.preset])
-    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
-                "tie_word_embeddings", "qkv_bias", "rope_theta", "max_position_embeddings", "num_shards",
-                "seed", "dtype"):
+    for key in ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "qkv_bias",
+                "rope_theta", "max_position_embeddings", "num_shards", "seed", "dtype"):
         value = getattr(args, key)
         if value is not None:
             kwargs[key] = value

@@ -67,10 +67,11 @@ def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
                                         _P, _P]
     lib.rms_norm_f32.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.add_rms_norm_f32.argtypes = [_P, _P, _P, _P, _I, _I, _F]
+    lib.head_rms_norm_f32.argtypes = [_P, _P, _I, _I, _I, _I, _F]
     lib.rotary_embedding_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
     lib.silu_and_mul_f32.argtypes = [_P, _P, _I, _I]
-    for fn in (lib.rms_norm_f32, lib.add_rms_norm_f32, lib.rotary_embedding_f32,
-               lib.silu_and_mul_f32):
+    for fn in (lib.rms_norm_f32, lib.add_rms_norm_f32, lib.head_rms_norm_f32,
+               lib.rotary_embedding_f32, lib.silu_and_mul_f32):
         fn.restype = None
     # One thread pool for all our kernels: the attention library's.
     from llm_serving.model_executor.attention import kernels as attention_kernels

@@ -1,11 +1,12 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it, and RMSNorm per head."""
 from __future__ import annotations
 
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor.cpu_graph import launch
-from llm_serving.model_executor.layers.custom_op import CustomOp, cpu_layer_ops, empty, ptr
+from llm_serving.model_executor.layers.custom_op import (CustomOp, cpu_layer_ops, empty, ptr,
+                                                        row_stride)
 
 
 class RMSNorm(CustomOp):
@@ -36,3 +37,26 @@ class RMSNorm(CustomOp):
         launch(lib.add_rms_norm_f32, ptr(x), ptr(residual), ptr(self.weight), ptr(out), rows,
                self.hidden_size, self.eps)
         return out, residual
+
+
+class HeadRMSNorm(CustomOp):
+    """RMSNorm over each head of ``x`` [T, heads * head_dim], with one weight [head_dim] for
+    every head (Qwen3's q_norm and k_norm). On CPU it works in place: ``x`` is this step's
+    slice of the fused qkv output."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.head_dim = head_dim
+        self.eps = float(eps)
+        self.weight = Parameter(Tensor(np.ones(head_dim, np.float32)), name="weight")
+
+    def forward_native(self, x):
+        t = x.shape[0]
+        heads = x.reshape(t, -1, self.head_dim)
+        var = ops.mean(ops.square(heads), -1, keep_dims=True)
+        return (heads * ops.rsqrt(var + self.eps) * self.weight).reshape(t, -1)
+
+    def forward_cpu(self, x):
+        launch(cpu_layer_ops().head_rms_norm_f32, ptr(x), ptr(self.weight), x.shape[0],
+               x.shape[1] // self.head_dim, self.head_dim, row_stride(x), self.eps)
+        return x

@@ -1,10 +1,11 @@
 """The Llama family in MindSpore: Llama 2/3 (llama3 rope scaling), GQA/MQA, Qwen2's q/k/v
-bias, tied embeddings. Layers take tensors and return tensors; attention finds its cache and
-metadata in the forward context (``forward_context.py``). Decoder layers split into
-``forward_attn`` and ``forward_ffn``, and the model is enabled for multi-stream by seed 000's
-four steps (docs/multistream.md): the imports, ``SupportsMultiStream`` and a
-``multistream_config`` on the causal LM, the pre/post layers around the decoder loop, and
-``@support_multi_stream`` on the decoder layer. Qwen2 runs through these same classes.
+bias, Qwen3's per-head q/k RMSNorm, tied embeddings. Layers take tensors and return tensors;
+attention finds its cache and metadata in the forward context (``forward_context.py``).
+Decoder layers split into ``forward_attn`` and ``forward_ffn``, and the model is enabled for
+multi-stream by seed 000's four steps (docs/multistream.md): the imports,
+``SupportsMultiStream`` and a ``multistream_config`` on the causal LM, the pre/post layers
+around the decoder loop, and ``@support_multi_stream`` on the decoder layer. Qwen2 and Qwen3
+run through these same classes.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from mindspore import nn
 from llm_serving.model_executor.attention.backend import AttentionBackend
 from llm_serving.model_executor.attention.layer import Attention
 from llm_serving.model_executor.layers.activation import SiluAndMul
-from llm_serving.model_executor.layers.layernorm import RMSNorm
+from llm_serving.model_executor.layers.layernorm import HeadRMSNorm, RMSNorm
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
 from llm_serving.config import kv_heads_per_rank
@@ -59,12 +60,19 @@ class LlamaAttention(nn.Cell):
             replicas=[1, kv_replicas, kv_replicas])
         self.o_proj = Linear(config.num_heads * d, [config.hidden_size], config.o_bias,
                              tp_rank, tp_size, "row")
+        # Qwen3: q and k are normalized per head (weights [head_dim], the same on every rank).
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = HeadRMSNorm(d, config.rms_norm_eps)
+            self.k_norm = HeadRMSNorm(d, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
         self.attn = Attention(backend, layer_idx)
 
     def construct(self, positions, hidden_states):
         q, k, v = self.qkv_proj(hidden_states)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

@@ -1147,6 +1147,24 @@ void add_rms_norm_f32(const float* __restrict x, float* __restrict residual,
   });
 }
 
+// Per-head RMSNorm in place (Qwen3's q_norm / k_norm): x[t, h] = x[t, h] / rms(x[t, h]) * w,
+// x: [T, heads, D] with rows `stride` floats apart (a column slice of the fused qkv output).
+void head_rms_norm_f32(float* __restrict x, const float* __restrict w, int64_t tokens,
+                       int64_t heads, int64_t head_dim, int64_t stride, float eps) {
+  parallel_rows(tokens, 16, [=](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + t * stride + h * head_dim;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < head_dim; ++i) ss += v[i] * v[i];
+        const float inv = 1.0f / std::sqrt(ss / (float)head_dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) v[i] = v[i] * inv * w[i];
+      }
+  });
+}
+
 // Rotary embedding, "rotate half" (GPT-NeoX / HF Llama) layout, in place on q and k.
 // q: [T, nq, D], k: [T, nk, D], rows q_stride / k_stride floats apart (they may be column
 // slices of one fused qkv buffer); cos_sin: [max_pos, D], cos in [:D/2] and sin in [D/2:].
