@@ -150,3 +150,27 @@ def test_server_serves_qwen3_as_the_offline_engine_does(tmp_path, qwen3_model_di
     assert r.choices[0].text == qwen3_llm.generate("Give three tips", params)[0].outputs[0].text
     offline = qwen3_llm.chat([{"role": "user", "content": "Hello"}], params)[0].outputs[0]
     assert chat.choices[0].message.content == offline.text
+
+
+def test_yarn_rope_scaling_matches_hf(qwen3_model_dir, tmp_path):
+    """Qwen3's long-context setting (rope_scaling yarn, as its model cards give it): HF's
+    logits and greedy tokens. original_max_position_embeddings 64, so that the prompts' positions
+    reach past it and the ramp between kept and interpolated frequencies matters; the
+    attention factor (0.1 ln 4 + 1) scales cos and sin."""
+    import json
+    import shutil
+    d = tmp_path / "qwen3-yarn"
+    shutil.copytree(qwen3_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                           "original_max_position_embeddings": 64}
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    prompts = [p for p in _prompts(VOCAB) if len(p) in (5, 129, 250)]
+    ref_logits, ref_tokens = hf_logits_and_greedy(model, prompts, 16)
+    llm = LLM(str(d), block_size=16, num_blocks=128)
+    for ours, ref in zip(_prefill_logits(llm, prompts), ref_logits):
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16))
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens

@@ -56,7 +56,8 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    #: None, or an HF rope-scaling dict that always has "rope_type" (e.g. "llama3", "linear").
+    #: None, or an HF rope-scaling dict that always has "rope_type": "linear", "llama3" or
+    #: "yarn" (with its original_max_position_embeddings, max_position_embeddings if absent).
     rope_scaling: Optional[Dict[str, Any]] = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -228,6 +229,16 @@ class ModelConfig:
                 for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                     if key not in rope_scaling:
                         raise err(f"rope_scaling of type llama3 needs {key!r}")
+            elif rope_scaling["rope_type"] in ("linear", "yarn"):
+                if not isinstance(rope_scaling.get("factor"), (int, float)):
+                    raise err(f"rope_scaling of type {rope_scaling['rope_type']} needs a numeric "
+                              "'factor'")
+                if rope_scaling["rope_type"] == "yarn":
+                    # transformers' default: the context the checkpoint was trained with
+                    rope_scaling.setdefault("original_max_position_embeddings", max_pos)
+            else:
+                raise err(f"rope_scaling type {rope_scaling['rope_type']!r} is not supported; "
+                          "supported: default, linear, llama3, yarn")
         partial = cfg.get("partial_rotary_factor")
         if partial is None and isinstance(params, Mapping):
             partial = params.get("partial_rotary_factor")

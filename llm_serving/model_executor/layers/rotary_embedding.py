@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout, as HF Llama), with llama3 rope scaling."""
+"""Rotary position embedding (rotate-half layout, as HF Llama), with linear, llama3 and YaRN
+rope scaling."""
 from __future__ import annotations
 
 import math
@@ -31,8 +32,49 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> np.n
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, base, rope_scaling)
     raise ValueError(f"rope_scaling type {kind!r} is not supported "
-                     "(supported: default, linear, llama3)")
+                     "(supported: default, linear, llama3, yarn)")
+
+
+def yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, base: float,
+                  rope_scaling: dict) -> np.ndarray:
+    """YaRN (static, as transformers and vLLM apply it): frequencies that turn fewer than
+    ``beta_slow`` times over the original context are interpolated by ``factor``, those that
+    turn more than ``beta_fast`` times are kept, with a linear ramp between."""
+    factor = float(rope_scaling["factor"])
+    old_len = float(rope_scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations):
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = dim_of(rope_scaling.get("beta_fast") or 32)
+    high = dim_of(rope_scaling.get("beta_slow") or 1)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(rope_scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (``attention_factor``, else
+    from ``factor`` and ``mscale`` / ``mscale_all_dim``), 1 for every other kind."""
+    if not rope_scaling or rope_scaling.get("rope_type") != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale()
 
 
 class RotaryEmbedding(CustomOp):
@@ -43,7 +85,8 @@ class RotaryEmbedding(CustomOp):
         inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
         freqs = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
         # [max_position, head_dim]: cos in the first half, sin in the second.
-        cache = np.concatenate([np.cos(freqs), np.sin(freqs)], -1).astype(np.float32)
+        cache = np.concatenate([np.cos(freqs), np.sin(freqs)], -1)
+        cache = (cache * rope_attention_factor(rope_scaling)).astype(np.float32)
         self.cos_sin_np = np.ascontiguousarray(cache)
         self.cos_sin_cache = Tensor.from_numpy(self.cos_sin_np)
 
