@@ -126,6 +126,26 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
     assert '"GET /health' not in log + proc.stdout.read()     # no access log
 
 
+def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, tiny_model_dir):
+    """A client tracing its X-Request-Id through the log finds both lines of its request."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--enable-log-requests")
+    try:
+        headers = {"X-Request-Id": "trace-7"}
+        r = requests.post(url + "/v1/completions", headers=headers, timeout=120,
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-7"
+        r = requests.post(url + "/v1/chat/completions", headers=headers, timeout=120,
+                          json={"model": "tiny", "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["id"] == "chatcmpl-trace-7"
+    finally:
+        assert stop_server(proc) == 0
+    log = proc.stderr.read()
+    for rid in ("cmpl-trace-7", "chatcmpl-trace-7"):
+        assert f"Received request {rid}: params:" in log
+        assert f"request {rid}: " in log
+
+
 def test_request_log_cuts_prompts_to_max_log_len(caplog, tiny_model_dir):
     from llm_serving.config import EngineArgs
     state = ServerState(EngineArgs(model=tiny_model_dir), "tiny",

@@ -53,9 +53,11 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _start(request: Request, rid: str, prompts: list, params, priority: int,
+async def _start(request: Request, rid: str, resp_id: str, prompts: list, params, priority: int,
                  grammar_field: Optional[str] = None):
-    """Queue one engine request per prompt; all or none. ``grammar_field``: the request field
+    """Queue one engine request per prompt (``rid``-i); all or none. ``resp_id``: the
+    response's id, which the request log names at arrival as at the end (vLLM's logs name
+    the id the client sent in X-Request-Id). ``grammar_field``: the request field
     a grammar error (the engine says "structured_outputs: ...") is about. As vLLM, a
     max_tokens above max_model_len is refused, and one that fits the model but not after the
     prompt is lowered to what is left. Every prompt is checked before any is queued, and a
@@ -83,7 +85,7 @@ async def _start(request: Request, rid: str, prompts: list, params, priority: in
         raise HTTPError(400, f"logprobs: up to {entries} log-probabilities asked for (prompts x "
                         f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
-    log_arrival(_state(request), rid, prompts, params)
+    log_arrival(_state(request), resp_id, prompts, params)
     try:
         news = [await engine.check_request(f"{rid}-{i}", prompt, params, priority)
                 for i, prompt in enumerate(prompts)]
@@ -354,7 +356,7 @@ async def completions(req: CompletionRequest, request: Request):
     rid = new_request_id("cmpl")
     resp_id = response_id(request, "cmpl", rid)
     grammar_field = req.structured_field()
-    streams = await _start(request, rid, prompts, params, req.priority, grammar_field)
+    streams = await _start(request, rid, resp_id, prompts, params, req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     n = req.n
     t0 = time.perf_counter()
@@ -527,8 +529,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
-    streams = await _start(request, rid, [{"prompt": text, "prompt_token_ids": ids}], params,
-                           req.priority, grammar_field)
+    streams = await _start(request, rid, resp_id, [{"prompt": text, "prompt_token_ids": ids}],
+                           params, req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     t0 = time.perf_counter()
 

@@ -133,7 +133,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     def logprobs(entries) -> list:
         """vLLM's output_text logprobs: each token's text, logprob, bytes and top ones."""
         return _chat_logprobs(entries, top or 0, as_ids)["content"]
-    streams = await _start(request, new_request_id("resp"),
+    streams = await _start(request, new_request_id("resp"), resp_id,
                            [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
                            grammar_field)
     created = int(time.time())
