@@ -120,6 +120,27 @@ def test_each_choice_of_an_n_stream_finishes_once(client):
     assert sorted(finishes) == [0, 1, 2] and all(len(f) == 1 for f in finishes.values())
 
 
+def test_a_chat_streams_last_text_comes_in_its_finish_chunk(client):
+    """vLLM's chat stream: the chunk that finishes a choice carries the last text, and its
+    delta has content ("" when the last token added none), so joining every chunk's
+    delta.content works and no chunk after the text is content-less."""
+    for extra in ({"max_tokens": 6, "extra_body": {"ignore_eos": True}},
+                  {"max_tokens": 40, "stop": ["e", "a"]}):
+        body = dict(model="tiny", messages=MSG, temperature=0, logprobs=True, **extra)
+        whole = client.chat.completions.create(**body).choices[0]
+        chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+        contents = [c.choices[0].delta.content for c in chunks]
+        assert all(isinstance(t, str) for t in contents), contents
+        assert "".join(contents) == whole.message.content
+        last = chunks[-1].choices[0]
+        assert last.finish_reason == whole.finish_reason
+        assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        # the finish chunk carries the last token (not an empty delta after it)
+        tokens = [t.token for c in chunks[1:] for t in c.choices[0].logprobs.content]
+        assert tokens == [t.token for t in whole.logprobs.content]
+        assert last.logprobs.content[-1].token == tokens[-1]
+
+
 def test_logprob_tokens_of_a_split_character_add_up_to_the_text(server, client):
     """A character made of several byte tokens: the tokens before its last byte are named
     "" and the last carries the character (vLLM's), so the tokens join to the text and each

@@ -576,9 +576,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
                         lp = _chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
                         if tool_mode is None:
-                            if c.text or lp:
-                                yield chunk(c.index, {"content": c.text}, None, lp)
-                        elif not parsed:
+                            # vLLM's: the last text comes in the finish chunk, whose delta
+                            # always has its content ("" when the last token added none)
+                            finish = openai_finish_reason(c.finish_reason)
+                            if c.text or lp or finish is not None:
+                                yield chunk(c.index, {"content": c.text}, finish, lp,
+                                            c.stop_reason)
+                            continue
+                        if not parsed:
                             if c.text or lp:   # the named function's arguments, as they come
                                 yield chunk(c.index, {"tool_calls": [{
                                     "index": 0, "function": {"arguments": c.text}}]}, None, lp)
