@@ -12,13 +12,17 @@ import numbers
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import (Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple,
+                    Union)
 
 from llm_serving.errors import ConfigError, ModelLoadError
 
 __all__ = ["BatchEncoding", "Tokenizer"]
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' named special tokens, in the order its all_special_tokens lists them
+_NAMED_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
 
 
 def _token_content(value: Any) -> Optional[str]:
@@ -596,8 +600,18 @@ class Tokenizer:
         for i in (self.bos_token_id, self.eos_token_id, self.unk_token_id, self.pad_token_id):
             if i is not None:
                 special.add(i)
-        self.all_special_ids: List[int] = sorted(special)
-        self._special_set = frozenset(special)
+        # Every id decode(skip_special_tokens=True) drops: the added tokens marked special
+        # (Llama 3's reserved ones too) and the named ones.
+        self.special_ids: FrozenSet[int] = frozenset(special)
+        # transformers' (what vLLM's get_tokenizer() hands out): the named special tokens of
+        # tokenizer_config.json, then its additional / extra ones, each once, in that order.
+        listed: List[str] = []
+        for c in [_token_content(self._config.get(k)) for k in _NAMED_SPECIAL_KEYS] + \
+                _extra_special_token_strings(self._config):
+            if c is not None and c not in listed:
+                listed.append(c)
+        self.all_special_tokens: List[str] = listed
+        self.all_special_ids: List[int] = [self._token_id(c) for c in listed]
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -714,7 +728,7 @@ class Tokenizer:
         return self._backend.tokens_to_string(list(tokens))
 
     def is_special_id(self, token_id: int) -> bool:
-        return token_id in self._special_set
+        return token_id in self.special_ids
 
     @property
     def model_max_length(self) -> int:
@@ -738,8 +752,9 @@ class Tokenizer:
         return self._backend.get_vocab()
 
     @property
-    def all_special_tokens(self) -> List[str]:
-        return [t for t in self.convert_ids_to_tokens(self.all_special_ids) if t is not None]
+    def is_fast(self) -> bool:
+        """True, as transformers 5's tokenizers (a sentencepiece model is converted too)."""
+        return True
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:

@@ -99,7 +99,7 @@ def test_decode_random_ids_matches_transformers(pair, data):
     for skip in (True, False):
         expected = hf.decode(ids, skip_special_tokens=skip)
         assert ours.decode(ids, skip_special_tokens=skip) == expected
-        kept = [i for i in ids if not (skip and i in ours.all_special_ids)]
+        kept = [i for i in ids if not (skip and i in ours.special_ids)]
         assert ours.convert_tokens_to_string(ours.convert_ids_to_tokens(kept)) == expected
     assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
 
@@ -109,7 +109,29 @@ def test_special_ids_and_sizes(pair):
     assert len(ours) == len(hf) and ours.vocab_size == hf.vocab_size
     assert ours.bos_token_id == hf.bos_token_id == 1
     assert ours.eos_token_id == hf.eos_token_id == 2
-    assert set(hf.all_special_ids) <= set(ours.all_special_ids)
+    assert ours.all_special_ids == hf.all_special_ids
+    assert ours.all_special_tokens == hf.all_special_tokens
+    assert ours.is_fast is hf.is_fast is True
+
+
+def test_special_tokens_listed_as_transformers_lists_them(tiny_dir, tmp_path):
+    """all_special_ids / all_special_tokens as transformers' (and so vLLM's get_tokenizer()):
+    the named tokens, then the additional ones; an added token marked special that the config
+    does not name (Llama 3's reserved tokens) is not listed, yet decode still skips it."""
+    d = tmp_path / "unnamed"
+    shutil.copytree(tiny_dir, d)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((d / name).read_text())
+        config.pop("additional_special_tokens")
+        config["pad_token"] = "<|im_end|>"
+        (d / name).write_text(json.dumps(config))
+    ours, hf = Tokenizer.from_pretrained(str(d)), transformers.AutoTokenizer.from_pretrained(d)
+    assert ours.all_special_tokens == hf.all_special_tokens == ["<s>", "</s>", "<unk>",
+                                                                "<|im_end|>"]
+    assert ours.all_special_ids == hf.all_special_ids == [1, 2, 0, 4]
+    ids = [3] + hf.encode("Hello", add_special_tokens=False)      # 3: <|im_start|>
+    assert ours.decode(ids, skip_special_tokens=True) == \
+        hf.decode(ids, skip_special_tokens=True) == "Hello"
 
 
 def test_tiny_model_specials(tiny_dir):
@@ -307,7 +329,7 @@ def test_transformers_call_surface_matches(pair):
                  "eos_token_id", "unk_token_id", "pad_token_id", "vocab_size"):
         assert getattr(ours, name) == getattr(hf, name), name
     assert len(ours) == len(hf) and ours.get_vocab() == hf.get_vocab()
-    assert sorted(ours.all_special_tokens) == sorted(hf.all_special_tokens)
+    assert ours.all_special_tokens == hf.all_special_tokens
     assert ours.model_max_length == hf.model_max_length
     # ids as NumPy arrays and integers (what a script slicing logits hands over)
     import numpy as np

@@ -59,7 +59,7 @@ class IncrementalDetokenizer:
         # first min_tokens (once this count is below 0); until then deltas go out whole.
         self._stop_free = min_tokens
 
-        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._special = tokenizer.special_ids
         context = self._ids_to_tokens(list(prompt_token_ids)[-(_PROMPT_CONTEXT_TOKENS + _MAX_BACKTRACK):])
         # Only the tail of this list is ever read; earlier entries are dropped as offsets advance.
         self._tokens: List[str] = context

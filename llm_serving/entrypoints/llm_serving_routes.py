@@ -124,10 +124,6 @@ def _params(p: Parameters) -> SamplingParams:
         structured_outputs=p.grammar.structured() if p.grammar is not None else None)
 
 
-def _special_ids(tok) -> set:
-    return set(getattr(tok, "all_special_ids", ()) or ())
-
-
 def _token(tid: int, text: str, logprob, special: set) -> dict:
     return {"id": tid, "logprob": logprob, "special": tid in special, "text": text}
 
@@ -247,7 +243,7 @@ async def _full(request: Request, model: str, req: GenerateRequest):
         await stream.aclose()       # the client gone: the request is aborted
     if g.error:     # the request's fault (a grammar the parser cannot follow): a 400
         raise _own_names(output_error(g.error))
-    body = g.summary(_special_ids(engine.tokenizer), req.parameters.seed)
+    body = g.summary(engine.tokenizer.special_ids, req.parameters.seed)
     if g.kv is not None:
         body["kv_transfer_params"] = g.kv
     log_request(stream.request_id, g.n_prompt, len(g.ids), t0)
@@ -259,7 +255,7 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
     state, engine, req, stream = await _start(request, model, req)
     t0 = time.perf_counter()    # as _full and the OpenAI routes: from the request's admission
     tok = engine.tokenizer
-    special = _special_ids(tok)
+    special = tok.special_ids
     protocol = req.parameters.return_protocol
 
     def step_line(g: _Generated, out) -> bytes:
