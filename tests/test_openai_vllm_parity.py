@@ -141,6 +141,18 @@ def test_a_chat_streams_last_text_comes_in_its_finish_chunk(client):
         assert last.logprobs.content[-1].token == tokens[-1]
 
 
+def test_a_chat_message_has_the_null_fields_vllm_and_openai_send(server):
+    """A script reading the JSON as vLLM's (and OpenAI's) answers it finds message["refusal"]
+    and the other fields this server never fills, null, next to role and content."""
+    r = requests.post(server + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    for field in ("refusal", "annotations", "audio", "function_call", "reasoning"):
+        assert msg[field] is None, field
+
+
 def test_logprob_tokens_of_a_split_character_add_up_to_the_text(server, client):
     """A character made of several byte tokens: the tokens before its last byte are named
     "" and the last carries the character (vLLM's), so the tokens join to the text and each

@@ -34,6 +34,11 @@ logger = logging.getLogger("llm_serving.server")
 # single request's answer would be hundreds of megabytes.
 MAX_LOGPROB_ENTRIES = 1 << 20
 
+# A chat answer's message fields this server never fills, sent as null as vLLM sends them
+# (OpenAI's own answers carry refusal too): a client reading message["refusal"] gets None.
+MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None,
+                 "reasoning": None}
+
 
 def _check_fields(req) -> None:
     """A field we cannot honour, or fields that do not go together, are a 400 naming it;
@@ -628,7 +633,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             msg, override = message_of(ch["text"])
             if echoed:
                 msg["content"] = echoed + (msg["content"] or "")
-            out.append({"index": idx, "message": msg,
+            out.append({"index": idx, "message": {**MESSAGE_NULLS, **msg},
                         "logprobs": (_chat_logprobs(ch["lp"], top, as_ids) if req.logprobs
                                      else None),
                         "finish_reason": override or openai_finish_reason(ch["finish"]),
