@@ -753,6 +753,28 @@ def test_requests_the_server_cannot_do_are_a_400_naming_the_field(server, path, 
     assert r.json()["error"]["param"] == field, r.text
 
 
+@pytest.mark.parametrize("path, body, field, wanted", [
+    ("/v1/completions", {"prompt": "Hi", "stop": 5}, "stop",
+     ["a valid string", "a valid list"]),
+    ("/v1/completions", {"prompt": [[1, "a"]]}, "prompt",
+     ["a valid string", "at 0.1: Input should be a valid integer"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content", ["a valid string", "a valid list"]),
+    ("/v1/chat/completions", {"messages": MSG, "tool_choice": 5}, "tool_choice",
+     ["'none', 'auto' or 'required'", "a valid dictionary"]),
+])
+def test_a_field_of_several_types_is_named_with_what_each_wanted(server, path, body, field,
+                                                                  wanted):
+    """A value of none of a field's types: the error names the request's field (not
+    pydantic's stop.str) and says every type it could have been."""
+    r = requests.post(server[0] + path, json={"model": "tiny", "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field, r.text
+    assert error["message"].startswith(field + ": ")
+    assert all(w in error["message"] for w in wanted), error["message"]
+
+
 def test_a_large_answer_is_built_off_the_event_loop(server):
     """A non-streamed answer with many log-probabilities (here 8 x 600 x 21: 100k entries,
     ~7 MB) takes seconds to build; meanwhile other clients are answered."""

@@ -154,6 +154,25 @@ class _RequestIdHeader:
         return await self.app(scope, receive, send_with_id)
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _is_type_name(part) -> bool:
+    """Field names are lower-case; type names are builtins, bracketed generics and literals,
+    or model classes."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or part[:1].isupper())
+
+
+def _field_of(loc) -> tuple[str, str]:
+    """The request field a validation error's location names, and where in its value the
+    error is: pydantic puts the type it tried after a field that takes several
+    (``stop.str``, ``prompt.list[int].0``), which is not part of either."""
+    loc = [p for p in loc if p != "body"]
+    cut = next((i for i, p in enumerate(loc) if _is_type_name(p)), len(loc))
+    inner = ".".join(str(p) for p in loc[cut:] if not _is_type_name(p))
+    return ".".join(str(p) for p in loc[:cut]) or "body", inner
+
+
 def _not_serving(state: ServerState) -> str:
     return state.load_error or ("loading the model" if state.engine is None else
                                 "the engine loop stopped" if state.engine.is_dead else
@@ -213,10 +232,15 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         err = e.errors()[0]
         if err["type"] == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {err['msg']}", "body")
-        loc = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden":     # the unknown key itself is named
+            loc = ".".join(str(p) for p in err["loc"] if p != "body")
             return error_response(400, f"{loc}: not a field this route supports", loc)
-        return error_response(400, f"{loc}: {err['msg']}", loc)
+        field = _field_of(err["loc"])[0]
+        # a field taking several types fails once per type: say what each wanted
+        wanted = dict.fromkeys(f"at {inner}: {x['msg']}" if inner else x["msg"]
+                               for x in e.errors()
+                               for f, inner in [_field_of(x["loc"])] if f == field)
+        return error_response(400, f"{field}: {'; or '.join(wanted)}", field)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, e: StarletteHTTPException):
