@@ -381,3 +381,19 @@ def test_the_builtin_model_by_name(tmp_path, monkeypatch):
     assert len(out[0].outputs[0].token_ids) == 3
     assert (tmp_path / "models" / "tiny-llama" / "config.json").is_file()
     llm.engine.shutdown()
+
+
+def test_lora_request_none_is_taken_as_vllm_takes_it(tiny_llm):
+    """vLLM scripts pass lora_request=None (no adapter), by name or 4th in vLLM's order; an
+    adapter is refused by name."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain = tiny_llm.generate("Hello", params)[0].outputs[0].token_ids
+    assert tiny_llm.generate("Hello", params, lora_request=None)[0].outputs[0].token_ids == plain
+    assert tiny_llm.generate(["Hello"], params, False, None, [0])[0].outputs[0].token_ids == plain
+    chat = [{"role": "user", "content": "Hi"}]
+    assert tiny_llm.chat(chat, params, lora_request=None)[0].outputs[0].token_ids == \
+        tiny_llm.chat(chat, params)[0].outputs[0].token_ids
+    for call in (lambda: tiny_llm.generate("Hello", params, lora_request=object()),
+                 lambda: tiny_llm.chat(chat, params, lora_request=object())):
+        with pytest.raises(ValueError, match="lora_request"):
+            call()

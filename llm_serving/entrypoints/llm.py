@@ -31,6 +31,13 @@ def _no_pooling(method: str) -> ValueError:
                       "chat()")
 
 
+def _refuse_lora(lora_request) -> None:
+    """vLLM scripts pass ``lora_request=None`` for no adapter; an adapter is refused by name."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported by llm_serving "
+                         "(pass None)")
+
+
 class LLM:
     def __init__(self, model: str, **engine_args):
         """``model``: an HF model directory, or ``builtin:tiny-llama`` (as start.py's
@@ -58,8 +65,10 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False,
+                 use_tqdm: bool = False, lora_request=None,
                  priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
+        """vLLM's arguments in vLLM's order; ``lora_request`` only as None (no adapter)."""
+        _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if isinstance(priority, int):
@@ -90,7 +99,8 @@ class LLM:
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                    None] = None,
-             use_tqdm: bool = False, *, priority: Union[int, Sequence[int], None] = None,
+             use_tqdm: bool = False, lora_request=None, *,
+             priority: Union[int, Sequence[int], None] = None,
              chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Optional[list] = None,
              chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
@@ -99,6 +109,7 @@ class LLM:
         of text parts (joined with newlines); ``tools`` and ``chat_template_kwargs`` go to the
         chat template; ``continue_final_message`` carries on the last message instead of
         starting a new turn."""
+        _refuse_lora(lora_request)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")
@@ -124,7 +135,7 @@ class LLM:
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text,
                                                                       add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm, priority)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     # vLLM's pooling-model methods, and its beam search: refused by name, as vLLM refuses
     # pooling on a generative model, rather than as a missing attribute.
