@@ -393,7 +393,14 @@ def test_lora_request_none_is_taken_as_vllm_takes_it(tiny_llm):
     chat = [{"role": "user", "content": "Hi"}]
     assert tiny_llm.chat(chat, params, lora_request=None)[0].outputs[0].token_ids == \
         tiny_llm.chat(chat, params)[0].outputs[0].token_ids
+    eng = tiny_llm.llm_engine         # vLLM's add_request: lora_request 5th, before priority
+    eng.add_request("lora-none", "Hello", params, None, None)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert done["lora-none"].outputs[0].token_ids == plain
     for call in (lambda: tiny_llm.generate("Hello", params, lora_request=object()),
-                 lambda: tiny_llm.chat(chat, params, lora_request=object())):
+                 lambda: tiny_llm.chat(chat, params, lora_request=object()),
+                 lambda: eng.add_request("lora", "Hello", params, lora_request=object())):
         with pytest.raises(ValueError, match="lora_request"):
             call()

@@ -14,7 +14,7 @@ from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
-from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
+from llm_serving.entrypoints.vllm_engine import VllmLLMEngine, refuse_lora
 from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
@@ -29,13 +29,6 @@ def _no_pooling(method: str) -> ValueError:
     return ValueError(f"LLM.{method}() is for pooling models (embeddings, classification, "
                       "scores); llm_serving runs generative models only: use generate() or "
                       "chat()")
-
-
-def _refuse_lora(lora_request) -> None:
-    """vLLM scripts pass ``lora_request=None`` for no adapter; an adapter is refused by name."""
-    if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not supported by llm_serving "
-                         "(pass None)")
 
 
 class LLM:
@@ -68,7 +61,7 @@ class LLM:
                  use_tqdm: bool = False, lora_request=None,
                  priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
         """vLLM's arguments in vLLM's order; ``lora_request`` only as None (no adapter)."""
-        _refuse_lora(lora_request)
+        refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if isinstance(priority, int):
@@ -109,7 +102,7 @@ class LLM:
         of text parts (joined with newlines); ``tools`` and ``chat_template_kwargs`` go to the
         chat template; ``continue_final_message`` carries on the last message instead of
         starting a new turn."""
-        _refuse_lora(lora_request)
+        refuse_lora(lora_request)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")

@@ -58,6 +58,13 @@ class VllmModelConfig:
                              f"{name!r} is not provided by llm_serving")
 
 
+def refuse_lora(lora_request) -> None:
+    """vLLM scripts pass ``lora_request=None`` for no adapter; an adapter is refused by name."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported by llm_serving "
+                         "(pass None)")
+
+
 class VllmLLMEngine:
     """``llm.llm_engine``: vLLM's LLMEngine methods and fields that this engine has."""
 
@@ -71,8 +78,10 @@ class VllmLLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+                    arrival_time: Optional[float] = None, lora_request=None,
+                    priority: int = 0) -> str:
         """vLLM's argument order: the id first. Outputs come from step()."""
+        refuse_lora(lora_request)
         return self._engine.add_request(prompt, params, request_id=str(request_id),
                                         priority=priority, arrival_time=arrival_time)
 
