@@ -345,6 +345,10 @@ def test_auto_tool_calls_stream_content_then_the_call(client):
     assert {e[0] for e in events} == {"content", "finish"} and len(events) > 3
     assert "".join(e[1] for e in events if e[0] == "content") == \
         client.chat.completions.create(**kw).choices[0].message.content
+    # as vLLM's: the last text comes in the finish chunk, not before an empty one
+    assert events[-2][0] == "content" and events[-1] == ("finish", "length")
+    last = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices][-1]
+    assert last.choices[0].finish_reason == "length" and last.choices[0].delta.content
 
 
 def test_the_chat_template_receives_the_tools(server, client):

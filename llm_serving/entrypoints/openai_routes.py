@@ -588,25 +588,24 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 yield chunk(c.index, {"content": c.text}, finish, lp,
                                             c.stop_reason)
                             continue
-                        if not parsed:
-                            if c.text or lp:   # the named function's arguments, as they come
-                                yield chunk(c.index, {"tool_calls": [{
-                                    "index": 0, "function": {"arguments": c.text}}]}, None, lp)
+                        finish = openai_finish_reason(c.finish_reason)
+                        if not parsed:   # the named function's arguments, as they come
+                            deltas = [{"tool_calls": [{"index": 0, "function": {
+                                "arguments": c.text}}]}] if c.text else []
                         else:   # content before the calls, then each call, as they come
                             deltas = calls[c.index].feed(c.text)
-                            if lp and not deltas:
-                                deltas = [{}]
-                            for k, delta in enumerate(deltas):
-                                yield chunk(c.index, delta, None, lp if k == 0 else None)
-                        if c.finish_reason is not None:
-                            finish = openai_finish_reason(c.finish_reason)
-                            if parsed:
+                            if finish is not None:
                                 st = calls.pop(c.index)
                                 msg, override = message_of(st.text)
-                                for delta in st.finish(msg.get("tool_calls") or []):
-                                    yield chunk(c.index, delta)
+                                deltas += st.finish(msg.get("tool_calls") or [])
                                 finish = override or finish
-                            yield chunk(c.index, {}, finish, stop_reason=c.stop_reason)
+                        if (lp or finish is not None) and not deltas:
+                            deltas = [{}]
+                        # as vLLM's: the step's last delta is the finish chunk
+                        for k, delta in enumerate(deltas):
+                            end = finish if k == len(deltas) - 1 else None
+                            yield chunk(c.index, delta, end, lp if k == 0 else None,
+                                        c.stop_reason if end else None)
                 if include_usage:
                     yield sse({"id": resp_id, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
