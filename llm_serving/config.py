@@ -240,6 +240,9 @@ class EngineArgs:
         "llama3_json (needs enable_auto_tool_choice)")
     enable_auto_tool_choice: bool = _arg(False,
         "let the model decide whether to call a tool (tool_choice 'auto', vLLM's flag)")
+    reasoning_parser: Optional[str] = _arg(None,
+        "split a chat answer's <think>...</think> off its content into the message's "
+        "reasoning field, as vLLM: qwen3 or deepseek_r1 (docs/openai.md)")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -247,6 +250,7 @@ class EngineArgs:
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, f"expected a positive integer, got {value!r}")
+        from llm_serving.entrypoints import reasoning
         from llm_serving.tokenizer import load_chat_template
         self.chat_template = load_chat_template(self.chat_template)   # a file's path, or text
         if not isinstance(self.model, str) or not self.model:
@@ -254,6 +258,9 @@ class EngineArgs:
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError("tool_call_parser", f"expected hermes or llama3_json, got "
                               f"{self.tool_call_parser!r}")
+        error = reasoning.check_name(self.reasoning_parser)
+        if error:
+            raise ConfigError("reasoning_parser", error)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice", "needs tool_call_parser (hermes or "
                               "llama3_json) to read the model's tool calls")

@@ -308,6 +308,8 @@ class ChatCompletionRequest(_SamplingFields):
     # echo puts a last assistant message before the reply.
     continue_final_message: bool = False
     echo: bool = False
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer.
+    include_reasoning: bool = True
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 

@@ -20,7 +20,7 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
-from llm_serving.entrypoints import remote_prefill, tool_calls, unread_offers
+from llm_serving.entrypoints import reasoning, remote_prefill, tool_calls, unread_offers
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.engine.input_processor import encode_prompt
 from llm_serving.outputs import RequestOutput
@@ -512,12 +512,28 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise translate_error(e) from None
     # How the text becomes tool calls: forced (named / required), parsed (auto), or not.
     tool_mode = None if not tools else ("forced" if forced is not None else "auto")
+    # --reasoning-parser: the thinking split off first. Not under a grammar, which holds
+    # from the first token here (vLLM lets the model think before it applies).
+    think_parser = None if forced or structured else args.reasoning_parser
+    thinking = reasoning.thinking_enabled(
+        {**state.frontend.default_chat_template_kwargs, **(req.chat_template_kwargs or {})})
+    show_reasoning = req.include_reasoning
 
     # vLLM's: --response-role answers a generation prompt; else the last message's role
     role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role
 
     def message_of(text: str) -> tuple[dict, Optional[str]]:
         """The message of a finished choice and its finish reason override."""
+        if think_parser is None:
+            return content_message_of(text)
+        thought, text = reasoning.split(text, think_parser, thinking)
+        msg, override = content_message_of(text or "")
+        if not msg["content"]:
+            msg["content"] = None
+        msg["reasoning"] = thought if show_reasoning else None
+        return msg, override
+
+    def content_message_of(text: str) -> tuple[dict, Optional[str]]:
         if tool_mode == "forced":
             calls = tool_calls.forced_calls(text, choice)
             return ({"role": role, "content": None, "tool_calls": calls},
@@ -556,7 +572,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
         async def gen():
             prompt_tokens = len(ids)
-            started, calls = set(), {}
+            started, calls, thoughts = set(), {}, {}
             parsed = tool_mode == "auto" or choice == "required"
             try:
                 async for _, out in _merge(streams):
@@ -578,25 +594,39 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             elif parsed:
                                 calls[c.index] = tool_calls.CallStream(
                                     "required" if choice == "required" else args.tool_call_parser)
+                            if think_parser is not None:
+                                thoughts[c.index] = reasoning.ReasoningStream(think_parser,
+                                                                              thinking)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
                         lp = _chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
+                        text = c.text
+                        if think_parser is not None:
+                            if not show_reasoning:
+                                lp = None       # its tokens would show the reasoning (vLLM)
+                            thinker = thoughts[c.index]
+                            thought, text = thinker.feed(text)
+                            if c.finish_reason is not None:
+                                thought += thinker.finish()[0]
+                            if thought and show_reasoning:
+                                yield chunk(c.index, {"reasoning": thought}, None, lp)
+                                lp = None
                         if tool_mode is None:
                             # vLLM's: the last text comes in the finish chunk, whose delta
                             # always has its content ("" when the last token added none)
                             finish = openai_finish_reason(c.finish_reason)
-                            if c.text or lp or finish is not None:
-                                yield chunk(c.index, {"content": c.text}, finish, lp,
+                            if text or lp or finish is not None:
+                                yield chunk(c.index, {"content": text}, finish, lp,
                                             c.stop_reason)
                             continue
                         finish = openai_finish_reason(c.finish_reason)
                         if not parsed:   # the named function's arguments, as they come
                             deltas = [{"tool_calls": [{"index": 0, "function": {
-                                "arguments": c.text}}]}] if c.text else []
+                                "arguments": text}}]}] if text else []
                         else:   # content before the calls, then each call, as they come
-                            deltas = calls[c.index].feed(c.text)
+                            deltas = calls[c.index].feed(text)
                             if finish is not None:
                                 st = calls.pop(c.index)
-                                msg, override = message_of(st.text)
+                                msg, override = content_message_of(st.text)
                                 deltas += st.finish(msg.get("tool_calls") or [])
                                 finish = override or finish
                         if (lp or finish is not None) and not deltas:
@@ -633,7 +663,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             if echoed:
                 msg["content"] = echoed + (msg["content"] or "")
             out.append({"index": idx, "message": {**MESSAGE_NULLS, **msg},
-                        "logprobs": (_chat_logprobs(ch["lp"], top, as_ids) if req.logprobs
+                        "logprobs": (_chat_logprobs(ch["lp"], top, as_ids)
+                                     if req.logprobs and (show_reasoning or not think_parser)
                                      else None),
                         "finish_reason": override or openai_finish_reason(ch["finish"]),
                         "stop_reason": ch["stop_reason"]})

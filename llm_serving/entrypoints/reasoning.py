@@ -1,0 +1,98 @@
+"""``--reasoning-parser``: a chat answer's thinking, split off its content as vLLM 0.32 does
+for Qwen3 (``qwen3``) and DeepSeek-R1 and its distills (``deepseek_r1``).
+
+The model thinks first, between ``<think>`` and ``</think>``. Its chat template may have put
+``<think>`` in the prompt already, so the generated text is taken as reasoning from its first
+character: a ``<think>`` in it is dropped, and the first ``</think>`` ends the reasoning
+(dropped too); everything after it is content, verbatim. A text with no ``</think>`` is all
+reasoning. For ``qwen3`` a ``<tool_call>`` also ends the reasoning (kept, for the tool
+parser), and with the template variable ``enable_thinking`` false the whole text is content.
+
+The markers are found in the text (Qwen3's and DeepSeek-R1's tokenizers decode them as text),
+incrementally: ``ReasoningStream.feed`` looks only at the new piece and the few characters of
+a marker held back from the last one.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+PARSERS = ("deepseek_r1", "qwen3")
+THINK_START = "<think>"
+THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+
+
+def check_name(name: Optional[str]) -> Optional[str]:
+    """None, or why ``name`` is not a reasoning parser."""
+    if name is None or name in PARSERS:
+        return None
+    return f"expected one of {', '.join(PARSERS)}, got {name!r}"
+
+
+class ReasoningStream:
+    """One choice's text, piece by piece: each ``feed`` gives the (reasoning, content) the
+    piece adds; ``finish`` gives what was held back at the end."""
+
+    def __init__(self, name: str, thinking: bool = True):
+        self.reasoning = thinking or name != "qwen3"
+        # (marker, ends the reasoning, kept in the content)
+        self._markers = [(THINK_START, False, False), (THINK_END, True, False)]
+        if name == "qwen3":
+            self._markers.append((TOOL_CALL_START, True, True))
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        if not self.reasoning:
+            return "", piece
+        text = self._held + piece
+        self._held = ""
+        parts = []
+        while True:
+            found = None
+            for marker, ends, kept in self._markers:
+                at = text.find(marker)
+                if at >= 0 and (found is None or at < found[0]):
+                    found = (at, marker, ends, kept)
+            if found is None:
+                break
+            at, marker, ends, kept = found
+            parts.append(text[:at])
+            if ends:
+                self.reasoning = False
+                return "".join(parts), text[at:] if kept else text[at + len(marker):]
+            text = text[at + len(marker):]
+        keep = self._partial_marker(text)
+        if keep:
+            self._held = text[-keep:]
+            text = text[:-keep]
+        parts.append(text)
+        return "".join(parts), ""
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back as the possible start of a marker: reasoning after all."""
+        held, self._held = self._held, ""
+        return held, ""
+
+    def _partial_marker(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins a marker."""
+        longest = 0
+        for marker, _, _ in self._markers:
+            for n in range(min(len(marker) - 1, len(text)), longest, -1):
+                if text.endswith(marker[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+def split(text: str, name: str, thinking: bool = True) -> tuple[Optional[str], Optional[str]]:
+    """A whole answer's (reasoning, content), each None when empty (as vLLM)."""
+    stream = ReasoningStream(name, thinking)
+    reasoning, content = stream.feed(text)
+    reasoning += stream.finish()[0]
+    return reasoning or None, content or None
+
+
+def thinking_enabled(template_kwargs: dict) -> bool:
+    """Whether the chat template was asked to let the model think (Qwen3's
+    ``enable_thinking``, true unless set false)."""
+    return bool(template_kwargs.get("enable_thinking", True))
