@@ -54,12 +54,12 @@ def _check_fields(req) -> None:
                        ", ".join(unknown))
 
 
-def _state(request: Request) -> ServerState:
+def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _start(request: Request, rid: str, resp_id: str, prompts: list, params, priority: int,
-                 grammar_field: Optional[str] = None):
+async def start_requests(request: Request, rid: str, resp_id: str, prompts: list, params,
+                         priority: int, grammar_field: Optional[str] = None):
     """Queue one engine request per prompt (``rid``-i); all or none. ``resp_id``: the
     response's id, which the request log names at arrival as at the end (vLLM's logs name
     the id the client sent in X-Request-Id). ``grammar_field``: the request field
@@ -69,7 +69,7 @@ async def _start(request: Request, rid: str, resp_id: str, prompts: list, params
     first-D request's producer is asked in between (remote_prefill). Each prompt takes its
     own KV offer when a producer answered per prompt (pd_request.offer_of_prompt); the
     offers of prompts never queued are declined (unread_offers)."""
-    engine = _state(request).require_engine()
+    engine = server_state(request).require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
         raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request exceed the "
@@ -90,12 +90,12 @@ async def _start(request: Request, rid: str, resp_id: str, prompts: list, params
         raise HTTPError(400, f"logprobs: up to {entries} log-probabilities asked for (prompts x "
                         f"n x max_tokens x the top ones + 1, and the echoed prompts'): the "
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
-    log_arrival(_state(request), resp_id, prompts, params)
+    log_arrival(server_state(request), resp_id, prompts, params)
     try:
         news = [await engine.check_request(f"{rid}-{i}", prompt, params, priority)
                 for i, prompt in enumerate(prompts)]
     except Exception as e:
-        raise _grammar_named(translate_error(e), grammar_field) from None
+        raise grammar_named(translate_error(e), grammar_field) from None
     # first D, then P: ask P now that every check here has passed
     kv = await remote_prefill.resolve(request, params.kv_transfer_params)
     try:
@@ -110,18 +110,18 @@ async def _start(request: Request, rid: str, resp_id: str, prompts: list, params
         unread_offers.handed_over(request, offers[len(streams):])
         for s in streams:
             await s.aclose()
-        raise _grammar_named(translate_error(e), grammar_field) from None
+        raise grammar_named(translate_error(e), grammar_field) from None
     unread_offers.handed_over(request)
     return streams
 
 
-def _grammar_named(err: HTTPError, grammar_field: Optional[str]) -> HTTPError:
+def grammar_named(err: HTTPError, grammar_field: Optional[str]) -> HTTPError:
     """A grammar error (the engine says "structured_outputs: ...") named by the request field
     the grammar came from (``guided_regex``, ``response_format``, ``tools`` ...)."""
     return renamed(err, grammar_field if err.param == "structured_outputs" else None)
 
 
-async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from all the streams as they come; closing it aborts them."""
     if len(streams) == 1:   # one prompt: read it directly, no pump task and queue hop per output
         try:
@@ -159,9 +159,9 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             await s.aclose()
 
 
-async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
-                   extra: Optional[dict] = None, grammar_field: Optional[str] = None,
-                   cached: Optional[dict] = None) -> tuple[dict, int]:
+async def collect_choices(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
+                          extra: Optional[dict] = None, grammar_field: Optional[str] = None,
+                          cached: Optional[dict] = None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
     tokens; ``cached`` gets each prompt's prefix-cached tokens; ``echo`` sees every output;
@@ -170,9 +170,9 @@ async def _collect(request: Request, streams, n: int, echo: Optional["_Echo"] = 
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
     offers: dict[int, dict] = {}
-    async for i, out in stream_or_disconnect(request, _merge(streams)):
+    async for i, out in stream_or_disconnect(request, merge_streams(streams)):
         if out.error:
-            raise _grammar_named(output_error(out.error), grammar_field)
+            raise grammar_named(output_error(out.error), grammar_field)
         prompt_tokens[i] = len(out.prompt_token_ids)
         if cached is not None and out.num_cached_tokens is not None:
             cached[i] = out.num_cached_tokens
@@ -329,7 +329,7 @@ def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) ->
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
-    state = _state(request)
+    state = server_state(request)
     state.check_model(req.model)
     _check_fields(req)
     if req.suffix:
@@ -361,7 +361,8 @@ async def completions(req: CompletionRequest, request: Request):
     rid = new_request_id("cmpl")
     resp_id = response_id(request, "cmpl", rid)
     grammar_field = req.structured_field()
-    streams = await _start(request, rid, resp_id, prompts, params, req.priority, grammar_field)
+    streams = await start_requests(request, rid, resp_id, prompts, params, req.priority,
+                                   grammar_field)
     created, model = int(time.time()), state.served_model_name
     n = req.n
     t0 = time.perf_counter()
@@ -372,13 +373,13 @@ async def completions(req: CompletionRequest, request: Request):
         async def gen():
             prompt_tokens, offsets, choice_tokens, cached = {}, {}, {}, {}
             try:
-                async for i, out in _merge(streams):
+                async for i, out in merge_streams(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     if out.num_cached_tokens is not None:
                         cached[i] = out.num_cached_tokens
                     if out.error:
-                        yield _sse_error(_grammar_named(output_error(out.error),
-                                                        grammar_field))
+                        yield _sse_error(grammar_named(output_error(out.error),
+                                                       grammar_field))
                         continue
                     if echo is not None:
                         echo.see(i, out)
@@ -425,8 +426,8 @@ async def completions(req: CompletionRequest, request: Request):
 
     extra: dict = {}
     cached: dict = {}
-    choices, prompt_tokens = await _collect(request, streams, n, echo, extra, grammar_field,
-                                            cached)
+    choices, prompt_tokens = await collect_choices(request, streams, n, echo, extra, grammar_field,
+                                                   cached)
 
     def build() -> dict:
         for idx, ch in choices.items():
@@ -451,7 +452,7 @@ async def completions(req: CompletionRequest, request: Request):
         log_request(resp_id, body["usage"]["prompt_tokens"],
                     body["usage"]["completion_tokens"], t0)
         return body
-    return await _json_answer(build)
+    return await json_answer(build)
 
 
 # ---- chat --------------------------------------------------------------------------------
@@ -462,7 +463,7 @@ def _top(entry: dict, k: int, as_ids: bool = False) -> list:
     return [(_name(t, v, as_ids), v.logprob) for t, v in ranked]
 
 
-def _chat_logprobs(entries, top: int, as_ids: bool = False) -> dict:
+def chat_logprobs(entries, top: int, as_ids: bool = False) -> dict:
     content = []
     for entry in entries:
         tid, lp = next(iter(entry.items()))      # the chosen token comes first
@@ -476,7 +477,7 @@ def _chat_logprobs(entries, top: int, as_ids: bool = False) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
-    state = _state(request)
+    state = server_state(request)
     state.check_model(req.model)
     _check_fields(req)
     engine = state.require_engine()
@@ -550,8 +551,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
-    streams = await _start(request, rid, resp_id, [{"prompt": text, "prompt_token_ids": ids}],
-                           params, req.priority, grammar_field)
+    streams = await start_requests(request, rid, resp_id,
+                                   [{"prompt": text, "prompt_token_ids": ids}],
+                                   params, req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     t0 = time.perf_counter()
 
@@ -575,12 +577,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             started, calls, thoughts = set(), {}, {}
             parsed = tool_mode == "auto" or choice == "required"
             try:
-                async for _, out in _merge(streams):
+                async for _, out in merge_streams(streams):
                     if out.num_cached_tokens is not None:
                         cached[0] = out.num_cached_tokens
                     if out.error:
-                        yield _sse_error(_grammar_named(output_error(out.error),
-                                                        grammar_field))
+                        yield _sse_error(grammar_named(output_error(out.error),
+                                                       grammar_field))
                         continue
                     for c in out.outputs:
                         if c.index not in started:
@@ -598,7 +600,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 thoughts[c.index] = reasoning.ReasoningStream(think_parser,
                                                                               thinking)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
-                        lp = _chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
+                        lp = chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
                         text = c.text
                         if think_parser is not None:
                             if not show_reasoning:
@@ -651,8 +653,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
     extra: dict = {}
     cached = {}
-    choices, _ = await _collect(request, streams, req.n, extra=extra,
-                                grammar_field=grammar_field, cached=cached)
+    choices, _ = await collect_choices(request, streams, req.n, extra=extra,
+                                       grammar_field=grammar_field, cached=cached)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(resp_id, len(ids), completion_tokens, t0)
 
@@ -663,7 +665,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             if echoed:
                 msg["content"] = echoed + (msg["content"] or "")
             out.append({"index": idx, "message": {**MESSAGE_NULLS, **msg},
-                        "logprobs": (_chat_logprobs(ch["lp"], top, as_ids)
+                        "logprobs": (chat_logprobs(ch["lp"], top, as_ids)
                                      if req.logprobs and (show_reasoning or not think_parser)
                                      else None),
                         "finish_reason": override or openai_finish_reason(ch["finish"]),
@@ -672,10 +674,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 "model": model, "choices": out,
                 "usage": _usage(len(ids), completion_tokens, _cached(state, cached)),
                 **extra}
-    return await _json_answer(build)
+    return await json_answer(build)
 
 
-async def _json_answer(build) -> Response:
+async def json_answer(build) -> Response:
     """A non-streamed answer, built and serialized on a worker thread: with logprobs it can
     be tens of megabytes, seconds of work that on the event loop would hold every other
     client (as FastAPI's own JSON: UTF-8, compact, no NaN)."""
@@ -685,7 +687,7 @@ async def _json_answer(build) -> Response:
     return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
-def _encode(engine, text: str, field: str, add_special_tokens: bool) -> list[int]:
+def encode_text(engine, text: str, field: str, add_special_tokens: bool) -> list[int]:
     try:
         return encode_prompt(engine.tokenizer, text, engine.limits.max_model_len, field,
                              add_special_tokens)
@@ -695,7 +697,7 @@ def _encode(engine, text: str, field: str, add_special_tokens: bool) -> list[int
 
 def _chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
     text = _chat_prompt(state, engine.tokenizer, req, tools)
-    return text, _encode(engine, text, "messages", req.add_special_tokens)
+    return text, encode_text(engine, text, "messages", req.add_special_tokens)
 
 
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
@@ -745,7 +747,7 @@ def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    state = _state(request)
+    state = server_state(request)
     max_len = state.require_engine().limits.max_model_len     # 503 while loading
     return {"object": "list", "data": [{"id": state.served_model_name, "object": "model",
                                         "created": int(state.started), "owned_by": "llm_serving",
@@ -755,17 +757,17 @@ async def models(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
-    state = _state(request)
+    state = server_state(request)
     state.check_model(req.model)
     engine = state.require_engine()
     tok = engine.tokenizer
     if req.messages is not None and req.prompt is not None:
         raise HTTPError(400, "messages: give a prompt or messages, not both", param="messages")
     if req.messages is not None:
-        ids = _encode(engine, _chat_prompt(state, tok, req, req.tools), "messages",
-                      bool(req.add_special_tokens))
+        ids = encode_text(engine, _chat_prompt(state, tok, req, req.tools), "messages",
+                          bool(req.add_special_tokens))
     elif req.prompt is not None:
-        ids = _encode(engine, req.prompt, "prompt", req.add_special_tokens is not False)
+        ids = encode_text(engine, req.prompt, "prompt", req.add_special_tokens is not False)
     else:
         raise HTTPError(400, "prompt: give a prompt or messages", param="prompt")
     body = {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_model_len}
@@ -776,7 +778,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
-    state = _state(request)
+    state = server_state(request)
     state.check_model(req.model)
     engine = state.require_engine()
     vocab = engine.limits.vocab_size

@@ -26,9 +26,9 @@ from fastapi.responses import StreamingResponse
 from llm_serving.entrypoints.http_common import (HTTPError, log_request, new_request_id,
                                                 output_error, refuse_unsupported, renamed,
                                                 translate_error)
-from llm_serving.entrypoints.openai_routes import (_chat_logprobs, _collect, _encode,
-                                                   _grammar_named, _json_answer, _merge,
-                                                   _start, _state, render_chat)
+from llm_serving.entrypoints.openai_routes import (chat_logprobs, collect_choices, encode_text,
+                                                   grammar_named, json_answer, merge_streams,
+                                                   start_requests, server_state, render_chat)
 from llm_serving.entrypoints.responses_protocol import ResponsesRequest
 
 router = APIRouter()
@@ -92,7 +92,7 @@ def _delta_logprobs(entries: list) -> list:
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request):
-    state = _state(request)
+    state = server_state(request)
     state.check_model(req.model)
     _check_fields(req)
     engine = state.require_engine()
@@ -108,7 +108,7 @@ async def create_response(req: ResponsesRequest, request: Request):
                                continue_final, None, req.chat_template_kwargs)
         except HTTPError as e:
             raise renamed(e, "input" if e.param == "messages" else None) from None
-        return text, _encode(engine, text, "input", False)
+        return text, encode_text(engine, text, "input", False)
     # off the event loop, as chat's: a long conversation takes a while to template
     text, ids = await asyncio.to_thread(prompt)
     longest = engine.limits.max_model_len
@@ -132,10 +132,10 @@ async def create_response(req: ResponsesRequest, request: Request):
 
     def logprobs(entries) -> list:
         """vLLM's output_text logprobs: each token's text, logprob, bytes and top ones."""
-        return _chat_logprobs(entries, top or 0, as_ids)["content"]
-    streams = await _start(request, new_request_id("resp"), resp_id,
-                           [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
-                           grammar_field)
+        return chat_logprobs(entries, top or 0, as_ids)["content"]
+    streams = await start_requests(request, new_request_id("resp"), resp_id,
+                                   [{"prompt": text, "prompt_token_ids": ids}], params,
+                                   req.priority, grammar_field)
     created = int(time.time())
     t0 = time.perf_counter()
 
@@ -163,8 +163,8 @@ async def create_response(req: ResponsesRequest, request: Request):
                                  media_type="text/event-stream")
 
     cached: dict = {}
-    choices, _ = await _collect(request, streams, 1, grammar_field=grammar_field,
-                                cached=cached)
+    choices, _ = await collect_choices(request, streams, 1, grammar_field=grammar_field,
+                                       cached=cached)
     ch = choices[0]
     log_request(resp_id, len(ids), ch["ids"], t0)
     status = "incomplete" if ch["finish"] == "length" else "completed"
@@ -173,7 +173,7 @@ async def create_response(req: ResponsesRequest, request: Request):
         item = _message(f"msg_{uuid.uuid4().hex}", ch["text"], "completed",
                         logprobs(ch["lp"]) if top is not None else None)
         return response(status, [item], _usage(len(ids), ch["ids"], cached.get(0, 0)))
-    return await _json_answer(build)
+    return await json_answer(build)
 
 
 def _event(kind: str, number: int, **fields) -> bytes:
@@ -194,11 +194,11 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
     yield _event("response.in_progress", next(seq), response=begun)
     item_id, text, tokens, cached, finish, scored = None, [], 0, 0, None, []
     at = {"output_index": 0, "content_index": 0}
-    merged = _merge(streams)
+    merged = merge_streams(streams)
     try:
         async for _, out in merged:
             if out.error:
-                raise _grammar_named(output_error(out.error), grammar_field)
+                raise grammar_named(output_error(out.error), grammar_field)
             if out.num_cached_tokens is not None:
                 cached = out.num_cached_tokens
             for c in out.outputs:
