@@ -53,6 +53,8 @@ class NoEffect:
     allowed: tuple = ()
 
 
+# --reasoning-parser's names (entrypoints/reasoning.py splits the answers)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 LOCAL_ONLY = "the model and tokenizer load from local directories; nothing is downloaded"
 # vLLM's engine arguments that mean nothing here: LLM(...), the YAML and the command line take
 # them with one warning (drop_no_effect_args), so that a vLLM script or command line runs; any
@@ -250,7 +252,6 @@ class EngineArgs:
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, f"expected a positive integer, got {value!r}")
-        from llm_serving.entrypoints import reasoning
         from llm_serving.tokenizer import load_chat_template
         self.chat_template = load_chat_template(self.chat_template)   # a file's path, or text
         if not isinstance(self.model, str) or not self.model:
@@ -258,9 +259,9 @@ class EngineArgs:
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError("tool_call_parser", f"expected hermes or llama3_json, got "
                               f"{self.tool_call_parser!r}")
-        error = reasoning.check_name(self.reasoning_parser)
-        if error:
-            raise ConfigError("reasoning_parser", error)
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError("reasoning_parser", f"expected one of "
+                              f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice", "needs tool_call_parser (hermes or "
                               "llama3_json) to read the model's tool calls")

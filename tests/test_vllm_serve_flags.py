@@ -170,6 +170,7 @@ def _settings(model, *flags):
     (["--max-logprobs", "-2"], "max_logprobs"),
     (["--logprobs-mode", "processed_logprobs"], "logprobs_mode"),
     (["--cpu-offload-gb", "4"], "cpu_offload_gb"),
+    (["--reasoning-parser", "granite"], "reasoning_parser"),
 ])
 def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, flags, key):
     with pytest.raises(ConfigError) as e:

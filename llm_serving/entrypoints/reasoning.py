@@ -16,17 +16,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-PARSERS = ("deepseek_r1", "qwen3")
 THINK_START = "<think>"
 THINK_END = "</think>"
 TOOL_CALL_START = "<tool_call>"
-
-
-def check_name(name: Optional[str]) -> Optional[str]:
-    """None, or why ``name`` is not a reasoning parser."""
-    if name is None or name in PARSERS:
-        return None
-    return f"expected one of {', '.join(PARSERS)}, got {name!r}"
 
 
 class ReasoningStream:
