@@ -311,7 +311,7 @@ def test_bad_server_flags_are_refused_naming_them(flags, key):
     assert e.value.key == key
 
 
-def test_a_unix_socket_another_server_listens_on_is_refused(tmp_path):
+def test_a_unix_socket_taken_or_out_of_reach_is_refused_before_loading(tmp_path):
     import socket
     from llm_serving.entrypoints.api_server import _check_address
     from llm_serving.errors import LLMServingError
@@ -326,6 +326,10 @@ def test_a_unix_socket_another_server_listens_on_is_refused(tmp_path):
     (tmp_path / "plain").write_text("x")
     with pytest.raises(LLMServingError, match="not a socket"):
         _check_address("127.0.0.1", 0, str(tmp_path / "plain"))
+    with pytest.raises(LLMServingError, match="No such file or directory"):
+        _check_address("127.0.0.1", 0, str(tmp_path / "no" / "such" / "dir.sock"))
+    _check_address("127.0.0.1", 0, str(tmp_path / "fresh.sock"))      # free: nothing left
+    assert not (tmp_path / "fresh.sock").exists()
 
 
 def test_chat_template_is_a_file_path_or_the_template_itself(tmp_path, tiny_model_dir):

@@ -402,19 +402,26 @@ def _check_address(host: str, port: int, uds: Optional[str]) -> None:
     """Fails at once, before the model loads, when the port or socket is taken."""
     import socket
     if uds:
-        if os.path.exists(uds):
-            probe = socket.socket(socket.AF_UNIX)
-            try:
-                probe.connect(uds)
-            except OSError:         # nobody listens: a stale socket file, replaced
-                if not stat.S_ISSOCK(os.stat(uds).st_mode):
-                    raise LLMServingError(f"cannot listen on {uds}: a file that is not a "
-                                          "socket is there") from None
-            else:
-                raise LLMServingError(f"cannot listen on {uds}: another server listens on "
-                                      "it (pass another --uds)")
-            finally:
-                probe.close()
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            if os.path.exists(uds):
+                try:
+                    probe.connect(uds)
+                except OSError:         # nobody listens: a stale socket file, replaced
+                    if not stat.S_ISSOCK(os.stat(uds).st_mode):
+                        raise LLMServingError(f"cannot listen on {uds}: a file that is not a "
+                                              "socket is there") from None
+                else:
+                    raise LLMServingError(f"cannot listen on {uds}: another server listens "
+                                          "on it (pass another --uds)")
+            else:                       # a missing directory, no permission: said now
+                try:
+                    probe.bind(uds)
+                except OSError as e:
+                    raise LLMServingError(f"cannot listen on {uds}: {e.strerror}") from None
+                os.unlink(uds)
+        finally:
+            probe.close()
         return
     probe = socket.socket()
     try:
