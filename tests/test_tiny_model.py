@@ -203,6 +203,10 @@ def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     assert d == default_model_dir("tiny-qwen3")
     assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "qwen3"
     assert resolve_model("builtin:tiny-llama") == default_model_dir("tiny")
+    from llm_serving.errors import ConfigError
+    with pytest.raises(ConfigError, match="builtin:tiny-qwen2: no built-in model") as e:
+        resolve_model("builtin:tiny-qwen2")          # a typo gave the tiny Llama, silently
+    assert e.value.key == "model" and "builtin:tiny-qwen3" in str(e.value)
 
 
 def test_bad_arguments(tmp_path):

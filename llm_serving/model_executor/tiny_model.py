@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from llm_serving.errors import ConfigError
 from llm_serving.home import home_dir
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 
@@ -175,10 +176,14 @@ def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
 
 def builtin_model(name: str) -> str:
     """The directory of ``builtin:<name>`` (``name``: a built-in model's directory name, such as
-    tiny-llama or tiny-qwen3, or its preset's), made on first use; any other name gives the
-    tiny Llama."""
+    tiny-llama or tiny-qwen3, or its preset's), made on first use. Another name is a
+    ConfigError naming the known ones (it used to give the tiny Llama, whatever was asked)."""
     presets = {d: p for p, d in _PRESET_DIRS.items()}
-    preset = name if name in PRESETS else presets.get(name, "tiny")
+    preset = name if name in PRESETS else presets.get(name)
+    if preset is None:
+        known = ", ".join(f"builtin:{d}" for d in _PRESET_DIRS.values())
+        raise ConfigError("model", f"builtin:{name}: no built-in model of that name (known: "
+                          f"{known})")
     return ensure_tiny_model(preset=preset)
 
 
