@@ -330,7 +330,9 @@ class OutputProcessor:
             for seq in req.seqs:          # vLLM counts each of the n sequences
                 reason = seq.finish_reason or "abort"
                 by_reason[reason] = by_reason.get(reason, 0) + 1
-                self.finished_sequences.append(_sequence_metrics(req, seq))
+                # one sequence: the request's own metrics are its sequence's
+                self.finished_sequences.append(metrics if len(req.seqs) == 1
+                                               else _sequence_metrics(req, seq))
         return RequestOutput(request_id=req.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outs,
                              finished=finished, prompt_logprobs=prompt_lp, metrics=metrics,

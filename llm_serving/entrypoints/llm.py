@@ -14,6 +14,7 @@ from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
+from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine, refuse_lora
 from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
@@ -107,8 +108,7 @@ class LLM:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")
         kwargs = dict(chat_template_kwargs or {})
-        taken = sorted({"messages", "add_generation_prompt", "continue_final_message", "tools",
-                        "chat_template"} & kwargs.keys())
+        taken = sorted({*CHAT_OWN_FIELDS, "chat_template"} & kwargs.keys())
         if taken:
             raise ValueError(f"chat_template_kwargs: {taken[0]!r} is chat()'s own argument, "
                              "not a template variable to set here")

@@ -516,8 +516,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # --reasoning-parser: the thinking split off first. Not under a grammar, which holds
     # from the first token here (vLLM lets the model think before it applies).
     think_parser = None if forced or structured else args.reasoning_parser
-    thinking = reasoning.thinking_enabled(
-        {**state.frontend.default_chat_template_kwargs, **(req.chat_template_kwargs or {})})
+    thinking = reasoning.thinking_enabled(template_kwargs(state, req.chat_template_kwargs))
     show_reasoning = req.include_reasoning
 
     # vLLM's: --response-role answers a generation prompt; else the last message's role
@@ -712,6 +711,12 @@ def _chat_prompt(state: ServerState, tok, req, tools) -> str:
                        tools)
 
 
+def template_kwargs(state: ServerState, given: Optional[dict]) -> dict:
+    """The chat template's variables: --default-chat-template-kwargs, then the request's own
+    (they win, as on vLLM)."""
+    return {**state.frontend.default_chat_template_kwargs, **(given or {})}
+
+
 def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: bool,
                 continue_final_message: bool, chat_template: Optional[str],
                 chat_template_kwargs: Optional[dict], tools=None) -> str:
@@ -722,8 +727,7 @@ def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: 
         raise HTTPError(400, "chat_template: a request's own chat template is refused unless "
                         "the server runs with --trust-request-chat-template",
                         param="chat_template")
-    # --default-chat-template-kwargs, then the request's own (they win, as on vLLM)
-    kwargs = {**state.frontend.default_chat_template_kwargs, **(chat_template_kwargs or {})}
+    kwargs = template_kwargs(state, chat_template_kwargs)
     template = chat_template or kwargs.pop("chat_template", None) or state.chat_template
     taken = sorted(set(CHAT_OWN_FIELDS) & kwargs.keys())
     if taken:
