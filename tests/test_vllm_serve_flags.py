@@ -431,3 +431,13 @@ def test_a_max_logprobs_whose_channel_is_too_large_is_refused(tiny_model_dir):
         _settings(tiny_model_dir, "--max-logprobs", "100000",
                   "--distributed-executor-backend", "mp")[0].create_engine_config()
     assert e.value.key == "max_logprobs" and "GiB" in str(e.value)
+
+
+def test_a_log_config_uvicorn_cannot_use_is_one_line_naming_the_flag(tiny_model_dir, tmp_path):
+    bad = tmp_path / "log.json"
+    bad.write_text('{"version": 1, "handlers": {"x": {"class": "no.such.Handler"}}}')
+    run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                          "--log-config-file", str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "error: --log-config-file:" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -45,7 +45,7 @@ from llm_serving.config import EngineArgs
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState, error_response, logger,
                                                 translate_error)
-from llm_serving.errors import LLMServingError
+from llm_serving.errors import ConfigError, LLMServingError
 
 MAX_BODY_BYTES = 4 << 20
 SHUTDOWN_REASON = "the server is shutting down"
@@ -472,9 +472,15 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     bounds, bounded = connections.bounded_server(
         engine_args.max_num_seqs + engine_args.max_waiting_requests, request_read_timeout,
         response_write_timeout)
-    config = uvicorn.Config(app, host=host, port=port,
-                            timeout_graceful_shutdown=ANSWER_ABORTED_S,
-                            **frontend.uvicorn_kwargs(), **bounded)
+    try:        # uvicorn reads --log-config-file here
+        config = uvicorn.Config(app, host=host, port=port,
+                                timeout_graceful_shutdown=ANSWER_ABORTED_S,
+                                **frontend.uvicorn_kwargs(), **bounded)
+    except ValueError as e:
+        if not frontend.log_config_file:
+            raise
+        raise ConfigError("--log-config-file", f"{frontend.log_config_file}: not a logging "
+                          f"config uvicorn can use ({e})") from None
     if frontend.quiet_paths:
         logging.getLogger("uvicorn.access").addFilter(_QuietPaths(frontend.quiet_paths))
     server = Server(config)
