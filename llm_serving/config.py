@@ -153,6 +153,18 @@ class EngineArgs:
         "new requests beyond this many waiting are refused at once")
     queue_timeout: Optional[float] = _arg(None,
         "seconds a request may wait before it starts; then it fails")
+    max_num_queued_reqs: Optional[int] = _arg(None,
+        "requests in flight (waiting or running; n answers count n) beyond which a new one "
+        "is refused with 503 at once, for a load balancer to retry elsewhere (vLLM's flag; "
+        "default: only max_waiting_requests bounds)")
+    max_num_queued_tokens: Optional[int] = field(default=None, metadata={
+        "help": "prompt tokens of the requests not past their prefill yet beyond which a new "
+                "request is refused with 503 (vLLM's flag: set it to target TTFT x prefill "
+                "tok/s; '32k' is 32000)", "cli_type": "human_readable_int"})
+    long_prefill_token_threshold: int = _arg(0,
+        "the most prompt tokens one request prefills per step while others are in the step, "
+        "so a long prompt shares the budget with the prefills queued behind it (vLLM's flag;"
+        " 0: no cap)")
     watermark: float = _arg(0.01,
         "fraction of KV blocks admission keeps free")
     distributed_executor_backend: Optional[str] = _arg(None,
@@ -290,6 +302,15 @@ class EngineArgs:
         if str(self.device).lower() not in DEVICES:
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
         positive("max_waiting_requests", self.max_waiting_requests)
+        positive("max_num_queued_reqs", self.max_num_queued_reqs, True)
+        positive("max_num_queued_tokens", self.max_num_queued_tokens, True)
+        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(
+                self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold", "expected an integer >= 0 (0: no "
+                              f"cap), got {self.long_prefill_token_threshold!r}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold", "caps prefill chunks: it needs "
+                              "enable_chunked_prefill")
         positive("dump_logits_every", self.dump_logits_every)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
                 or self.max_logprobs < -1:
@@ -445,6 +466,9 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy, preemption_mode=self.preemption_mode,
                 max_waiting=self.max_waiting_requests, queue_timeout=self.queue_timeout,
+                max_in_flight=self.max_num_queued_reqs,
+                max_prefill_backlog=self.max_num_queued_tokens,
+                long_prefill_cap=self.long_prefill_token_threshold,
                 async_scheduling=(self.async_scheduling if self.async_scheduling is not None
                                   else mp),
                 stream_interval=self.stream_interval),
@@ -578,6 +602,9 @@ class SchedulerConfig:
     queue_timeout: Optional[float]
     async_scheduling: bool         # resolved: on with WorkAgents, off in process
     stream_interval: int = 1       # tokens per streamed chunk (AsyncLLMEngine's streams)
+    max_in_flight: Optional[int] = None         # requests (n counts n) admitted at once
+    max_prefill_backlog: Optional[int] = None   # prompt tokens of requests before their token
+    long_prefill_cap: int = 0      # most prompt tokens per step for one of several prefills
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ class ModelLoadError(LLMServingError):
 
 
 class QueueFullError(LLMServingError):
-    """The waiting queue is at its bound; the request was refused without being queued."""
+    """The waiting queue (or an admission limit: max_num_queued_reqs, max_num_queued_tokens)
+    is at its bound; the request was refused without being queued."""
 
-    def __init__(self, max_waiting: int):
+    def __init__(self, max_waiting: int, message: str = ""):
         self.max_waiting = max_waiting
-        super().__init__(f"the waiting queue is full ({max_waiting} requests, "
+        super().__init__(message or f"the waiting queue is full ({max_waiting} requests, "
                          "max_waiting_requests); try again later")
 
 

@@ -217,3 +217,33 @@ def test_stream_interval_sends_tokens_in_chunks_of_n(tiny_model_dir, tiny_llm):
         sizes = [len(o.outputs[0].token_ids) for o in outs]
         assert sizes[0] >= 1 and all(n >= 4 for n in sizes[1:-1]) and 1 < len(sizes) <= 6
     assert sum(reads) == 18 and all(n >= 4 for n in reads[1:-1]) and 1 < len(reads) <= 6
+
+
+def test_the_prefill_backlog_bound_refuses_while_prompts_wait(tiny_model_dir):
+    """vLLM's max_num_queued_tokens: prompt tokens of requests without a first token yet. One
+    sequence runs at a time (max_num_seqs=1), so the requests behind it wait with their
+    prompts; at the bound a new request is refused at once naming the flag, and once the
+    waiting ones have their first token the backlog is empty again."""
+    eng = AsyncLLMEngine(EngineArgs(tiny_model_dir, num_blocks=64, max_num_seqs=1,
+                                    max_num_queued_tokens=20))
+    prompt = {"prompt_token_ids": list(range(5, 17))}          # 12 tokens
+
+    async def main():
+        hog = await eng.add_request("hog", "hi", delta(max_tokens=500, ignore_eos=True))
+        await hog.__anext__()                       # its prefill is done: it no longer counts
+        first = await eng.add_request("w1", prompt, delta(max_tokens=2))     # backlog 12
+        second = await eng.add_request("w2", prompt, delta(max_tokens=2))    # 12 < 20: taken
+        with pytest.raises(QueueFullError, match=r"24 prompt tokens.*max_num_queued_tokens=20"):
+            await eng.add_request("w3", prompt, delta(max_tokens=2))
+        eng.abort("hog")
+        for s in (first, second):
+            async for _ in s:
+                pass
+        third = await eng.add_request("w3", prompt, delta(max_tokens=2))
+        return [o async for o in third]
+    try:
+        outs = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert len(outs[-1].outputs[0].token_ids) == 2 or sum(
+        len(o.outputs[0].token_ids) for o in outs) == 2

@@ -43,7 +43,8 @@ class Sim:
         self.sch = Scheduler(SchedulerConfig(
             cfg["max_num_seqs"], cfg["budget"], cfg["chunked"], cfg["policy"],
             cfg["preemption_mode"], cfg["max_waiting"], cfg["queue_timeout"],
-            async_scheduling=False), self.bm, clock=lambda: self.clock)
+            async_scheduling=False, long_prefill_cap=cfg.get("long_prefill_cap", 0)),
+            self.bm, clock=lambda: self.clock)
         self.kv = np.full((cfg["num_blocks"], bs), -1, np.int64)
         self.host = np.full((max(cfg["num_cpu_blocks"], 1), bs), -1, np.int64)
         self.requests = requests
@@ -87,6 +88,10 @@ class Sim:
 
     def step(self) -> None:
         cfg, bs = self.cfg, self.cfg["block_size"]
+        sch = self.sch
+        cap = cfg.get("long_prefill_cap", 0)
+        if len(sch.running) + len(sch.waiting) + len(sch.swapped) < 2:
+            cap = 0                 # the only request is not capped
         out = self.sch.schedule()
         for seq in out.timed_out:
             assert seq.first_scheduled_time is None
@@ -98,6 +103,7 @@ class Sim:
         for seq, n in zip(out.seqs, out.num_tokens):
             assert seq.status is SequenceStatus.RUNNING
             assert 1 <= n <= seq.num_uncomputed_tokens
+            assert not cap or n <= cap, "a prefill chunk above long_prefill_token_threshold"
             assert len(seq.block_table) * bs >= seq.num_computed_tokens + n
             if not cfg["chunked"] and seq.num_computed_tokens == 0:
                 assert n == seq.num_tokens        # whole prompts at once
@@ -175,6 +181,7 @@ config = st.fixed_dictionaries({
     "watermark": st.sampled_from([0.0, 0.1]),
     "max_waiting": st.integers(1, 40),
     "queue_timeout": st.sampled_from([None, 5.0, 30.0]),
+    "long_prefill_cap": st.sampled_from([0, 0, 1, 3, 8]),
 })
 
 
@@ -185,6 +192,7 @@ def test_random_load_keeps_invariants_and_every_request_ends(cfg, stem_list, req
     capacity = cfg["num_blocks"] * cfg["block_size"]
     if not cfg["chunked"]:
         cfg["budget"] = max(cfg["budget"], capacity)   # a whole prompt fits in one step
+        cfg["long_prefill_cap"] = 0                    # a cap needs chunked prefill
     for r in reqs:
         r["prompt"] = (stem_list[r["stem"]] + r["tail"]) or [1]
     sim = Sim(cfg, reqs, seed)
@@ -209,6 +217,35 @@ def test_timeouts_only_hit_requests_that_never_started():
     sim.run()
     # One sequence at a time, 8 steps each: the first runs, the others wait > 5 steps.
     assert sim.ended == {0: "done", 1: "timeout", 2: "timeout"}
+
+
+def test_long_prefill_threshold_lets_short_prompts_in_beside_a_long_one():
+    """vLLM's long_prefill_token_threshold: a 40-token prompt prefills 8 tokens a step while
+    others are queued, so the two short prompts behind it start (and get their first token)
+    in the first step instead of after it; the long prompt alone gets the whole budget."""
+    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=4, budget=32, chunked=True,
+               prefix_caching=False, preemption_mode="recompute", num_cpu_blocks=0,
+               policy="fcfs", watermark=0.0, max_waiting=10, queue_timeout=None,
+               long_prefill_cap=8)
+    reqs = [dict(arrival=0, prompt=list(range(1, 41)), max_tokens=2, n=1, priority=0,
+                 abort_at=None)] + [
+            dict(arrival=0, prompt=[5, 6, 7], max_tokens=2, n=1, priority=0, abort_at=None)
+            for _ in range(2)]
+    sim = Sim(cfg, reqs, 0)
+    for i, r in enumerate(reqs):
+        sim.add(i, r)
+    out = sim.sch.schedule()
+    assert [(int(s.request_id), n) for s, n in zip(out.seqs, out.num_tokens)] == \
+        [(0, 8), (1, 3), (2, 3)]
+    sim.sch.after_step(out)
+    alone = Sim({**cfg, "long_prefill_cap": 8}, reqs[:1], 0)
+    alone.add(0, reqs[0])
+    out = alone.sch.schedule()
+    assert out.num_tokens == [32]
+    without = Sim({**cfg, "long_prefill_cap": 0}, reqs, 0)
+    for i, r in enumerate(reqs):
+        without.add(i, r)
+    assert without.sch.schedule().num_tokens == [32]   # the long prompt took the budget
 
 
 def test_full_waiting_queue_refuses_new_requests_at_once():

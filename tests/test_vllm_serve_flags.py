@@ -8,8 +8,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import openai
@@ -20,7 +23,7 @@ from llm_serving.cli import build_parser, server_settings
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.entrypoints.http_common import ServerState, log_arrival
 from llm_serving.errors import ConfigError
-from test_http_server import ROOT, start_server, stop_server
+from test_http_server import ROOT, agent_pids, start_server, stop_server, wait_until
 
 ORIGIN = "http://app.example"
 
@@ -441,3 +444,78 @@ def test_a_log_config_uvicorn_cannot_use_is_one_line_naming_the_flag(tiny_model_
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "error: --log-config-file:" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+# ---- vLLM's admission and streaming flags --------------------------------------------------
+
+def test_keep_alive_comments_and_the_in_flight_bound_on_the_server(tmp_path, tiny_model_dir):
+    """--sse-keep-alive-interval 1: while the model process is stopped (a long prefill, a
+    queue), a stream gets ': keep-alive' comments each second, which the openai package skips
+    (same text as the non-streamed answer). --max-num-queued-reqs 3: with three sequences in
+    flight a new request is a 503 naming the flag, for a load balancer to retry elsewhere;
+    once they end, requests are served again; n above the bound is a 400 naming n."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--sse-keep-alive-interval", "1",
+                                "--max-num-queued-reqs", "3")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    try:
+        agent = agent_pids(proc.pid)[0]
+        want = client.completions.create(model="tiny", prompt="Hello", max_tokens=6,
+                                         temperature=0).choices[0].text
+        body = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True)
+        os.kill(agent, signal.SIGSTOP)        # the request waits 2.6 s for its first token
+        wake = threading.Timer(2.6, os.kill, (agent, signal.SIGCONT))
+        wake.start()
+        try:
+            with requests.post(url + "/v1/completions", json=body, stream=True,
+                               timeout=60) as r:
+                raw = r.content.decode()
+        finally:
+            wake.join()
+        assert raw.count(": keep-alive\n\n") >= 2, raw
+        text = "".join(json.loads(e[len("data: "):])["choices"][0]["text"]
+                       for e in raw.split("\n\n") if e.startswith("data: {"))
+        assert text == want and raw.endswith("data: [DONE]\n\n")
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+            temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+
+        long = dict(model="tiny", prompt="Hello", max_tokens=900, ignore_eos=True, stream=True)
+        os.kill(agent, signal.SIGSTOP)          # (nothing ends while we look)
+        try:
+            held = [requests.post(url + "/v1/completions", json={**long, "n": n},
+                                  stream=True, timeout=60) for n in (2, 1)]
+            assert [r.status_code for r in held] == [200, 200]      # queued: 3 in flight
+            with pytest.raises(openai.APIStatusError, match="max_num_queued_reqs") as e:
+                client.completions.create(model="tiny", prompt="Hi", max_tokens=2, timeout=30)
+            assert e.value.status_code == 503
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        for r in held:
+            r.close()
+        wait_until(lambda: requests.post(url + "/v1/completions", timeout=60, json=dict(
+            model="tiny", prompt="Hi", max_tokens=2)).status_code == 200, 30)
+        with pytest.raises(openai.BadRequestError, match="max_num_queued_reqs") as e:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=4)
+        assert e.value.body["param"] == "n"
+    finally:
+        assert stop_server(proc) == 0
+
+
+def test_admission_flags_parse_and_bad_values_name_the_flag(tiny_model_dir):
+    args = _settings_of("serve", tiny_model_dir, "--max-num-queued-reqs", "8",
+                        "--max-num-queued-tokens", "32k", "--long-prefill-token-threshold",
+                        "256", "--sse-keep-alive-interval", "15")[0]
+    assert (args.max_num_queued_reqs, args.max_num_queued_tokens,
+            args.long_prefill_token_threshold) == (8, 32000, 256)
+    assert FrontendArgs(sse_keep_alive_interval=15).sse_keep_alive_interval == 15
+    for flag, value in (("--max-num-queued-reqs", "0"), ("--max-num-queued-tokens", "-1"),
+                        ("--long-prefill-token-threshold", "-5")):
+        with pytest.raises(ConfigError) as e:
+            _settings_of("serve", tiny_model_dir, flag, value)
+        assert e.value.key == flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match="enable_chunked_prefill") as e:
+        _settings_of("serve", tiny_model_dir, "--long-prefill-token-threshold", "64",
+                     "--no-enable-chunked-prefill")
+    with pytest.raises(ConfigError, match="sse-keep-alive-interval"):
+        FrontendArgs(sse_keep_alive_interval=-1)

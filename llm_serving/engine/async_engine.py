@@ -31,7 +31,8 @@ from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.input_processor import NewRequest
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.engine.metrics import EngineStats
-from llm_serving.errors import EngineDeadError, RequestIdInUseError, ShuttingDownError
+from llm_serving.errors import (EngineDeadError, QueueFullError, RequestIdInUseError,
+                                ShuttingDownError)
 from llm_serving.outputs import CompletionOutput, RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -57,9 +58,12 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._interval = interval
         self._due = 1               # step outputs that make a read: the first at once
+        self.slots = 1              # sequences (n) and prompt tokens before the first
+        self.prefill_tokens = 0     # output: what the admission limits count
 
     # Called on the event loop by the engine's deliveries.
     def put(self, out: RequestOutput) -> None:
+        self.prefill_tokens = 0
         self._pending.append(out)
         if len(self._pending) >= self._due or out.finished:
             self._ready.set()
@@ -213,9 +217,12 @@ class AsyncLLMEngine:
         if params is not None and params.structured_outputs is not None:
             # Compiling a grammar can take a while (a large schema; llguidance's view of the
             # tokenizer, once): not on the event loop.
-            return await asyncio.to_thread(self.engine.process_request, prompt, params,
-                                           request_id, priority)
-        return self.engine.process_request(prompt, params, request_id, priority)
+            new = await asyncio.to_thread(self.engine.process_request, prompt, params,
+                                          request_id, priority)
+        else:
+            new = self.engine.process_request(prompt, params, request_id, priority)
+        self._check_admission(new)
+        return new
 
     def queue(self, new: NewRequest, kv_transfer_params=_OWN) -> RequestStream:
         """``add_request``'s second half: queue a checked request. ``kv_transfer_params``,
@@ -233,14 +240,39 @@ class AsyncLLMEngine:
             params = copy.copy(params)      # the checked rest is shared (a compiled grammar)
             params.kv_transfer_params = kv_transfer_params
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
+        self._check_admission(new)
         new = dataclasses.replace(new, params=params, arrival_time=time.time())
         stream = RequestStream(new.request_id, params.output_kind, self.abort,
                                self.engine.config.scheduler.stream_interval)
+        stream.slots, stream.prefill_tokens = params.n, len(new.prompt_token_ids)
         self._streams[new.request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))
         self._wake.set()
         return stream
+
+    def _check_admission(self, new: NewRequest) -> None:
+        """vLLM's admission limits, refused with QueueFullError (503, for a load balancer to
+        retry elsewhere): max_num_queued_reqs counts the sequences in flight (n answers count
+        n), max_num_queued_tokens the prompt tokens of requests without a first output."""
+        config = self.engine.config.scheduler
+        if config.max_in_flight is not None and new.params.n > config.max_in_flight:
+            raise ValueError(f"n: {new.params.n} answers are more than the server takes in "
+                             f"flight at once (max_num_queued_reqs={config.max_in_flight})")
+        if config.max_in_flight is not None:
+            in_flight = sum(s.slots for s in self._streams.values())
+            if in_flight + new.params.n > config.max_in_flight:
+                raise QueueFullError(config.max_in_flight, (
+                    f"the server has {in_flight} sequences in flight, at its bound "
+                    f"(max_num_queued_reqs={config.max_in_flight}); try again later or on "
+                    "another instance"))
+        if config.max_prefill_backlog is not None:
+            backlog = sum(s.prefill_tokens for s in self._streams.values())
+            if backlog >= config.max_prefill_backlog:
+                raise QueueFullError(config.max_prefill_backlog, (
+                    f"{backlog} prompt tokens are waiting for their prefill, at the bound "
+                    f"(max_num_queued_tokens={config.max_prefill_backlog}); try again later "
+                    "or on another instance"))
 
     def _check_open(self) -> None:
         if self._closed is not None:

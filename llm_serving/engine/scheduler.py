@@ -13,6 +13,10 @@ One step, in order:
    do not fit (Dynamic SplitFuse), reusing prefix-cached blocks. Admission keeps a watermark
    of free blocks so that it does not immediately force a preemption.
 
+With ``long_prefill_cap`` (vLLM's long_prefill_token_threshold), a prefill chunk is at most
+that many tokens while other requests are in the queues, so one long prompt does not take
+the whole budget from the prompts behind it.
+
 Queues are kept sorted by rank: (priority, arrival) under "priority", arrival under "fcfs".
 """
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Scheduler:
         self.preemption_mode = config.preemption_mode
         self.max_waiting = config.max_waiting
         self.queue_timeout = config.queue_timeout
+        self.long_prefill_cap = config.long_prefill_cap
         self.clock = clock
         self._rank = ((lambda s: s.order_key) if self.policy == "priority"
                       else (lambda s: s.order_key[1:]))
@@ -143,6 +148,9 @@ class Scheduler:
         if self.policy == "priority":
             self._preempt_for_priority(out, budget)
         out_of_memory = False
+        # No cap for the only request: there is nobody to starve (as vLLM).
+        cap = (self.long_prefill_cap if self.long_prefill_cap
+               and len(self.running) + len(self.waiting) + len(self.swapped) > 1 else budget)
 
         for seq in list(self.running):
             if budget == 0:
@@ -151,7 +159,7 @@ class Scheduler:
                 continue
             if seq.finishing:      # its token from the running step is its last: nothing to do
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, cap)
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -171,9 +179,9 @@ class Scheduler:
         while budget > 0 and (self.swapped or self.waiting):
             if self.swapped and (not self.waiting
                                  or self._rank(self.swapped[0]) < self._rank(self.waiting[0])):
-                if not self._swap_in_head(out, budget):
+                if not self._swap_in_head(out, min(budget, cap)):
                     break
-            elif not self._admit_head(out, budget, now):
+            elif not self._admit_head(out, min(budget, cap), now):
                 break
             budget = self.max_num_batched_tokens - out.total_tokens
         return out

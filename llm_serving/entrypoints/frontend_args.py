@@ -103,6 +103,10 @@ class FrontendArgs:
     enable_force_include_usage: bool = _arg(
         False, "every stream carries usage, as if each request asked stream_options: "
         "{include_usage: true, continuous_usage_stats: true}")
+    sse_keep_alive_interval: int = _arg(
+        0, "streams of /v1/completions and /v1/chat/completions send an SSE comment "
+        "(': keep-alive') after every this many idle seconds, so a reverse proxy's read "
+        "timeout does not close them while a request waits or prefills (0: none)")
     default_chat_template_kwargs: dict = _arg(
         None, "chat template variables every chat request gets, as JSON, e.g. "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win", json=dict)
@@ -125,6 +129,9 @@ class FrontendArgs:
             if getattr(self, flag) < 1:
                 raise ConfigError("--" + flag.replace("_", "-"), f"expected an integer >= 1, "
                                   f"got {getattr(self, flag)}")
+        if self.sse_keep_alive_interval < 0:
+            raise ConfigError("--sse-keep-alive-interval", "expected seconds >= 0 (0: no "
+                              f"keep-alive comments), got {self.sse_keep_alive_interval}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len", f"expected an integer >= 0, got "
                               f"{self.max_log_len}")

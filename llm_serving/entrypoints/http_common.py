@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from llm_serving.config import EngineArgs
 from llm_serving.engine.engine_client import EngineClient
@@ -73,6 +73,10 @@ class ServerState:
             raise HTTPError(404, f"model {name!r} does not exist; this server serves "
                             f"{self.served_model_name!r}", param="model",
                             kind="not_found_error")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
 
 
 def refuse_unsupported(body, refused: dict, prefix: str = "") -> None:
@@ -243,3 +247,38 @@ def sse(obj, end: str = "\n\n") -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# An SSE comment: clients skip it, proxies with a read timeout see bytes (vLLM's bytes).
+SSE_KEEP_ALIVE = b": keep-alive\n\n"
+
+
+def event_stream(request: Request, events: AsyncIterator[bytes]) -> StreamingResponse:
+    """A route's server-sent events; with --sse-keep-alive-interval S, a keep-alive comment
+    after every S idle seconds (queued, in prefill, between chunks), so that a reverse proxy
+    does not drop the connection."""
+    interval = server_state(request).frontend.sse_keep_alive_interval
+    if interval > 0:
+        events = _kept_alive(events, interval)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _kept_alive(events: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
+    it = events.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=interval)
+            if not done:            # the pending read goes on: it is not cancelled
+                yield SSE_KEEP_ALIVE
+                continue
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            nxt = asyncio.ensure_future(it.__anext__())
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+        if hasattr(it, "aclose"):
+            await it.aclose()

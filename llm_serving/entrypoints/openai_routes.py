@@ -9,14 +9,14 @@ import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
-from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState, log_arrival,
-                                                log_request,
+from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState,
+                                                event_stream, log_arrival, log_request,
                                                 new_request_id, openai_finish_reason,
                                                 output_error, refuse_unsupported, renamed,
-                                                response_id, sse,
+                                                response_id, server_state, sse,
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
@@ -52,10 +52,6 @@ def _check_fields(req) -> None:
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s",
                        ", ".join(unknown))
-
-
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server
 
 
 async def start_requests(request: Request, rid: str, resp_id: str, prompts: list, params,
@@ -422,7 +418,7 @@ async def completions(req: CompletionRequest, request: Request):
                 yield SSE_DONE
             finally:
                 log_request(resp_id, sum(prompt_tokens.values()), sum(choice_tokens.values()), t0)
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return event_stream(request, gen())
 
     extra: dict = {}
     cached: dict = {}
@@ -648,7 +644,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 yield SSE_DONE
             finally:
                 log_request(resp_id, prompt_tokens, sum(choice_tokens.values()), t0)
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return event_stream(request, gen())
 
     extra: dict = {}
     cached = {}
