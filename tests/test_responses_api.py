@@ -1,7 +1,9 @@
 """OpenAI's Responses API (/v1/responses) on the real server with the real `openai` client, as
 vLLM 0.32 serves it: the same text as the chat route for the same conversation, vLLM's event
 sequence when streamed, status "incomplete" at max_output_tokens, usage, nothing stored, and
-every field we cannot honour refused by name."""
+function tools (a call forced by tool_choice, read by the hermes parser under "auto",
+streamed as vLLM streams it, and its output sent back for the next turn), and every field we
+cannot honour refused by name."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,18 @@ from test_http_server import free_port, start_server, stop_server
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 # vLLM's order of a streamed text answer.
+# Responses' function tools: flat, not nested under "function" as chat's.
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "additionalProperties": False,
+                          "required": ["city", "days"],
+                          "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 7}}}}
+TIME = {"type": "function", "name": "get_time",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}
+SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
+ASK = "What is the weather in Paris?"
 TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                "response.content_part.added", "response.output_text.delta",
                "response.output_text.done", "response.content_part.done",
@@ -27,6 +41,7 @@ TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     proc, url, _ = start_server(tmp_path_factory.mktemp("resp"), tiny_model_dir,
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                 agent_ports=(free_port(),))
     try:
         yield url
@@ -146,7 +161,6 @@ def test_logprobs_when_included(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
     ("reasoning", {"effort": "high"}),
     ("background", True),
     ("include", ["reasoning.encrypted_content"]),
@@ -173,7 +187,7 @@ def test_nothing_is_stored(server, client):
 
 
 def test_bad_input_names_the_field(server):
-    for body in ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+    for body in ({"input": [{"type": "reasoning", "summary": []}]},
                  {"input": [{"role": "user", "content": [{"type": "input_image",
                                                           "image_url": "http://x/y.png"}]}]},
                  {"input": []}):
@@ -204,3 +218,133 @@ def test_client_gone_aborts_the_request(server, client):
         assert time.monotonic() < deadline, "the request ran on after its client left"
         time.sleep(0.2)
     assert metric(server, "num_requests_running") == 0
+
+
+def _as_chat_tool(tool: dict) -> dict:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def test_named_tool_choice_makes_a_function_call(client):
+    r = client.responses.create(model="tiny", input=ASK, tools=[WEATHER, TIME],
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                max_output_tokens=100, temperature=1,
+                                extra_body={"seed": 3})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert call.status == "completed" and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    assert r.tool_choice.name == "get_weather" and [t.name for t in r.tools] == \
+        ["get_weather", "get_time"]
+    # Streamed, as vLLM: the call added with its name, its arguments in pieces, then done.
+    with client.responses.stream(model="tiny", input=ASK, tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 max_output_tokens=100, temperature=1,
+                                 extra_body={"seed": 4}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    added = events[2].item
+    assert added.type == "function_call" and added.name == "get_weather"
+    assert added.arguments == "" and added.status == "in_progress"
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and done.arguments == "".join(deltas) and done.name == "get_weather"
+    (call,) = final.output
+    assert (call.id, call.call_id, call.arguments) == (added.id, added.call_id, done.arguments)
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_required_tool_choice_calls_one_of_the_tools(client):
+    for seed in range(2):
+        kw = dict(model="tiny", input=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                  parallel_tool_calls=False, max_output_tokens=200, temperature=1,
+                  extra_body={"seed": seed})
+        (call,) = client.responses.create(**kw).output
+        assert call.type == "function_call"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        events = list(client.responses.create(stream=True, **kw))
+        (streamed,) = events[-1].response.output
+        assert (streamed.name, json.loads(streamed.arguments)) == \
+            (call.name, json.loads(call.arguments))
+        assert [e.item.name for e in events if e.type == "response.output_item.added"] == \
+            [call.name]
+
+
+def test_function_call_output_round_trip(client):
+    """The call and its output sent back render as the chat route renders an assistant
+    tool call and a tool message: the same prompt."""
+    r = client.responses.create(model="tiny", input=ASK, tools=[WEATHER],
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                max_output_tokens=100, temperature=1,
+                                extra_body={"seed": 3})
+    (call,) = r.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}
+    turn = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True), result]
+    again = client.responses.create(model="tiny", input=turn, tools=[WEATHER],
+                                    tool_choice="none", max_output_tokens=4, **GREEDY)
+    assert again.output[0].type == "message"
+    chat = _chat(client, [{"role": "user", "content": ASK},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": call.call_id, "type": "function", "function": {
+                                  "name": call.name, "arguments": call.arguments}}]},
+                          {"role": "tool", "tool_call_id": call.call_id,
+                           "content": "Sunny, 21C"}], 4,
+                 tools=[_as_chat_tool(WEATHER)], tool_choice="none")
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+    assert again.output_text == chat.choices[0].message.content
+    # Without the output the prompt is shorter: the tool's answer was rendered.
+    fewer = client.responses.create(model="tiny", input=turn[:2], tools=[WEATHER],
+                                    tool_choice="none", max_output_tokens=1)
+    assert fewer.usage.input_tokens < again.usage.input_tokens
+
+
+def test_auto_tool_choice_reads_hermes_calls(client):
+    # The random model writes no call by itself: a guided choice makes it write one in the
+    # hermes format, which --tool-call-parser hermes reads (the text before it is the
+    # message, as vLLM's items: the message, then the call).
+    text = ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"days": 2}}</tool_call>')
+    kw = dict(model="tiny", input=ASK, tools=[WEATHER], max_output_tokens=200,
+              extra_body={"structured_outputs": {"choice": [text]}})
+    message, call = client.responses.create(**kw).output
+    assert message.type == "message" and message.content[0].text == "Sure."
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    events = list(client.responses.create(stream=True, **kw))
+    added = [(e.output_index, e.item.type) for e in events
+             if e.type == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "function_call")]
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"city": "Paris", "days": 2}
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        .strip() == "Sure."
+    # Plain text with tools is the message.
+    plain = client.responses.create(model="tiny", input=ASK, tools=[WEATHER],
+                                    max_output_tokens=5, **GREEDY)
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "tools": []}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input"),
+])
+def test_bad_tool_requests_name_the_field(server, body, field):
+    r = requests.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                                      **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

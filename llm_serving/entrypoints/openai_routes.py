@@ -479,17 +479,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     engine = state.require_engine()
     args = state.engine_args
     auto_ok = bool(args.enable_auto_tool_choice and args.tool_call_parser)
-    choice = req.tool_choice
-    if req.tools and choice is None:
-        choice = "auto"                      # OpenAI's default with tools (vLLM's too)
-    error = tool_calls.check_tools(req.tools, choice, auto_ok)
-    if error:
-        raise HTTPError(400, error, param=error.split(":", 1)[0])
-    tools = req.tools if req.tools and choice != "none" else None
+    choice = "auto" if req.tools and req.tool_choice is None else req.tool_choice
     try:
+        tools, forced = tool_calls.resolve(req.tools, choice, auto_ok, req.parallel_tool_calls)
         structured = req.structured()
-        forced = tool_calls.forced_grammar(tools, choice, req.parallel_tool_calls) \
-            if tools else None
         if forced is not None and structured is not None:
             raise ValueError("tool_choice: a forced tool call cannot be combined with "
                              "response_format or guided decoding")
@@ -530,15 +523,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return msg, override
 
     def content_message_of(text: str) -> tuple[dict, Optional[str]]:
-        if tool_mode == "forced":
-            calls = tool_calls.forced_calls(text, choice)
-            return ({"role": role, "content": None, "tool_calls": calls},
-                    "tool_calls" if choice == "required" and calls else None)
-        if tool_mode == "auto":
-            content, calls = tool_calls.parse_auto(text, args.tool_call_parser)
-            if calls:
+        if tool_mode is not None:
+            content, calls, is_call = tool_calls.message_calls(text, choice,
+                                                               args.tool_call_parser)
+            if calls or tool_mode == "forced":
                 return ({"role": role, "content": content, "tool_calls": calls},
-                        "tool_calls")
+                        "tool_calls" if is_call else None)
         return {"role": role, "content": text}, None
     rid = new_request_id("chatcmpl")
     resp_id = response_id(request, "chatcmpl", rid)
@@ -570,7 +560,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         async def gen():
             prompt_tokens = len(ids)
             started, calls, thoughts = set(), {}, {}
-            parsed = tool_mode == "auto" or choice == "required"
             try:
                 async for _, out in merge_streams(streams):
                     if out.num_cached_tokens is not None:
@@ -585,12 +574,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             yield chunk(c.index, {"role": role, "content": ""})
                             if echoed:
                                 yield chunk(c.index, {"content": echoed})
-                            if tool_mode == "forced" and choice != "required":
-                                call = tool_calls.new_call(choice.function.name, "")
-                                yield chunk(c.index, {"tool_calls": [{"index": 0, **call}]})
-                            elif parsed:
-                                calls[c.index] = tool_calls.CallStream(
-                                    "required" if choice == "required" else args.tool_call_parser)
+                            if tool_mode is not None:
+                                calls[c.index] = tool_calls.ChoiceStream(
+                                    choice, args.tool_call_parser)
+                                for delta in calls[c.index].start():
+                                    yield chunk(c.index, delta)
                             if think_parser is not None:
                                 thoughts[c.index] = reasoning.ReasoningStream(think_parser,
                                                                               thinking)
@@ -616,16 +604,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                             c.stop_reason)
                             continue
                         finish = openai_finish_reason(c.finish_reason)
-                        if not parsed:   # the named function's arguments, as they come
-                            deltas = [{"tool_calls": [{"index": 0, "function": {
-                                "arguments": text}}]}] if text else []
-                        else:   # content before the calls, then each call, as they come
-                            deltas = calls[c.index].feed(text)
-                            if finish is not None:
-                                st = calls.pop(c.index)
-                                msg, override = content_message_of(st.text)
-                                deltas += st.finish(msg.get("tool_calls") or [])
-                                finish = override or finish
+                        # content before the calls, then each call, as they come
+                        deltas = calls[c.index].feed(text)
+                        if finish is not None:
+                            more, is_call = calls.pop(c.index).finish()
+                            deltas += more
+                            finish = "tool_calls" if is_call else finish
                         if (lp or finish is not None) and not deltas:
                             deltas = [{}]
                         # as vLLM's: the step's last delta is the finish chunk

@@ -1,7 +1,9 @@
-"""The request body of OpenAI's Responses API (``POST /v1/responses``) as vLLM 0.32 takes it,
-for text: ``input`` (a string, or message items whose content is a string or
-``input_text`` / ``output_text`` parts), ``instructions``, the sampling fields, ``text.format``
-(structured outputs), ``metadata`` and ``user`` (echoed).
+"""The request body of OpenAI's Responses API (``POST /v1/responses``) as vLLM 0.32 takes it:
+``input`` (a string, or items: messages whose content is a string or ``input_text`` /
+``output_text`` parts, and a conversation's ``function_call`` and ``function_call_output``
+items), ``instructions``, the sampling fields, ``text.format`` (structured outputs), function
+``tools`` and ``tool_choice`` (as the chat route serves them), ``metadata`` and ``user``
+(echoed).
 
 As on the other routes, no field is silently dropped: a field we cannot honour is declared
 and listed in ``REFUSED`` with the values that mean "not used" (a request that sets it
@@ -15,9 +17,10 @@ from __future__ import annotations
 import uuid
 from typing import Any, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llm_serving.entrypoints.openai_protocol import ChatMessage, sampling_knobs
+from llm_serving.entrypoints.openai_protocol import (ChatMessage, FunctionDef, Tool,
+                                                     ToolChoiceFunction, sampling_knobs)
 from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
@@ -49,6 +52,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: Optional[bool] = True
     service_tier: Optional[str] = "auto"
     truncation: Optional[str] = "disabled"
+    # Function tools only (the chat route's); "auto" needs --enable-auto-tool-choice.
     tool_choice: Any = "auto"
     tools: Optional[list[Any]] = None
     # vLLM's extras.
@@ -99,7 +103,7 @@ class ResponsesRequest(BaseModel):
     REFUSED: ClassVar[dict] = {
         "background": (False,), "max_tool_calls": (),
         "prompt": (), "reasoning": (), "conversation": (), "stream_options": (),
-        "tools": ([],), "tool_choice": ("auto", "none"), "service_tier": ("auto", "default"),
+        "service_tier": ("auto", "default"),
         "truncation": ("disabled",), "prompt_cache_key": (), "cache_salt": (),
         "session_id": (), "vllm_xargs": (), "kv_transfer_params": (),
         "ec_transfer_params": (), "mm_processor_kwargs": (), "media_io_kwargs": (),
@@ -122,11 +126,48 @@ class ResponsesRequest(BaseModel):
     def response_id(self) -> str:
         return self.request_id or f"resp_{uuid.uuid4().hex}"
 
+    def chat_tools(self) -> tuple[Optional[list[Tool]], Any]:
+        """The function tools as the chat route's, and tool_choice as the chat route's
+        ("none", "auto", "required" or the named function; None without tools, where "auto"
+        and "none" mean no tools, as vLLM). ValueError naming the field."""
+        tools = []
+        for i, t in enumerate(self.tools or ()):
+            kind = t.get("type") if isinstance(t, dict) else None
+            if kind != "function":
+                raise ValueError(f"tools: tool {i} is of type {kind!r}; this server takes "
+                                 f"only function tools")
+            try:
+                tools.append(Tool(function=FunctionDef(
+                    **{k: v for k, v in t.items() if k != "type"})))
+            except ValidationError as e:
+                err = e.errors()[0]
+                raise ValueError(f"tools: tool {i}: {'.'.join(map(str, err['loc']))}: "
+                                 f"{err['msg']}") from None
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            if not isinstance(choice.get("name"), str):
+                raise ValueError("tool_choice: a function choice needs its name")
+            choice = ToolChoiceFunction(function={"name": choice["name"]})
+        elif choice not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice: must be none, auto, required or "
+                             f"{{\"type\": \"function\", \"name\": ...}}, got {choice!r}")
+        if not tools and choice in ("auto", "none"):
+            return None, None
+        return tools or None, choice
+
+    def echoed_tool_choice(self) -> Any:
+        """tool_choice as the response echoes it: "none" when there are no tools (vLLM)."""
+        if not self.tools and self.tool_choice in ("auto", "none"):
+            return "none"
+        return self.tool_choice
+
     def messages(self) -> tuple[list[ChatMessage], bool]:
         """The conversation the chat template renders: ``instructions`` as a system message
-        first, then the input's messages; and whether the last one is an assistant message
-        to continue (its status "in_progress" or "incomplete", as vLLM). ValueError naming
-        the item for anything but text messages."""
+        first, then the input's items as the chat route's messages (a ``function_call`` is
+        a tool call of the assistant message before it, or of a new one; a
+        ``function_call_output`` a tool message, as vLLM renders them); and whether the last
+        one is an assistant message to continue (its status "in_progress" or "incomplete",
+        as vLLM). ValueError naming the item for anything else."""
         out = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions else []
         if isinstance(self.input, str):
@@ -135,15 +176,27 @@ class ResponsesRequest(BaseModel):
             raise ValueError("input: give at least one message")
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if kind == "function_call":
+                _add_call(out, item, i)
+                continue
+            if kind == "function_call_output":
+                call_id = item.get("call_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise ValueError(f"input: item {i} (function_call_output) needs its "
+                                     f"call_id")
+                out.append(ChatMessage(role="tool", content=_text(item.get("output"), i),
+                                       tool_call_id=call_id))
+                continue
             if kind != "message":
                 raise ValueError(f"input: item {i} is of type {kind!r}; this server takes "
-                                 f"only message items")
+                                 f"message, function_call and function_call_output items")
             role = item.get("role")
             if not isinstance(role, str) or not 1 <= len(role) <= 64:
                 raise ValueError(f"input: item {i} needs a role")
             out.append(ChatMessage(role=role, content=_text(item.get("content"), i)))
         last = self.input[-1]
-        return out, last.get("role") == "assistant" and \
+        return out, last.get("type", "message") == "message" and \
+            last.get("role") == "assistant" and \
             last.get("status") in ("in_progress", "incomplete")
 
     def structured(self) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
@@ -191,6 +244,22 @@ class ResponsesRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias, structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA)
+
+
+def _add_call(out: list[ChatMessage], item: dict, i: int) -> None:
+    """A function_call item as a tool call of the assistant message before it (a new one
+    when the last message is not the assistant's), as vLLM merges them."""
+    fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
+    bad = [k for k, v in fields.items() if not isinstance(v, str) or (k != "arguments"
+                                                                      and not v)]
+    if bad:
+        raise ValueError(f"input: item {i} (function_call) needs {bad[0]}, a string")
+    call = {"id": fields["call_id"], "type": "function",
+            "function": {"name": fields["name"], "arguments": fields["arguments"]}}
+    if out and out[-1].role == "assistant":
+        out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
+    else:
+        out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
 
 
 def _text(content, i: int) -> str:

@@ -26,9 +26,11 @@ from fastapi.responses import StreamingResponse
 from llm_serving.entrypoints.http_common import (HTTPError, log_request, new_request_id,
                                                 output_error, refuse_unsupported, renamed,
                                                 translate_error)
+from llm_serving.entrypoints import tool_calls
 from llm_serving.entrypoints.openai_routes import (chat_logprobs, collect_choices, encode_text,
                                                    grammar_named, json_answer, merge_streams,
                                                    start_requests, server_state, render_chat)
+from llm_serving.entrypoints.responses_items import OutputItems, message
 from llm_serving.entrypoints.responses_protocol import ResponsesRequest
 
 router = APIRouter()
@@ -73,39 +75,37 @@ def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
             "total_tokens": prompt_tokens + output_tokens}
 
 
-def _text_part(text: str, logprobs: Optional[list] = None) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-
-
-def _message(item_id: str, text: str, status: str, logprobs: Optional[list] = None) -> dict:
-    """The output message item (no content part for an empty text, as vLLM)."""
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [_text_part(text, logprobs)] if text else [], "phase": None}
-
-
-def _delta_logprobs(entries: list) -> list:
-    """A delta event's logprobs: as the output text's, without bytes (OpenAI's shape)."""
-    return [{"token": e["token"], "logprob": e["logprob"],
-             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
-                              for t in e["top_logprobs"]]} for e in entries]
-
-
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request):
     state = server_state(request)
     state.check_model(req.model)
     _check_fields(req)
     engine = state.require_engine()
+    args = state.engine_args
+    auto_ok = bool(args.enable_auto_tool_choice and args.tool_call_parser)
     try:
         messages, continue_final = req.messages()
         structured, grammar_field = req.structured()
         top = req.logprobs()
+        tools, choice = req.chat_tools()
+        tools, forced = tool_calls.resolve(tools, choice, auto_ok,
+                                           req.parallel_tool_calls is not False)
+        if forced is not None and structured is not None:
+            raise ValueError(f"tool_choice: a forced tool call cannot be combined with "
+                             f"{grammar_field}")
     except ValueError as e:
         raise translate_error(e) from None
+    if forced is not None:
+        structured, grammar_field = forced, "tools"
+
+    def answer_calls() -> Optional[tool_calls.ChoiceStream]:
+        """How the answer's text becomes function calls (None: it is all the message)."""
+        return tool_calls.ChoiceStream(choice, args.tool_call_parser) if tools else None
+
     def prompt() -> tuple[str, list[int]]:
         try:
             text = render_chat(state, engine.tokenizer, messages, not continue_final,
-                               continue_final, None, req.chat_template_kwargs)
+                               continue_final, None, req.chat_template_kwargs, tools)
         except HTTPError as e:
             raise renamed(e, "input" if e.param == "messages" else None) from None
         return text, encode_text(engine, text, "input", False)
@@ -146,7 +146,8 @@ async def create_response(req: ResponsesRequest, request: Request):
                 "instructions": req.instructions, "metadata": req.metadata,
                 "model": state.served_model_name, "object": "response", "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "temperature": params.temperature, "tool_choice": "none", "tools": [],
+                "temperature": params.temperature, "tool_choice": req.echoed_tool_choice(),
+                "tools": req.tools or [],
                 "top_p": params.top_p, "background": False, "max_output_tokens": max_tokens,
                 "max_tool_calls": None, "previous_response_id": None, "prompt": None,
                 "reasoning": None, "service_tier": req.service_tier or "auto",
@@ -159,7 +160,8 @@ async def create_response(req: ResponsesRequest, request: Request):
 
     if req.stream:
         return StreamingResponse(_events(streams, response, len(ids), resp_id, t0,
-                                         grammar_field, logprobs if top is not None else None),
+                                         grammar_field, logprobs if top is not None else None,
+                                         answer_calls()),
                                  media_type="text/event-stream")
 
     cached: dict = {}
@@ -170,9 +172,20 @@ async def create_response(req: ResponsesRequest, request: Request):
     status = "incomplete" if ch["finish"] == "length" else "completed"
 
     def build() -> dict:
-        item = _message(f"msg_{uuid.uuid4().hex}", ch["text"], "completed",
-                        logprobs(ch["lp"]) if top is not None else None)
-        return response(status, [item], _usage(len(ids), ch["ids"], cached.get(0, 0)))
+        scored = logprobs(ch["lp"]) if top is not None else None
+        if not tools:
+            output = [message(f"msg_{uuid.uuid4().hex}", ch["text"], "completed", scored)]
+        else:   # as the chat route reads them: the message, if any, then the calls
+            content, calls, _ = tool_calls.message_calls(ch["text"], choice,
+                                                         args.tool_call_parser)
+            items = OutputItems()
+            if content:
+                items.content(content, scored)
+            for i, call in enumerate(calls):
+                items.call({"index": i, **call})
+            items.close()
+            output = items.done
+        return response(status, output, _usage(len(ids), ch["ids"], cached.get(0, 0)))
     return await json_answer(build)
 
 
@@ -184,16 +197,18 @@ def _event(kind: str, number: int, **fields) -> bytes:
 
 
 async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float,
-                  grammar_field: Optional[str], logprobs):
+                  grammar_field: Optional[str], logprobs, calls):
     """The streamed answer: vLLM's events, numbered from 0. ``logprobs``: makes the output
-    text's logprobs of engine entries, when asked for. Closing it (a client gone) aborts
-    the request."""
+    text's logprobs of engine entries, when asked for; ``calls``: reads function calls out
+    of the text (a ``tool_calls.ChoiceStream``), None without tools. Closing it (a client
+    gone) aborts the request."""
     seq = iter(range(1 << 62))
     begun = response("in_progress", [], None)
     yield _event("response.created", next(seq), response=begun)
     yield _event("response.in_progress", next(seq), response=begun)
-    item_id, text, tokens, cached, finish, scored = None, [], 0, 0, None, []
-    at = {"output_index": 0, "content_index": 0}
+    items = OutputItems()
+    tokens, cached, finish = 0, 0, None
+    pending = calls.start() if calls is not None else []
     merged = merge_streams(streams)
     try:
         async for _, out in merged:
@@ -204,19 +219,22 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
             for c in out.outputs:
                 tokens += len(c.token_ids)
                 finish = c.finish_reason or finish
-                if not c.text:
-                    continue
-                if item_id is None:
-                    item_id = f"msg_{uuid.uuid4().hex}"
-                    yield _event("response.output_item.added", next(seq), output_index=0,
-                                 item=_message(item_id, "", "in_progress"))
-                    yield _event("response.content_part.added", next(seq), item_id=item_id,
-                                 **at, part={**_text_part(""), "logprobs": []})
-                text.append(c.text)
                 lp = logprobs(c.logprobs) if logprobs is not None and c.logprobs else []
-                scored.extend(lp)
-                yield _event("response.output_text.delta", next(seq), item_id=item_id, **at,
-                             delta=c.text, logprobs=_delta_logprobs(lp))
+                if calls is None:
+                    deltas = [{"content": c.text}] if c.text else []
+                else:
+                    deltas = pending + calls.feed(c.text)
+                    pending = []
+                    if c.finish_reason is not None:
+                        deltas += calls.finish()[0]
+                for delta in deltas:
+                    if delta.get("content"):
+                        for kind, fields in items.content(delta["content"], lp):
+                            yield _event(kind, next(seq), **fields)
+                        lp = []
+                    for call in delta.get("tool_calls") or ():
+                        for kind, fields in items.call(call):
+                            yield _event(kind, next(seq), **fields)
     except HTTPError as e:
         yield _event("error", next(seq), error={"message": e.message, "type": e.kind,
                                                 "param": e.param, "code": e.status})
@@ -224,16 +242,8 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
     finally:
         await merged.aclose()
         log_request(resp_id, prompt_tokens, tokens, t0)
-    output = []
-    if item_id is not None:
-        whole = "".join(text)
-        done = _message(item_id, whole, "completed", scored or None)
-        yield _event("response.output_text.done", next(seq), item_id=item_id, **at,
-                     text=whole, logprobs=[])
-        yield _event("response.content_part.done", next(seq), item_id=item_id, **at,
-                     part=_text_part(whole, scored or None))
-        yield _event("response.output_item.done", next(seq), output_index=0, item=done)
-        output = [done]
+    for kind, fields in items.close():
+        yield _event(kind, next(seq), **fields)
     status = "incomplete" if finish == "length" else "completed"
     yield _event("response.completed", next(seq),
-                 response=response(status, output, _usage(prompt_tokens, tokens, cached)))
+                 response=response(status, items.done, _usage(prompt_tokens, tokens, cached)))

@@ -60,6 +60,18 @@ def check_tools(tools, choice, auto_enabled: bool) -> Optional[str]:
     return None
 
 
+def resolve(tools, choice, auto_enabled: bool, parallel: bool):
+    """(the tools the template and the answer use, None for none; the grammar forcing a
+    call, None for "auto"): ValueError naming the field for a request we cannot serve."""
+    if tools and choice is None:
+        choice = "auto"                      # OpenAI's default with tools (vLLM's too)
+    error = check_tools(tools, choice, auto_enabled)
+    if error:
+        raise ValueError(error)
+    used = tools if tools and choice != "none" else None
+    return used, forced_grammar(used, choice, parallel) if used else None
+
+
 def new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
@@ -75,6 +87,18 @@ def forced_calls(text: str, choice) -> list[dict]:
         except (ValueError, TypeError, KeyError):
             return []
     return [new_call(choice.function.name, text)]
+
+
+def message_calls(text: str, choice, parser: Optional[str]
+                  ) -> tuple[Optional[str], list[dict], bool]:
+    """A whole answer under tools: (content, calls, whether the finish reason becomes
+    "tool_calls"). ``choice``: "required", a named function, or "auto" (read by ``parser``);
+    an "auto" text without a call is all content."""
+    if choice == "auto":
+        content, calls = parse_auto(text, parser)
+        return (content, calls, True) if calls else (text, [], False)
+    calls = forced_calls(text, choice)
+    return None, calls, choice == "required" and bool(calls)
 
 
 def parse_auto(text: str, parser: str) -> tuple[Optional[str], list[dict]]:
@@ -238,6 +262,36 @@ class CallStream:
             self.stopped = True
             return None
         return i
+
+
+class ChoiceStream:
+    """One streamed answer's deltas under tools (chat's and /v1/responses'): a named
+    function's call at once (``start``) and then its arguments as they come; "required" and
+    "auto" read by ``CallStream``."""
+
+    def __init__(self, choice, parser: Optional[str]):
+        self.choice, self.parser = choice, parser
+        self.named = choice not in ("required", "auto")
+        self.calls = None if self.named else \
+            CallStream("required" if choice == "required" else parser)
+
+    def start(self) -> list[dict]:
+        if not self.named:
+            return []
+        return [{"tool_calls": [{"index": 0, **new_call(self.choice.function.name, "")}]}]
+
+    def feed(self, text: str) -> list[dict]:
+        if self.named:
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] \
+                if text else []
+        return self.calls.feed(text)
+
+    def finish(self) -> tuple[list[dict], bool]:
+        """The last deltas, and whether the finish reason becomes "tool_calls"."""
+        if self.named:
+            return [], False
+        _, calls, is_call = message_calls(self.calls.text, self.choice, self.parser)
+        return self.calls.finish(calls), is_call
 
 
 def _held_prefix(text: str, marker: str) -> int:
