@@ -2,8 +2,8 @@
 vLLM 0.32 serves it: the same text as the chat route for the same conversation, vLLM's event
 sequence when streamed, status "incomplete" at max_output_tokens, usage, nothing stored, and
 function tools (a call forced by tool_choice, read by the hermes parser under "auto",
-streamed as vLLM streams it, and its output sent back for the next turn), and every field we
-cannot honour refused by name."""
+streamed as vLLM streams it, and its output sent back for the next turn), the reasoning
+item of --reasoning-parser qwen3, and every field we cannot honour refused by name."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from conftest import metric
+from llm_serving.entrypoints.responses_items import OutputItems
 from test_http_server import free_port, start_server, stop_server
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -348,3 +349,86 @@ def test_bad_tool_requests_name_the_field(server, body, field):
     r = requests.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 2,
                                                       **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_items_stream_one_at_a_time_in_vllms_order():
+    """Reasoning, then text, then a call: each item closed before the next opens, each at the
+    next output_index, as vLLM's SimpleStreamingEventProcessor streams them."""
+    items = OutputItems()
+    events = items.reasoning("plan ") + items.reasoning("it") + items.content("Sure.") + \
+        items.call({"index": 0, "id": "call_1", "type": "function",
+                    "function": {"name": "f", "arguments": ""}}) + \
+        items.call({"index": 0, "function": {"arguments": '{"a": '}}) + \
+        items.call({"index": 0, "function": {"arguments": "1}"}}) + items.close()
+    assert [(k, f.get("output_index")) for k, f in events] == [
+        ("response.output_item.added", 0), ("response.content_part.added", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1),
+        ("response.output_text.delta", 1), ("response.output_text.done", 1),
+        ("response.content_part.done", 1), ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2), ("response.output_item.done", 2)]
+    thought, text, call = items.done
+    assert thought["type"] == "reasoning" and thought["content"] == [
+        {"type": "reasoning_text", "text": "plan it"}]
+    assert text["content"][0]["text"] == "Sure."
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
+
+
+@pytest.fixture(scope="module")
+def qwen3_client(tmp_path_factory, qwen3_model_dir):
+    proc, url, _ = start_server(tmp_path_factory.mktemp("resp-qwen3"), qwen3_model_dir,
+                                "--reasoning-parser", "qwen3", agent_ports=(free_port(),))
+    try:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none")
+    finally:
+        assert stop_server(proc) == 0
+
+
+# Continuing an answer still inside <think> (test_reasoning's way to make the tiny Qwen3
+# think): all the text it writes is reasoning.
+THINKING = [{"role": "user", "content": "Why?"},
+            {"type": "message", "role": "assistant", "content": "<think>\nLet me see",
+             "status": "in_progress"}]
+
+
+def test_reasoning_item_as_vllm(qwen3_client):
+    client = qwen3_client
+    chat = client.chat.completions.create(
+        model="tiny", max_tokens=12, temperature=0,
+        messages=[{"role": "user", "content": "Why?"},
+                  {"role": "assistant", "content": "<think>\nLet me see"}],
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    thought = chat.choices[0].message.model_extra["reasoning"]
+    assert thought and chat.choices[0].message.content is None
+    kw = dict(model="tiny", input=THINKING, max_output_tokens=12, **GREEDY)
+    r = client.responses.create(**kw)
+    (item,) = r.output          # no message: there is no text after the reasoning (vLLM)
+    assert item.type == "reasoning" and item.id.startswith("rs_")
+    assert item.content[0].type == "reasoning_text" and item.content[0].text == thought
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens
+    # Streamed with vLLM's reasoning events.
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == thought
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == thought
+    assert final.usage.output_tokens_details.reasoning_tokens == final.usage.output_tokens
+    # enable_thinking false: the text is the message; include_reasoning false: no item.
+    plain = client.responses.create(**kw, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text == thought
+    assert plain.usage.output_tokens_details.reasoning_tokens == 0
+    hidden = client.responses.create(**kw, extra_body={"include_reasoning": False})
+    assert hidden.output == [] and hidden.usage.output_tokens_details.reasoning_tokens > 0

@@ -157,12 +157,13 @@ async def merge_streams(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 async def collect_choices(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
                           extra: Optional[dict] = None, grammar_field: Optional[str] = None,
-                          cached: Optional[dict] = None) -> tuple[dict, int]:
+                          cached: Optional[dict] = None, watch=None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
     tokens; ``cached`` gets each prompt's prefix-cached tokens; ``echo`` sees every output;
     ``extra`` gets the top-level fields the engine returned (a producer's
-    ``kv_transfer_params``). A client that leaves first aborts the requests (HTTPError 499)."""
+    ``kv_transfer_params``); ``watch`` is called with each completion output as it comes.
+    A client that leaves first aborts the requests (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
     offers: dict[int, dict] = {}
@@ -177,6 +178,8 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
         if out.kv_transfer_params is not None:
             offers[i] = out.kv_transfer_params
         for c in out.outputs:
+            if watch is not None:
+                watch(c)
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
                                                       "finish": None, "stop_reason": None})
             ch["text"].append(c.text)

@@ -76,6 +76,26 @@ class ReasoningStream:
         return longest
 
 
+class Counted:
+    """A ``ReasoningStream`` that also counts the reasoning's generated tokens (usage's
+    reasoning_tokens, as vLLM counts the tokens between the markers): a piece's tokens count
+    while the reasoning goes on after it (a piece held back as a possible marker too), or
+    when it adds reasoning and no content; the markers' own do not."""
+
+    def __init__(self, name: str, thinking: bool = True):
+        self.stream = ReasoningStream(name, thinking)
+        self.tokens = 0
+
+    def feed(self, piece: str, tokens: int, last: bool) -> tuple[str, str]:
+        """(reasoning, content) of a piece of ``tokens`` tokens; ``last``: the answer's."""
+        thought, text = self.stream.feed(piece)
+        if last:
+            thought += self.stream.finish()[0]
+        if (self.stream.reasoning and piece != THINK_START) or (thought and not text):
+            self.tokens += tokens
+        return thought, text
+
+
 def split(text: str, name: str, thinking: bool = True) -> tuple[Optional[str], Optional[str]]:
     """A whole answer's (reasoning, content), each None when empty (as vLLM)."""
     stream = ReasoningStream(name, thinking)

@@ -6,6 +6,9 @@ next output_index.
 - the message: response.output_item.added, response.content_part.added,
   response.output_text.delta..., response.output_text.done, response.content_part.done,
   response.output_item.done;
+- the reasoning (``--reasoning-parser``): response.output_item.added,
+  response.content_part.added, response.reasoning_text.delta...,
+  response.reasoning_text.done, response.content_part.done, response.output_item.done;
 - a function call: response.output_item.added (its name and call_id, arguments ""),
   response.function_call_arguments.delta..., response.function_call_arguments.done,
   response.output_item.done.
@@ -34,6 +37,12 @@ def function_call(item_id: str, call_id: str, name: str, arguments: str,
             "arguments": arguments, "status": status, "namespace": None}
 
 
+def reasoning_item(item_id: str, text: Optional[str], status: Optional[str]) -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [],
+            "content": None if text is None else [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": None, "status": status}
+
+
 def delta_logprobs(entries: list) -> list:
     """A delta event's logprobs: as the output text's, without bytes (OpenAI's shape)."""
     return [{"token": e["token"], "logprob": e["logprob"],
@@ -51,6 +60,13 @@ class OutputItems:
         self.text: list[str] = []
         self.scored: list = []
         self.call_index: Optional[int] = None
+
+    def reasoning(self, text: str) -> list:
+        """The reasoning grows by ``text``."""
+        events = [] if self.kind == "reasoning" else self.close() + self._open_reasoning()
+        self.text.append(text)
+        return events + [("response.reasoning_text.delta", {
+            "item_id": self.item["id"], **self._at(), "content_index": 0, "delta": text})]
 
     def content(self, text: str, logprobs: Optional[list] = None) -> list:
         """The message's text grows by ``text`` (with its tokens' logprobs, when asked)."""
@@ -89,6 +105,13 @@ class OutputItems:
                       ("response.content_part.done", {"item_id": item["id"], **self._at(),
                                                         "content_index": 0,
                                                         "part": text_part(text, scored)})]
+        elif kind == "reasoning":
+            done = reasoning_item(item["id"], text, "completed")
+            part = {"type": "reasoning_text", "text": text}
+            events = [("response.reasoning_text.done", {"item_id": item["id"], **self._at(),
+                                                         "content_index": 0, "text": text}),
+                      ("response.content_part.done", {"item_id": item["id"], **self._at(),
+                                                        "content_index": 0, "part": part})]
         elif kind == "function_call":
             done = {**item, "arguments": text, "status": "completed"}
             events = [("response.function_call_arguments.done", {
@@ -102,6 +125,15 @@ class OutputItems:
 
     def _at(self) -> dict:
         return {"output_index": len(self.done)}
+
+    def _open_reasoning(self) -> list:
+        self.kind = "reasoning"
+        self.item = reasoning_item(f"rs_{uuid.uuid4().hex}", None, "in_progress")
+        return [("response.output_item.added", {**self._at(), "item": self.item}),
+                ("response.content_part.added", {"item_id": self.item["id"], **self._at(),
+                                                 "content_index": 0,
+                                                 "part": {"type": "reasoning_text",
+                                                          "text": ""}})]
 
     def _open_message(self) -> list:
         self.kind, self.item = "message", message(f"msg_{uuid.uuid4().hex}", "", "in_progress")

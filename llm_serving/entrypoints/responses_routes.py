@@ -26,11 +26,12 @@ from fastapi.responses import StreamingResponse
 from llm_serving.entrypoints.http_common import (HTTPError, log_request, new_request_id,
                                                 output_error, refuse_unsupported, renamed,
                                                 translate_error)
-from llm_serving.entrypoints import tool_calls
+from llm_serving.entrypoints import reasoning, tool_calls
 from llm_serving.entrypoints.openai_routes import (chat_logprobs, collect_choices, encode_text,
                                                    grammar_named, json_answer, merge_streams,
-                                                   start_requests, server_state, render_chat)
-from llm_serving.entrypoints.responses_items import OutputItems, message
+                                                   render_chat, start_requests, server_state,
+                                                   template_kwargs)
+from llm_serving.entrypoints.responses_items import OutputItems, message, reasoning_item
 from llm_serving.entrypoints.responses_protocol import ResponsesRequest
 
 router = APIRouter()
@@ -62,14 +63,14 @@ def _check_fields(req: ResponsesRequest) -> None:
                        ", ".join(unknown))
 
 
-def _usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
-    """vLLM's usage of a one-turn response."""
+def _usage(prompt_tokens: int, output_tokens: int, cached: int, thought: int = 0) -> dict:
+    """vLLM's usage of a one-turn response; ``thought``: the reasoning's tokens."""
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0,
                                      "input_tokens_per_turn": [],
                                      "cached_tokens_per_turn": []},
             "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+            "output_tokens_details": {"reasoning_tokens": thought, "tool_output_tokens": 0,
                                       "output_tokens_per_turn": [],
                                       "tool_output_tokens_per_turn": []},
             "total_tokens": prompt_tokens + output_tokens}
@@ -97,6 +98,15 @@ async def create_response(req: ResponsesRequest, request: Request):
         raise translate_error(e) from None
     if forced is not None:
         structured, grammar_field = forced, "tools"
+
+    # --reasoning-parser: the thinking split off first, as on the chat route (not under a
+    # grammar, which holds from the first token here).
+    think_parser = None if structured is not None else args.reasoning_parser
+    thinking = reasoning.thinking_enabled(template_kwargs(state, req.chat_template_kwargs))
+    show_reasoning = req.include_reasoning
+
+    def thinker() -> Optional[reasoning.Counted]:
+        return reasoning.Counted(think_parser, thinking) if think_parser else None
 
     def answer_calls() -> Optional[tool_calls.ChoiceStream]:
         """How the answer's text becomes function calls (None: it is all the message)."""
@@ -159,33 +169,48 @@ async def create_response(req: ResponsesRequest, request: Request):
                 "input_messages": None, "output_messages": None}
 
     if req.stream:
+        scorer = logprobs if top is not None and (show_reasoning or not think_parser) \
+            else None
         return StreamingResponse(_events(streams, response, len(ids), resp_id, t0,
-                                         grammar_field, logprobs if top is not None else None,
-                                         answer_calls()),
+                                         grammar_field, scorer, answer_calls(), thinker(),
+                                         show_reasoning),
                                  media_type="text/event-stream")
 
     cached: dict = {}
+    counted = thinker()
+
+    def count(c) -> None:
+        counted.feed(c.text, len(c.token_ids), c.finish_reason is not None)
     choices, _ = await collect_choices(request, streams, 1, grammar_field=grammar_field,
-                                       cached=cached)
+                                       cached=cached, watch=count if counted else None)
     ch = choices[0]
     log_request(resp_id, len(ids), ch["ids"], t0)
     status = "incomplete" if ch["finish"] == "length" else "completed"
 
     def build() -> dict:
-        scored = logprobs(ch["lp"]) if top is not None else None
-        if not tools:
-            output = [message(f"msg_{uuid.uuid4().hex}", ch["text"], "completed", scored)]
+        # vLLM's: the message's logprobs are the whole output's, unless that shows the
+        # reasoning it leaves out
+        scored = logprobs(ch["lp"]) if top is not None and (
+            show_reasoning or not think_parser) else None
+        thought, text = (reasoning.split(ch["text"], think_parser, thinking)
+                         if think_parser else (None, ch["text"]))
+        reasoned = [reasoning_item(f"rs_{uuid.uuid4().hex}", thought, None)] \
+            if thought and show_reasoning else []
+        if not tools and not think_parser:
+            output = [message(f"msg_{uuid.uuid4().hex}", text, "completed", scored)]
         else:   # as the chat route reads them: the message, if any, then the calls
-            content, calls, _ = tool_calls.message_calls(ch["text"], choice,
-                                                         args.tool_call_parser)
+            content, calls, _ = tool_calls.message_calls(text or "", choice,
+                                                         args.tool_call_parser) \
+                if tools else (text, [], False)
             items = OutputItems()
             if content:
                 items.content(content, scored)
             for i, call in enumerate(calls):
                 items.call({"index": i, **call})
             items.close()
-            output = items.done
-        return response(status, output, _usage(len(ids), ch["ids"], cached.get(0, 0)))
+            output = reasoned + items.done
+        return response(status, output, _usage(len(ids), ch["ids"], cached.get(0, 0),
+                                               counted.tokens if counted else 0))
     return await json_answer(build)
 
 
@@ -197,11 +222,13 @@ def _event(kind: str, number: int, **fields) -> bytes:
 
 
 async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float,
-                  grammar_field: Optional[str], logprobs, calls):
+                  grammar_field: Optional[str], logprobs, calls, thinker, show_reasoning):
     """The streamed answer: vLLM's events, numbered from 0. ``logprobs``: makes the output
-    text's logprobs of engine entries, when asked for; ``calls``: reads function calls out
-    of the text (a ``tool_calls.ChoiceStream``), None without tools. Closing it (a client
-    gone) aborts the request."""
+    text's logprobs of engine entries, when asked for; ``thinker``: splits the reasoning off
+    first (a ``reasoning.Counted``, None without a reasoning parser), which is streamed
+    when ``show_reasoning``; ``calls``: reads function calls out of the rest (a
+    ``tool_calls.ChoiceStream``), None without tools. Closing it (a client gone) aborts the
+    request."""
     seq = iter(range(1 << 62))
     begun = response("in_progress", [], None)
     yield _event("response.created", next(seq), response=begun)
@@ -220,10 +247,17 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
                 tokens += len(c.token_ids)
                 finish = c.finish_reason or finish
                 lp = logprobs(c.logprobs) if logprobs is not None and c.logprobs else []
+                text = c.text
+                if thinker is not None:
+                    thought, text = thinker.feed(text, len(c.token_ids),
+                                                 c.finish_reason is not None)
+                    if thought and show_reasoning:
+                        for kind, fields in items.reasoning(thought):
+                            yield _event(kind, next(seq), **fields)
                 if calls is None:
-                    deltas = [{"content": c.text}] if c.text else []
+                    deltas = [{"content": text}] if text else []
                 else:
-                    deltas = pending + calls.feed(c.text)
+                    deltas = pending + calls.feed(text)
                     pending = []
                     if c.finish_reason is not None:
                         deltas += calls.finish()[0]
@@ -246,4 +280,5 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
         yield _event(kind, next(seq), **fields)
     status = "incomplete" if finish == "length" else "completed"
     yield _event("response.completed", next(seq),
-                 response=response(status, items.done, _usage(prompt_tokens, tokens, cached)))
+                 response=response(status, items.done, _usage(
+                     prompt_tokens, tokens, cached, thinker.tokens if thinker else 0)))
