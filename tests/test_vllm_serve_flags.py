@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import openai
@@ -475,6 +474,16 @@ def test_keep_alive_comments_and_the_in_flight_bound_on_the_server(tmp_path, tin
         text = "".join(json.loads(e[len("data: "):])["choices"][0]["text"]
                        for e in raw.split("\n\n") if e.startswith("data: {"))
         assert text == want and raw.endswith("data: [DONE]\n\n")
+        os.kill(agent, signal.SIGSTOP)        # the Responses route's stream too
+        wake = threading.Timer(1.6, os.kill, (agent, signal.SIGCONT))
+        wake.start()
+        try:
+            with requests.post(url + "/v1/responses", stream=True, timeout=60, json=dict(
+                    model="tiny", input="Hello", max_output_tokens=16, stream=True)) as r:
+                raw = r.content.decode()
+        finally:
+            wake.join()
+        assert ": keep-alive\n\n" in raw and "event: response.completed" in raw
         chat = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
             temperature=0, stream=True)

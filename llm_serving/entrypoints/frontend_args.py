@@ -104,7 +104,8 @@ class FrontendArgs:
         False, "every stream carries usage, as if each request asked stream_options: "
         "{include_usage: true, continuous_usage_stats: true}")
     sse_keep_alive_interval: int = _arg(
-        0, "streams of /v1/completions and /v1/chat/completions send an SSE comment "
+        0, "streams of /v1/completions, /v1/chat/completions and /v1/responses send an SSE "
+        "comment "
         "(': keep-alive') after every this many idle seconds, so a reverse proxy's read "
         "timeout does not close them while a request waits or prefills (0: none)")
     default_chat_template_kwargs: dict = _arg(

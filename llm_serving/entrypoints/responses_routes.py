@@ -21,9 +21,9 @@ import uuid
 from typing import Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from llm_serving.entrypoints.http_common import (HTTPError, log_request, new_request_id,
+from llm_serving.entrypoints.http_common import (HTTPError, event_stream, log_request,
+                                                new_request_id,
                                                 output_error, refuse_unsupported, renamed,
                                                 translate_error)
 from llm_serving.entrypoints import reasoning, tool_calls
@@ -171,10 +171,9 @@ async def create_response(req: ResponsesRequest, request: Request):
     if req.stream:
         scorer = logprobs if top is not None and (show_reasoning or not think_parser) \
             else None
-        return StreamingResponse(_events(streams, response, len(ids), resp_id, t0,
-                                         grammar_field, scorer, answer_calls(), thinker(),
-                                         show_reasoning),
-                                 media_type="text/event-stream")
+        return event_stream(request, _events(streams, response, len(ids), resp_id, t0,
+                                             grammar_field, scorer, answer_calls(), thinker(),
+                                             show_reasoning))
 
     cached: dict = {}
     counted = thinker()
