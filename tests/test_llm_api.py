@@ -124,6 +124,23 @@ def test_chat_uses_the_models_chat_template(tiny_llm):
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_an_assistant_turns_reasoning_reaches_the_chat_template(tiny_llm):
+    """vLLM hands an assistant message's reasoning to the template as reasoning and
+    reasoning_content (Qwen3's template renders the latter); before, it was dropped."""
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>"
+                "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|{% endfor %}")
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for key in ("reasoning", "reasoning_content"):
+        msgs = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", key: "add them"},
+                {"role": "user", "content": "3+3?"}]
+        out = tiny_llm.chat(msgs, params, chat_template=template)[0]
+        assert out.prompt == "user:2+2?|assistant:<think>add them</think>4|user:3+3?|", key
+    with pytest.raises(ValueError, match="messages: reasoning is an assistant message's"):
+        tiny_llm.chat([{"role": "user", "content": "hi", "reasoning": "x"}], params,
+                      chat_template=template)
+
+
 def test_bad_model_path_names_the_path(tmp_path):
     from llm_serving import LLM
     with pytest.raises(ModelLoadError, match="no-such-model"):

@@ -483,8 +483,8 @@ def test_every_spec_field_is_honoured_or_refused_by_name(server, path, spec, bas
 
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
     url, logs = server
-    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
-                                       extra_body={"frobnicate": 1, "zorp": "a"},
+    r = client.chat.completions.create(model="tiny", messages=[{**MSG[0], "mood": "x"}],
+                                       max_tokens=2, extra_body={"frobnicate": 1, "zorp": "a"},
                                        stream=True, stream_options={"include_usage": True,
                                                                     "blorp": 2})
     r = list(r)[-2]          # the last choice chunk (before the usage chunk)
@@ -494,7 +494,7 @@ def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
         time.sleep(0.1)
     warned = [line for line in list(logs) if "frobnicate" in line]
     assert len(warned) == 1 and "zorp" in warned[0] and "ignored" in warned[0]
-    assert "stream_options.blorp" in warned[0]
+    assert "stream_options.blorp" in warned[0] and "messages[0].mood" in warned[0]
 
 
 # ---- where vLLM's answer differs from a strict reading of OpenAI's: vLLM's ------------------

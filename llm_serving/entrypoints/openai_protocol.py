@@ -228,11 +228,22 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    # An assistant turn's thinking, sent back for templates that render it (Qwen3's, for the
+    # turns after the last user message): vLLM's field, and the older reasoning_content.
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
     def for_template(self) -> dict:
         """The message as the chat template sees it (tool calls' arguments as objects, as
-        Hugging Face templates expect)."""
+        Hugging Face templates expect; the thinking as both reasoning and reasoning_content,
+        as vLLM hands it over)."""
         m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:
+            if self.role != "assistant":
+                raise ValueError("messages: reasoning is an assistant message's, not a "
+                                 f"{self.role!r} one's")
+            m["reasoning"] = m["reasoning_content"] = thought
         if self.name is not None:
             m["name"] = self.name
         if self.tool_call_id is not None:
@@ -312,6 +323,10 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
+
+    def unknown_fields(self) -> list[str]:
+        return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in
+                                           enumerate(self.messages) for k in m.model_extra or ()]
 
     def check_combinations(self) -> None:
         super().check_combinations()
