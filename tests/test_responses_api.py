@@ -188,7 +188,8 @@ def test_nothing_is_stored(server, client):
 
 
 def test_bad_input_names_the_field(server):
-    for body in ({"input": [{"type": "reasoning", "summary": []}]},
+    for body in ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e"}]},
+                 {"input": [{"type": "web_search_call", "id": "w"}]},
                  {"input": [{"role": "user", "content": [{"type": "input_image",
                                                           "image_url": "http://x/y.png"}]}]},
                  {"input": []}):
@@ -205,6 +206,30 @@ def test_bad_input_names_the_field(server):
     prompt = requests.post(server + "/tokenize", json={"messages": [
         {"role": "user", "content": "hi"}]}, timeout=60).json()["count"]
     assert created.max_output_tokens == 1024 - prompt
+
+
+def test_reasoning_items_sent_back_are_the_assistant_turns_thinking():
+    """An answer's output sent back as input (reasoning item, then its message; or a
+    reasoning item then a call) is one assistant message with its thinking, as vLLM merges
+    them; the template gets it as reasoning and reasoning_content."""
+    from llm_serving.entrypoints.responses_protocol import ResponsesRequest
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "add them"}]}
+    answer = {"type": "message", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "4", "annotations": []}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    ask = {"role": "user", "content": "2+2?"}
+    msgs, _ = ResponsesRequest(input=[ask, thought, answer, {**ask, "content": "3+3?"}]
+                               ).messages()
+    assert [m.for_template() for m in msgs] == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning": "add them",
+         "reasoning_content": "add them"},
+        {"role": "user", "content": "3+3?"}]
+    msgs, _ = ResponsesRequest(input=[ask, {**thought, "content": None, "summary": [
+        {"type": "summary_text", "text": "call f"}]}, call]).messages()
+    (turn,) = [m.for_template() for m in msgs[1:]]
+    assert turn["reasoning"] == "call f" and turn["tool_calls"][0]["id"] == "c1"
 
 
 def test_client_gone_aborts_the_request(server, client):

@@ -187,13 +187,22 @@ class ResponsesRequest(BaseModel):
                 out.append(ChatMessage(role="tool", content=_text(item.get("output"), i),
                                        tool_call_id=call_id))
                 continue
+            if kind == "reasoning":
+                _add_reasoning(out, item, i)
+                continue
             if kind != "message":
                 raise ValueError(f"input: item {i} is of type {kind!r}; this server takes "
-                                 f"message, function_call and function_call_output items")
+                                 f"message, reasoning, function_call and function_call_output "
+                                 f"items")
             role = item.get("role")
             if not isinstance(role, str) or not 1 <= len(role) <= 64:
                 raise ValueError(f"input: item {i} needs a role")
-            out.append(ChatMessage(role=role, content=_text(item.get("content"), i)))
+            text = _text(item.get("content"), i)
+            if role == "assistant" and out and out[-1].role == "assistant" \
+                    and out[-1].content is None:      # the answer after its reasoning item
+                out[-1].content = text
+            else:
+                out.append(ChatMessage(role=role, content=text))
         last = self.input[-1]
         return out, last.get("type", "message") == "message" and \
             last.get("role") == "assistant" and \
@@ -260,6 +269,26 @@ def _add_call(out: list[ChatMessage], item: dict, i: int) -> None:
         out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
     else:
         out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+
+
+def _add_reasoning(out: list[ChatMessage], item: dict, i: int) -> None:
+    """A reasoning item (an earlier answer's, sent back) as the thinking of the assistant
+    message it belongs to: the one before it when that has none yet, else a new one that the
+    next assistant message item completes, as vLLM merges them. Its text is its content's,
+    else its summary's."""
+    if item.get("encrypted_content"):
+        raise ValueError(f"input: item {i} (reasoning) has encrypted_content, which this "
+                         "server does not make or read")
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError(f"input: item {i} (reasoning): content and summary are lists of "
+                         "parts with a text")
+    text = parts[0]["text"] if parts else ""
+    if out and out[-1].role == "assistant" and out[-1].reasoning is None:
+        out[-1].reasoning = text
+    else:
+        out.append(ChatMessage(role="assistant", content=None, reasoning=text))
 
 
 def _text(content, i: int) -> str:
