@@ -191,15 +191,24 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> AsyncIterator:
+def stream_or_disconnect(request: Request, stream: AsyncIterator) -> AsyncIterator:
     """Items of ``stream``; stops (closing it, which aborts the request) once the client
     has gone, even while no output is coming. Call it after the body was read."""
+    return _relay(stream, until=lambda: client_gone(request))
+
+
+async def _relay(stream: AsyncIterator, until=None, idle: Optional[float] = None,
+                 idle_item=None) -> AsyncIterator:
+    """Items of ``stream`` as they come; stops once ``until()``'s coroutine returns, and
+    yields ``idle_item`` after every ``idle`` seconds without an item. The pending read is
+    never cancelled by either: only when the relay closes, and then ``stream`` is closed."""
     it = stream.__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
-    gone = asyncio.ensure_future(client_gone(request))
+    stop = asyncio.ensure_future(until()) if until is not None else None
     try:
         while True:
-            done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({nxt} if stop is None else {nxt, stop}, timeout=idle,
+                                         return_when=asyncio.FIRST_COMPLETED)
             if nxt in done:
                 try:
                     item = nxt.result()
@@ -207,10 +216,13 @@ async def stream_or_disconnect(request: Request, stream: AsyncIterator) -> Async
                     return
                 yield item
                 nxt = asyncio.ensure_future(it.__anext__())
-            else:
+            elif done:
                 return
+            else:
+                yield idle_item
     finally:
-        gone.cancel()
+        if stop is not None:
+            stop.cancel()
         if not nxt.done():
             nxt.cancel()
             # Let the cancelled __anext__ unwind before closing: closing a generator still
@@ -257,28 +269,5 @@ def event_stream(request: Request, events: AsyncIterator[bytes]) -> StreamingRes
     does not drop the connection."""
     interval = server_state(request).frontend.sse_keep_alive_interval
     if interval > 0:
-        events = _kept_alive(events, interval)
+        events = _relay(events, idle=interval, idle_item=SSE_KEEP_ALIVE)
     return StreamingResponse(events, media_type="text/event-stream")
-
-
-async def _kept_alive(events: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
-    it = events.__aiter__()
-    nxt = asyncio.ensure_future(it.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({nxt}, timeout=interval)
-            if not done:            # the pending read goes on: it is not cancelled
-                yield SSE_KEEP_ALIVE
-                continue
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield item
-            nxt = asyncio.ensure_future(it.__anext__())
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
-        if hasattr(it, "aclose"):
-            await it.aclose()
