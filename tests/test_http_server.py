@@ -420,6 +420,35 @@ def test_llm_serving_answers_end_at_the_length_cap_and_texts_add_up(server, tiny
         assert [s["tokens"] for s in steps] == full["tokens"] == obj["tokens"]
 
 
+def test_llm_serving_streams_end_with_the_whole_text_unless_told_not_to(server, tiny_llm):
+    """llm-serving's Parameters default return_full_text to true (mindspore-ai/serving, branch
+    dev, mindspore_serving/client/client_utils.py): a stream for a body that does not set it
+    ends with the whole answer's line, and scripts written against it take that last line as
+    the answer. Parsed as performance_serving parses a stream."""
+    n = 12
+    ref = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=n,
+                                                       ignore_eos=True))[0].outputs[0]
+    params = {"max_new_tokens": n, "do_sample": False, "ignore_eos": True}
+
+    def texts(path, extra, body_extra=None):
+        body = {"inputs": PROMPTS[1], "parameters": {**params, **extra}, **(body_extra or {})}
+        with requests.post(server + path, json=body, stream=True, timeout=60) as r:
+            assert r.status_code == 200, r.text
+            lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+        if extra.get("return_protocol") == "plain":
+            return [json.loads(line.removeprefix("data:")) for line in lines]
+        return [json.loads(line)["data"][0] for line in lines]
+
+    lis = [d["generated_text"] for d in texts("/models/llama2/generate_stream", {})]
+    assert len(lis) == n + 1 and lis[-1] == ref.text and "".join(lis[:-1]) == ref.text
+    plain = texts("/models/llama2", {"return_protocol": "plain"}, {"stream": True})
+    assert len(plain) == n + 1 and plain[-1]["generated_text"] == ref.text
+    assert plain[-1]["finish_reason"] == "length"
+    lis = [d["generated_text"] for d in texts("/models/llama2/generate_stream",
+                                              {"return_full_text": "False"})]
+    assert len(lis) == n and "".join(lis) == ref.text
+
+
 def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
     """llm-serving's Python client posts every field of its Parameters model, the unset ones
     as null, and `parameters` itself may be null: llm-serving took null as the default."""
@@ -618,7 +647,8 @@ def test_disconnect_storm_frees_everything(server, tiny_llm):
     def one(i):
         prompt = PROMPTS[i % len(PROMPTS)]
         long = i % 2 == 1
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": 900 if long else 24}}
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 900 if long else 24,
+                                                 "return_full_text": False}}
         try:
             if i % 4 == 3:            # send the request, then close before any answer
                 payload = json.dumps(body).encode()

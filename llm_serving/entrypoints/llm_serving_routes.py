@@ -6,7 +6,8 @@
   the client lags (its clients count lines and read each line's token). With
   return_protocol "sse" (the default) each line is
   ``{"event":"message","retry":30000,"data":[{...}]}``; with any other protocol it is
-  ``data:{...}``. With return_full_text, a last line carries the whole text.
+  ``data:{...}``. With return_full_text (llm-serving's default: true), a last line carries
+  the whole text.
 - ``POST /models/{model}``: either, by the body's ``stream``.
 - ``GET /serving/get_bs``, ``/serving/get_request_numbers``, ``/serving/get_serverd_model_info``.
 
@@ -83,7 +84,8 @@ class Parameters(_LlmServingBody):
     top_k: Optional[int] = Field(None, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
-    return_full_text: bool = False
+    # llm-serving's default (client_utils.Parameters): a stream ends with the whole text
+    return_full_text: bool = True
     return_protocol: str = "sse"
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
