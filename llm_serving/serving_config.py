@@ -85,6 +85,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=False)
 
 
+_MAY_BE_EMPTY = ("seq_length", "zactivate_len")
+
+
 class LegacyModelConfig(_Section):
     model_name: str
     max_generate_length: Optional[int] = Field(None, gt=0)
@@ -108,9 +111,13 @@ class LegacyModelConfig(_Section):
 
     @field_validator("seq_length", "prefill_batch_size", "decode_batch_size", "zactivate_len")
     @classmethod
-    def _sizes(cls, value):
-        """A size, or a list of them (llm-serving's buckets; the largest is used)."""
+    def _sizes(cls, value, info):
+        """A size, or a list of them (llm-serving's buckets; the largest is used). An empty
+        seq_length is llm-serving's dynamic sequence length (its check_valid_config), and
+        it took an empty zactivate_len too; the batch sizes it required non-empty."""
         sizes = value if isinstance(value, list) else [value]
+        if value == [] and info.field_name in _MAY_BE_EMPTY:
+            return value
         if value is not None and (not sizes or min(sizes) <= 0):
             raise ValueError("expected a positive integer or a non-empty list of them")
         return value
@@ -233,7 +240,7 @@ def load_config(path: Optional[Path], overrides: Optional[dict] = None) -> Servi
         if mc.max_generate_length is not None:
             kw["max_model_len"] = mc.max_generate_length
             legacy["max_model_len"] = "model_config.max_generate_length"
-        elif mc.seq_length is not None:
+        elif mc.seq_length:
             kw["max_model_len"] = _biggest(mc.seq_length)
             legacy["max_model_len"] = "model_config.seq_length"
     if pa is not None:

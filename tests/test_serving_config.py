@@ -45,6 +45,21 @@ def test_cli_overrides_win_and_our_section_wins_over_legacy_keys(tmp_path):
     assert load_config(p).engine_kwargs["max_num_seqs"] == 8
 
 
+def test_an_empty_seq_length_is_llm_servings_dynamic_length(tmp_path):
+    """llm-serving's check_valid_config takes an empty seq_length as a dynamic sequence
+    length (seq_type "dyn"), and an empty zactivate_len too (mindspore-ai/serving, branch dev,
+    mindspore_serving/config/config.py): such a file loads, max_generate_length (else the
+    model) bounding the length."""
+    p = tmp_path / "c.yaml"
+    legacy = ("model_config: {{model_name: m, end_token: 2, vocab_size: 10, seq_length: [], "
+              "zactivate_len: [], decode_batch_size: [8]{}}}\nllm_serving: {{model: /m}}\n")
+    p.write_text(legacy.format(", max_generate_length: 1024"))
+    kw = load_config(p).engine_kwargs
+    assert kw["max_model_len"] == 1024 and kw["max_num_seqs"] == 8
+    p.write_text(legacy.format(""))
+    assert "max_model_len" not in load_config(p).engine_kwargs
+
+
 @pytest.mark.parametrize("text, key", [
     ("model_config: {model_name: m, end_token: 2, vocab_size: 10, decode_batch_size: abc}",
      "model_config.decode_batch_size"),
