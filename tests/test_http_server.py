@@ -449,6 +449,29 @@ def test_llm_serving_streams_end_with_the_whole_text_unless_told_not_to(server, 
     assert len(lis) == n and "".join(lis) == ref.text
 
 
+def test_llm_serving_request_numbers_are_the_waiting_queue(server):
+    """llm-serving's /serving/get_request_numbers is its scheduler's waiting queue's length
+    (mindspore-ai/serving, branch dev, mindspore_serving/schedule/schedule.py get_queue_len),
+    /serving/get_bs its running batch: with three requests running and none waiting, 3 and
+    0. Read as an SSE event, as llm-serving's test/test_sse_recv.py reads them."""
+    def event(path):
+        text = requests.get(server + path, timeout=30).text
+        assert text.startswith("data: ") and text.endswith("\r\n\r\n")
+        return json.loads(text.removeprefix("data: "))["data"]
+
+    body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 900, "ignore_eos": True}}
+    streams = [requests.post(server + "/models/llama2/generate_stream", json=body,
+                             stream=True, timeout=120) for _ in range(3)]
+    try:
+        wait_until(lambda: event("/serving/get_bs") == 3, timeout=60,
+                   message="three requests never ran at once")
+        assert event("/serving/get_request_numbers") == 0
+    finally:
+        for r in streams:
+            r.close()
+    wait_until(lambda: event("/serving/get_bs") == 0, timeout=60)
+
+
 def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
     """llm-serving's Python client posts every field of its Parameters model, the unset ones
     as null, and `parameters` itself may be null: llm-serving took null as the default."""

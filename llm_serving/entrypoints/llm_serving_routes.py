@@ -332,8 +332,10 @@ async def get_bs(request: Request):
 async def get_request_numbers(request: Request):
     state: ServerState = request.app.state.server
     stats = await state.stats()
+    # llm-serving's: its waiting queue's length (requests not in the running batch; a
+    # preempted one goes back to it), not the requests in flight
     return _event({"event": "message", "retry": 30000,
-                   "data": stats.num_unfinished})
+                   "data": stats.num_waiting + stats.num_swapped})
 
 
 @router.get("/serving/get_serverd_model_info")
