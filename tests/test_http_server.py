@@ -472,6 +472,22 @@ def test_llm_serving_request_numbers_are_the_waiting_queue(server):
     wait_until(lambda: event("/serving/get_bs") == 0, timeout=60)
 
 
+def test_llm_serving_internlm_routes_answer_whatever_the_model(server, tiny_llm):
+    """llm-serving served /models/internlm, /models/internlm/generate and
+    /models/internlm/generate_stream beside the llama2 ones, whatever model it ran
+    (mindspore-ai/serving, branch dev, examples/server_app_post.py): a client written for
+    them gets the same answers here as on /models/llama2."""
+    body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 6, "do_sample": False}}
+    ref = greedy(tiny_llm, PROMPTS[1], 6).text
+    r = requests.post(server + "/models/internlm/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["generated_text"] == ref, r.text
+    r = requests.post(server + "/models/internlm", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["generated_text"] == ref, r.text
+    lines = requests.post(server + "/models/internlm/generate_stream", json=body,
+                          timeout=60).text.splitlines()
+    assert json.loads(lines[-1])["data"][0]["generated_text"] == ref
+
+
 def test_llm_serving_clients_nulls_take_the_defaults(server, tiny_llm):
     """llm-serving's Python client posts every field of its Parameters model, the unset ones
     as null, and `parameters` itself may be null: llm-serving took null as the default."""

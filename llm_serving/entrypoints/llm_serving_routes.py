@@ -11,7 +11,8 @@
 - ``POST /models/{model}``: either, by the body's ``stream``.
 - ``GET /serving/get_bs``, ``/serving/get_request_numbers``, ``/serving/get_serverd_model_info``.
 
-``{model}`` is the served model name; ``llama2`` is always accepted. Unlike llm-serving, the
+``{model}`` is the served model name; ``llama2`` and ``internlm`` (llm-serving's two route
+names, whatever model it served) are always accepted. Unlike llm-serving, the
 seed, stop strings, repetition penalty and per-request temperature are honoured, the last
 token's text is never lost, and a field the routes do not know is refused with a 400 naming
 it (llm-serving dropped it silently). A null field takes its default, as in llm-serving. As
@@ -39,6 +40,8 @@ from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
 
 router = APIRouter()
 DEFAULT_MAX_NEW_TOKENS = 300      # llm-serving's default
+# llm-serving's route names (/models/llama2..., /models/internlm...), served whatever the model
+LLM_SERVING_MODELS = ("llama2", "internlm")
 
 
 class Grammar(BaseModel):
@@ -140,9 +143,10 @@ def _line(obj: dict, protocol: str) -> bytes:
 async def _start(request: Request, model: str, req: GenerateRequest):
     unread_offers.hold(request, req.parameters.kv_transfer_params)
     state: ServerState = request.app.state.server
-    if model not in ("llama2", state.served_model_name):
+    if model not in LLM_SERVING_MODELS and model != state.served_model_name:
         raise HTTPError(404, f"model {model!r} does not exist; this server serves "
-                        f"{state.served_model_name!r} (also reachable as 'llama2')",
+                        f"{state.served_model_name!r} (also reachable as 'llama2' or "
+                        "'internlm')",
                         param="model", kind="not_found_error")
     engine = state.require_engine()
     refuse_unsupported(req.parameters, req.parameters.REFUSED, "parameters.")
