@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from llm_serving.model_executor import tiny_model
+from llm_serving.model_executor.loader import read_safetensors
 from llm_serving.model_executor.tiny_model import (default_model_dir, ensure_tiny_model,
                                                    make_tiny_model, model_path)
 
@@ -154,7 +155,8 @@ def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     assert model_path(None, default="tiny") == d
     own = make_tiny_model(str(tmp_path / "own"), num_layers=1)
     assert model_path(own) == own
-    with pytest.raises(FileNotFoundError, match="bench-gq.*tiny, tiny-qwen3, bench, bench-gqa"):
+    with pytest.raises(FileNotFoundError,
+                       match="bench-gq.*tiny, tiny-qwen3, tiny-qwen3-moe, bench, bench-gqa"):
         model_path("bench-gq")                            # a typo: neither a preset nor a model
     assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
     assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]
@@ -196,6 +198,28 @@ def test_cli_qwen3(tmp_path):
         make_tiny_model(str(tmp_path / "m"), architecture="gemma")
 
 
+def test_cli_qwen3_moe(tmp_path):
+    """--preset tiny-qwen3-moe: a checkpoint transformers loads as Qwen3MoeForCausalLM, with
+    per-expert weights under the HF names, a router [experts, hidden], and layer 1 dense."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "q3moe"
+    assert tiny_model.main(["--out", str(out), "--preset", "tiny-qwen3-moe"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"]) == (["Qwen3MoeForCausalLM"], "qwen3_moe")
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+            cfg["norm_topk_prob"], cfg["mlp_only_layers"]) == (8, 2, 32, True, [1])
+    names = dict(read_safetensors(out / "model.safetensors"))
+    assert names["model.layers.0.mlp.gate.weight"].shape == (8, 64)
+    assert names["model.layers.2.mlp.experts.7.down_proj.weight"].shape == (64, 32)
+    assert names["model.layers.1.mlp.gate_proj.weight"].shape == (128, 64)
+    assert not any(n.startswith("model.layers.1.mlp.experts") for n in names)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        make_tiny_model(str(tmp_path / "m"), architecture="qwen3_moe", num_experts=2,
+                        num_experts_per_tok=3)
+
+
 def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     from llm_serving.cli_args import resolve_model
     monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
@@ -203,6 +227,9 @@ def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     assert d == default_model_dir("tiny-qwen3")
     assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "qwen3"
     assert resolve_model("builtin:tiny-llama") == default_model_dir("tiny")
+    d = resolve_model("builtin:tiny-qwen3-moe")
+    assert d == default_model_dir("tiny-qwen3-moe")
+    assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "qwen3_moe"
     from llm_serving.errors import ConfigError
     with pytest.raises(ConfigError, match="builtin:tiny-qwen2: no built-in model") as e:
         resolve_model("builtin:tiny-qwen2")          # a typo gave the tiny Llama, silently

@@ -29,11 +29,14 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
-                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
+                          "Qwen3MoeForCausalLM": 32768}
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
 
 
@@ -67,6 +70,17 @@ class ModelConfig:
     o_bias: bool = False
     #: q and k get an RMSNorm over each head (weights [head_dim]) before rotary (Qwen3).
     qk_norm: bool = False
+    #: Qwen3-MoE: routed experts (0: every layer has a dense MLP), each token's top
+    #: num_experts_per_tok of them, each a SwiGLU of moe_intermediate_size; norm_topk_prob
+    #: renormalizes the chosen experts' probabilities to sum to 1. A layer is sparse when
+    #: (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (its MLP then has
+    #: intermediate_size), as transformers decides.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: Tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
     #: an int, or a list of ints
     eos_token_id: Optional[Union[int, List[int]]] = None
@@ -82,6 +96,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer``'s MLP is the sparse mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @property
     def eos_token_ids(self) -> List[int]:
         e = self.eos_token_id
@@ -91,7 +110,7 @@ class ModelConfig:
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """This config as an HF ``config.json`` (``from_dict`` of it gives it back)."""
-        qwen = self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        qwen = self.architecture in ("Qwen2ForCausalLM",) + _QWEN3
         d: Dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.model_type or _MODEL_TYPES[self.architecture],
@@ -115,6 +134,12 @@ class ModelConfig:
             d["use_sliding_window"] = False
         if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.qkv_bias
+        if self.architecture == "Qwen3MoeForCausalLM":
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
         return d
@@ -176,7 +201,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise err(f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv_heads})")
         head_dim = cfg.get("head_dim")
-        if head_dim is None and arch == "Qwen3ForCausalLM":
+        if head_dim is None and arch == "Qwen3ForCausalLM":   # (Qwen3Moe: hidden / heads)
             head_dim = 128                   # transformers' Qwen3Config default
         if head_dim is None:
             if hidden % heads:
@@ -195,7 +220,7 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        elif arch == "Qwen3ForCausalLM":
+        elif arch in _QWEN3:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
@@ -245,6 +270,8 @@ class ModelConfig:
         if partial not in (None, 1, 1.0):
             raise err(f"partial_rotary_factor={partial} is not supported")
 
+        moe = _moe_fields(cfg, arch, err) if arch == "Qwen3MoeForCausalLM" else {}
+
         eos = cfg.get("eos_token_id")
         if isinstance(eos, (list, tuple)):
             eos = [int(x) for x in eos]
@@ -269,12 +296,13 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QWEN3,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             model_type=str(cfg.get("model_type", "")),
             model_dir=model_dir,
+            **moe,
         )
 
     @classmethod
@@ -350,6 +378,32 @@ class ModelConfig:
         if "Qwen2" not in arch:
             cfg["attention_bias"] = False
         return cls.from_dict(cfg, source=src)
+
+
+def _moe_fields(cfg: Mapping[str, Any], arch: str, err) -> Dict[str, Any]:
+    """A Qwen3-MoE config.json's expert settings (transformers' defaults where absent)."""
+    def count(key: str, default: int, least: int) -> int:
+        value = cfg.get(key)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise err(f"{key} must be an integer >= {least}, got {value!r}")
+        return value
+
+    experts = count("num_experts", 128, 0)         # 0: every layer dense, as transformers
+    top_k = count("num_experts_per_tok", 8, 1)
+    if experts and top_k > experts:
+        raise err(f"num_experts_per_tok ({top_k}) must not exceed num_experts ({experts})")
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise err(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise err(f"shared experts (shared_expert_intermediate_size) are not part of {arch}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=count("moe_intermediate_size", 768, 1),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=count("decoder_sparse_step", 1, 1),
+                mlp_only_layers=tuple(sorted({int(i) for i in only})))
 
 
 def _mindformers_dtype(value: Any) -> Optional[str]:
@@ -473,6 +527,12 @@ _HF_TO_MF_GLOBAL = {v: k for k, v in _MF_TO_HF_GLOBAL.items()}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF names a .ckpt may also carry as they are (no mindformers Llama name exists for them).
 _HF_LAYER_PARTS = set(_HF_TO_MF_LAYER) | {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+# Qwen3-MoE's router and experts, also kept under their HF names in a .ckpt.
+_MOE_PART_RE = re.compile(r"^mlp\.(gate|experts\.\d+\.(gate|up|down)_proj)\.weight$")
+
+
+def _hf_only_part(rest: str) -> bool:
+    return rest in _HF_LAYER_PARTS or _MOE_PART_RE.match(rest) is not None
 
 
 def mindformers_to_hf_name(name: str) -> Optional[str]:
@@ -490,7 +550,7 @@ def mindformers_to_hf_name(name: str) -> Optional[str]:
         layer, rest = m.groups()
         if rest in _MF_TO_HF_LAYER:
             return f"model.layers.{layer}.{_MF_TO_HF_LAYER[rest]}"
-        if rest in _HF_LAYER_PARTS:
+        if _hf_only_part(rest):
             return name
     return None
 
@@ -501,8 +561,8 @@ def hf_to_mindformers_name(name: str) -> str:
     m = _LAYER_RE.match(name)
     if m and m.group(2) in _HF_TO_MF_LAYER:
         return f"model.layers.{m.group(1)}.{_HF_TO_MF_LAYER[m.group(2)]}"
-    if m and m.group(2) in _HF_LAYER_PARTS:
-        return name                    # Qwen3's q/k norms keep their HF names
+    if m and _hf_only_part(m.group(2)):
+        return name                    # Qwen3's q/k norms and MoE weights keep their HF names
     raise ValueError(f"no mindformers name for weight {name!r}")
 
 

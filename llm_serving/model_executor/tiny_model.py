@@ -1,11 +1,11 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
-tiny-qwen3, bench or bench-gqa) writes a directory that ``transformers.AutoModelForCausalLM`` /
-``AutoTokenizer`` and llm_serving both load:
+tiny-qwen3, tiny-qwen3-moe, bench or bench-gqa) writes a directory that
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load:
 
 * ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM when the q/k/v projections have biases, or
-  Qwen3ForCausalLM with ``--architecture qwen3``),
+  Qwen3ForCausalLM with ``--architecture qwen3``, Qwen3MoeForCausalLM with ``qwen3_moe``),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
 * a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
   corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
@@ -68,6 +68,22 @@ PRESETS: Dict[str, Dict[str, object]] = {
         intermediate_size=128,
         vocab_size=1024,
         tie_word_embeddings=True,
+    ),
+    # Qwen3-MoE's layout (Qwen3-30B-A3B's, small): 8 experts of 32, each token's top 2 with
+    # their probabilities renormalized; layer 1 of 3 keeps a dense MLP (mlp_only_layers).
+    "tiny-qwen3-moe": dict(
+        architecture="qwen3_moe",
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=1024,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=(1,),
     ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
@@ -135,9 +151,10 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 # ---------------------------------------------------------------------------------------------
 
 
-_PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3", "bench": "bench-97m",
+_PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
+                "tiny-qwen3-moe": "tiny-qwen3-moe", "bench": "bench-97m",
                 "bench-gqa": "bench-gqa-287m"}
-ARCHITECTURES = ("llama", "qwen3")
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
 
 
 def default_model_dir(preset: str = "tiny") -> str:
@@ -330,6 +347,9 @@ def _param_specs(
     tie_word_embeddings: bool,
     qkv_bias: bool,
     qk_norm: bool = False,
+    num_experts: int = 0,
+    moe_intermediate_size: int = 0,
+    moe_layers: Sequence[int] = (),
 ) -> List[Tuple[str, Tuple[int, ...], float, float]]:
     """(name, shape, mean, std) for every parameter, in HF order: values are normal(mean, std)."""
     h, q, kv, i = hidden_size, num_heads * head_dim, num_kv_heads * head_dim, intermediate_size
@@ -365,10 +385,24 @@ def _param_specs(
         specs += [
             (p + "self_attn.o_proj.weight", (h, q), 0.0, q**-0.5),
             (p + "post_attention_layernorm.weight", (h,), 1.0, 0.05),
-            (p + "mlp.gate_proj.weight", (i, h), 0.0, h**-0.5),
-            (p + "mlp.up_proj.weight", (i, h), 0.0, h**-0.5),
-            (p + "mlp.down_proj.weight", (h, i), 0.0, i**-0.5),
         ]
+        if layer in moe_layers:
+            # A router of std 2 / sqrt(h): experts' probabilities well apart, so the top-k
+            # does not hinge on rounding.
+            mi = moe_intermediate_size
+            specs.append((p + "mlp.gate.weight", (num_experts, h), 0.0, 2.0 * h**-0.5))
+            for e in range(num_experts):
+                specs += [
+                    (p + f"mlp.experts.{e}.gate_proj.weight", (mi, h), 0.0, h**-0.5),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (mi, h), 0.0, h**-0.5),
+                    (p + f"mlp.experts.{e}.down_proj.weight", (h, mi), 0.0, mi**-0.5),
+                ]
+        else:
+            specs += [
+                (p + "mlp.gate_proj.weight", (i, h), 0.0, h**-0.5),
+                (p + "mlp.up_proj.weight", (i, h), 0.0, h**-0.5),
+                (p + "mlp.down_proj.weight", (h, i), 0.0, i**-0.5),
+            ]
     specs.append(("model.norm.weight", (h,), final_norm, 0.05 * final_norm))
     if not tie_word_embeddings:
         specs.append(("lm_head.weight", (vocab_size, h), 0.0, 2.5 * h**-0.5))
@@ -456,18 +490,34 @@ def make_tiny_model(
     num_shards: int = 1,
     seed: int = 0,
     dtype: str = "float32",
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: Sequence[int] = (),
 ) -> str:
     """Write a random-weight model with a trained tokenizer to ``out_dir``; return ``out_dir``.
 
     ``architecture``: ``"llama"`` (a LlamaForCausalLM, or with ``qkv_bias=True`` a
-    Qwen2ForCausalLM) or ``"qwen3"`` (a Qwen3ForCausalLM: per-head q/k norms, no biases).
+    Qwen2ForCausalLM), ``"qwen3"`` (a Qwen3ForCausalLM: per-head q/k norms, no biases) or
+    ``"qwen3_moe"`` (a Qwen3MoeForCausalLM: Qwen3's attention, and on the layers transformers
+    makes sparse (``decoder_sparse_step``, ``mlp_only_layers``) ``num_experts`` SwiGLU experts
+    of ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; the MoE arguments
+    are read for this architecture only).
     ``head_dim``: default ``hidden_size // num_heads``. ``rope_scaling``: None or ``"llama3"``.
     ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
     """
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}; expected one of "
                          f"{', '.join(ARCHITECTURES)}")
-    qwen3 = architecture == "qwen3"
+    qwen3 = architecture in ("qwen3", "qwen3_moe")
+    moe = architecture == "qwen3_moe"
+    moe_layers = [i for i in range(num_layers) if moe and i not in mlp_only_layers
+                  and (i + 1) % decoder_sparse_step == 0]
+    if moe and not 1 <= num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok {num_experts_per_tok} must be in 1..num_experts "
+                         f"({num_experts})")
     if qwen3 and qkv_bias:
         raise ValueError("qkv_bias is Qwen2's (architecture llama); Qwen3 has no q/k/v biases")
     if head_dim is None:
@@ -488,7 +538,8 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     # --- config.json -------------------------------------------------------------------------
-    arch, model_type = (("Qwen3ForCausalLM", "qwen3") if qwen3
+    arch, model_type = (("Qwen3MoeForCausalLM", "qwen3_moe") if moe
+                        else ("Qwen3ForCausalLM", "qwen3") if qwen3
                         else ("Qwen2ForCausalLM", "qwen2") if qkv_bias
                         else ("LlamaForCausalLM", "llama"))
     config: Dict[str, object] = {
@@ -517,6 +568,12 @@ def make_tiny_model(
     if qwen3:
         config.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
                        "max_window_layers": num_layers})
+    if moe:
+        config.update({"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+                       "moe_intermediate_size": moe_intermediate_size,
+                       "norm_topk_prob": bool(norm_topk_prob),
+                       "decoder_sparse_step": decoder_sparse_step,
+                       "mlp_only_layers": sorted(mlp_only_layers)})
     elif qkv_bias:
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
     else:
@@ -545,6 +602,9 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
         qkv_bias=qkv_bias,
         qk_norm=qwen3,
+        num_experts=num_experts,
+        moe_intermediate_size=moe_intermediate_size,
+        moe_layers=moe_layers,
     )
     st_dtype, itemsize = _DTYPES[dtype]
     sizes = [int(np.prod(shape)) * itemsize for _, shape, _, _ in specs]
@@ -599,10 +659,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="tiny: 64 hidden, 2 layers, vocab 1024 (default); tiny-qwen3: the "
-                        "same size as a Qwen3ForCausalLM (head_dim 32, tied embeddings); bench: "
+                        "same size as a Qwen3ForCausalLM (head_dim 32, tied embeddings); "
+                        "tiny-qwen3-moe: a Qwen3MoeForCausalLM (3 layers, 8 experts, top 2, "
+                        "layer 1 dense); bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
-                        help="llama (default; Qwen2 with --qkv-bias) or qwen3")
+                        help="llama (default; Qwen2 with --qkv-bias), qwen3 or qwen3_moe")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)

@@ -57,12 +57,15 @@ class Linear(CustomOp):
       ranks) is held whole-head by groups of R ranks: rank r takes slice r // R of size
       size * R / tp_size;
     - ``parallel="row"``: each rank holds a slice of the input columns and the partial outputs
-      are summed over the ranks (all-reduce); the bias is added once, after the sum.
+      are summed over the ranks (all-reduce); the bias is added once, after the sum. With
+      ``reduce_results=False`` the layer returns its partial sum and the caller reduces (a
+      mixture of experts sums its experts' partial outputs first, then all-reduces once).
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1, parallel: str = "none",
-                 split_output: bool = False, replicas: list[int] | None = None):
+                 split_output: bool = False, replicas: list[int] | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         self.shard_index = [0] * len(output_sizes)
         if parallel == "column":
@@ -96,7 +99,7 @@ class Linear(CustomOp):
         self.matmul = ops.MatMul(transpose_b=True)
         self.gemm_call = LinearCall(self.output_sizes if split_output else [out])
         # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
-        self.reduce = parallel == "row" and tp_size > 1
+        self.reduce = parallel == "row" and tp_size > 1 and reduce_results
 
     def _zero_weight(self, dtype) -> Parameter:
         """A zero weight Parameter in the layout the layer computes with."""

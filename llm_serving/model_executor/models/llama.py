@@ -1,11 +1,12 @@
 """The Llama family in MindSpore: Llama 2/3 (llama3 rope scaling), GQA/MQA, Qwen2's q/k/v
-bias, Qwen3's per-head q/k RMSNorm, tied embeddings. Layers take tensors and return tensors;
-attention finds its cache and metadata in the forward context (``forward_context.py``).
-Decoder layers split into ``forward_attn`` and ``forward_ffn``, and the model is enabled for
-multi-stream by seed 000's four steps (docs/multistream.md): the imports,
-``SupportsMultiStream`` and a ``multistream_config`` on the causal LM, the pre/post layers
-around the decoder loop, and ``@support_multi_stream`` on the decoder layer. Qwen2 and Qwen3
-run through these same classes.
+bias, Qwen3's per-head q/k RMSNorm, tied embeddings, and Qwen3-MoE's sparse expert layers
+(``layers/moe.py``: an MoE layer's ``forward_ffn`` runs that block instead of the MLP).
+Layers take tensors and return tensors; attention finds its cache and metadata in the
+forward context (``forward_context.py``). Decoder layers split into ``forward_attn`` and
+``forward_ffn``, and the model is enabled for multi-stream by seed 000's four steps
+(docs/multistream.md): the imports, ``SupportsMultiStream`` and a ``multistream_config`` on
+the causal LM, the pre/post layers around the decoder loop, and ``@support_multi_stream`` on
+the decoder layer. Qwen2, Qwen3 and Qwen3-MoE run through these same classes.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from llm_serving.model_executor.attention.layer import Attention
 from llm_serving.model_executor.layers.activation import SiluAndMul
 from llm_serving.model_executor.layers.layernorm import HeadRMSNorm, RMSNorm
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
+from llm_serving.model_executor.layers.moe import SparseMoeBlock
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
 from llm_serving.config import kv_heads_per_rank
 # Multi-stream, step 1: the imports.
@@ -31,12 +33,16 @@ from llm_serving.model_executor.multistream.metadata import make_multistream_met
 
 
 class LlamaMLP(nn.Cell):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank=0, tp_size=1):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel (its
+    partial sums all-reduced unless ``reduce_results`` is False: a MoE expert's)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank=0, tp_size=1,
+                 reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, False, tp_rank,
                                    tp_size, "column")
         self.down_proj = Linear(intermediate_size, [hidden_size], False, tp_rank, tp_size,
-                                "row")
+                                "row", reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def construct(self, x):
@@ -91,7 +97,13 @@ class LlamaDecoderLayer(nn.Cell):
                  tp_size=1):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer_idx, tp_rank, tp_size)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
+        if config.is_moe_layer(layer_idx):          # Qwen3-MoE: the sparse experts
+            experts = [LlamaMLP(config.hidden_size, config.moe_intermediate_size, tp_rank,
+                                tp_size, reduce_results=False)
+                       for _ in range(config.num_experts)]
+            self.mlp = SparseMoeBlock(config, experts, tp_rank, tp_size)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
