@@ -728,6 +728,10 @@ def check_tensor_parallel(config: "ModelConfig", tp_size: int) -> None:
     if config.intermediate_size % tp_size:
         raise ConfigError(key, f"{tp_size} does not divide the model's intermediate_size "
                           f"({config.intermediate_size})")
+    if config.num_experts and config.moe_intermediate_size % tp_size:
+        raise ConfigError(key, f"{tp_size} does not divide the model's moe_intermediate_size "
+                          f"({config.moe_intermediate_size}): each expert is split over the "
+                          "ranks")
 
 
 def _core_set(text: str) -> list[int]:

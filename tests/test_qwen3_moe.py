@@ -6,13 +6,15 @@ identical with decode steps replayed from CPU graphs; a .ckpt round trip; a real
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
 
 from llm_serving import LLM, SamplingParams
-from llm_serving.errors import ModelLoadError
+from llm_serving.errors import ConfigError, ModelLoadError
+from llm_serving.executor.shm_channel import segments_of
 from llm_serving.model_executor.loader import ModelConfig
 from test_model_parity import GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy
 
@@ -149,6 +151,35 @@ def test_mindspore_ckpt_gives_the_same_logits(qwen3_moe_model_dir, hf_reference,
     llm = LLM(qwen3_moe_model_dir, checkpoint=ckpt, num_blocks=64)
     np.testing.assert_allclose(_prefill_logits(llm, [prompts[4]])[0], ref_logits[4], atol=5e-3,
                                rtol=0)
+
+
+def test_two_tensor_parallel_ranks_give_hf_greedy_tokens(qwen3_moe_model_dir, hf_reference):
+    """Each rank holds half of every expert (16 of its 32 columns) and the whole router; the
+    experts' partial sums are all-reduced once per MoE layer."""
+    prompts, _, ref_tokens = hf_reference
+    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
+    before = segments_of()
+    llm = LLM(qwen3_moe_model_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
+              num_blocks=256)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
+    finally:
+        llm.engine.shutdown()
+    for out, ref in zip(outs, ref_tokens[:6]):
+        assert out.outputs[0].token_ids == ref
+    assert not segments_of() - before, "shared memory left behind"
+
+
+def test_tensor_parallel_size_must_divide_each_expert(qwen3_moe_model_dir, tmp_path):
+    d = tmp_path / "qwen3-moe-odd-experts"
+    shutil.copytree(qwen3_moe_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 33
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="2 does not divide the model's "
+                                          "moe_intermediate_size .33.") as e:
+        LLM(str(d), tensor_parallel_size=2, num_blocks=64)
+    assert e.value.key == "tensor_parallel_size"
 
 
 def test_server_serves_qwen3_moe_as_the_offline_engine_does(tmp_path, qwen3_moe_model_dir,
