@@ -220,6 +220,21 @@ def test_cli_qwen3_moe(tmp_path):
                         num_experts_per_tok=3)
 
 
+def test_qwen3_has_its_thinking_and_tool_markers_as_single_tokens(tmp_path):
+    """As Qwen3's tokenizer: <think>, </think>, <tool_call>, </tool_call> are one token each
+    (added, not special: a decode that skips special tokens keeps them), for our tokenizer and
+    transformers' alike; the vocabulary keeps its size."""
+    transformers = pytest.importorskip("transformers")
+    from llm_serving.tokenizer import Tokenizer
+    out = make_tiny_model(str(tmp_path / "q3"), **tiny_model.PRESETS["tiny-qwen3"])
+    text = "a<think>b</think>c<tool_call>d</tool_call>"
+    for tok in (Tokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(out)):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert [i for i in ids if i >= 1020] == [1020, 1021, 1022, 1023]
+        assert tok.decode(ids, skip_special_tokens=True) == text
+        assert len(tok.get_vocab()) == 1024
+
+
 def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     from llm_serving.cli_args import resolve_model
     monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))

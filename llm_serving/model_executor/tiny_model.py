@@ -36,6 +36,9 @@ from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+# Qwen3's tokenizer has its thinking and tool-call markers as single added tokens that are not
+# special (they survive skip_special_tokens): the tiny Qwen3 has them too, as its last ids.
+QWEN3_MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 # ChatML, starting with BOS like Llama templates: render, then encode with add_special_tokens=False
 # (as transformers' apply_chat_template(tokenize=True) does) to get exactly one BOS.
@@ -257,12 +260,14 @@ def corpus_texts() -> Tuple[List[str], str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(vocab_size: int, texts: Optional[Sequence[str]] = None):
+def train_tokenizer(vocab_size: int, texts: Optional[Sequence[str]] = None,
+                    markers: Sequence[str] = ()):
     """Train a byte-level BPE ``tokenizers.Tokenizer`` with exactly ``vocab_size`` tokens
-    (special tokens included). Deterministic and fast (well under a second for 8k tokens)."""
+    (special tokens and ``markers`` included: added tokens that are not special, the last
+    ids). Deterministic and fast (well under a second for 8k tokens)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    min_vocab = len(SPECIAL_TOKENS) + 256
+    min_vocab = len(SPECIAL_TOKENS) + 256 + len(markers)
     if vocab_size < min_vocab:
         raise ValueError(f"vocab_size must be at least {min_vocab} for a byte-level BPE, got {vocab_size}")
     if texts is None:
@@ -271,19 +276,21 @@ def train_tokenizer(vocab_size: int, texts: Optional[Sequence[str]] = None):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(markers),
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=0,
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer)
-    short = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    short = vocab_size - len(markers) - tok.get_vocab_size(with_added_tokens=True)
     if short > 0:
         # The corpus ran out of merges: fill up with reserved tokens so that the size is exact.
         tok.add_special_tokens(
             [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(short)]
         )
+    if markers:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in markers])
     tok.post_processor = processors.TemplateProcessing(
         single="<s>:0 $A:0",
         pair="<s>:0 $A:0 <s>:1 $B:1",
@@ -298,14 +305,15 @@ def _tokenizer_files(tok, max_position_embeddings: int) -> Dict[str, object]:
     added = {}
     for tid in range(tok.get_vocab_size(with_added_tokens=True)):
         content = tok.id_to_token(tid)
-        if tid < len(SPECIAL_TOKENS) or content.startswith("<|reserved_"):
+        special = tid < len(SPECIAL_TOKENS) or content.startswith("<|reserved_")
+        if special or content in QWEN3_MARKERS:
             added[str(tid)] = {
                 "content": content,
                 "lstrip": False,
                 "normalized": False,
                 "rstrip": False,
                 "single_word": False,
-                "special": True,
+                "special": special,
             }
     tokenizer_config = {
         "add_bos_token": True,
@@ -585,7 +593,7 @@ def make_tiny_model(
     )
 
     # --- tokenizer ---------------------------------------------------------------------------
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size, markers=QWEN3_MARKERS if qwen3 else ())
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     for fname, content in _tokenizer_files(tok, max_position_embeddings).items():
         _write_json(out / fname, content)
