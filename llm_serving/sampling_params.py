@@ -166,6 +166,9 @@ class SamplingParams:
     # compiled grammar); not part of the user's request.
     bad_words_token_ids: Optional[List[List[int]]] = field(default=None, repr=False)
     grammar: Optional[Any] = field(default=None, repr=False, compare=False)
+    # Set by the chat route under --reasoning-parser: the grammar holds from the token after
+    # this marker (the end of the model's thinking), not from the first token.
+    reasoning_end: Optional[str] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._normalize()

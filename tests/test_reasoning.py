@@ -2,6 +2,8 @@
 vLLM 0.32 splits it, whole and streamed."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llm_serving.entrypoints.reasoning import ReasoningStream, split
@@ -86,7 +88,7 @@ def qwen3_servers(tmp_path_factory, qwen3_model_dir):
 
 def _chat(client, stream=False, **kw):
     return client.chat.completions.create(
-        model="tiny", max_tokens=12, temperature=0, stream=stream,
+        model="tiny", max_tokens=kw.pop("max_tokens", 12), temperature=0, stream=stream,
         messages=[{"role": "user", "content": "Why?"},
                   {"role": "assistant", "content": "<think>\nLet me see"}],
         extra_body={"add_generation_prompt": False, "continue_final_message": True,
@@ -122,3 +124,113 @@ def test_server_puts_the_thinking_in_reasoning_not_content(qwen3_servers):
     r = _chat(parsed, logprobs=True, extra_body={"include_reasoning": False})
     assert r.choices[0].message.model_extra["reasoning"] is None
     assert r.choices[0].logprobs is None
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+def _of_schema(content):
+    value = json.loads(content)
+    return set(value) == {"ok"} and isinstance(value["ok"], bool)
+
+
+def _think_end_id(model_dir):
+    from llm_serving.tokenizer import Tokenizer
+    ids = Tokenizer.from_pretrained(model_dir).encode("</think>", add_special_tokens=False)
+    assert len(ids) == 1
+    return ids[0]
+
+
+def test_a_grammar_holds_from_the_end_of_the_thinking(qwen3_servers, qwen3_model_dir):
+    """With --reasoning-parser, a json_schema response_format (or a forced tool call) lets the
+    model think freely and holds from the token after </think>, as vLLM 0.32: the reasoning is
+    the thinking, the content valid JSON of the schema, whole and streamed. A logit_bias on the
+    </think> token ends the tiny model's thinking at once (no reasoning) or after a while."""
+    import openai
+    parsed = openai.OpenAI(base_url=qwen3_servers[1] + "/v1", api_key="none")
+    end = str(_think_end_id(qwen3_model_dir))
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    answers = {}
+    for bias in (100, 8, 6, 4):
+        msg = _chat(parsed, max_tokens=40, logit_bias={end: bias},
+                    response_format=fmt).choices[0].message
+        answers[bias] = (msg.model_extra["reasoning"], msg.content)
+        assert msg.content is None or _of_schema(msg.content), (bias, msg)
+    assert answers[100][0] is None and _of_schema(answers[100][1])
+    both = [b for b, (r, c) in answers.items() if r and c]
+    assert both, answers
+
+    bias = both[0]
+    reasoning, content = "", ""
+    for chunk in _chat(parsed, stream=True, max_tokens=40, logit_bias={end: bias},
+                       response_format=fmt):
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == answers[bias]
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
+    msg = _chat(parsed, max_tokens=40, logit_bias={end: bias}, tools=tools,
+                tool_choice={"type": "function", "function": {"name": "f"}}).choices[0].message
+    assert msg.model_extra["reasoning"] == answers[bias][0]
+    assert _of_schema(msg.tool_calls[0].function.arguments)
+
+
+def test_a_grammar_holds_from_the_first_token_when_there_is_no_thinking(qwen3_servers,
+                                                                        qwen3_model_dir):
+    """enable_thinking false, or a prompt whose thinking is closed: the schema holds from the
+    first token (vLLM's is_reasoning_end on the prompt), so a </think> cannot be sampled."""
+    import openai
+    parsed = openai.OpenAI(base_url=qwen3_servers[1] + "/v1", api_key="none")
+    end = str(_think_end_id(qwen3_model_dir))
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    msg = _chat(parsed, max_tokens=40, logit_bias={end: 100}, response_format=fmt,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+                ).choices[0].message
+    assert msg.model_extra["reasoning"] is None and _of_schema(msg.content)
+    msg = parsed.chat.completions.create(
+        model="tiny", max_tokens=40, temperature=0, logit_bias={end: 100}, response_format=fmt,
+        messages=[{"role": "user", "content": "Why?"},
+                  {"role": "assistant", "content": "<think>\nI see.\n</think>\n\n"}],
+        extra_body={"add_generation_prompt": False, "continue_final_message": True}
+    ).choices[0].message
+    assert msg.model_extra["reasoning"] is None and _of_schema(msg.content)
+
+
+def test_the_end_of_the_thinking_is_its_token_or_else_its_text(qwen3_model_dir, tiny_model_dir):
+    """The grammar's start (engine/reasoning_end.py): the token after the </think> token where
+    the tokenizer has one (Qwen3's), so that the same text spelled in other tokens is not an
+    end; in the decoded text where it has none (the tiny Llama)."""
+    from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
+    from llm_serving.entrypoints.reasoning import ended_in_prompt
+    from llm_serving.tokenizer import Tokenizer
+    qwen3 = Tokenizer.from_pretrained(qwen3_model_dir)
+    llama = Tokenizer.from_pretrained(tiny_model_dir)
+    end = marker_token_id(qwen3, "</think>")
+    assert end is not None and marker_token_id(llama, "</think>") is None
+
+    def pieces(tok, *texts):
+        return [i for t in texts for i in tok.encode(t, add_special_tokens=False)]
+    spelled = pieces(qwen3, "so </", "thi", "nk", ">", " {")
+    assert qwen3.decode(spelled) == "so </think> {"
+    assert ReasoningEnd(qwen3, "</think>", end).feed(spelled) is None
+    ids = pieces(qwen3, "so", "</think>", "{")
+    gate = ReasoningEnd(qwen3, "</think>", end)
+    assert gate.feed(ids[:1]) is None and gate.feed(ids[1:]) == ids[1:].index(end) + 1
+    spelled = pieces(llama, "so </", "thi", "nk", ">", " {")
+    gate = ReasoningEnd(llama, "</think>", None)
+    assert gate.feed(spelled[:2]) is None
+    at = gate.feed(spelled[2:])
+    assert llama.decode(spelled[2:][at:]) == " {"
+
+    asked = "<|im_start|>user\nWhat is </think>?<|im_end|>\n<|im_start|>assistant\n"
+    closed = asked + "<think>\nI see.\n</think>\n\n"
+    for tok in (qwen3, llama):
+        for name, thinking, prompt, ended in [
+                ("qwen3", True, asked, False), ("qwen3", True, closed, True),
+                ("qwen3", True, asked + "<think>\n", False), ("qwen3", False, asked, True),
+                ("deepseek_r1", True, closed, True),
+                ("deepseek_r1", False, closed + "<think>", False)]:
+            ids = tok.encode(prompt, add_special_tokens=False)
+            assert ended_in_prompt(name, thinking, prompt, ids, tok) == ended, (name, prompt)

@@ -14,7 +14,9 @@ Where each part runs:
   sequence (n > 1 children have their own), advanced lazily over the tokens the sequence
   gained since the previous step, rebuilt from the output tokens when a sequence has none
   (a fork) or lost tokens, and dropped when the sequence finishes or is aborted
-  (``release``).
+  (``release``). A request with ``reasoning_end`` (the chat route's ``--reasoning-parser``)
+  is not masked while the model thinks: its matcher is made at the token after the end of
+  the reasoning (engine/reasoning_end.py), as vLLM's structured output does.
 
 Under async scheduling a grammar row's mask needs the token the running step is sampling:
 ``apply`` then leaves a placeholder and the engine sends ``deferred_bitmask()`` to the runner
@@ -25,10 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
 from llm_serving.executor.protocol import SamplingBatch
 from llm_serving.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -77,8 +80,9 @@ class Constraints:
         self._lltok = None
         self._executor = None
         self._limits = None
-        # id(seq) -> [seq, matcher, tokens consumed]
+        # id(seq) -> [seq, matcher (None while it thinks), tokens seen, ReasoningEnd or None]
         self._matchers: dict[int, list] = {}
+        self._marker_ids: dict[str, Optional[int]] = {}
         self._deferred = None      # (sequences of the mask rows, rows with bad words in it)
 
     # ---- per request (any thread) ---------------------------------------------------------
@@ -224,7 +228,9 @@ class Constraints:
         todo = []
         for i, seq in enumerate(seqs):
             if seq.params.grammar is not None and not seq.status.finished:
-                todo.append((self._matcher(seq), i))
+                m = self._matcher(seq)
+                if m is not None:       # None: it still thinks, every token allowed
+                    todo.append((m, i))
         if len(todo) >= _PAR_ROWS and _CORES >= _PAR_CORES:
             fill_next_token_bitmask_par(self._executor, todo, mask)
         else:
@@ -248,20 +254,37 @@ class Constraints:
 
     def _matcher(self, seq: "Sequence"):
         """The sequence's matcher, advanced over its new output tokens (every token sampled
-        before the step being masked is known by then)."""
+        before the step being masked is known by then); None while its reasoning goes on."""
         from llguidance import LLMatcher
         out = seq.output_token_ids
         entry = self._matchers.get(id(seq))
         if entry is None or entry[0] is not seq or entry[2] > len(out):
-            entry = [seq, LLMatcher(self.lltokenizer(), seq.params.grammar, log_level=0,
-                                    limits=self.limits()), 0]
+            entry = [seq, None, 0, self._reasoning_end(seq.params.reasoning_end)]
             self._matchers[id(seq)] = entry
+        if entry[1] is None:
+            if entry[3] is not None:
+                at = entry[3].feed(out[entry[2]:])
+                if at is None:
+                    entry[2] = len(out)
+                    return None
+                entry[2] += at
+            entry[1] = LLMatcher(self.lltokenizer(), seq.params.grammar, log_level=0,
+                                 limits=self.limits())
         m = entry[1]
         if entry[2] < len(out):
             if not m.is_stopped():      # after its end (ignore_eos), EOS again: nothing new
                 m.consume_tokens(out[entry[2]:])
             entry[2] = len(out)
         return m
+
+    def _reasoning_end(self, marker: Optional[str]) -> Optional[ReasoningEnd]:
+        """A search for the end of a sequence's reasoning (None: the grammar holds from its
+        first token)."""
+        if marker is None:
+            return None
+        if marker not in self._marker_ids:
+            self._marker_ids[marker] = marker_token_id(self.tokenizer, marker)
+        return ReasoningEnd(self.tokenizer, marker, self._marker_ids[marker])
 
     @staticmethod
     def _note_error(seq: "Sequence", m) -> None:

@@ -505,11 +505,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise translate_error(e) from None
     # How the text becomes tool calls: forced (named / required), parsed (auto), or not.
     tool_mode = None if not tools else ("forced" if forced is not None else "auto")
-    # --reasoning-parser: the thinking split off first. Not under a grammar, which holds
-    # from the first token here (vLLM lets the model think before it applies).
-    think_parser = None if forced or structured else args.reasoning_parser
+    # --reasoning-parser: the thinking split off first. A grammar holds from the token after
+    # the thinking (vLLM's); from the first one, unsplit, when the prompt left the thinking
+    # behind or include_reasoning is false (vLLM's too, which then has no thinking to show).
+    think_parser = args.reasoning_parser
     thinking = reasoning.thinking_enabled(template_kwargs(state, req.chat_template_kwargs))
     show_reasoning = req.include_reasoning
+    if think_parser is not None and params.structured_outputs is not None:
+        if show_reasoning and not reasoning.ended_in_prompt(think_parser, thinking, text, ids,
+                                                            engine.tokenizer):
+            params.reasoning_end = reasoning.THINK_END
+        else:
+            think_parser = None
 
     # vLLM's: --response-role answers a generation prompt; else the last message's role
     role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from llm_serving.engine.reasoning_end import marker_token_id
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 TOOL_CALL_START = "<tool_call>"
@@ -102,6 +104,32 @@ def split(text: str, name: str, thinking: bool = True) -> tuple[Optional[str], O
     reasoning, content = stream.feed(text)
     reasoning += stream.finish()[0]
     return reasoning or None, content or None
+
+
+# Qwen3's turn boundaries (ChatML): the prompt's last one begins the turn being answered.
+TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")
+
+
+def ended_in_prompt(name: str, thinking: bool, prompt: str, prompt_ids: list[int],
+                    tokenizer) -> bool:
+    """Whether the prompt leaves the model past its thinking (vLLM's ``is_reasoning_end`` on
+    the prompt, which decides if a grammar holds from the first token): its last marker is a
+    ``</think>``. For qwen3, a turn boundary after the last marker means the answer is still
+    to think (unless ``enable_thinking`` is false: then there is no thinking to wait for).
+    Markers are the tokenizer's single tokens when it has them, else the text's."""
+    if name == "qwen3" and not thinking:
+        return True
+    kinds = {THINK_START: False, THINK_END: True}
+    if name == "qwen3":
+        kinds.update(dict.fromkeys(TURN_BOUNDARIES, False))
+    ids = {marker_token_id(tokenizer, m): m for m in kinds}
+    if None not in ids:
+        for tid in reversed(prompt_ids):
+            if tid in ids:
+                return kinds[ids[tid]]
+        return False
+    last = max(kinds, key=prompt.rfind)
+    return prompt.rfind(last) >= 0 and kinds[last]
 
 
 def thinking_enabled(template_kwargs: dict) -> bool:
