@@ -234,3 +234,35 @@ def test_the_end_of_the_thinking_is_its_token_or_else_its_text(qwen3_model_dir, 
                 ("deepseek_r1", False, closed + "<think>", False)]:
             ids = tok.encode(prompt, add_special_tokens=False)
             assert ended_in_prompt(name, thinking, prompt, ids, tok) == ended, (name, prompt)
+
+
+def test_usage_counts_the_reasoning_tokens(qwen3_servers, qwen3_model_dir):
+    """With --reasoning-parser, usage.completion_tokens_details.reasoning_tokens (vLLM 0.32's):
+    the tokens before </think> (all of them when it never comes, none with enable_thinking
+    false), in the final usage of a stream too; without a parser there are no details."""
+    import openai
+    plain = openai.OpenAI(base_url=qwen3_servers[0] + "/v1", api_key="none")
+    parsed = openai.OpenAI(base_url=qwen3_servers[1] + "/v1", api_key="none")
+    end = str(_think_end_id(qwen3_model_dir))
+    assert _chat(plain).usage.completion_tokens_details is None
+
+    usage = _chat(parsed).usage
+    assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 12
+    usage = _chat(parsed, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage
+    assert usage.completion_tokens_details.reasoning_tokens == 0
+
+    counts = {}
+    for bias in (100, 8, 6, 4):
+        r = _chat(parsed, max_tokens=40, logit_bias={end: bias})
+        thought = r.choices[0].message.model_extra["reasoning"]
+        counts[bias] = r.usage.completion_tokens_details.reasoning_tokens
+        if thought is None:
+            assert counts[bias] == 0
+        else:
+            assert 0 < counts[bias] <= r.usage.completion_tokens
+            assert counts[bias] < r.usage.completion_tokens or r.choices[0].message.content is None
+    assert counts[100] == 0 and max(counts.values()) > 0
+    bias = max(counts, key=counts.get)
+    last = list(_chat(parsed, stream=True, max_tokens=40, logit_bias={end: bias},
+                      stream_options={"include_usage": True}))[-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == counts[bias]

@@ -159,7 +159,8 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
                           extra: Optional[dict] = None, grammar_field: Optional[str] = None,
                           cached: Optional[dict] = None, watch=None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
-    completion) -> {"text", "ids" (count), "lp" (logprob entries), "finish"}, and the prompt
+    completion) -> {"text", "ids" (count), "token_ids", "lp" (logprob entries), "finish"}, and
+    the prompt
     tokens; ``cached`` gets each prompt's prefix-cached tokens; ``echo`` sees every output;
     ``extra`` gets the top-level fields the engine returned (a producer's
     ``kv_transfer_params``); ``watch`` is called with each completion output as it comes.
@@ -181,9 +182,11 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
             if watch is not None:
                 watch(c)
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
-                                                      "finish": None, "stop_reason": None})
+                                                      "finish": None, "stop_reason": None,
+                                                      "token_ids": []})
             ch["text"].append(c.text)
             ch["ids"] += len(c.token_ids)
+            ch["token_ids"].extend(c.token_ids)
             if c.logprobs:
                 ch["lp"].extend(c.logprobs)
             ch["finish"], ch["stop_reason"] = c.finish_reason, c.stop_reason
@@ -204,13 +207,17 @@ def _sse_error(e: HTTPError) -> bytes:
                           "code": e.status}})
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: Optional[int] = None) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached: Optional[int] = None,
+           reasoning_tokens: Optional[int] = None) -> dict:
     """OpenAI's usage; ``cached`` (--enable-prompt-tokens-details): the prompt tokens the
-    prefix cache served, as prompt_tokens_details.cached_tokens."""
+    prefix cache served, as prompt_tokens_details.cached_tokens; ``reasoning_tokens`` (chat
+    with --reasoning-parser, as vLLM): completion_tokens_details.reasoning_tokens."""
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if cached is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage
 
 
@@ -555,6 +562,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.stream:
         include_usage, continuous = _stream_usage(state, req)
         choice_tokens: dict[int, int] = {}
+        thought_tokens: dict[int, "reasoning.ReasoningTokens"] = {}
         cached: dict = {}
 
         def chunk(idx, delta, finish=None, lp=None, stop_reason=None):
@@ -563,9 +571,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                               "finish_reason": finish,
                                               "stop_reason": stop_reason}]}
             if include_usage:
-                c["usage"] = (_usage(len(ids), choice_tokens.get(idx, 0)) if continuous
-                              else None)
+                c["usage"] = (_usage(len(ids), choice_tokens.get(idx, 0),
+                                     reasoning_tokens=reasoning_count([idx]))
+                              if continuous else None)
             return sse(c)
+
+        def reasoning_count(indices) -> Optional[int]:
+            if args.reasoning_parser is None:
+                return None
+            return sum(thought_tokens[i].count for i in indices if i in thought_tokens)
 
         async def gen():
             prompt_tokens = len(ids)
@@ -593,6 +607,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 thoughts[c.index] = reasoning.ReasoningStream(think_parser,
                                                                               thinking)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
+                        if think_parser is not None:
+                            if c.index not in thought_tokens:
+                                thought_tokens[c.index] = reasoning.ReasoningTokens(
+                                    think_parser, thinking, engine.tokenizer)
+                            thought_tokens[c.index].feed(c.token_ids)
                         lp = chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
                         text = c.text
                         if think_parser is not None:
@@ -631,7 +650,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                     yield sse({"id": resp_id, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(choice_tokens.values()),
-                                                _cached(state, cached))})
+                                                _cached(state, cached),
+                                                reasoning_count(thought_tokens))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
@@ -646,6 +666,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                        grammar_field=grammar_field, cached=cached)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(resp_id, len(ids), completion_tokens, t0)
+    thought_count = None
+    if args.reasoning_parser is not None:
+        thought_count = 0
+        for ch in choices.values() if think_parser is not None else ():
+            counter = reasoning.ReasoningTokens(think_parser, thinking, engine.tokenizer)
+            counter.feed(ch["token_ids"])
+            thought_count += counter.count
 
     def build() -> dict:
         out = []
@@ -661,7 +688,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                         "stop_reason": ch["stop_reason"]})
         return {"id": resp_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": out,
-                "usage": _usage(len(ids), completion_tokens, _cached(state, cached)),
+                "usage": _usage(len(ids), completion_tokens, _cached(state, cached),
+                                thought_count),
                 **extra}
     return await json_answer(build)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from llm_serving.engine.reasoning_end import marker_token_id
+from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -104,6 +104,32 @@ def split(text: str, name: str, thinking: bool = True) -> tuple[Optional[str], O
     reasoning, content = stream.feed(text)
     reasoning += stream.finish()[0]
     return reasoning or None, content or None
+
+
+class ReasoningTokens:
+    """A choice's reasoning tokens (vLLM's usage.completion_tokens_details.reasoning_tokens):
+    its tokens before the end of its thinking, the ``<think>`` tokens left out; fed its token
+    ids as they come. The end is found as a grammar finds it (engine/reasoning_end.py): by
+    token where the tokenizer has the marker as one token, else in the text (there the
+    marker's first pieces count too)."""
+
+    def __init__(self, name: str, thinking: bool, tokenizer):
+        self.count = 0
+        self._done = name == "qwen3" and not thinking
+        ends = [THINK_END, TOOL_CALL_START] if name == "qwen3" else [THINK_END]
+        self._ends = [ReasoningEnd(tokenizer, m, marker_token_id(tokenizer, m)) for m in ends]
+        self._start = marker_token_id(tokenizer, THINK_START)
+
+    def feed(self, ids) -> None:
+        if self._done:
+            return
+        n = len(ids)
+        for end in self._ends:
+            at = end.feed(ids)
+            if at is not None and at - 1 < n:
+                n = at - 1
+                self._done = True
+        self.count += n - list(ids[:n]).count(self._start)
 
 
 # Qwen3's turn boundaries (ChatML): the prompt's last one begins the turn being answered.
