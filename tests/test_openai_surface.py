@@ -450,10 +450,10 @@ CHAT = {
                  "add_generation_prompt": True, "chat_template": "{{ messages[0].content }}",
                  "chat_template_kwargs": {"x": 1}, "add_special_tokens": True,
                  "modalities": ["text"], "structured_outputs": {"choice": ["a", "b"]},
-                 "continue_final_message": True, "echo": True},
+                 "continue_final_message": True, "echo": True, "reasoning_effort": "low"},
     "refused": {**_COMMON_REFUSED, "audio": {"voice": "alloy", "format": "wav"},
                 "modalities": ["text", "audio"], "function_call": "auto",
-                "functions": [WEATHER["function"]], "reasoning_effort": "low",
+                "functions": [WEATHER["function"]], "reasoning_effort": "ultra",
                 "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}]},
 }
 # Each field is sent alone (structured outputs and forced tools exclude each other).

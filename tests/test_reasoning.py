@@ -266,3 +266,30 @@ def test_usage_counts_the_reasoning_tokens(qwen3_servers, qwen3_model_dir):
     last = list(_chat(parsed, stream=True, max_tokens=40, logit_bias={end: bias},
                       stream_options={"include_usage": True}))[-1]
     assert last.usage.completion_tokens_details.reasoning_tokens == counts[bias]
+
+
+def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off(qwen3_servers):
+    """reasoning_effort is taken as vLLM 0.32 takes it: the chat template's reasoning_effort
+    variable, and enable_thinking = (effort != "none") unless chat_template_kwargs sets it; so
+    "none" makes a qwen3 answer content. A value outside vLLM's list is a 400 naming it."""
+    import openai
+    import requests
+    from llm_serving.entrypoints.openai_protocol import ChatCompletionRequest
+    parsed = openai.OpenAI(base_url=qwen3_servers[1] + "/v1", api_key="none")
+    raw = _chat(parsed).choices[0].message.model_extra["reasoning"]
+    assert raw
+    msg = _chat(parsed, reasoning_effort="none").choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == (None, raw)
+    msg = _chat(parsed, reasoning_effort="high").choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == (raw, None)
+    msg = _chat(parsed, reasoning_effort="none",
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == (raw, None)
+
+    r = requests.post(qwen3_servers[1] + "/v1/chat/completions",
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                            "reasoning_effort": "ultra"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                reasoning_effort="low", chat_template_kwargs={"a": 1})
+    assert req.template_vars() == {"a": 1, "reasoning_effort": "low", "enable_thinking": True}

@@ -29,7 +29,7 @@ _REFUSED_COMMON = {
 }
 _REFUSED_CHAT = {
     "audio": (), "modalities": (["text"],), "function_call": (), "functions": (),
-    "reasoning_effort": (), "web_search_options": (), "verbosity": (), "documents": (),
+    "web_search_options": (), "verbosity": (), "documents": (),
 }
 
 
@@ -311,7 +311,6 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: Any = None
     function_call: Any = None
     functions: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
     verbosity: Any = None
     documents: Any = None
@@ -321,12 +320,28 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer.
     include_reasoning: bool = True
+    # OpenAI's, as vLLM takes it: the chat template's reasoning_effort variable (template_vars)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                                       "max"]] = None
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
     def unknown_fields(self) -> list[str]:
         return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in
                                            enumerate(self.messages) for k in m.model_extra or ()]
+
+    def template_vars(self) -> Optional[dict]:
+        """chat_template_kwargs with reasoning_effort (vLLM 0.32's): it sets the template's
+        reasoning_effort variable and, unless chat_template_kwargs sets enable_thinking,
+        enable_thinking = (reasoning_effort != "none") (Qwen3's switch, and the qwen3
+        reasoning parser's)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        given = self.chat_template_kwargs or {}
+        out = {**given, "reasoning_effort": self.reasoning_effort}
+        if "enable_thinking" not in given:
+            out["enable_thinking"] = self.reasoning_effort != "none"
+        return out
 
     def check_combinations(self) -> None:
         super().check_combinations()

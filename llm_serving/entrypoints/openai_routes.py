@@ -516,7 +516,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # the thinking (vLLM's); from the first one, unsplit, when the prompt left the thinking
     # behind or include_reasoning is false (vLLM's too, which then has no thinking to show).
     think_parser = args.reasoning_parser
-    thinking = reasoning.thinking_enabled(template_kwargs(state, req.chat_template_kwargs))
+    thinking = reasoning.thinking_enabled(template_kwargs(state, req.template_vars()))
     show_reasoning = req.include_reasoning
     if think_parser is not None and params.structured_outputs is not None:
         if show_reasoning and not reasoning.ended_in_prompt(think_parser, thinking, text, ids,
@@ -724,9 +724,10 @@ def _chat_prompt(state: ServerState, tok, req, tools) -> str:
         raise HTTPError(400, "continue_final_message: it continues the last message, so "
                         "add_generation_prompt must be false (it defaults to true)",
                         param="continue_final_message")
+    variables = (req.template_vars() if isinstance(req, ChatCompletionRequest)
+                 else req.chat_template_kwargs)
     return render_chat(state, tok, req.messages, req.add_generation_prompt,
-                       req.continue_final_message, req.chat_template, req.chat_template_kwargs,
-                       tools)
+                       req.continue_final_message, req.chat_template, variables, tools)
 
 
 def template_kwargs(state: ServerState, given: Optional[dict]) -> dict:
