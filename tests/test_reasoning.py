@@ -23,7 +23,9 @@ CASES = [
     ("<think></think>Hi", "qwen3", True, None, "Hi"),
     ("<think>x</think>", "qwen3", True, "x", None),
     # enable_thinking false: all content, for qwen3 only
-    ("<think>x</think>y", "qwen3", False, None, "<think>x</think>y"),
+    # (vLLM's Qwen3 parser absorbs a </think> in the content, and keeps a <think> there)
+    ("<think>x</think>y", "qwen3", False, None, "<think>xy"),
+    ("<think>plan</think>a</think>b<think>", "qwen3", True, "plan", "ab<think>"),
     ("x</think>y", "deepseek_r1", False, "x", "y"),
     # qwen3: a tool call ends the reasoning and stays for the tool parser
     ('hmm<tool_call>{"name": "f"}</tool_call>', "qwen3", True, "hmm",
@@ -44,7 +46,9 @@ def _streamed(pieces, name, thinking):
         r, c = stream.feed(piece)
         reasoning.append(r)
         content.append(c)
-    reasoning.append(stream.finish()[0])
+    held = stream.finish()
+    reasoning.append(held[0])
+    content.append(held[1])
     return "".join(reasoning) or None, "".join(content) or None
 
 
@@ -66,7 +70,10 @@ def test_stream_holds_back_only_what_may_start_a_marker():
     assert stream.feed("ought") == ("</thought", "")
     assert stream.feed("x<") == ("x", "")
     assert stream.feed("/think> ok") == ("", " ok")
-    assert stream.feed(" more<") == ("", " more<")
+    assert stream.feed(" more<") == ("", " more")      # qwen3: a </think> may follow
+    assert stream.finish() == ("", "<")
+    stream = ReasoningStream("deepseek_r1")
+    assert stream.feed("a</think> more<") == ("a", " more<")
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +300,68 @@ def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off(qwen3
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                 reasoning_effort="low", chat_template_kwargs={"a": 1})
     assert req.template_vars() == {"a": 1, "reasoning_effort": "low", "enable_thinking": True}
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(qwen3_model_dir):
+    from llm_serving.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(qwen3_model_dir)
+
+
+def _pieces(tok, ids):
+    """The text each token adds, as a stream gives it."""
+    texts = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+    return [texts[k + 1][len(texts[k]):] for k in range(len(ids))]
+
+
+@pytest.mark.parametrize("text,name,thinking,reasoning,content", CASES)
+def test_by_token_the_same_split_whole_and_streamed(qwen3_tokenizer, text, name, thinking,
+                                                    reasoning, content):
+    """With a tokenizer whose markers are single tokens (the tiny Qwen3's, as Qwen3's), the
+    markers are found by token id: the cases split as by text, whole and token by token."""
+    tok = qwen3_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    assert split(text, name, thinking, ids, tok) == (reasoning, content)
+    stream = ReasoningStream(name, thinking, tok)
+    got = [stream.feed(p, [i]) for p, i in zip(_pieces(tok, ids), ids)] + [stream.finish()]
+    assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got) or None) == \
+        (reasoning, content)
+
+
+def test_a_spelled_marker_is_text_where_the_tokenizer_has_the_marker_token(qwen3_tokenizer):
+    """vLLM finds the markers by token id: "</think>" spelled in other tokens (the user's words
+    repeated, a JSON string) neither ends the reasoning nor is dropped from the content; the
+    marker token does and is (qwen3), whole and streamed."""
+    tok = qwen3_tokenizer
+    end = tok.encode("</think>", add_special_tokens=False)
+    spelled = [i for t in ("</", "thi", "nk", ">") for i in tok.encode(t, add_special_tokens=False)]
+    plain = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    ids = plain("I read ") + spelled + plain(" here") + end + plain("Say ") + spelled + end
+    text = tok.decode(ids)
+    assert text == "I read </think> here</think>Say </think></think>"
+    expected = ("I read </think> here", "Say </think>")
+    assert split(text, "qwen3", True, ids, tok) == expected
+    assert split(text, "deepseek_r1", True, ids, tok) == (expected[0], "Say </think></think>")
+    stream = ReasoningStream("qwen3", True, tok)
+    got = [stream.feed(p, [i]) for p, i in zip(_pieces(tok, ids), ids)] + [stream.finish()]
+    assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == expected
+    # by text (a tokenizer without the tokens), the first spelling ends the reasoning
+    assert split(text, "qwen3") == ("I read ", " hereSay ")
+
+
+def test_server_drops_a_repeated_end_of_thinking_token_from_the_content(qwen3_servers,
+                                                                        qwen3_model_dir):
+    """qwen3: a </think> token after the thinking ended is dropped (vLLM's Qwen3 parser absorbs
+    it), whole and streamed: a logit_bias that makes the model repeat the token leaves no
+    content."""
+    import openai
+    parsed = openai.OpenAI(base_url=qwen3_servers[1] + "/v1", api_key="none")
+    end = str(_think_end_id(qwen3_model_dir))
+    r = _chat(parsed, logit_bias={end: 100})
+    assert r.usage.completion_tokens == 12
+    assert (r.choices[0].message.model_extra["reasoning"], r.choices[0].message.content) == \
+        (None, None)
+    content = "".join(choice.delta.content or ""
+                      for chunk in _chat(parsed, stream=True, logit_bias={end: 100})
+                      for choice in chunk.choices)
+    assert content == ""

@@ -528,11 +528,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # vLLM's: --response-role answers a generation prompt; else the last message's role
     role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role
 
-    def message_of(text: str) -> tuple[dict, Optional[str]]:
+    def message_of(text: str, token_ids: list[int]) -> tuple[dict, Optional[str]]:
         """The message of a finished choice and its finish reason override."""
         if think_parser is None:
             return content_message_of(text)
-        thought, text = reasoning.split(text, think_parser, thinking)
+        thought, text = reasoning.split(text, think_parser, thinking, token_ids,
+                                        engine.tokenizer)
         msg, override = content_message_of(text or "")
         if not msg["content"]:
             msg["content"] = None
@@ -604,8 +605,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 for delta in calls[c.index].start():
                                     yield chunk(c.index, delta)
                             if think_parser is not None:
-                                thoughts[c.index] = reasoning.ReasoningStream(think_parser,
-                                                                              thinking)
+                                thoughts[c.index] = reasoning.ReasoningStream(
+                                    think_parser, thinking, engine.tokenizer)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
                         if think_parser is not None:
                             if c.index not in thought_tokens:
@@ -618,9 +619,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             if not show_reasoning:
                                 lp = None       # its tokens would show the reasoning (vLLM)
                             thinker = thoughts[c.index]
-                            thought, text = thinker.feed(text)
+                            thought, text = thinker.feed(text, c.token_ids)
                             if c.finish_reason is not None:
-                                thought += thinker.finish()[0]
+                                held_thought, held_text = thinker.finish()
+                                thought, text = thought + held_thought, text + held_text
                             if thought and show_reasoning:
                                 yield chunk(c.index, {"reasoning": thought}, None, lp)
                                 lp = None
@@ -677,7 +679,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     def build() -> dict:
         out = []
         for idx, ch in choices.items():
-            msg, override = message_of(ch["text"])
+            msg, override = message_of(ch["text"], ch["token_ids"])
             if echoed:
                 msg["content"] = echoed + (msg["content"] or "")
             out.append({"index": idx, "message": {**MESSAGE_NULLS, **msg},

@@ -4,17 +4,22 @@ for Qwen3 (``qwen3``) and DeepSeek-R1 and its distills (``deepseek_r1``).
 The model thinks first, between ``<think>`` and ``</think>``. Its chat template may have put
 ``<think>`` in the prompt already, so the generated text is taken as reasoning from its first
 character: a ``<think>`` in it is dropped, and the first ``</think>`` ends the reasoning
-(dropped too); everything after it is content, verbatim. A text with no ``</think>`` is all
-reasoning. For ``qwen3`` a ``<tool_call>`` also ends the reasoning (kept, for the tool
-parser), and with the template variable ``enable_thinking`` false the whole text is content.
+(dropped too); everything after it is content. A text with no ``</think>`` is all reasoning.
+For ``qwen3`` a ``<tool_call>`` also ends the reasoning (kept, for the tool parser), a
+``</think>`` in the content is dropped (vLLM's Qwen3 parser absorbs a repeated one), and with
+the template variable ``enable_thinking`` false the whole text is content.
 
-The markers are found in the text (Qwen3's and DeepSeek-R1's tokenizers decode them as text),
-incrementally: ``ReasoningStream.feed`` looks only at the new piece and the few characters of
-a marker held back from the last one.
+The markers are the tokenizer's own tokens when it has each as one token (Qwen3's and
+DeepSeek-R1's do), as vLLM finds them: a text that merely spells ``</think>`` (a user's words
+repeated, a JSON string) is text. A marker token's place in the text is its occurrence there
+after the occurrences that the tokens before it spell. With a tokenizer that lacks them the
+markers are found in the text, a few characters of a possible marker held back between
+pieces. ``ReasoningStream.feed`` looks only at the new piece (and, at a marker token, decodes
+the tokens before it once).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
 
@@ -24,54 +29,106 @@ TOOL_CALL_START = "<tool_call>"
 
 
 class ReasoningStream:
-    """One choice's text, piece by piece: each ``feed`` gives the (reasoning, content) the
-    piece adds; ``finish`` gives what was held back at the end."""
+    """One choice's text, piece by piece (with the piece's token ids, when a tokenizer is
+    given): each ``feed`` gives the (reasoning, content) the piece adds; ``finish`` gives what
+    was held back at the end."""
 
-    def __init__(self, name: str, thinking: bool = True):
+    def __init__(self, name: str, thinking: bool = True, tokenizer=None):
         self.reasoning = thinking or name != "qwen3"
-        # (marker, ends the reasoning, kept in the content)
-        self._markers = [(THINK_START, False, False), (THINK_END, True, False)]
-        if name == "qwen3":
-            self._markers.append((TOOL_CALL_START, True, True))
+        self._qwen3 = name == "qwen3"
+        markers = [THINK_START, THINK_END] + ([TOOL_CALL_START] if self._qwen3 else [])
+        self._tokenizer = tokenizer
+        self._by_id: dict[int, str] = {}
+        if tokenizer is not None:
+            by_id = {marker_token_id(tokenizer, m): m for m in markers}
+            if None not in by_id:
+                self._by_id = by_id
+        self._markers = markers
         self._held = ""
+        # by token: every id and the text so far, the marker tokens whose text is to come
+        # (global occurrence number, marker), and where the unread text begins
+        self._ids: list[int] = []
+        self._text = ""
+        self._pending: list[tuple[int, str]] = []
 
-    def feed(self, piece: str) -> tuple[str, str]:
-        if not self.reasoning:
-            return "", piece
+    def feed(self, piece: str, ids: Optional[Sequence[int]] = None) -> tuple[str, str]:
+        if self._by_id and ids is not None:
+            begin = len(self._text)
+            self._text += piece
+            for k, tid in enumerate(ids):
+                marker = self._by_id.get(tid)
+                if marker is not None:
+                    before = self._tokenizer.decode(self._ids + list(ids[:k]))
+                    self._pending.append((before.count(marker), marker))
+            self._ids.extend(ids)
+            return self._split(piece, self._spans(begin))
         text = self._held + piece
         self._held = ""
-        parts = []
-        while True:
-            found = None
-            for marker, ends, kept in self._markers:
-                at = text.find(marker)
-                if at >= 0 and (found is None or at < found[0]):
-                    found = (at, marker, ends, kept)
-            if found is None:
-                break
-            at, marker, ends, kept = found
-            parts.append(text[:at])
-            if ends:
-                self.reasoning = False
-                return "".join(parts), text[at:] if kept else text[at + len(marker):]
-            text = text[at + len(marker):]
-        keep = self._partial_marker(text)
-        if keep:
+        spans = _find_all(text, self._active())
+        reasoning, content = self._split(text, spans)
+        keep = self._partial_marker(text, spans)
+        if keep:            # the end of the text, on the side of the state it leaves
             self._held = text[-keep:]
-            text = text[:-keep]
-        parts.append(text)
-        return "".join(parts), ""
+            if self.reasoning:
+                reasoning = reasoning[:-keep]
+            else:
+                content = content[:-keep]
+        return reasoning, content
 
     def finish(self) -> tuple[str, str]:
-        """What was held back as the possible start of a marker: reasoning after all."""
+        """What was held back as the possible start of a marker: text after all."""
         held, self._held = self._held, ""
-        return held, ""
+        return ("", held) if not self.reasoning else (held, "")
 
-    def _partial_marker(self, text: str) -> int:
-        """The length of the longest end of ``text`` that begins a marker."""
+    def _active(self) -> list[str]:
+        """The markers the text is searched for (by text)."""
+        if self.reasoning:
+            return self._markers
+        return [THINK_END] if self._qwen3 else []
+
+    def _spans(self, begin: int) -> list[tuple[int, str]]:
+        """The marker tokens' (place in the piece starting at ``begin``, marker) whose text has
+        come; the others stay pending."""
+        spans, waiting = [], []
+        for nth, marker in self._pending:
+            at = -1
+            for _ in range(nth + 1):
+                at = self._text.find(marker, at + 1)
+                if at < 0:
+                    break
+            if at < 0:
+                waiting.append((nth, marker))
+            elif at >= begin:
+                spans.append((at - begin, marker))
+        self._pending = waiting
+        return sorted(spans)
+
+    def _split(self, text: str, spans: list[tuple[int, str]]) -> tuple[str, str]:
+        """(reasoning, content) of ``text`` with its markers at ``spans``, moving the state."""
+        reasoning, content = [], []
+        pos = 0
+        for at, marker in spans:
+            if at < pos:
+                continue
+            (reasoning if self.reasoning else content).append(text[pos:at])
+            pos = at + len(marker)
+            if self.reasoning:
+                if marker != THINK_START:
+                    self.reasoning = False
+                    if marker == TOOL_CALL_START:
+                        pos = at                # kept, for the tool parser
+            elif marker != THINK_END or not self._qwen3:
+                pos = at                        # text in the content
+        (reasoning if self.reasoning else content).append(text[pos:])
+        return "".join(reasoning), "".join(content)
+
+    def _partial_marker(self, text: str, spans) -> int:
+        """The length of the longest end of ``text`` (after its last marker) that begins a
+        marker still looked for."""
+        floor = spans[-1][0] + len(spans[-1][1]) if spans else 0
         longest = 0
-        for marker, _, _ in self._markers:
-            for n in range(min(len(marker) - 1, len(text)), longest, -1):
+        for marker in self._active():
+            for n in range(min(len(marker) - 1, len(text) - floor), longest, -1):
                 if text.endswith(marker[:n]):
                     longest = n
                     break
@@ -98,11 +155,29 @@ class Counted:
         return thought, text
 
 
-def split(text: str, name: str, thinking: bool = True) -> tuple[Optional[str], Optional[str]]:
+def _find_all(text: str, markers: list[str]) -> list[tuple[int, str]]:
+    """Every occurrence of the markers in ``text``, left to right, not overlapping."""
+    spans, pos = [], 0
+    while markers:
+        found = None
+        for marker in markers:
+            at = text.find(marker, pos)
+            if at >= 0 and (found is None or at < found[0]):
+                found = (at, marker)
+        if found is None:
+            break
+        spans.append(found)
+        pos = found[0] + len(found[1])
+    return spans
+
+
+def split(text: str, name: str, thinking: bool = True, ids: Optional[Sequence[int]] = None,
+          tokenizer=None) -> tuple[Optional[str], Optional[str]]:
     """A whole answer's (reasoning, content), each None when empty (as vLLM)."""
-    stream = ReasoningStream(name, thinking)
-    reasoning, content = stream.feed(text)
-    reasoning += stream.finish()[0]
+    stream = ReasoningStream(name, thinking, tokenizer)
+    reasoning, content = stream.feed(text, ids)
+    held_r, held_c = stream.finish()
+    reasoning, content = reasoning + held_r, content + held_c
     return reasoning or None, content or None
 
 
