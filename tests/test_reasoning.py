@@ -365,3 +365,55 @@ def test_server_drops_a_repeated_end_of_thinking_token_from_the_content(qwen3_se
                       for chunk in _chat(parsed, stream=True, logit_bias={end: 100})
                       for choice in chunk.choices)
     assert content == ""
+
+
+def test_responses_give_a_reasoning_item_before_the_message(qwen3_servers, qwen3_model_dir):
+    """/v1/responses with --reasoning-parser, as vLLM 0.32: the thinking is a reasoning item
+    (a reasoning_text part) before the message, which holds the content; streamed, the
+    reasoning item's events come first (output_index 0) and the message's at output_index 1;
+    usage.output_tokens_details.reasoning_tokens counts it. The same answer as chat's."""
+    import openai
+    import requests
+    plain_url, parsed_url = qwen3_servers
+    parsed = openai.OpenAI(base_url=parsed_url + "/v1", api_key="none")
+    end = str(_think_end_id(qwen3_model_dir))
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    chats = {bias: _chat(parsed, max_tokens=40, logit_bias={end: bias}, response_format=fmt)
+             for bias in (8, 6, 4)}
+    bias = next(b for b, r in chats.items() if r.choices[0].message.content
+                and r.choices[0].message.model_extra["reasoning"])
+    chat = chats[bias]
+    body = {"model": "tiny", "max_output_tokens": 40, "temperature": 0,
+            "logit_bias": {end: bias},
+            "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+            "input": [{"role": "user", "content": "Why?"},
+                      {"type": "message", "role": "assistant", "status": "in_progress",
+                       "content": [{"type": "output_text", "text": "<think>\nLet me see"}]}]}
+    r = requests.post(parsed_url + "/v1/responses", json=body).json()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"]
+    thought = r["output"][0]["content"][0]
+    assert thought == {"type": "reasoning_text",
+                       "text": chat.choices[0].message.model_extra["reasoning"]}
+    assert r["output"][1]["content"][0]["text"] == chat.choices[0].message.content
+    reasoning_tokens = chat.usage.completion_tokens_details.reasoning_tokens
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == reasoning_tokens > 0
+
+    events = [json.loads(line[6:]) for line in
+              requests.post(parsed_url + "/v1/responses", json={**body, "stream": True},
+                            stream=True).iter_lines() if line.startswith(b"data: ")]
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    first_text = kinds.index(("response.output_text.delta", 1))
+    assert kinds[2:4] == [("response.output_item.added", 0), ("response.content_part.added", 0)]
+    assert kinds[first_text - 5:first_text - 2] == [
+        ("response.reasoning_text.done", 0), ("response.content_part.done", 0),
+        ("response.output_item.done", 0)]
+    said = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert said == thought["text"]
+    done = events[-1]["response"]
+    assert done["output"][0]["content"] == [thought] and done["output"][1]["content"][0][
+        "text"] == chat.choices[0].message.content
+    assert done["usage"]["output_tokens_details"]["reasoning_tokens"] == reasoning_tokens
+
+    plain = requests.post(plain_url + "/v1/responses", json=body).json()
+    assert [o["type"] for o in plain["output"]] == ["message"]
+    assert plain["usage"]["output_tokens_details"]["reasoning_tokens"] == 0

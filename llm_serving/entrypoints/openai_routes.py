@@ -512,18 +512,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise translate_error(e) from None
     # How the text becomes tool calls: forced (named / required), parsed (auto), or not.
     tool_mode = None if not tools else ("forced" if forced is not None else "auto")
-    # --reasoning-parser: the thinking split off first. A grammar holds from the token after
-    # the thinking (vLLM's); from the first one, unsplit, when the prompt left the thinking
-    # behind or include_reasoning is false (vLLM's too, which then has no thinking to show).
-    think_parser = args.reasoning_parser
+    # --reasoning-parser: the thinking split off first (a grammar holds after it).
     thinking = reasoning.thinking_enabled(template_kwargs(state, req.template_vars()))
     show_reasoning = req.include_reasoning
-    if think_parser is not None and params.structured_outputs is not None:
-        if show_reasoning and not reasoning.ended_in_prompt(think_parser, thinking, text, ids,
-                                                            engine.tokenizer):
-            params.reasoning_end = reasoning.THINK_END
-        else:
-            think_parser = None
+    think_parser = reasoning.gate_grammar(params, args.reasoning_parser, thinking,
+                                          show_reasoning, text, ids, engine.tokenizer)
 
     # vLLM's: --response-role answers a generation prompt; else the last message's role
     role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -563,7 +556,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.stream:
         include_usage, continuous = _stream_usage(state, req)
         choice_tokens: dict[int, int] = {}
-        thought_tokens: dict[int, "reasoning.ReasoningTokens"] = {}
+        thoughts: dict[int, "reasoning.Thoughts"] = {}
         cached: dict = {}
 
         def chunk(idx, delta, finish=None, lp=None, stop_reason=None):
@@ -580,11 +573,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         def reasoning_count(indices) -> Optional[int]:
             if args.reasoning_parser is None:
                 return None
-            return sum(thought_tokens[i].count for i in indices if i in thought_tokens)
+            return sum(thoughts[i].tokens for i in indices if i in thoughts)
 
         async def gen():
             prompt_tokens = len(ids)
-            started, calls, thoughts = set(), {}, {}
+            started, calls = set(), {}
             try:
                 async for _, out in merge_streams(streams):
                     if out.num_cached_tokens is not None:
@@ -605,24 +598,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 for delta in calls[c.index].start():
                                     yield chunk(c.index, delta)
                             if think_parser is not None:
-                                thoughts[c.index] = reasoning.ReasoningStream(
+                                thoughts[c.index] = reasoning.Thoughts(
                                     think_parser, thinking, engine.tokenizer)
                         choice_tokens[c.index] = choice_tokens.get(c.index, 0) + len(c.token_ids)
-                        if think_parser is not None:
-                            if c.index not in thought_tokens:
-                                thought_tokens[c.index] = reasoning.ReasoningTokens(
-                                    think_parser, thinking, engine.tokenizer)
-                            thought_tokens[c.index].feed(c.token_ids)
                         lp = chat_logprobs(c.logprobs, top, as_ids) if c.logprobs else None
                         text = c.text
                         if think_parser is not None:
                             if not show_reasoning:
                                 lp = None       # its tokens would show the reasoning (vLLM)
-                            thinker = thoughts[c.index]
-                            thought, text = thinker.feed(text, c.token_ids)
-                            if c.finish_reason is not None:
-                                held_thought, held_text = thinker.finish()
-                                thought, text = thought + held_thought, text + held_text
+                            thought, text = thoughts[c.index].feed(
+                                text, c.token_ids, c.finish_reason is not None)
                             if thought and show_reasoning:
                                 yield chunk(c.index, {"reasoning": thought}, None, lp)
                                 lp = None
@@ -653,7 +638,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 "created": created, "model": model, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(choice_tokens.values()),
                                                 _cached(state, cached),
-                                                reasoning_count(thought_tokens))})
+                                                reasoning_count(thoughts))})
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)

@@ -135,23 +135,26 @@ class ReasoningStream:
         return longest
 
 
-class Counted:
-    """A ``ReasoningStream`` that also counts the reasoning's generated tokens (usage's
-    reasoning_tokens, as vLLM counts the tokens between the markers): a piece's tokens count
-    while the reasoning goes on after it (a piece held back as a possible marker too), or
-    when it adds reasoning and no content; the markers' own do not."""
+class Thoughts:
+    """One choice's thinking as its pieces stream (chat's and /v1/responses'): each piece's
+    (reasoning, content) split (``ReasoningStream``) and the reasoning tokens so far
+    (``ReasoningTokens``, usage's reasoning_tokens)."""
 
-    def __init__(self, name: str, thinking: bool = True):
-        self.stream = ReasoningStream(name, thinking)
-        self.tokens = 0
+    def __init__(self, name: str, thinking: bool, tokenizer):
+        self._split = ReasoningStream(name, thinking, tokenizer)
+        self._count = ReasoningTokens(name, thinking, tokenizer)
 
-    def feed(self, piece: str, tokens: int, last: bool) -> tuple[str, str]:
-        """(reasoning, content) of a piece of ``tokens`` tokens; ``last``: the answer's."""
-        thought, text = self.stream.feed(piece)
+    @property
+    def tokens(self) -> int:
+        return self._count.count
+
+    def feed(self, piece: str, ids: Sequence[int], last: bool) -> tuple[str, str]:
+        """(reasoning, content) of a piece and its token ids; ``last``: the answer's."""
+        self._count.feed(ids)
+        thought, text = self._split.feed(piece, ids)
         if last:
-            thought += self.stream.finish()[0]
-        if (self.stream.reasoning and piece != THINK_START) or (thought and not text):
-            self.tokens += tokens
+            held_thought, held_text = self._split.finish()
+            thought, text = thought + held_thought, text + held_text
         return thought, text
 
 
@@ -231,6 +234,21 @@ def ended_in_prompt(name: str, thinking: bool, prompt: str, prompt_ids: list[int
         return False
     last = max(kinds, key=prompt.rfind)
     return prompt.rfind(last) >= 0 and kinds[last]
+
+
+def gate_grammar(params, name: Optional[str], thinking: bool, include_reasoning: bool,
+                 prompt: str, prompt_ids: list[int], tokenizer) -> Optional[str]:
+    """The parser that splits the answer (None: no split). Under a grammar the model thinks
+    first and the grammar holds from the end of its thinking (``params.reasoning_end``, as
+    vLLM); from the first token, with no split, when the prompt left no thinking to do or
+    ``include_reasoning`` is false (vLLM's too, which then has no thinking to show)."""
+    if name is None or params.structured_outputs is None:
+        return name
+    if include_reasoning and not ended_in_prompt(name, thinking, prompt, prompt_ids,
+                                                 tokenizer):
+        params.reasoning_end = THINK_END
+        return name
+    return None
 
 
 def thinking_enabled(template_kwargs: dict) -> bool:

@@ -99,14 +99,8 @@ async def create_response(req: ResponsesRequest, request: Request):
     if forced is not None:
         structured, grammar_field = forced, "tools"
 
-    # --reasoning-parser: the thinking split off first, as on the chat route (not under a
-    # grammar, which holds from the first token here).
-    think_parser = None if structured is not None else args.reasoning_parser
     thinking = reasoning.thinking_enabled(template_kwargs(state, req.chat_template_kwargs))
     show_reasoning = req.include_reasoning
-
-    def thinker() -> Optional[reasoning.Counted]:
-        return reasoning.Counted(think_parser, thinking) if think_parser else None
 
     def answer_calls() -> Optional[tool_calls.ChoiceStream]:
         """How the answer's text becomes function calls (None: it is all the message)."""
@@ -137,6 +131,14 @@ async def create_response(req: ResponsesRequest, request: Request):
                                      top)
     except ValueError as e:
         raise translate_error(e) from None
+    # --reasoning-parser: the thinking split off first, as on the chat route (a grammar holds
+    # after it)
+    think_parser = reasoning.gate_grammar(params, args.reasoning_parser, thinking,
+                                          show_reasoning, text, ids, engine.tokenizer)
+
+    def thinker() -> Optional[reasoning.Thoughts]:
+        return reasoning.Thoughts(think_parser, thinking, engine.tokenizer) \
+            if think_parser else None
     resp_id = req.response_id()
     as_ids = state.frontend.return_tokens_as_token_ids
 
@@ -179,7 +181,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     counted = thinker()
 
     def count(c) -> None:
-        counted.feed(c.text, len(c.token_ids), c.finish_reason is not None)
+        counted.feed(c.text, c.token_ids, c.finish_reason is not None)
     choices, _ = await collect_choices(request, streams, 1, grammar_field=grammar_field,
                                        cached=cached, watch=count if counted else None)
     ch = choices[0]
@@ -191,7 +193,8 @@ async def create_response(req: ResponsesRequest, request: Request):
         # reasoning it leaves out
         scored = logprobs(ch["lp"]) if top is not None and (
             show_reasoning or not think_parser) else None
-        thought, text = (reasoning.split(ch["text"], think_parser, thinking)
+        thought, text = (reasoning.split(ch["text"], think_parser, thinking, ch["token_ids"],
+                                         engine.tokenizer)
                          if think_parser else (None, ch["text"]))
         reasoned = [reasoning_item(f"rs_{uuid.uuid4().hex}", thought, None)] \
             if thought and show_reasoning else []
@@ -224,7 +227,7 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
                   grammar_field: Optional[str], logprobs, calls, thinker, show_reasoning):
     """The streamed answer: vLLM's events, numbered from 0. ``logprobs``: makes the output
     text's logprobs of engine entries, when asked for; ``thinker``: splits the reasoning off
-    first (a ``reasoning.Counted``, None without a reasoning parser), which is streamed
+    first (a ``reasoning.Thoughts``, None without a reasoning parser), which is streamed
     when ``show_reasoning``; ``calls``: reads function calls out of the rest (a
     ``tool_calls.ChoiceStream``), None without tools. Closing it (a client gone) aborts the
     request."""
@@ -248,8 +251,7 @@ async def _events(streams, response, prompt_tokens: int, resp_id: str, t0: float
                 lp = logprobs(c.logprobs) if logprobs is not None and c.logprobs else []
                 text = c.text
                 if thinker is not None:
-                    thought, text = thinker.feed(text, len(c.token_ids),
-                                                 c.finish_reason is not None)
+                    thought, text = thinker.feed(text, c.token_ids, c.finish_reason is not None)
                     if thought and show_reasoning:
                         for kind, fields in items.reasoning(thought):
                             yield _event(kind, next(seq), **fields)
