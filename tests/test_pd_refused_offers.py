@@ -5,6 +5,10 @@ offer expires (kv_transfer_timeout, 60 s here). Real start.py instances over
 MooncakeConnector behind ``llm-serving proxy`` in both orders, real clients."""
 from __future__ import annotations
 
+import json
+import socket
+import time
+
 import pytest
 import requests
 
@@ -210,3 +214,46 @@ def test_p_frees_an_offer_no_d_took(pd):
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     finally:
         procs.close()
+
+
+def _send_and_leave(url: str, body: dict, after: float) -> None:
+    """Sends ``body`` to ``url``'s /v1/completions and closes the connection ``after`` s later,
+    without reading the answer (a client that went away)."""
+    raw = json.dumps(body).encode()
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        time.sleep(after)
+
+
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+def test_a_client_gone_around_ps_answer_frees_ps_blocks_at_once(pd, order):
+    """A streaming client closes its connection while P computes its prompt: P cannot stop a
+    model step, so the prompt ends with an offer after the client has gone. That offer is
+    declined (P frees the blocks in seconds, not when the offer expires, 60 s here) and D
+    never starts the request. The client leaves at fractions of P's own prefill time, so that
+    some tries leave during the model step."""
+    prompt = " ".join([LONG] * 6)
+    t0 = time.monotonic()
+    r = requests.post(pd["P"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": fresh(prompt, f"timing {order}"), "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    prefill_s = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    requests.post(pd["P"] + "/kv_transfer/decline", json=r.json()["kv_transfer_params"],
+                  timeout=30).raise_for_status()
+    wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=10)
+    offers = 0
+    for i, fraction in enumerate((0.25, 0.4)):
+        offered0 = metric(pd["P"], "kv_transfers_offered_total")
+        started0 = metric(pd["D"], "e2e_request_latency_seconds_count")
+        _send_and_leave(pd[order], {"model": "tiny", "prompt": fresh(prompt, f"{order} {i}"),
+                                    "max_tokens": 20, "stream": True}, prefill_s * fraction)
+        wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 6,
+                   message=f"P still holds the blocks of a client gone after {fraction} of "
+                   "the prefill")
+        assert metric(pd["D"], "e2e_request_latency_seconds_count") == started0, \
+            "D started the request of a client that had gone"
+        offers += metric(pd["P"], "kv_transfers_offered_total") > offered0
+    assert offers, "P never made an offer after the client left: the test saw nothing"

@@ -48,10 +48,12 @@ class RequestStream:
     """Async iterator of one request's outputs; lives on the caller's event loop."""
 
     def __init__(self, request_id: str, kind: RequestOutputKind, abort=None,
-                 interval: int = 1):
+                 interval: int = 1, decline=None):
         self.request_id = request_id
         self.kind = kind
         self._abort = abort
+        self._decline = decline
+        self._left = False          # closed by its reader before the last output
         self.finished = False
         self._pending: list[RequestOutput] = []
         self._error: Optional[BaseException] = None
@@ -64,6 +66,9 @@ class RequestStream:
     # Called on the event loop by the engine's deliveries.
     def put(self, out: RequestOutput) -> None:
         self.prefill_tokens = 0
+        if self._left:
+            self._decline_offer(out)
+            return
         self._pending.append(out)
         if len(self._pending) >= self._due or out.finished:
             self._ready.set()
@@ -80,7 +85,20 @@ class RequestStream:
         step). Safe to call more than once."""
         if not self.finished and self._abort is not None:
             self._abort(self.request_id)
+            self._left = True
+            for out in self._pending:
+                self._decline_offer(out)
+            self._pending = []
         self._abort = None
+
+    def _decline_offer(self, out: RequestOutput) -> None:
+        """A PD producer's request that finished with an offer (its KV held for a consumer)
+        as its reader left: nobody will pass the offer on, so its blocks are freed now rather
+        than when it expires."""
+        offer = out.kv_transfer_params
+        if (out.finished and self._decline is not None and isinstance(offer, dict)
+                and offer.get("transfer_id")):
+            self._decline([offer])
 
     def _readable(self) -> bool:
         """Enough piled up: ``_due`` step outputs, the last one, or what came before an
@@ -243,7 +261,8 @@ class AsyncLLMEngine:
         self._check_admission(new)
         new = dataclasses.replace(new, params=params, arrival_time=time.time())
         stream = RequestStream(new.request_id, params.output_kind, self.abort,
-                               self.engine.config.scheduler.stream_interval)
+                               self.engine.config.scheduler.stream_interval,
+                               self.decline_kv_offers)
         stream.slots, stream.prefill_tokens = params.n, len(new.prompt_token_ids)
         self._streams[new.request_id] = stream
         self._adds_sent += 1

@@ -11,7 +11,9 @@ If P cannot be reached, fails, answers an error or without parameters, or takes 
 the timeout, ``kv_failure_policy`` decides: ``recompute`` (the request is computed here,
 logged and counted in /metrics as a failed transfer and a recompute) or ``fail`` (503
 naming kv_transfer_params). A client that disconnects meanwhile closes the request to P,
-which aborts it.
+which aborts it (or declines the offer it made as the client left); one that is gone once P
+has answered is not queued, and its offer is declined (unread_offers), so P frees the blocks
+at once.
 
 Only ``http``/``https`` URLs are followed. The routes call ``resolve`` once the engine has
 checked the request (``AsyncLLMEngine.check_request``) and before it queues it (``queue``),
@@ -58,6 +60,8 @@ async def resolve(request: Request, params: Optional[dict]) -> Optional[dict]:
     try:
         answer = await _ask_producer(request, url, config)
         unread_offers.hold(request, answer)
+        if await request.is_disconnected():     # left as P answered: the offer is declined
+            raise HTTPError(499, "the client closed the connection")
         return answer
     except RemotePrefillError as e:
         reason = f"KV transfer failed: the remote prefill at {url} {e}"

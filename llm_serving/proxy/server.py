@@ -21,8 +21,9 @@ to another one (nothing was sent). A P that fails after the request reached it: 
 client gets a 502 naming P. When no D takes the request P has prefilled (every D refused the
 connection), P is told to decline its offer, so it frees the blocks at once. A D that fails
 mid-answer: a 502, or in a stream an error event
-(the stream's own error shape). A client that disconnects closes the upstream request, so
-the instance aborts it (and P's held blocks are freed by its timeout). Every upstream wait is
+(the stream's own error shape). A client that disconnects
+closes the upstream request at once, so the instance aborts it; one that leaves once P has
+answered is not sent to D, and P is told to decline its offer. Every upstream wait is
 bounded (``--timeout``) and ends at once when the health checks find the instance gone.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llm_serving.entrypoints import connections
+from llm_serving.entrypoints.http_common import client_gone
 from llm_serving.proxy import pd_request as pd
 from llm_serving.proxy.pool import Instance, Pool, check_all, keep_checking
 
@@ -154,19 +156,19 @@ class Proxy:
         abort the request) when the client leaves or the instance is found gone."""
         task = asyncio.ensure_future(coro)
         down = asyncio.ensure_future(inst.down.wait())
+        gone = asyncio.ensure_future(client_gone(request))
         try:
-            while True:
-                done, _ = await asyncio.wait({task, down}, timeout=0.25,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if task in done:
-                    return task.result()
-                if down in done:
-                    raise ProxyError(502, f"{inst.role} instance {inst.url} stopped answering "
-                                     f"({inst.reason})")
-                if await request.is_disconnected():
-                    raise ClientGone()
+            done, _ = await asyncio.wait({task, down, gone},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if down in done:
+                raise ProxyError(502, f"{inst.role} instance {inst.url} stopped answering "
+                                 f"({inst.reason})")
+            raise ClientGone()
         finally:
             down.cancel()
+            gone.cancel()
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -274,6 +276,9 @@ class Proxy:
             p_url, kv = await self._prefill(request, path, body)
             if isinstance(kv, Response):            # P's error answer, passed through
                 return kv
+            if kv is not None and await request.is_disconnected():
+                await self._decline(request, p_url, kv)     # left after P answered: D not asked
+                raise ClientGone()
             try:
                 # a D refusing connections is left for the next one, with the same offer
                 return await self._decode(request, path, pd.with_kv_params(path, body, kv),
