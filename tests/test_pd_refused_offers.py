@@ -6,7 +6,9 @@ MooncakeConnector behind ``llm-serving proxy`` in both orders, real clients."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -257,3 +259,38 @@ def test_a_client_gone_around_ps_answer_frees_ps_blocks_at_once(pd, order):
             "D started the request of a client that had gone"
         offers += metric(pd["P"], "kv_transfers_offered_total") > offered0
     assert offers, "P never made an offer after the client left: the test saw nothing"
+
+
+def test_a_draining_d_leaves_its_requests_to_another_d(pd, tmp_path, tiny_model_dir):
+    """p-first, two Ds, one of them draining (SIGTERM, a request of its own still running):
+    it answers new requests 503 without starting them, and the proxy sends each one to the
+    other D with P's same offer, which that D reads (P frees the blocks at once)."""
+    proc, drainer, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "120",
+                                    section=kv_section("kv_consumer",
+                                                       kv_transfer_timeout=TIMEOUT_S),
+                                    agent_ports=(free_port(),))
+    busy = threading.Thread(target=requests.post, args=(drainer + "/v1/completions",),
+                            kwargs={"timeout": 120, "json": {
+                                "model": "tiny", "prompt": "keep draining", "stream": True,
+                                "max_tokens": 1000, "ignore_eos": True}})
+    procs = Procs()
+    try:
+        proxy = procs.proxy([pd["P"]], [drainer, pd["D"]], "--health-interval", "60")[1]
+        busy.start()
+        wait_until(lambda: metric(drainer, "num_requests_running") == 1, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: requests.get(drainer + "/ready", timeout=5).status_code == 503,
+                   timeout=30)
+        loaded0 = metric(pd["D"], "kv_remote_prefill_tokens_total")
+        for i in range(4):       # round-robin: two of them are sent to the draining D first
+            r = requests.post(proxy + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": fresh(LONG, f"draining D {i}"), "max_tokens": 3})
+            assert r.status_code == 200, r.text
+        assert metric(pd["D"], "kv_remote_prefill_tokens_total") > loaded0
+        wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 6,
+                   message="P still holds the blocks of an offer the draining D left")
+    finally:
+        procs.close()
+        assert stop_server(proc) == 0
+        if busy.ident is not None:
+            busy.join(30)

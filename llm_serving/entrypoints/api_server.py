@@ -43,8 +43,8 @@ from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT
                                   SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
 from llm_serving.entrypoints.frontend_args import FrontendArgs
-from llm_serving.entrypoints.http_common import (HTTPError, ServerState, error_response, logger,
-                                                translate_error)
+from llm_serving.entrypoints.http_common import (HTTPError, ServerState, ShuttingDown,
+                                                error_response, logger, translate_error)
 from llm_serving.errors import ConfigError, LLMServingError
 
 MAX_BODY_BYTES = 4 << 20
@@ -223,7 +223,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
-        unread_offers.decline(request)
+        if not isinstance(e, ShuttingDown):        # another instance may take it, offer and all
+            unread_offers.decline(request)
         return error_response(e.status, e.message, e.param, e.kind, e.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -34,6 +34,16 @@ class HTTPError(Exception):
         self.headers = headers or {}
 
 
+class ShuttingDown(HTTPError):
+    """A request refused because the server is draining (it never started): a 503 closing the
+    connection. Another instance can take it as it is, with the KV offer it carries, which is
+    therefore not declined here (the PD proxy sends it to another decode instance)."""
+
+    def __init__(self):
+        super().__init__(503, "the server is shutting down", kind="service_unavailable",
+                         headers={"Connection": "close"})
+
+
 @dataclass
 class ServerState:
     engine_args: EngineArgs
@@ -65,7 +75,7 @@ class ServerState:
             raise HTTPError(503, self.load_error or "the model is still loading",
                             kind="service_unavailable", headers={"Retry-After": "5"})
         if self.draining:
-            raise HTTPError(503, "the server is shutting down", kind="service_unavailable")
+            raise ShuttingDown()
         return self.engine
 
     def check_model(self, name: Optional[str]) -> None:

@@ -21,7 +21,9 @@ to another one (nothing was sent). A P that fails after the request reached it: 
 client gets a 502 naming P. When no D takes the request P has prefilled (every D refused the
 connection), P is told to decline its offer, so it frees the blocks at once. A D that fails
 mid-answer: a 502, or in a stream an error event
-(the stream's own error shape). A client that disconnects
+(the stream's own error shape). An instance shutting down answers 503 closing the connection
+without starting the request: the next instance of its role gets it (a D with P's same
+offer). A client that disconnects
 closes the upstream request at once, so the instance aborts it; one that leaves once P has
 answered is not sent to D, and P is told to decline its offer. Every upstream wait is
 bounded (``--timeout``) and ends at once when the health checks find the instance gone.
@@ -214,6 +216,14 @@ class Proxy:
             except BaseException:
                 inst.inflight -= 1
                 raise
+            if resp.status_code == 503 and resp.headers.get("connection", "").lower() == "close":
+                # shutting down, or at its connection limit: it did not start the request,
+                # which the next instance takes as it is (a decode one with the same offer)
+                inst.inflight -= 1
+                await resp.aclose()
+                inst.mark_unhealthy("answered 503 and closed the connection (shutting down?)",
+                                    gone=False)
+                continue
             return inst, resp
 
     async def _read(self, request: Request, inst: Instance, resp: httpx.Response) -> bytes:
