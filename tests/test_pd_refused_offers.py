@@ -282,3 +282,29 @@ def test_a_draining_d_leaves_its_requests_to_another_d(pd, tmp_path, tiny_model_
         assert stop_server(proc) == 0
         if busy.ident is not None:
             busy.join(30)
+
+
+@pytest.mark.parametrize("order", ["p-first", "d-first"])
+def test_responses_api_through_the_proxy_is_prefilled_on_p(pd, order):
+    """/v1/responses behind the proxy, as chat: P prefills the input (max_output_tokens 1),
+    D loads its KV and decodes; the answer, whole and streamed (the openai package's
+    responses.create and responses.stream), is the one an instance gives on its own (P: D's
+    prefix cache must not have the prompt), and P holds no blocks after."""
+    import openai
+    proxied = openai.OpenAI(base_url=pd[order] + "/v1", api_key="none", max_retries=0)
+    alone = openai.OpenAI(base_url=pd["P"] + "/v1", api_key="none", max_retries=0)
+    ask = dict(model="tiny", input=fresh(LONG, f"responses {order}"), max_output_tokens=12,
+               temperature=0)
+    want = alone.responses.create(**ask).output_text
+    loaded0 = metric(pd["D"], "kv_remote_prefill_tokens_total")
+    r = proxied.responses.create(**ask)
+    assert r.status == "incomplete" and r.output_text == want
+    loaded1 = metric(pd["D"], "kv_remote_prefill_tokens_total")
+    assert loaded1 > loaded0, "D computed the prompt itself"
+    with proxied.responses.stream(**{**ask, "input": fresh(LONG, f"responses {order} s")}
+                                  ) as stream:
+        said = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert said == final.output_text and len(final.output_text) > 0
+    assert metric(pd["D"], "kv_remote_prefill_tokens_total") > loaded1
+    wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 6)

@@ -88,7 +88,8 @@ class ResponsesRequest(BaseModel):
     cache_salt: Any = None
     session_id: Any = None
     vllm_xargs: Any = None
-    kv_transfer_params: Any = None
+    # PD disaggregation (docs/pd_disaggregation.md), as on the chat route
+    kv_transfer_params: Optional[dict[str, Any]] = None
     ec_transfer_params: Any = None
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
@@ -105,8 +106,8 @@ class ResponsesRequest(BaseModel):
         "prompt": (), "reasoning": (), "conversation": (), "stream_options": (),
         "service_tier": ("auto", "default"),
         "truncation": ("disabled",), "prompt_cache_key": (), "cache_salt": (),
-        "session_id": (), "vllm_xargs": (), "kv_transfer_params": (),
-        "ec_transfer_params": (), "mm_processor_kwargs": (), "media_io_kwargs": (),
+        "session_id": (), "vllm_xargs": (), "ec_transfer_params": (),
+        "mm_processor_kwargs": (), "media_io_kwargs": (),
         "mm_payload": ("tensors",), "return_mm_kwargs": (), "watermarking": (False,),
         "enable_response_messages": (False,), "previous_input_messages": (),
     }
@@ -252,7 +253,7 @@ class ResponsesRequest(BaseModel):
             max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias, structured_outputs=structured,
-            output_kind=RequestOutputKind.DELTA)
+            kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA)
 
 
 def _add_call(out: list[ChatMessage], item: dict, i: int) -> None:

@@ -26,7 +26,7 @@ from llm_serving.entrypoints.http_common import (HTTPError, event_stream, log_re
                                                 new_request_id,
                                                 output_error, refuse_unsupported, renamed,
                                                 translate_error)
-from llm_serving.entrypoints import reasoning, tool_calls
+from llm_serving.entrypoints import reasoning, tool_calls, unread_offers
 from llm_serving.entrypoints.openai_routes import (chat_logprobs, collect_choices, encode_text,
                                                    grammar_named, json_answer, merge_streams,
                                                    render_chat, start_requests, server_state,
@@ -78,6 +78,7 @@ def _usage(prompt_tokens: int, output_tokens: int, cached: int, thought: int = 0
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request):
+    unread_offers.hold(request, req.kv_transfer_params)
     state = server_state(request)
     state.check_model(req.model)
     _check_fields(req)
@@ -151,7 +152,8 @@ async def create_response(req: ResponsesRequest, request: Request):
     created = int(time.time())
     t0 = time.perf_counter()
 
-    def response(status: str, output: list, usage: Optional[dict]) -> dict:
+    def response(status: str, output: list, usage: Optional[dict],
+                 kv_transfer_params: Optional[dict] = None) -> dict:
         return {"id": resp_id, "created_at": created,
                 "incomplete_details": ({"reason": "max_output_tokens"}
                                        if status == "incomplete" else None),
@@ -167,7 +169,7 @@ async def create_response(req: ResponsesRequest, request: Request):
                 "truncation": "disabled", "usage": usage, "user": req.user,
                 "presence_penalty": params.presence_penalty,
                 "frequency_penalty": params.frequency_penalty,
-                "kv_transfer_params": None, "ec_transfer_params": None,
+                "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None,
                 "input_messages": None, "output_messages": None}
 
     if req.stream:
@@ -182,8 +184,10 @@ async def create_response(req: ResponsesRequest, request: Request):
 
     def count(c) -> None:
         counted.feed(c.text, c.token_ids, c.finish_reason is not None)
-    choices, _ = await collect_choices(request, streams, 1, grammar_field=grammar_field,
-                                       cached=cached, watch=count if counted else None)
+    extra: dict = {}        # a PD producer's offer (kv_transfer_params)
+    choices, _ = await collect_choices(request, streams, 1, extra=extra,
+                                       grammar_field=grammar_field, cached=cached,
+                                       watch=count if counted else None)
     ch = choices[0]
     log_request(resp_id, len(ids), ch["ids"], t0)
     status = "incomplete" if ch["finish"] == "length" else "completed"
@@ -212,7 +216,8 @@ async def create_response(req: ResponsesRequest, request: Request):
             items.close()
             output = reasoned + items.done
         return response(status, output, _usage(len(ids), ch["ids"], cached.get(0, 0),
-                                               counted.tokens if counted else 0))
+                                               counted.tokens if counted else 0),
+                        extra.get("kv_transfer_params"))
     return await json_answer(build)
 
 

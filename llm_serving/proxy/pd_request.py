@@ -3,8 +3,9 @@
 A client's body becomes:
 
 - a prefill request to a producer (``prefill_request``): the same body with its max-tokens
-  field(s) 1, ``stream`` false and ``kv_transfer_params: {"do_remote_decode": true}``. The
-  producer's JSON answer carries the ``kv_transfer_params`` a consumer needs;
+  field(s) 1 (``max_output_tokens`` on ``/v1/responses``), ``stream`` false and
+  ``kv_transfer_params: {"do_remote_decode": true}``. The producer's JSON answer carries the
+  ``kv_transfer_params`` a consumer needs;
 - a decode request to a consumer (``with_kv_params``): the client's body with
   ``kv_transfer_params`` set, either to the producer's answer (first P, then D) or to
   ``{"do_remote_prefill": true, "remote_prefill_url": P}`` (first D: the consumer's server
@@ -21,7 +22,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 KV_FIELD = "kv_transfer_params"
 # A completion request of several prompts: the producer's answer holds one offer per prompt,
 # in order, under this key; the consumer gives each prompt its own.
@@ -82,6 +83,10 @@ def prefill_request(path: str, body: dict) -> tuple[str, dict]:
     out = copy.deepcopy(body)
     out["stream"] = False
     out.pop("stream_options", None)
+    if path == "/v1/responses":
+        out["max_output_tokens"] = 1
+        out[KV_FIELD] = {"do_remote_decode": True}
+        return path, out
     if path in OPENAI_ROUTES:
         out["max_tokens"] = 1
         out.pop("n", None)          # the prompt is computed once, whatever n D samples

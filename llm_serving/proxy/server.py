@@ -1,6 +1,7 @@
 """``llm-serving proxy``: one endpoint in front of prefill (P) and decode (D) instances.
 
-It serves the OpenAI API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) and
+It serves the OpenAI API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``,
+``/v1/models``) and
 llm-serving's routes (``/models/{model}/generate[_stream]``, ``/serving/...``), and sends each
 generation request through PD disaggregation (seed 001 §6.3), in one of two orders:
 
@@ -58,6 +59,7 @@ _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-aliv
                  "server"}
 _FORWARD_HEADERS = ("authorization", "x-request-id")
 _SSE_END = b"data: [DONE]\n\n"         # the last event of an OpenAI stream
+_RESPONSES_END = b"event: response.completed\n"     # /v1/responses' (no [DONE])
 
 
 class ProxyError(Exception):
@@ -396,9 +398,14 @@ class Proxy:
                     yield _stream_error(path, body, f"decode instance {inst.url} failed "
                                         f"mid-stream: {type(e).__name__}: {e}")
                     return
-                tail = (tail + chunk)[-len(_SSE_END):]
-                if tail == _SSE_END and path in pd.OPENAI_ROUTES:
-                    outcome = "ok"
+                if path == "/v1/responses":
+                    if _RESPONSES_END in tail + chunk:
+                        outcome = "ok"
+                    tail = (tail + chunk)[-len(_RESPONSES_END):]
+                else:
+                    tail = (tail + chunk)[-len(_SSE_END):]
+                    if tail == _SSE_END and path in pd.OPENAI_ROUTES:
+                        outcome = "ok"
                 yield chunk
         finally:
             self.metrics.requests.labels(outcome).inc()
@@ -429,10 +436,12 @@ class Proxy:
 
 def _stream_error(path: str, body: dict, message: str) -> bytes:
     """One error event in the stream's own framing (the instances' own mid-stream errors)."""
+    err = {"message": message, "type": "bad_gateway", "param": None, "code": 502}
+    if path == "/v1/responses":        # its error event (the proxy does not know its number)
+        event = {"type": "error", "sequence_number": None, "error": err}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
     if path in pd.OPENAI_ROUTES:
-        err = {"error": {"message": message, "type": "bad_gateway", "param": None,
-                         "code": 502}}
-        return f"data: {json.dumps(err)}\n\n".encode()
+        return f"data: {json.dumps({'error': err})}\n\n".encode()
     line = {"details": None, "generated_text": "", "finish_reason": "error", "error": message}
     params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
     if params.get("return_protocol", "sse") == "sse":
@@ -482,7 +491,7 @@ def build_app(proxy: Proxy) -> FastAPI:
     async def generation(request: Request):
         return await proxy.generate(request, request.url.path)
 
-    for route in ("/v1/completions", "/v1/chat/completions", "/models/{model}",
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/models/{model}",
                   "/models/{model}/generate", "/models/{model}/generate_stream"):
         app.add_api_route(route, generation, methods=["POST"])
 
