@@ -88,13 +88,36 @@ def serve(args) -> None:
         raise ConfigError("--shutdown-timeout", f"expected seconds >= 0, got "
                           f"{args.shutdown_timeout}")
     _check_client_bounds(args)
-    run_server(engine_args, name, host, port, api_key=args.api_key,
-               chat_template=engine_args.chat_template,
-               log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
-               shutdown_timeout=args.shutdown_timeout,
-               request_read_timeout=args.request_read_timeout,
-               response_write_timeout=args.response_write_timeout,
-               frontend=frontend)
+    try:
+        run_server(engine_args, name, host, port, api_key=args.api_key,
+                   chat_template=engine_args.chat_template,
+                   log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+                   shutdown_timeout=args.shutdown_timeout,
+                   request_read_timeout=args.request_read_timeout,
+                   response_write_timeout=args.response_write_timeout,
+                   frontend=frontend)
+    except KeyboardInterrupt:     # Ctrl-C, raised again once the server stopped
+        code = 0
+    except SystemExit as e:       # SIGTERM's handler (0); uvicorn's when it cannot listen
+        code = e.code
+    else:
+        code = 0
+    _exit_stopped_server(code)
+
+
+def _exit_stopped_server(code) -> None:
+    """Exit with ``code`` (as ``sys.exit``) once the server has stopped (the WorkAgents
+    gone, the shared memory and the socket freed): the exit handlers run, but not the
+    interpreter's teardown, which takes 1-3 s with MindSpore's modules loaded, time a service
+    manager's stop (docker stop: 10 s in all) does not have."""
+    import atexit
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()       # finalizers of anything left, logging's flush
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

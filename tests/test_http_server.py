@@ -938,6 +938,29 @@ def test_ctrl_c_drains_a_tensor_parallel_server(tmp_path, tiny_model_dir, tiny_l
     assert not [p for p in children if os.path.exists(f"/proc/{p}")], "a process outlived it"
 
 
+def test_a_server_that_cannot_listen_exits_non_zero(tmp_path, tiny_model_dir):
+    """The port taken by another server between the start-up check and uvicorn's bind (the
+    check skipped here to make the race certain): the server exits non-zero (uvicorn's 3),
+    so that a supervisor sees the failure, with its agent stopped and no shared memory left."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = ("import llm_serving.entrypoints.api_server as s; "
+                "s._check_address = lambda *a: None; from llm_serving.cli import main; "
+                f"main(['serve', '--model', {tiny_model_dir!r}, '--port', '{port}'])")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 3, err[-2000:]
+    assert "address already in use" in err
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_while_the_model_loads_is_clean(tmp_path, tiny_model_dir, sig):
     """SIGTERM or Ctrl-C while the WorkAgent is still loading: the server exits 0 at once,
@@ -1655,8 +1678,11 @@ def test_shutdown_answers_every_request_while_a_model_step_hangs(tmp_path, tiny_
     """SIGTERM while the WorkAgent is stuck in a step (here stopped): the engine thread cannot
     take the shutdown's abort, yet every request in flight still gets the documented answer
     (a JSON 503 "the server is shutting down"; on a stream an error event, then [DONE]), not
-    uvicorn's text/plain 500 or a cut stream; the server exits 0."""
-    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "1")
+    uvicorn's text/plain 500 or a cut stream; the server exits 0 within docker stop's 10 s
+    (the default --shutdown-timeout), the agent killed and the shared memory freed. It took
+    about 30 s: the teardown waited 10 s for the engine thread, then 10 s for the agent to
+    take its QUIT, so a service manager killed it and /dev/shm kept its segments."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir)
     [agent] = agent_pids(proc.pid)
     results, started = {}, []
 
@@ -1681,10 +1707,12 @@ def test_shutdown_answers_every_request_while_a_model_step_hangs(tmp_path, tiny_
         wait_until(lambda: set(started) == {0, 2}, 60)
         time.sleep(0.5)                     # the non-streamed ones are running too
         os.kill(agent, signal.SIGSTOP)
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        took = time.monotonic() - t0
         for t in threads:
             t.join(120)
-        assert proc.wait(120) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -1692,6 +1720,9 @@ def test_shutdown_answers_every_request_while_a_model_step_hangs(tmp_path, tiny_
             os.kill(agent, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    assert took < 10, f"the server took {took:.1f} s to exit"
+    assert not os.path.exists(f"/proc/{agent}"), "the WorkAgent outlived the server"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
     for i in (1, 3):
         status, kind, text = results[i]
         assert (status, kind) == (503, "application/json"), results[i]

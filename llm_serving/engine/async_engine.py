@@ -184,6 +184,7 @@ class AsyncLLMEngine:
         self._restarting = False
         self.num_restarts = 0
         self._stopping = False
+        self._held = False     # the loop did not take a shutdown's abort_all: held in a step
         self._closed: Optional[str] = None    # abort_all's reason: new requests are refused
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
@@ -348,8 +349,10 @@ class AsyncLLMEngine:
         """End every stream still open with ShuttingDownError(reason), from the event loop:
         for a shutdown whose abort_all the engine thread has not taken (held in a step: a
         hung WorkAgent, a failed step waiting for the one in flight). Its route answers as
-        for any failed request; what the engine thread later sends for them is dropped."""
+        for any failed request; what the engine thread later sends for them is dropped.
+        ``shutdown`` then does not wait for the loop."""
         self._closed = reason
+        self._held = True
         self._fail_all(ShuttingDownError(reason))
 
     async def get_stats(self) -> EngineStats:
@@ -362,10 +365,18 @@ class AsyncLLMEngine:
         return await fut
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; unfinished requests end with finish_reason "abort"."""
+        """Stop the loop, then the WorkAgents; unfinished requests end with finish_reason
+        "abort". A loop still in a model step after ``timeout`` seconds (at once after
+        ``fail_open_streams``: it is held in a step, a hung WorkAgent) is not waited for:
+        the agents are killed, which ends the step."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout)
+        self._thread.join(0.0 if self._held else timeout)
+        if self._thread.is_alive():
+            logger.warning("shutting down: a model step is still running; killing the "
+                           "WorkAgents")
+            self.engine.kill_runner()
+            self._thread.join(_HEALTH_POLL_S)
         self.engine.shutdown()
 
     # ---- engine thread --------------------------------------------------------------------
@@ -425,6 +436,8 @@ class AsyncLLMEngine:
         again RESTART_ATTEMPTS times in all; then the loop stops for good (/live fails, so a
         supervisor restarts the server). Nothing is restarted once the server is stopping."""
         from llm_serving.executor.multiproc_executor import AgentDiedError
+        if self._stopping:          # killed by shutdown(): nothing to restart
+            return []
         logger.error("%s; failing the requests in flight and restarting it", reason)
         self._restarting = True
         outs = self.engine.fail_all(f"the model process failed ({reason}); "

@@ -304,6 +304,12 @@ class LLMEngine:
         self._init_remote_kv()
         self.warm_up()
 
+    def kill_runner(self) -> None:
+        """Kill the WorkAgent processes at once, if any (a step they hold then fails with
+        AgentDiedError); ``shutdown`` still frees the rest."""
+        if hasattr(self.runner, "kill"):
+            self.runner.kill()
+
     def shutdown(self) -> None:
         """Stop WorkAgent processes, if any (the in-process runner needs nothing)."""
         if hasattr(self.runner, "shutdown"):

@@ -49,6 +49,11 @@ _EMPTY = np.zeros(0, np.int32)
 # After one rank reports an error, how long the others get to finish the step. A rank that
 # failed before a collective leaves the others waiting in it; then the group is restarted.
 ERROR_GRACE_S = 10.0
+# How long agents get to exit after QUIT before they are killed. An idle agent exits at once;
+# one still in a step (its result no longer wanted) or stopped would only delay the exit past
+# a service manager's grace period (docker stop: 10 s), after which it kills the master and
+# the shared memory stays behind.
+QUIT_GRACE_S = 2.0
 _STOP_LOADING = threading.Event()
 
 
@@ -314,6 +319,12 @@ class MultiprocExecutor:
                                np.zeros(1, np.int32), _EMPTY, _EMPTY, None,
                                swap_out=swap_out, swap_in=swap_in, copies=copies))
 
+    def kill(self) -> None:
+        """Kill every process of the group now (a step they hold ends: its wait fails with
+        AgentDiedError); ``shutdown`` then frees the connections and the shared memory."""
+        self._procs.broken = True
+        _kill(self._procs)
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -357,9 +368,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill(p: _Procs) -> None:
+    for proc in p.agents + ([p.scheduler] if p.scheduler is not None else []):
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
 def _cleanup(p: _Procs, *segments: ch.ShmSegment) -> None:
-    """QUIT every live agent and give them 10 s together (kill at once if the group is
-    broken: a rank may be stuck in a collective), then kill the scheduler, close the
+    """QUIT every live agent and give them QUIT_GRACE_S together (kill at once if the group
+    is broken: a rank may be stuck in a collective), then kill the scheduler, close the
     connections and unlink the segments."""
     try:
         if not p.broken:
@@ -369,16 +387,13 @@ def _cleanup(p: _Procs, *segments: ch.ShmSegment) -> None:
                         conn.send_bytes(ch.FRAME.pack(ch.QUIT, 0, 0))
                     except OSError:
                         pass
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + QUIT_GRACE_S
             for proc in p.agents:
                 try:
                     proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-        for proc in p.agents + ([p.scheduler] if p.scheduler is not None else []):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+        _kill(p)
     finally:
         for conn in p.conns:
             conn.close()
