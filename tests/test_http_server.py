@@ -857,6 +857,41 @@ def test_a_server_whose_agents_keep_dying_exits_with_an_error(tmp_path, tiny_mod
     assert not agent_pids(proc.pid) and not segments_of(proc.pid)
 
 
+def test_sigterm_while_a_dead_agent_is_replaced_stops_at_once(tmp_path, tiny_model_dir):
+    """SIGTERM while the replacement of a killed WorkAgent loads (stopped here: a big model's
+    minutes of loading): the server gives the load up and exits 0 within seconds, nothing
+    left running or in /dev/shm, and does not start yet another agent. The engine thread
+    went on waiting for the load (up to 300 s); the server waited 10 s for it, killed
+    nothing, and started a third agent once the exit killed the second."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir)
+    started = []
+    try:
+        [first] = agent_pids(proc.pid)
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: set(agent_pids(proc.pid)) - {first}, 30, "no new agent started")
+        [second] = set(agent_pids(proc.pid)) - {first}
+        os.kill(second, signal.SIGSTOP)
+        started = [second]
+        assert requests.get(url + "/health").status_code == 503
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    err = proc.stderr.read()
+    assert took < 5, f"the server took {took:.1f} s to exit"
+    assert "trying again" not in err, err[-2000:]
+    assert not os.path.exists(f"/proc/{second}"), "the loading WorkAgent outlived the server"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+
+
 def test_a_hung_agent_is_replaced_after_the_step_timeout(tmp_path, tiny_model_dir, tiny_llm):
     """A WorkAgent that stops answering (SIGSTOP) is taken for hung once a step has run
     --execute-model-timeout seconds: its requests fail, it is killed and replaced."""

@@ -370,6 +370,7 @@ class AsyncLLMEngine:
         ``fail_open_streams``: it is held in a step, a hung WorkAgent) is not waited for:
         the agents are killed, which ends the step."""
         self._stopping = True
+        self.engine.cancel_loading.set()      # a replacement agent loading: given up
         self._wake.set()
         self._thread.join(0.0 if self._held else timeout)
         if self._thread.is_alive():
@@ -450,6 +451,8 @@ class AsyncLLMEngine:
                 self.engine.restart_runner()
                 break
             except AgentDiedError as e:
+                if self._stopping:
+                    return []
                 if attempt == RESTART_ATTEMPTS:
                     raise
                 logger.error("the new WorkAgent failed too (%s); trying again (%d of %d)", e,

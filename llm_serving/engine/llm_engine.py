@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Optional, Union
 
@@ -47,12 +48,13 @@ _EMPTY = np.zeros(0, np.int32)
 _KV_POLL_S = 0.002      # between polls of KV transfers when nothing else runs
 
 
-def create_executor(config: EngineConfig):
+def create_executor(config: EngineConfig, cancel: Optional[threading.Event] = None):
     """The model runner in this process ("uni"), or WorkAgent processes ("mp"); both have
-    ``submit``/``collect``, ``execute`` and ``move_blocks``."""
+    ``submit``/``collect``, ``execute`` and ``move_blocks``. ``cancel``: once set, WorkAgents
+    still loading are given up (the executor raises AgentDiedError)."""
     if config.parallel.backend == "mp":
         from llm_serving.executor.multiproc_executor import MultiprocExecutor
-        return MultiprocExecutor(config)
+        return MultiprocExecutor(config, cancel=cancel)
     from llm_serving.model_executor.model_runner import ModelRunner
     return ModelRunner(config)
 
@@ -65,6 +67,8 @@ class LLMEngine:
         self.model_config = config.model.hf
         self.max_model_len = config.model.max_model_len
         self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+        # Set when stopping: a replacement WorkAgent still loading is given up.
+        self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
         self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -300,7 +304,7 @@ class LLMEngine:
         if self.remote_kv is not None:      # the transfers died with the workers
             self.remote_kv.drop_all()
         self.block_manager.reset()
-        self.runner = create_executor(self.config)
+        self.runner = create_executor(self.config, self.cancel_loading)
         self._init_remote_kv()
         self.warm_up()
 

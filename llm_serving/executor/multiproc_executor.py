@@ -78,8 +78,12 @@ class _Procs:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, ready_timeout: float = 300.0):
+    def __init__(self, config: EngineConfig, ready_timeout: float = 300.0,
+                 cancel: Optional[threading.Event] = None):
+        """``cancel``: once set while the agents load, they are killed and AgentDiedError
+        raised (within a second), as after ``stop_loading()``."""
         tp = config.parallel.tensor_parallel_size
+        self._cancel = cancel
         check_tensor_parallel(config.model.hf, tp)   # before starting anything
         self.tp_size = tp
         self.step_timeout = config.execution.execute_model_timeout
@@ -231,7 +235,8 @@ class MultiprocExecutor:
             dead = self._dead([f is not None for f in frames])
             if dead is not None:
                 raise self._died(f"{dead} while {doing}")
-            if loading and _STOP_LOADING.is_set():
+            if loading and (_STOP_LOADING.is_set()
+                            or (self._cancel is not None and self._cancel.is_set())):
                 raise self._died("stopped while the WorkAgents were loading the model")
             if deadline is not None and time.monotonic() > deadline:
                 failed = [f for f in frames if f is not None and f[0] == ch.ERROR]
