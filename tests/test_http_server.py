@@ -996,6 +996,45 @@ def test_a_server_that_cannot_listen_exits_non_zero(tmp_path, tiny_model_dir):
     assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
+def test_sigterm_while_a_warm_up_step_hangs_exits_at_once(tmp_path, tiny_model_dir):
+    """SIGTERM once the WorkAgent has loaded but its warm-up step hangs (the agent stopped
+    as the master logs its multi-stream line, between the agent's READY and the warm-up):
+    the server exits 0 within seconds, the agent killed, no shared memory left. The warm-up
+    step was waited for (up to --execute-model-timeout), the lifespan gave the loading
+    thread 30 s, and the exit then still waited for the agent's QUIT."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                             "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
+    agents = []
+    try:
+        for line in proc.stderr:
+            if "multi-stream:" in line:       # logged by the engine after READY
+                break
+        agents = agent_pids(proc.pid)
+        assert len(agents) == 1, "the WorkAgent did not start"
+        os.kill(agents[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in agents:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "ready" not in out, "the warm-up ended before the agent was stopped"
+    assert proc.returncode == 0, err[-2000:]
+    assert took < 5, f"the server took {took:.1f} s to exit"
+    assert "Traceback" not in err, err[-2000:]
+    assert not os.path.exists(f"/proc/{agents[0]}"), "the WorkAgent outlived the server"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_while_the_model_loads_is_clean(tmp_path, tiny_model_dir, sig):
     """SIGTERM or Ctrl-C while the WorkAgent is still loading: the server exits 0 at once,

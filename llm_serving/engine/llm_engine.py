@@ -51,7 +51,7 @@ _KV_POLL_S = 0.002      # between polls of KV transfers when nothing else runs
 def create_executor(config: EngineConfig, cancel: Optional[threading.Event] = None):
     """The model runner in this process ("uni"), or WorkAgent processes ("mp"); both have
     ``submit``/``collect``, ``execute`` and ``move_blocks``. ``cancel``: once set, WorkAgents
-    still loading are given up (the executor raises AgentDiedError)."""
+    still loading or running a step are given up (the executor raises AgentDiedError)."""
     if config.parallel.backend == "mp":
         from llm_serving.executor.multiproc_executor import MultiprocExecutor
         return MultiprocExecutor(config, cancel=cancel)
@@ -67,7 +67,7 @@ class LLMEngine:
         self.model_config = config.model.hf
         self.max_model_len = config.model.max_model_len
         self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-        # Set when stopping: a replacement WorkAgent still loading is given up.
+        # Set when stopping: a replacement WorkAgent still loading or warming up is given up.
         self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
         self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters

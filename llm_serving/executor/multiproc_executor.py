@@ -58,8 +58,9 @@ _STOP_LOADING = threading.Event()
 
 
 def stop_loading() -> None:
-    """The process is shutting down: executors still waiting for their agents to load give
-    up at once (within a second), kill the agents and free the shared memory."""
+    """The process is shutting down: executors still waiting for their agents to load, or
+    for a warm-up step, give up at once (within a second), kill the agents and free the
+    shared memory."""
     _STOP_LOADING.set()
 
 
@@ -80,8 +81,8 @@ class _Procs:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, ready_timeout: float = 300.0,
                  cancel: Optional[threading.Event] = None):
-        """``cancel``: once set while the agents load, they are killed and AgentDiedError
-        raised (within a second), as after ``stop_loading()``."""
+        """``cancel``: once set, a wait for the agents (loading, a step) gives up within a
+        second, raising AgentDiedError, as after ``stop_loading()``."""
         tp = config.parallel.tensor_parallel_size
         self._cancel = cancel
         check_tensor_parallel(config.model.hf, tp)   # before starting anything
@@ -147,7 +148,7 @@ class MultiprocExecutor:
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
         self._finalizer = weakref.finalize(self, _cleanup, p, *segments)
         try:
-            frames = self._wait_all(ready_timeout, "loading the model", loading=True)
+            frames = self._wait_all(ready_timeout, "loading the model")
         except BaseException:
             self.shutdown()
             raise
@@ -203,8 +204,7 @@ class MultiprocExecutor:
         self._procs.broken = True
         return AgentDiedError(message)
 
-    def _wait_all(self, timeout: Optional[float], doing: str,
-                  loading: bool = False) -> list[tuple]:
+    def _wait_all(self, timeout: Optional[float], doing: str) -> list[tuple]:
         """One frame from every agent, by rank: (kind, step number, payload), where the
         payload is the ERROR reason or the DONE size."""
         p = self._procs
@@ -235,9 +235,8 @@ class MultiprocExecutor:
             dead = self._dead([f is not None for f in frames])
             if dead is not None:
                 raise self._died(f"{dead} while {doing}")
-            if loading and (_STOP_LOADING.is_set()
-                            or (self._cancel is not None and self._cancel.is_set())):
-                raise self._died("stopped while the WorkAgents were loading the model")
+            if _STOP_LOADING.is_set() or (self._cancel is not None and self._cancel.is_set()):
+                raise self._died(f"stopped while {doing}")
             if deadline is not None and time.monotonic() > deadline:
                 failed = [f for f in frames if f is not None and f[0] == ch.ERROR]
                 late = [r for r, f in enumerate(frames) if f is None]
