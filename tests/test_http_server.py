@@ -996,6 +996,40 @@ def test_a_server_that_cannot_listen_exits_non_zero(tmp_path, tiny_model_dir):
     assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
+def test_a_second_ctrl_c_ends_the_drain_and_stops_cleanly(tmp_path, tiny_model_dir):
+    """Ctrl-C twice (an impatient user) with a long request in flight and a long
+    --shutdown-timeout: the second ends the drain, the request gets the shutdown error, and
+    the server stops as after one (the engine and its agent stopped, no shared memory left,
+    exit 0) within seconds. uvicorn skips the lifespan's shutdown on a second Ctrl-C: its
+    task was cancelled at exit, logging a traceback, and the agent was left to the exit."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "60",
+                                preexec_fn=_own_group_with_ctrl_c)
+    agents = agent_pids(proc.pid)
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line)
+            next(lines)                                      # the request is running
+            t0 = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.1)                 # (the tiny model makes 1000 tokens in ~1 s)
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = list(lines)
+        assert proc.wait(30) == 0
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert _openai_stream_error(rest) == "the server is shutting down"
+    assert took < 10, f"the server took {took:.1f} s to exit"
+    err = proc.stderr.read()
+    assert "Traceback" not in err, err[-3000:]
+    assert not [p for p in agents if os.path.exists(f"/proc/{p}")], "the agent outlived it"
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+
+
 def test_sigterm_while_a_warm_up_step_hangs_exits_at_once(tmp_path, tiny_model_dir):
     """SIGTERM once the WorkAgent has loaded but its warm-up step hangs (the agent stopped
     as the master logs its multi-stream line, between the agent's READY and the warm-up):

@@ -461,6 +461,10 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
             # uvicorn closes the port first, then waits for the connections: drain before
             await drain(state, shutdown_timeout, lambda: self.force_exit)
             await super().shutdown(sockets)
+            if self.force_exit:
+                # A second Ctrl-C: uvicorn skips the lifespan's shutdown, whose task was then
+                # cancelled at exit (a traceback) with the engine and its agents never told.
+                await self.lifespan.shutdown()
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
