@@ -162,7 +162,6 @@ def test_logprobs_when_included(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("reasoning", {"effort": "high"}),
     ("background", True),
     ("include", ["reasoning.encrypted_content"]),
     ("truncation", "auto"),
@@ -455,5 +454,13 @@ def test_reasoning_item_as_vllm(qwen3_client):
         "chat_template_kwargs": {"enable_thinking": False}})
     assert [o.type for o in plain.output] == ["message"] and plain.output_text == thought
     assert plain.usage.output_tokens_details.reasoning_tokens == 0
+    # reasoning.effort "none" (vLLM's): enable_thinking false, as chat's reasoning_effort
+    effortless = client.responses.create(**kw, reasoning={"effort": "none"})
+    assert [o.type for o in effortless.output] == ["message"]
+    assert effortless.output_text == thought
+    assert client.responses.create(**kw, reasoning={"effort": "high"}).output[0].type == \
+        "reasoning"
+    with pytest.raises(openai.BadRequestError, match="summar"):
+        client.responses.create(**kw, reasoning={"effort": "low", "summary": "auto"})
     hidden = client.responses.create(**kw, extra_body={"include_reasoning": False})
     assert hidden.output == [] and hidden.usage.output_tokens_details.reasoning_tokens > 0

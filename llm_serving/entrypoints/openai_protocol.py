@@ -219,6 +219,24 @@ class CompletionRequest(_SamplingFields):
         return 16 if v is None else v
 
 
+# OpenAI's reasoning effort levels, and vLLM's "max"
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+def with_reasoning_effort(kwargs: Optional[dict], effort: Optional[str]) -> Optional[dict]:
+    """Chat template variables with a request's reasoning effort (vLLM 0.32's, chat's
+    reasoning_effort and the Responses API's reasoning.effort): the template's
+    reasoning_effort variable and, unless ``kwargs`` set it, enable_thinking = (effort !=
+    "none") (Qwen3's switch, and the qwen3 reasoning parser's)."""
+    if effort is None:
+        return kwargs
+    given = kwargs or {}
+    out = {**given, "reasoning_effort": effort}
+    if "enable_thinking" not in given:
+        out["enable_thinking"] = effort != "none"
+    return out
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     # OpenAI's roles, and any other the chat template knows (Llama 3's "ipython", the older
@@ -321,8 +339,7 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer.
     include_reasoning: bool = True
     # OpenAI's, as vLLM takes it: the chat template's reasoning_effort variable (template_vars)
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh",
-                                       "max"]] = None
+    reasoning_effort: Optional[ReasoningEffort] = None
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
@@ -331,17 +348,7 @@ class ChatCompletionRequest(_SamplingFields):
                                            enumerate(self.messages) for k in m.model_extra or ()]
 
     def template_vars(self) -> Optional[dict]:
-        """chat_template_kwargs with reasoning_effort (vLLM 0.32's): it sets the template's
-        reasoning_effort variable and, unless chat_template_kwargs sets enable_thinking,
-        enable_thinking = (reasoning_effort != "none") (Qwen3's switch, and the qwen3
-        reasoning parser's)."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        given = self.chat_template_kwargs or {}
-        out = {**given, "reasoning_effort": self.reasoning_effort}
-        if "enable_thinking" not in given:
-            out["enable_thinking"] = self.reasoning_effort != "none"
-        return out
+        return with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
 
     def check_combinations(self) -> None:
         super().check_combinations()

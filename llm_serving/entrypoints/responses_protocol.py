@@ -17,16 +17,33 @@ from __future__ import annotations
 import uuid
 from typing import Any, ClassVar, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from llm_serving.entrypoints.openai_protocol import (ChatMessage, FunctionDef, Tool,
-                                                     ToolChoiceFunction, sampling_knobs)
+from llm_serving.entrypoints.openai_protocol import (ChatMessage, FunctionDef, ReasoningEffort,
+                                                     Tool, ToolChoiceFunction, sampling_knobs,
+                                                     with_reasoning_effort)
 from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
 # Message content parts that carry text (the model's own earlier answers carry output_text).
 _TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"
+
+
+class ReasoningParam(BaseModel):
+    """The request's ``reasoning``: its effort is honoured; summaries are not made here, so
+    asking for one is refused by name."""
+    model_config = ConfigDict(extra="forbid")
+    effort: Optional[ReasoningEffort] = None
+    summary: Optional[str] = None
+    generate_summary: Optional[str] = None
+
+    @field_validator("summary", "generate_summary")
+    @classmethod
+    def _no_summary(cls, value):
+        if value is not None:
+            raise ValueError("no reasoning summaries are made by this server")
+        return value
 
 
 class ResponsesRequest(BaseModel):
@@ -77,11 +94,13 @@ class ResponsesRequest(BaseModel):
     # its top_logprobs most likely.
     include: Optional[list[str]] = None
     top_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: reasoning.effort becomes the chat template's reasoning_effort (and, "none",
+    # enable_thinking false), as chat's reasoning_effort
+    reasoning: Optional[ReasoningParam] = None
     # Declared so that they are refused by name (see REFUSED).
     background: Any = None
     max_tool_calls: Any = None
     prompt: Any = None
-    reasoning: Any = None
     conversation: Any = None
     stream_options: Any = None
     prompt_cache_key: Any = None
@@ -103,7 +122,7 @@ class ResponsesRequest(BaseModel):
 
     REFUSED: ClassVar[dict] = {
         "background": (False,), "max_tool_calls": (),
-        "prompt": (), "reasoning": (), "conversation": (), "stream_options": (),
+        "prompt": (), "conversation": (), "stream_options": (),
         "service_tier": ("auto", "default"),
         "truncation": ("disabled",), "prompt_cache_key": (), "cache_salt": (),
         "session_id": (), "vllm_xargs": (), "ec_transfer_params": (),
@@ -111,6 +130,10 @@ class ResponsesRequest(BaseModel):
         "mm_payload": ("tensors",), "return_mm_kwargs": (), "watermarking": (False,),
         "enable_response_messages": (False,), "previous_input_messages": (),
     }
+
+    def template_vars(self) -> Optional[dict]:
+        return with_reasoning_effort(self.chat_template_kwargs,
+                                     self.reasoning.effort if self.reasoning else None)
 
     def logprobs(self) -> Optional[int]:
         """The top log-probabilities asked for (``include``), else None; ValueError naming

@@ -100,7 +100,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     if forced is not None:
         structured, grammar_field = forced, "tools"
 
-    thinking = reasoning.thinking_enabled(template_kwargs(state, req.chat_template_kwargs))
+    thinking = reasoning.thinking_enabled(template_kwargs(state, req.template_vars()))
     show_reasoning = req.include_reasoning
 
     def answer_calls() -> Optional[tool_calls.ChoiceStream]:
@@ -110,7 +110,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     def prompt() -> tuple[str, list[int]]:
         try:
             text = render_chat(state, engine.tokenizer, messages, not continue_final,
-                               continue_final, None, req.chat_template_kwargs, tools)
+                               continue_final, None, req.template_vars(), tools)
         except HTTPError as e:
             raise renamed(e, "input" if e.param == "messages" else None) from None
         return text, encode_text(engine, text, "input", False)
