@@ -146,6 +146,21 @@ def test_default_dir_and_ensure(tmp_path, monkeypatch):
     assert default_model_dir() == str(Path.home() / ".cache" / "llm_serving" / "models" / "tiny-llama")
 
 
+def test_a_built_in_model_from_an_older_generator_is_made_again(tmp_path, monkeypatch):
+    """An upgrade that changes what a preset generates (tiny-qwen3's tokenizer gained Qwen3's
+    marker tokens) must not go on serving the old built-in model from the cache: a model
+    without the generator's stamp, or with another version, is made again, atomically."""
+    monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
+    d = Path(ensure_tiny_model(preset="tiny-qwen3"))
+    fresh = _files(d)
+    (d / tiny_model.GENERATOR_STAMP).unlink()           # as made before the stamp existed
+    (d / "tokenizer.json").write_text("{}")
+    assert ensure_tiny_model(preset="tiny-qwen3") == str(d) and _files(d) == fresh
+    (d / tiny_model.GENERATOR_STAMP).write_text('{"generator": 1}')
+    assert ensure_tiny_model(preset="tiny-qwen3") == str(d) and _files(d) == fresh
+    assert sorted(p.name for p in d.parent.iterdir()) == ["tiny-qwen3"]   # nothing left over
+
+
 def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     # a benchmark's --model: a preset's name gives its built-in model (made on first use),
     # anything else is a directory, passed through; None is the default preset's

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import struct
@@ -33,6 +34,8 @@ import numpy as np
 from llm_serving.errors import ConfigError
 from llm_serving.home import home_dir
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
+
+logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
@@ -154,6 +157,12 @@ Unicode: 你好，世界。こんにちは。안녕하세요. Emoji: 😀 🚀 �
 # ---------------------------------------------------------------------------------------------
 
 
+# Written into every model made here; a built-in model with another version (or none) is made
+# again. Bump it when what a preset generates changes. 2: Qwen3's think and tool-call
+# markers as single tokens in tiny-qwen3's tokenizer.
+GENERATOR_VERSION = 2
+GENERATOR_STAMP = "llm_serving_tiny_model.json"
+
 _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
                 "tiny-qwen3-moe": "tiny-qwen3-moe", "bench": "bench-97m",
                 "bench-gqa": "bench-gqa-287m"}
@@ -166,9 +175,19 @@ def default_model_dir(preset: str = "tiny") -> str:
     return str(home_dir() / "models" / _PRESET_DIRS[preset])
 
 
+def _current(target: Path) -> bool:
+    """Whether ``target`` holds a built-in model of this version of the generator."""
+    try:
+        stamp = json.loads((target / GENERATOR_STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(stamp, dict) and stamp.get("generator") == GENERATOR_VERSION
+
+
 def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
     """Return ``path`` (default: :func:`default_model_dir`), creating the model of the given
-    preset there if absent.
+    preset there if absent, or made by an older generator (its files differ: an upgrade
+    would otherwise serve the old model, say a tokenizer without Qwen3's marker tokens).
 
     The model is written to a temporary directory beside ``path`` and renamed into place, so a
     concurrent or interrupted run never leaves a half-written model at ``path``.
@@ -176,7 +195,18 @@ def ensure_tiny_model(path: Optional[str] = None, preset: str = "tiny") -> str:
     target = Path(path) if path is not None else Path(default_model_dir(preset))
     target = target.expanduser()
     if (target / "config.json").is_file():
-        return str(target)
+        if _current(target):
+            return str(target)
+        logger.info("the built-in model at %s was made by an older llm_serving: making it "
+                    "again", target)
+        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=str(target.parent)))
+        try:
+            os.rename(target, stale / target.name)
+        except OSError:         # someone else replaced it meanwhile
+            pass
+        shutil.rmtree(stale, ignore_errors=True)
+        if (target / "config.json").is_file():
+            return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=str(target.parent)))
     try:
@@ -637,6 +667,7 @@ def make_tiny_model(
             out / "model.safetensors.index.json",
             {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map},
         )
+    _write_json(out / GENERATOR_STAMP, {"generator": GENERATOR_VERSION})
     return str(out)
 
 
