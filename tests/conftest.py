@@ -45,6 +45,15 @@ def qwen3_moe_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def internlm_model_dir(tmp_path_factory):
+    """The built-in tiny InternLM (v1: biases on the q, k, v and o projections, multi-head
+    attention, internlm-7b's config.json keys)."""
+    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("internlm") / "tiny-internlm"),
+                           **PRESETS["tiny-internlm"])
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The built-in default tiny model, built the way start.py builds it."""
     from llm_serving.model_executor.tiny_model import make_tiny_model

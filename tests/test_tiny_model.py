@@ -171,7 +171,8 @@ def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     own = make_tiny_model(str(tmp_path / "own"), num_layers=1)
     assert model_path(own) == own
     with pytest.raises(FileNotFoundError,
-                       match="bench-gq.*tiny, tiny-qwen3, tiny-qwen3-moe, bench, bench-gqa"):
+                       match="bench-gq.*tiny, tiny-qwen3, tiny-qwen3-moe, tiny-internlm, bench, "
+                             "bench-gqa"):
         model_path("bench-gq")                            # a typo: neither a preset nor a model
     assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
     assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]
@@ -250,6 +251,22 @@ def test_qwen3_has_its_thinking_and_tool_markers_as_single_tokens(tmp_path):
         assert len(tok.get_vocab()) == 1024
 
 
+def test_cli_internlm(tmp_path):
+    """--preset tiny-internlm: internlm-7b's config.json keys (bias, rotary; no
+    num_key_value_heads) and biases on the q, k, v and o projections under Llama's names."""
+    out = tmp_path / "internlm"
+    assert tiny_model.main(["--out", str(out), "--preset", "tiny-internlm"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"]) == (["InternLMForCausalLM"], "internlm")
+    assert cfg["bias"] is True and cfg["rotary"] == {"base": 10000.0, "type": "dynamic"}
+    assert "num_key_value_heads" not in cfg and "rope_theta" not in cfg
+    names = dict(read_safetensors(out / "model.safetensors"))
+    for part in ("q", "k", "v", "o"):
+        assert names[f"model.layers.1.self_attn.{part}_proj.bias"].shape == (64,)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        make_tiny_model(str(tmp_path / "m"), architecture="internlm", num_kv_heads=2)
+
+
 def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     from llm_serving.cli_args import resolve_model
     monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
@@ -260,6 +277,9 @@ def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     d = resolve_model("builtin:tiny-qwen3-moe")
     assert d == default_model_dir("tiny-qwen3-moe")
     assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "qwen3_moe"
+    d = resolve_model("builtin:tiny-internlm")
+    assert d == default_model_dir("tiny-internlm")
+    assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "internlm"
     from llm_serving.errors import ConfigError
     with pytest.raises(ConfigError, match="builtin:tiny-qwen2: no built-in model") as e:
         resolve_model("builtin:tiny-qwen2")          # a typo gave the tiny Llama, silently

@@ -29,14 +29,17 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
                           "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
-                          "Qwen3MoeForCausalLM": 32768}
+                          "Qwen3MoeForCausalLM": 32768, "InternLMForCausalLM": 2048}
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# InternLM's configs say "bias" (true by default in its InternLMConfig) for the q/k/v and o
+# projections' biases.
+_INTERNLM = ("InternLMForCausalLM",)
 _MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
 
 
@@ -132,7 +135,9 @@ class ModelConfig:
         }
         if qwen:
             d["use_sliding_window"] = False
-        if self.architecture != "Qwen2ForCausalLM":
+        if self.architecture in _INTERNLM:
+            d["bias"] = self.qkv_bias
+        elif self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.qkv_bias
         if self.architecture == "Qwen3MoeForCausalLM":
             d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
@@ -223,6 +228,9 @@ class ModelConfig:
         elif arch in _QWEN3:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        elif arch in _INTERNLM:
+            qkv_bias = o_bias = bool(cfg.get("bias", True))
+            sliding = None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window")
@@ -241,6 +249,15 @@ class ModelConfig:
                 rope_theta = params.get("rope_theta")
             if rope_scaling is None:
                 rope_scaling = params
+        rotary = cfg.get("rotary")           # InternLM (v1): {"base": ..., "type": ...}
+        if arch in _INTERNLM and rotary is not None:
+            if not isinstance(rotary, Mapping) or rotary.get("type", "origin") not in (
+                    "origin", "dynamic"):
+                raise err(f"rotary must have type origin or dynamic, got {rotary!r}")
+            # dynamic: InternLM's dynamic NTK, which keeps the base within
+            # max_position_embeddings (positions end there here)
+            if rope_theta is None:
+                rope_theta = rotary.get("base")
         rope_theta = 10000.0 if rope_theta is None else float(rope_theta)
         if rope_scaling is not None:
             if not isinstance(rope_scaling, Mapping):

@@ -1,11 +1,13 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
-tiny-qwen3, tiny-qwen3-moe, bench or bench-gqa) writes a directory that
-``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load:
+tiny-qwen3, tiny-qwen3-moe, tiny-internlm, bench or bench-gqa) writes a directory that
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load (InternLM's
+architecture is remote code in transformers: ``AutoTokenizer`` only):
 
 * ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM when the q/k/v projections have biases, or
-  Qwen3ForCausalLM with ``--architecture qwen3``, Qwen3MoeForCausalLM with ``qwen3_moe``),
+  Qwen3ForCausalLM with ``--architecture qwen3``, Qwen3MoeForCausalLM with ``qwen3_moe``,
+  InternLMForCausalLM with ``internlm``),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
 * a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
   corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
@@ -91,6 +93,17 @@ PRESETS: Dict[str, Dict[str, object]] = {
         moe_intermediate_size=32,
         mlp_only_layers=(1,),
     ),
+    # InternLM (internlm-7b's layout, small): multi-head attention with biases on the q, k, v
+    # and o projections, InternLM's "rotary" config entry.
+    "tiny-internlm": dict(
+        architecture="internlm",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=128,
+        vocab_size=1024,
+    ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
@@ -164,9 +177,9 @@ GENERATOR_VERSION = 2
 GENERATOR_STAMP = "llm_serving_tiny_model.json"
 
 _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
-                "tiny-qwen3-moe": "tiny-qwen3-moe", "bench": "bench-97m",
-                "bench-gqa": "bench-gqa-287m"}
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+                "tiny-qwen3-moe": "tiny-qwen3-moe", "tiny-internlm": "tiny-internlm",
+                "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm")
 
 
 def default_model_dir(preset: str = "tiny") -> str:
@@ -384,6 +397,7 @@ def _param_specs(
     vocab_size: int,
     tie_word_embeddings: bool,
     qkv_bias: bool,
+    o_bias: bool = False,
     qk_norm: bool = False,
     num_experts: int = 0,
     moe_intermediate_size: int = 0,
@@ -422,8 +436,10 @@ def _param_specs(
             ]
         specs += [
             (p + "self_attn.o_proj.weight", (h, q), 0.0, q**-0.5),
-            (p + "post_attention_layernorm.weight", (h,), 1.0, 0.05),
         ]
+        if o_bias:
+            specs.append((p + "self_attn.o_proj.bias", (h,), 0.0, 0.2))
+        specs.append((p + "post_attention_layernorm.weight", (h,), 1.0, 0.05))
         if layer in moe_layers:
             # A router of std 2 / sqrt(h): experts' probabilities well apart, so the top-k
             # does not hinge on rounding.
@@ -538,11 +554,13 @@ def make_tiny_model(
     """Write a random-weight model with a trained tokenizer to ``out_dir``; return ``out_dir``.
 
     ``architecture``: ``"llama"`` (a LlamaForCausalLM, or with ``qkv_bias=True`` a
-    Qwen2ForCausalLM), ``"qwen3"`` (a Qwen3ForCausalLM: per-head q/k norms, no biases) or
-    ``"qwen3_moe"`` (a Qwen3MoeForCausalLM: Qwen3's attention, and on the layers transformers
-    makes sparse (``decoder_sparse_step``, ``mlp_only_layers``) ``num_experts`` SwiGLU experts
-    of ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; the MoE arguments
-    are read for this architecture only).
+    Qwen2ForCausalLM), ``"qwen3"`` (a Qwen3ForCausalLM: per-head q/k norms, no biases),
+    ``"internlm"`` (an InternLMForCausalLM: Llama with biases on the q, k, v and o projections,
+    multi-head attention, its config as internlm-7b's) or ``"qwen3_moe"`` (a
+    Qwen3MoeForCausalLM: Qwen3's attention, and on the layers transformers makes sparse
+    (``decoder_sparse_step``, ``mlp_only_layers``) ``num_experts`` SwiGLU experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; the MoE arguments are
+    read for this architecture only).
     ``head_dim``: default ``hidden_size // num_heads``. ``rope_scaling``: None or ``"llama3"``.
     ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
     """
@@ -556,8 +574,14 @@ def make_tiny_model(
     if moe and not 1 <= num_experts_per_tok <= num_experts:
         raise ValueError(f"num_experts_per_tok {num_experts_per_tok} must be in 1..num_experts "
                          f"({num_experts})")
-    if qwen3 and qkv_bias:
-        raise ValueError("qkv_bias is Qwen2's (architecture llama); Qwen3 has no q/k/v biases")
+    internlm = architecture == "internlm"
+    if (qwen3 or internlm) and qkv_bias:
+        raise ValueError("qkv_bias is Qwen2's (architecture llama); Qwen3 has no q/k/v biases "
+                         "and InternLM always has them")
+    if internlm and num_kv_heads != num_heads:
+        raise ValueError("InternLM has multi-head attention: num_kv_heads must be num_heads")
+    if internlm and rope_scaling == "llama3":
+        raise ValueError("InternLM has no rope_scaling (its rotary type is dynamic)")
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -578,6 +602,7 @@ def make_tiny_model(
     # --- config.json -------------------------------------------------------------------------
     arch, model_type = (("Qwen3MoeForCausalLM", "qwen3_moe") if moe
                         else ("Qwen3ForCausalLM", "qwen3") if qwen3
+                        else ("InternLMForCausalLM", "internlm") if internlm
                         else ("Qwen2ForCausalLM", "qwen2") if qkv_bias
                         else ("LlamaForCausalLM", "llama"))
     config: Dict[str, object] = {
@@ -612,6 +637,12 @@ def make_tiny_model(
                        "norm_topk_prob": bool(norm_topk_prob),
                        "decoder_sparse_step": decoder_sparse_step,
                        "mlp_only_layers": sorted(mlp_only_layers)})
+    elif internlm:
+        # internlm-7b's config.json: no num_key_value_heads, head_dim or rope_theta; "bias"
+        # for the attention's projections and "rotary" for the rotary base.
+        for key in ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling"):
+            del config[key]
+        config.update({"bias": True, "rotary": {"base": float(rope_theta), "type": "dynamic"}})
     elif qkv_bias:
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
     else:
@@ -638,7 +669,8 @@ def make_tiny_model(
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings,
-        qkv_bias=qkv_bias,
+        qkv_bias=qkv_bias or internlm,
+        o_bias=internlm,
         qk_norm=qwen3,
         num_experts=num_experts,
         moe_intermediate_size=moe_intermediate_size,
@@ -692,18 +724,20 @@ def _bool_flag(value: str) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m llm_serving.model_executor.tiny_model",
-        description="Write a random-weight Llama/Qwen2/Qwen3 model with a trained BPE tokenizer "
-        "(HF format).",
+        description="Write a random-weight Llama/Qwen2/Qwen3/InternLM model with a trained BPE "
+        "tokenizer (HF format).",
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="tiny: 64 hidden, 2 layers, vocab 1024 (default); tiny-qwen3: the "
                         "same size as a Qwen3ForCausalLM (head_dim 32, tied embeddings); "
                         "tiny-qwen3-moe: a Qwen3MoeForCausalLM (3 layers, 8 experts, top 2, "
-                        "layer 1 dense); bench: "
+                        "layer 1 dense); tiny-internlm: an InternLMForCausalLM (q/k/v/o "
+                        "biases); bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
-                        help="llama (default; Qwen2 with --qkv-bias), qwen3 or qwen3_moe")
+                        help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe or "
+                        "internlm")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)
