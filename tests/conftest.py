@@ -54,6 +54,15 @@ def internlm_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def internlm2_model_dir(tmp_path_factory):
+    """The built-in tiny InternLM2 (GQA 4 query heads on 2 KV heads, q/k/v packed per KV group
+    in attention.wqkv, InternLM2's weight names, dynamic NTK rope scaling)."""
+    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("internlm2") / "tiny-internlm2"),
+                           **PRESETS["tiny-internlm2"])
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The built-in default tiny model, built the way start.py builds it."""
     from llm_serving.model_executor.tiny_model import make_tiny_model

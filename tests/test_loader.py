@@ -100,7 +100,8 @@ def test_config_defaults_and_spellings(tmp_path):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(architectures=["MistralForCausalLM"], sliding_window=4096, max_position_embeddings=32768), "sliding"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
-    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling type 'dynamic'"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "rope_scaling type 'longrope'"),
+    (dict(rope_scaling={"type": "dynamic"}), "dynamic needs a numeric 'factor'"),
     (dict(rope_scaling={"rope_type": "yarn"}), "yarn needs a numeric 'factor'"),
     (dict(vocab_size=-1), "vocab_size must be a positive integer"),
 ])

@@ -171,8 +171,8 @@ def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     own = make_tiny_model(str(tmp_path / "own"), num_layers=1)
     assert model_path(own) == own
     with pytest.raises(FileNotFoundError,
-                       match="bench-gq.*tiny, tiny-qwen3, tiny-qwen3-moe, tiny-internlm, bench, "
-                             "bench-gqa"):
+                       match="bench-gq.*tiny, tiny-qwen3, tiny-qwen3-moe, tiny-internlm, "
+                             "tiny-internlm2, bench, bench-gqa"):
         model_path("bench-gq")                            # a typo: neither a preset nor a model
     assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
     assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]
@@ -267,6 +267,33 @@ def test_cli_internlm(tmp_path):
         make_tiny_model(str(tmp_path / "m"), architecture="internlm", num_kv_heads=2)
 
 
+def test_cli_internlm2(tmp_path):
+    """--preset tiny-internlm2: InternLM2's weight names, each layer's q, k and v packed per KV
+    group in attention.wqkv (here 2 query heads, then the key, then the value, per KV head), and
+    internlm2-chat-7b's dynamic rope scaling."""
+    out = tmp_path / "internlm2"
+    assert tiny_model.main(["--out", str(out), "--preset", "tiny-internlm2"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"]) == (["InternLM2ForCausalLM"], "internlm2")
+    assert cfg["bias"] is False and cfg["rope_scaling"] == {"type": "dynamic", "factor": 2.0}
+    names = dict(read_safetensors(out / "model.safetensors"))
+    assert sorted(n for n in names if ".layers." not in n) == [
+        "model.norm.weight", "model.tok_embeddings.weight", "output.weight"]
+    assert sorted(n[len("model.layers.0."):] for n in names if ".layers.0." in n) == [
+        "attention.wo.weight", "attention.wqkv.weight", "attention_norm.weight",
+        "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+        "ffn_norm.weight"]
+    llama = dict(read_safetensors(Path(make_tiny_model(str(tmp_path / "llama"))) /
+                                  "model.safetensors"))
+    wqkv = names["model.layers.1.attention.wqkv.weight"].reshape(2, 4, 16, 64)
+    q = llama["model.layers.1.self_attn.q_proj.weight"].reshape(2, 2, 16, 64)
+    np.testing.assert_array_equal(wqkv[:, :2], q)
+    np.testing.assert_array_equal(wqkv[:, 2].reshape(32, 64),
+                                  llama["model.layers.1.self_attn.k_proj.weight"])
+    np.testing.assert_array_equal(wqkv[:, 3].reshape(32, 64),
+                                  llama["model.layers.1.self_attn.v_proj.weight"])
+
+
 def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     from llm_serving.cli_args import resolve_model
     monkeypatch.setenv("LLM_SERVING_HOME", str(tmp_path / "home"))
@@ -280,6 +307,9 @@ def test_builtin_names_a_preset_by_its_directory(tmp_path, monkeypatch):
     d = resolve_model("builtin:tiny-internlm")
     assert d == default_model_dir("tiny-internlm")
     assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "internlm"
+    d = resolve_model("builtin:tiny-internlm2")
+    assert d == default_model_dir("tiny-internlm2")
+    assert json.loads((Path(d) / "config.json").read_text())["model_type"] == "internlm2"
     from llm_serving.errors import ConfigError
     with pytest.raises(ConfigError, match="builtin:tiny-qwen2: no built-in model") as e:
         resolve_model("builtin:tiny-qwen2")          # a typo gave the tiny Llama, silently

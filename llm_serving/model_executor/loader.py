@@ -29,17 +29,20 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM",
+                           "InternLM2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM",
+                       "internlm2": "InternLM2ForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
                           "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
-                          "Qwen3MoeForCausalLM": 32768, "InternLMForCausalLM": 2048}
+                          "Qwen3MoeForCausalLM": 32768, "InternLMForCausalLM": 2048,
+                          "InternLM2ForCausalLM": 2048}
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# InternLM's configs say "bias" (true by default in its InternLMConfig) for the q/k/v and o
-# projections' biases.
-_INTERNLM = ("InternLMForCausalLM",)
+# InternLM's configs say "bias" (true by default in InternLMConfig and InternLM2Config) for the
+# q/k/v and o projections' biases.
+_INTERNLM = ("InternLMForCausalLM", "InternLM2ForCausalLM")
 _MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
 
 
@@ -62,8 +65,9 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    #: None, or an HF rope-scaling dict that always has "rope_type": "linear", "llama3" or
-    #: "yarn" (with its original_max_position_embeddings, max_position_embeddings if absent).
+    #: None, or an HF rope-scaling dict that always has "rope_type": "linear", "llama3",
+    #: "yarn" (with its original_max_position_embeddings, max_position_embeddings if absent)
+    #: or "dynamic" (dynamic NTK: the base is kept within max_position_embeddings).
     rope_scaling: Optional[Dict[str, Any]] = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -250,7 +254,7 @@ class ModelConfig:
             if rope_scaling is None:
                 rope_scaling = params
         rotary = cfg.get("rotary")           # InternLM (v1): {"base": ..., "type": ...}
-        if arch in _INTERNLM and rotary is not None:
+        if arch == "InternLMForCausalLM" and rotary is not None:
             if not isinstance(rotary, Mapping) or rotary.get("type", "origin") not in (
                     "origin", "dynamic"):
                 raise err(f"rotary must have type origin or dynamic, got {rotary!r}")
@@ -271,7 +275,7 @@ class ModelConfig:
                 for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                     if key not in rope_scaling:
                         raise err(f"rope_scaling of type llama3 needs {key!r}")
-            elif rope_scaling["rope_type"] in ("linear", "yarn"):
+            elif rope_scaling["rope_type"] in ("linear", "yarn", "dynamic"):
                 if not isinstance(rope_scaling.get("factor"), (int, float)):
                     raise err(f"rope_scaling of type {rope_scaling['rope_type']} needs a numeric "
                               "'factor'")
@@ -280,7 +284,7 @@ class ModelConfig:
                     rope_scaling.setdefault("original_max_position_embeddings", max_pos)
             else:
                 raise err(f"rope_scaling type {rope_scaling['rope_type']!r} is not supported; "
-                          "supported: default, linear, llama3, yarn")
+                          "supported: default, linear, llama3, yarn, dynamic")
         partial = cfg.get("partial_rotary_factor")
         if partial is None and isinstance(params, Mapping):
             partial = params.get("partial_rotary_factor")

@@ -35,10 +35,12 @@ _PROMPT_LOGITS_BYTES = 64 << 20
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1,
                 multistream_config=None):
     # ModelConfig has already rejected architectures outside loader.SUPPORTED_ARCHITECTURES;
-    # all of them are Llama-shaped.
-    from llm_serving.model_executor.models.llama import LlamaForCausalLM
-    return LlamaForCausalLM(config, backend, tp_rank, tp_size,
-                            multistream_config=multistream_config)
+    # all of them are Llama-shaped (InternLM2 under other weight names).
+    if config.architecture == "InternLM2ForCausalLM":
+        from llm_serving.model_executor.models.internlm2 import InternLM2ForCausalLM as model
+    else:
+        from llm_serving.model_executor.models.llama import LlamaForCausalLM as model
+    return model(config, backend, tp_rank, tp_size, multistream_config=multistream_config)
 
 
 def _return_freed_memory() -> None:

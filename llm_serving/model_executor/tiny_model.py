@@ -1,13 +1,13 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
-tiny-qwen3, tiny-qwen3-moe, tiny-internlm, bench or bench-gqa) writes a directory that
-``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both load (InternLM's
-architecture is remote code in transformers: ``AutoTokenizer`` only):
+tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, bench or bench-gqa) writes a
+directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both
+load (InternLM's architectures are remote code in transformers: ``AutoTokenizer`` only):
 
 * ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM when the q/k/v projections have biases, or
   Qwen3ForCausalLM with ``--architecture qwen3``, Qwen3MoeForCausalLM with ``qwen3_moe``,
-  InternLMForCausalLM with ``internlm``),
+  InternLMForCausalLM with ``internlm``, InternLM2ForCausalLM with ``internlm2``),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
 * a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
   corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
@@ -19,6 +19,7 @@ Everything is deterministic: the same arguments give byte-identical files.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -104,6 +105,17 @@ PRESETS: Dict[str, Dict[str, object]] = {
         intermediate_size=128,
         vocab_size=1024,
     ),
+    # InternLM2 (internlm2-chat-7b's layout, small): GQA with q, k and v packed per KV group in
+    # attention.wqkv, InternLM2's weight names, dynamic NTK rope scaling.
+    "tiny-internlm2": dict(
+        architecture="internlm2",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=1024,
+    ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
@@ -178,8 +190,9 @@ GENERATOR_STAMP = "llm_serving_tiny_model.json"
 
 _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
                 "tiny-qwen3-moe": "tiny-qwen3-moe", "tiny-internlm": "tiny-internlm",
+                "tiny-internlm2": "tiny-internlm2",
                 "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm")
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2")
 
 
 def default_model_dir(preset: str = "tiny") -> str:
@@ -463,6 +476,50 @@ def _param_specs(
     return specs
 
 
+_INTERNLM2_NAMES = {
+    "model.embed_tokens.weight": "model.tok_embeddings.weight",
+    "lm_head.weight": "output.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def _internlm2_tensors(tensors, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Llama-named (name, shape, make) -> InternLM2's names, each layer's q, k and v packed into
+    attention.wqkv: for each KV head, its num_heads / num_kv_heads query heads, its key, its
+    value."""
+    groups = num_heads // num_kv_heads
+    by_name = {name: (shape, make) for name, shape, make in tensors}
+
+    def pack(prefix: str):
+        q, k, v = (by_name[f"{prefix}self_attn.{p}_proj.weight"][1]() for p in "qkv")
+        h = q.shape[1]
+        rows = np.concatenate([q.reshape(num_kv_heads, groups, head_dim, h),
+                               k.reshape(num_kv_heads, 1, head_dim, h),
+                               v.reshape(num_kv_heads, 1, head_dim, h)], axis=1)
+        return rows.reshape(-1, h)
+
+    out = []
+    for name, shape, make in tensors:
+        layer_part = name.split(".", 3)[3] if name.startswith("model.layers.") else None
+        if layer_part in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            continue
+        if layer_part == "self_attn.q_proj.weight":
+            prefix = name[:-len(layer_part)]
+            out.append((prefix + "attention.wqkv.weight",
+                        ((num_heads + 2 * num_kv_heads) * head_dim, shape[1]),
+                        functools.partial(pack, prefix)))
+        elif layer_part is not None:
+            out.append((name[:-len(layer_part)] + _INTERNLM2_NAMES[layer_part], shape, make))
+        else:
+            out.append((_INTERNLM2_NAMES.get(name, name), shape, make))
+    return out
+
+
 def _make_tensor(name: str, shape: Tuple[int, ...], mean: float, std: float, seed: int) -> np.ndarray:
     # One generator per tensor, seeded from (seed, name): independent of order and sharding.
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
@@ -556,7 +613,9 @@ def make_tiny_model(
     ``architecture``: ``"llama"`` (a LlamaForCausalLM, or with ``qkv_bias=True`` a
     Qwen2ForCausalLM), ``"qwen3"`` (a Qwen3ForCausalLM: per-head q/k norms, no biases),
     ``"internlm"`` (an InternLMForCausalLM: Llama with biases on the q, k, v and o projections,
-    multi-head attention, its config as internlm-7b's) or ``"qwen3_moe"`` (a
+    multi-head attention, its config as internlm-7b's), ``"internlm2"`` (an InternLM2ForCausalLM:
+    Llama under InternLM2's weight names, q, k and v packed per KV group in one wqkv, dynamic NTK
+    rope scaling as internlm2-chat-7b's) or ``"qwen3_moe"`` (a
     Qwen3MoeForCausalLM: Qwen3's attention, and on the layers transformers makes sparse
     (``decoder_sparse_step``, ``mlp_only_layers``) ``num_experts`` SwiGLU experts of
     ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; the MoE arguments are
@@ -575,13 +634,14 @@ def make_tiny_model(
         raise ValueError(f"num_experts_per_tok {num_experts_per_tok} must be in 1..num_experts "
                          f"({num_experts})")
     internlm = architecture == "internlm"
-    if (qwen3 or internlm) and qkv_bias:
+    internlm2 = architecture == "internlm2"
+    if (qwen3 or internlm or internlm2) and qkv_bias:
         raise ValueError("qkv_bias is Qwen2's (architecture llama); Qwen3 has no q/k/v biases "
                          "and InternLM always has them")
     if internlm and num_kv_heads != num_heads:
         raise ValueError("InternLM has multi-head attention: num_kv_heads must be num_heads")
-    if internlm and rope_scaling == "llama3":
-        raise ValueError("InternLM has no rope_scaling (its rotary type is dynamic)")
+    if (internlm or internlm2) and rope_scaling == "llama3":
+        raise ValueError("InternLM's rope scaling is dynamic NTK, not llama3")
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -603,6 +663,7 @@ def make_tiny_model(
     arch, model_type = (("Qwen3MoeForCausalLM", "qwen3_moe") if moe
                         else ("Qwen3ForCausalLM", "qwen3") if qwen3
                         else ("InternLMForCausalLM", "internlm") if internlm
+                        else ("InternLM2ForCausalLM", "internlm2") if internlm2
                         else ("Qwen2ForCausalLM", "qwen2") if qkv_bias
                         else ("LlamaForCausalLM", "llama"))
     config: Dict[str, object] = {
@@ -643,6 +704,10 @@ def make_tiny_model(
         for key in ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling"):
             del config[key]
         config.update({"bias": True, "rotary": {"base": float(rope_theta), "type": "dynamic"}})
+    elif internlm2:
+        # internlm2-chat-7b's config.json: no head_dim; no biases; dynamic NTK rope scaling
+        del config["head_dim"]
+        config.update({"bias": False, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     elif qkv_bias:
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
     else:
@@ -676,8 +741,12 @@ def make_tiny_model(
         moe_intermediate_size=moe_intermediate_size,
         moe_layers=moe_layers,
     )
+    tensors = [(name, shape, functools.partial(_make_tensor, name, shape, mean, std, seed))
+               for name, shape, mean, std in specs]
+    if internlm2:
+        tensors = _internlm2_tensors(tensors, num_heads, num_kv_heads, head_dim)
     st_dtype, itemsize = _DTYPES[dtype]
-    sizes = [int(np.prod(shape)) * itemsize for _, shape, _, _ in specs]
+    sizes = [int(np.prod(shape)) * itemsize for _, shape, _ in tensors]
     groups = _split_shards(sizes, num_shards)
     for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         stale.unlink()
@@ -687,12 +756,12 @@ def make_tiny_model(
         filenames = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
     weight_map: Dict[str, str] = {}
     for fname, group in zip(filenames, groups):
-        entries = [(specs[k][0], specs[k][1], st_dtype, sizes[k]) for k in group]
+        entries = [(tensors[k][0], tensors[k][1], st_dtype, sizes[k]) for k in group]
         with open(out / fname, "wb") as f:
             f.write(_safetensors_header(entries))
             for k in group:
-                name, shape, mean, std = specs[k]
-                f.write(_to_dtype_bytes(_make_tensor(name, shape, mean, std, seed), dtype))
+                name, _, make = tensors[k]
+                f.write(_to_dtype_bytes(make(), dtype))
                 weight_map[name] = fname
     if len(groups) > 1:
         _write_json(
@@ -724,7 +793,7 @@ def _bool_flag(value: str) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m llm_serving.model_executor.tiny_model",
-        description="Write a random-weight Llama/Qwen2/Qwen3/InternLM model with a trained BPE "
+        description="Write a random-weight Llama/Qwen2/Qwen3/InternLM(2) model with a trained BPE "
         "tokenizer (HF format).",
     )
     parser.add_argument("--out", required=True, help="output directory")
@@ -733,11 +802,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "same size as a Qwen3ForCausalLM (head_dim 32, tied embeddings); "
                         "tiny-qwen3-moe: a Qwen3MoeForCausalLM (3 layers, 8 experts, top 2, "
                         "layer 1 dense); tiny-internlm: an InternLMForCausalLM (q/k/v/o "
-                        "biases); bench: "
+                        "biases); tiny-internlm2: an InternLM2ForCausalLM (GQA, packed wqkv); "
+                        "bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
-                        help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe or "
-                        "internlm")
+                        help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe, "
+                        "internlm or internlm2")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)

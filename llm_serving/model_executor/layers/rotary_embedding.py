@@ -1,5 +1,5 @@
-"""Rotary position embedding (rotate-half layout, as HF Llama), with linear, llama3 and YaRN
-rope scaling."""
+"""Rotary position embedding (rotate-half layout, as HF Llama), with linear, llama3, YaRN and
+dynamic NTK rope scaling."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,10 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> np.n
     if not rope_scaling:
         return inv_freq
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if kind in (None, "default"):
+    if kind in (None, "default", "dynamic"):
+        # dynamic NTK (InternLM2's configs have it) changes the base only for sequences longer
+        # than max_position_embeddings, in transformers and in vLLM (which keeps it without
+        # max_trained_positions); positions end there here.
         return inv_freq
     if kind == "linear":
         return inv_freq / float(rope_scaling["factor"])
@@ -35,7 +38,7 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> np.n
     if kind == "yarn":
         return yarn_inv_freq(inv_freq, head_dim, base, rope_scaling)
     raise ValueError(f"rope_scaling type {kind!r} is not supported "
-                     "(supported: default, linear, llama3, yarn)")
+                     "(supported: default, linear, llama3, yarn, dynamic)")
 
 
 def yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, base: float,

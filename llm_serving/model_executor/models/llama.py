@@ -6,8 +6,8 @@ forward context (``forward_context.py``). Decoder layers split into ``forward_at
 ``forward_ffn``, and the model is enabled for multi-stream by seed 000's four steps
 (docs/multistream.md): the imports, ``SupportsMultiStream`` and a ``multistream_config`` on
 the causal LM, the pre/post layers around the decoder loop, and ``@support_multi_stream`` on
-the decoder layer. Qwen2, Qwen3, Qwen3-MoE and InternLM (v1: q/k/v/o biases) run through these
-same classes.
+the decoder layer. Qwen2, Qwen3, Qwen3-MoE, InternLM (v1: q/k/v/o biases) and InternLM2
+(``internlm2.py``: its weight names) run through these same classes.
 """
 from __future__ import annotations
 
