@@ -36,6 +36,15 @@ def qwen3_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gpt_bigcode_model_dir(tmp_path_factory):
+    """The built-in tiny GPTBigCode (StarCoder / WizardCoder's layout: learned positions,
+    LayerNorm, multi-query attention, GELU MLP, biases, tied embeddings)."""
+    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("gpt-bigcode") / "tiny-gpt-bigcode"),
+                           **PRESETS["tiny-gpt-bigcode"])
+
+
+@pytest.fixture(scope="session")
 def qwen3_moe_model_dir(tmp_path_factory):
     """The built-in tiny Qwen3-MoE (8 experts of 32, top 2 renormalized; layers 0 and 2
     sparse, layer 1 dense through mlp_only_layers; Qwen3's attention)."""

@@ -82,7 +82,10 @@ const Entry kSignatures[] = {
     LLS_SIGNATURE(int, P, L, P, L, P, L, P, P, P, L, P, L, P, P, L, L, L, L, L, L, L, float, P,
                   L),
     LLS_SIGNATURE(void, P, P, P, L, L, float),             // rms_norm_f32
-    LLS_SIGNATURE(void, P, P, P, P, L, L, float),          // add_rms_norm_f32
+    LLS_SIGNATURE(void, P, P, P, P, L, L, float),          // add_rms_norm_f32, layer_norm_f32
+    LLS_SIGNATURE(void, P, P, P, P, P, L, L, float),       // add_layer_norm_f32
+    LLS_SIGNATURE(void, P, P, P, L, L),                    // add_rows_f32
+    LLS_SIGNATURE(void, P, P, L, L, int),                  // gelu_f32
     LLS_SIGNATURE(void, P, P, P, P, L, L, L, L, L, L),     // rotary_embedding_f32
     LLS_SIGNATURE(void, P, P, L, L),                       // silu_and_mul_f32
 };

@@ -30,15 +30,19 @@ __all__ = [
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM",
-                           "InternLM2ForCausalLM")
+                           "InternLM2ForCausalLM", "GPTBigCodeForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM",
-                       "internlm2": "InternLM2ForCausalLM"}
+                       "internlm2": "InternLM2ForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
                           "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
                           "Qwen3MoeForCausalLM": 32768, "InternLMForCausalLM": 2048,
-                          "InternLM2ForCausalLM": 2048}
+                          "InternLM2ForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024}
+GPT_BIGCODE = "GPTBigCodeForCausalLM"
+# transformers' activation_function names GPTBigCode may use -> GELU's approximation
+_GELU_APPROXIMATION = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
+                       "gelu_fast": "tanh"}
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # InternLM's configs say "bias" (true by default in InternLMConfig and InternLM2Config) for the
 # q/k/v and o projections' biases.
@@ -88,6 +92,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: Tuple[int, ...] = ()
+    #: GPTBigCode (StarCoder, WizardCoder): LayerNorm's epsilon, the MLP's GELU
+    #: ("none": erf, or "tanh"), and multi-query attention (one KV head; else one per head).
+    layer_norm_epsilon: float = 1e-5
+    gelu_approximate: str = "tanh"
+    multi_query: bool = False
     bos_token_id: Optional[int] = None
     #: an int, or a list of ints
     eos_token_id: Optional[Union[int, List[int]]] = None
@@ -117,6 +126,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """This config as an HF ``config.json`` (``from_dict`` of it gives it back)."""
+        if self.architecture == GPT_BIGCODE:
+            return self._gpt_bigcode_hf_dict()
         qwen = self.architecture in ("Qwen2ForCausalLM",) + _QWEN3
         d: Dict[str, Any] = {
             "architectures": [self.architecture],
@@ -149,6 +160,21 @@ class ModelConfig:
                      norm_topk_prob=self.norm_topk_prob,
                      decoder_sparse_step=self.decoder_sparse_step,
                      mlp_only_layers=list(self.mlp_only_layers))
+        if self.torch_dtype is not None:
+            d["torch_dtype"] = self.torch_dtype
+        return d
+
+    def _gpt_bigcode_hf_dict(self) -> Dict[str, Any]:
+        act = "gelu_pytorch_tanh" if self.gelu_approximate == "tanh" else "gelu"
+        d: Dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": "gpt_bigcode",
+            "n_embd": self.hidden_size, "n_layer": self.num_layers, "n_head": self.num_heads,
+            "n_inner": self.intermediate_size, "n_positions": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "activation_function": act,
+            "layer_norm_epsilon": self.layer_norm_epsilon, "multi_query": self.multi_query,
+            "scale_attn_weights": True, "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        }
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
         return d
@@ -189,6 +215,8 @@ class ModelConfig:
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(str(cfg.get("model_type", "")))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise err(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch == GPT_BIGCODE:
+            return cls(**_gpt_bigcode_fields(cfg, err), model_dir=model_dir)
 
         def req(key: str) -> Any:
             if cfg.get(key) is None:
@@ -399,6 +427,64 @@ class ModelConfig:
         if "Qwen2" not in arch:
             cfg["attention_bias"] = False
         return cls.from_dict(cfg, source=src)
+
+
+def _gpt_bigcode_fields(cfg: Mapping[str, Any], err) -> Dict[str, Any]:
+    """ModelConfig's fields from a GPTBigCode ``config.json`` (StarCoder, WizardCoder, SantaCoder),
+    as transformers' GPTBigCodeConfig reads it (``n_embd`` or ``hidden_size``, and so on)."""
+    def get(key: str, alias: str, default: Any = None) -> Any:
+        value = cfg.get(key, cfg.get(alias))
+        if value is None and default is None:
+            raise err(f"missing required key {key!r}")
+        return default if value is None else value
+
+    def as_int(key: str, value: Any) -> int:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or int(value) != value or value <= 0):
+            raise err(f"{key} must be a positive integer, got {value!r}")
+        return int(value)
+
+    hidden = as_int("n_embd", get("n_embd", "hidden_size"))
+    heads = as_int("n_head", get("n_head", "num_attention_heads"))
+    if hidden % heads:
+        raise err(f"n_embd ({hidden}) must be divisible by n_head ({heads})")
+    inner = cfg.get("n_inner")
+    act = cfg.get("activation_function", "gelu_pytorch_tanh")
+    if act not in _GELU_APPROXIMATION:
+        raise err(f"unsupported activation_function {act!r}; supported: "
+                  f"{', '.join(_GELU_APPROXIMATION)}")
+    if cfg.get("scale_attn_weights") is False:
+        raise err("scale_attn_weights=false is not supported (attention scaled by "
+                  "1/sqrt(head_dim) only)")
+    if cfg.get("add_cross_attention"):
+        raise err("add_cross_attention=true is not supported (a decoder-only model only)")
+    multi_query = bool(cfg.get("multi_query", True))
+    eos = cfg.get("eos_token_id", 50256)
+    if eos is not None:
+        eos = [int(x) for x in eos] if isinstance(eos, (list, tuple)) else int(eos)
+    bos = cfg.get("bos_token_id", 50256)
+    return dict(
+        architecture=GPT_BIGCODE,
+        hidden_size=hidden,
+        num_layers=as_int("n_layer", get("n_layer", "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=1 if multi_query else heads,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden if inner is None else as_int("n_inner", inner),
+        vocab_size=as_int("vocab_size", get("vocab_size", "vocab_size", 50257)),
+        max_position_embeddings=as_int("n_positions",
+                                       get("n_positions", "max_position_embeddings", 1024)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=True,
+        o_bias=True,
+        layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        gelu_approximate=_GELU_APPROXIMATION[act],
+        multi_query=multi_query,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=eos,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        model_type=str(cfg.get("model_type", "gpt_bigcode")),
+    )
 
 
 def _moe_fields(cfg: Mapping[str, Any], arch: str, err) -> Dict[str, Any]:

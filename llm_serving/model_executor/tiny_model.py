@@ -1,13 +1,15 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
-tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, bench or bench-gqa) writes a
+tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, tiny-gpt-bigcode, bench or
+bench-gqa) writes a
 directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both
 load (InternLM's architectures are remote code in transformers: ``AutoTokenizer`` only):
 
 * ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM when the q/k/v projections have biases, or
   Qwen3ForCausalLM with ``--architecture qwen3``, Qwen3MoeForCausalLM with ``qwen3_moe``,
-  InternLMForCausalLM with ``internlm``, InternLM2ForCausalLM with ``internlm2``),
+  InternLMForCausalLM with ``internlm``, InternLM2ForCausalLM with ``internlm2``,
+  GPTBigCodeForCausalLM (StarCoder / WizardCoder's layout) with ``gpt_bigcode``),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
 * a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
   corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
@@ -116,6 +118,18 @@ PRESETS: Dict[str, Dict[str, object]] = {
         intermediate_size=128,
         vocab_size=1024,
     ),
+    # StarCoder / WizardCoder's layout (GPTBigCodeForCausalLM): learned positions, LayerNorm,
+    # multi-query attention (one KV head), a GELU MLP of 4 x hidden, biases, tied embeddings.
+    "tiny-gpt-bigcode": dict(
+        architecture="gpt_bigcode",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=256,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
@@ -190,9 +204,9 @@ GENERATOR_STAMP = "llm_serving_tiny_model.json"
 
 _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
                 "tiny-qwen3-moe": "tiny-qwen3-moe", "tiny-internlm": "tiny-internlm",
-                "tiny-internlm2": "tiny-internlm2",
+                "tiny-internlm2": "tiny-internlm2", "tiny-gpt-bigcode": "tiny-gpt-bigcode",
                 "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2")
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2", "gpt_bigcode")
 
 
 def default_model_dir(preset: str = "tiny") -> str:
@@ -401,6 +415,7 @@ def _tokenizer_files(tok, max_position_embeddings: int) -> Dict[str, object]:
 
 def _param_specs(
     *,
+    max_position_embeddings: int = 0,
     hidden_size: int,
     num_layers: int,
     num_heads: int,
@@ -520,6 +535,76 @@ def _internlm2_tensors(tensors, num_heads: int, num_kv_heads: int, head_dim: int
     return out
 
 
+def _gpt_bigcode_param_specs(*, hidden_size: int, num_layers: int, num_heads: int,
+                             num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                             max_position_embeddings: int, tie_word_embeddings: bool,
+                             **_) -> List[Tuple[str, Tuple[int, ...], float, float]]:
+    """(name, shape, mean, std) of a GPTBigCodeForCausalLM's parameters, in HF order."""
+    h, i = hidden_size, intermediate_size
+    qkv = h + 2 * num_kv_heads * (h // num_heads)
+    # As _param_specs: tied embeddings small, the final norm's weight large (logits ~N(0, 2.5^2)).
+    emb_std = 0.1 if tie_word_embeddings else 1.0
+    final_norm = 3.0 if tie_word_embeddings else 1.0
+    specs = [("transformer.wte.weight", (vocab_size, h), 0.0, emb_std),
+             ("transformer.wpe.weight", (max_position_embeddings, h), 0.0, emb_std)]
+    for layer in range(num_layers):
+        p = f"transformer.h.{layer}."
+        specs += [
+            (p + "ln_1.weight", (h,), 1.0, 0.05),
+            (p + "ln_1.bias", (h,), 0.0, 0.05),
+            (p + "attn.c_attn.weight", (qkv, h), 0.0, h**-0.5),
+            (p + "attn.c_attn.bias", (qkv,), 0.0, 0.2),
+            (p + "attn.c_proj.weight", (h, h), 0.0, h**-0.5),
+            (p + "attn.c_proj.bias", (h,), 0.0, 0.05),
+            (p + "ln_2.weight", (h,), 1.0, 0.05),
+            (p + "ln_2.bias", (h,), 0.0, 0.05),
+            (p + "mlp.c_fc.weight", (i, h), 0.0, h**-0.5),
+            (p + "mlp.c_fc.bias", (i,), 0.0, 0.2),
+            (p + "mlp.c_proj.weight", (h, i), 0.0, i**-0.5),
+            (p + "mlp.c_proj.bias", (h,), 0.0, 0.05),
+        ]
+    specs += [("transformer.ln_f.weight", (h,), final_norm, 0.05 * final_norm),
+              ("transformer.ln_f.bias", (h,), 0.0, 0.05)]
+    if not tie_word_embeddings:
+        specs.append(("lm_head.weight", (vocab_size, h), 0.0, 2.5 * h**-0.5))
+    return specs
+
+
+def _gpt_bigcode_config(*, hidden_size: int, num_layers: int, num_heads: int,
+                        num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                        max_position_embeddings: int, tie_word_embeddings: bool,
+                        dtype: str) -> Dict[str, object]:
+    """A GPTBigCodeForCausalLM ``config.json`` (its keys as StarCoder's has them)."""
+    if num_kv_heads not in (1, num_heads):
+        raise ValueError(f"gpt_bigcode has one KV head (multi-query) or one per head "
+                         f"({num_heads}), not {num_kv_heads}")
+    return {
+        "architectures": ["GPTBigCodeForCausalLM"],
+        "model_type": "gpt_bigcode",
+        "activation_function": "gelu_pytorch_tanh",
+        "attention_softmax_in_fp32": True,
+        "scale_attention_softmax_in_fp32": True,
+        "scale_attn_weights": True,
+        "multi_query": num_kv_heads == 1,
+        "n_embd": hidden_size,
+        "n_head": num_heads,
+        "n_inner": intermediate_size,
+        "n_layer": num_layers,
+        "n_positions": max_position_embeddings,
+        "layer_norm_epsilon": 1e-05,
+        "initializer_range": 0.02,
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": bool(tie_word_embeddings),
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+
+
 def _make_tensor(name: str, shape: Tuple[int, ...], mean: float, std: float, seed: int) -> np.ndarray:
     # One generator per tensor, seeded from (seed, name): independent of order and sharding.
     rng = np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
@@ -619,7 +704,9 @@ def make_tiny_model(
     Qwen3MoeForCausalLM: Qwen3's attention, and on the layers transformers makes sparse
     (``decoder_sparse_step``, ``mlp_only_layers``) ``num_experts`` SwiGLU experts of
     ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; the MoE arguments are
-    read for this architecture only).
+    read for this architecture only); or
+    ``"gpt_bigcode"`` (a GPTBigCodeForCausalLM: ``num_kv_heads`` 1 is multi-query, or equal to
+    ``num_heads``; no rotary, so the rope arguments do not apply).
     ``head_dim``: default ``hidden_size // num_heads``. ``rope_scaling``: None or ``"llama3"``.
     ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
     """
@@ -642,6 +729,7 @@ def make_tiny_model(
         raise ValueError("InternLM has multi-head attention: num_kv_heads must be num_heads")
     if (internlm or internlm2) and rope_scaling == "llama3":
         raise ValueError("InternLM's rope scaling is dynamic NTK, not llama3")
+    bigcode = architecture == "gpt_bigcode"
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -712,6 +800,12 @@ def make_tiny_model(
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
     else:
         config.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+    if bigcode:
+        config = _gpt_bigcode_config(
+            hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+            vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings, dtype=dtype)
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
@@ -725,7 +819,8 @@ def make_tiny_model(
         _write_json(out / fname, content)
 
     # --- weights -----------------------------------------------------------------------------
-    specs = _param_specs(
+    specs = (_gpt_bigcode_param_specs if bigcode else _param_specs)(
+        max_position_embeddings=max_position_embeddings,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
@@ -803,11 +898,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "tiny-qwen3-moe: a Qwen3MoeForCausalLM (3 layers, 8 experts, top 2, "
                         "layer 1 dense); tiny-internlm: an InternLMForCausalLM (q/k/v/o "
                         "biases); tiny-internlm2: an InternLM2ForCausalLM (GQA, packed wqkv); "
-                        "bench: "
+                        "tiny-gpt-bigcode: a GPTBigCodeForCausalLM (StarCoder's layout: "
+                        "multi-query, learned positions); bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
                         help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe, "
-                        "internlm or internlm2")
+                        "internlm, internlm2 or gpt_bigcode")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)

@@ -27,7 +27,7 @@ _F = ctypes.c_float
 # -ffp-contract=fast: a*b+c compiles to FMA (ISO C++ mode turns contraction off);
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (threads come from the shared pool).
 LAYER_OPS_FLAGS = ("-ffp-contract=fast", "-fopenmp-simd")
-LAYER_OPS_ABI = 13
+LAYER_OPS_ABI = 14
 
 
 def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
@@ -70,8 +70,13 @@ def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
     lib.head_rms_norm_f32.argtypes = [_P, _P, _I, _I, _I, _I, _F]
     lib.rotary_embedding_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
     lib.silu_and_mul_f32.argtypes = [_P, _P, _I, _I]
+    lib.layer_norm_f32.argtypes = [_P, _P, _P, _P, _I, _I, _F]
+    lib.add_layer_norm_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F]
+    lib.add_rows_f32.argtypes = [_P, _P, _P, _I, _I]
+    lib.gelu_f32.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     for fn in (lib.rms_norm_f32, lib.add_rms_norm_f32, lib.head_rms_norm_f32,
-               lib.rotary_embedding_f32, lib.silu_and_mul_f32):
+               lib.rotary_embedding_f32, lib.silu_and_mul_f32, lib.layer_norm_f32,
+               lib.add_layer_norm_f32, lib.add_rows_f32, lib.gelu_f32):
         fn.restype = None
     # One thread pool for all our kernels: the attention library's.
     from llm_serving.model_executor.attention import kernels as attention_kernels

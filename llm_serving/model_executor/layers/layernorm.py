@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it, and RMSNorm per head."""
+"""RMSNorm and LayerNorm (with a bias, as in GPT-2 and GPTBigCode), optionally fused with the
+residual add that precedes them, and RMSNorm per head."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,3 +61,37 @@ class HeadRMSNorm(CustomOp):
         launch(cpu_layer_ops().head_rms_norm_f32, ptr(x), ptr(self.weight), x.shape[0],
                x.shape[1] // self.head_dim, self.head_dim, row_stride(x), self.eps)
         return x
+
+
+class LayerNorm(CustomOp):
+    """LayerNorm with a bias over the last dimension (GPTBigCode's ``ln_1``, ``ln_2``, ``ln_f``):
+    ``norm(x)``, or with a residual: ``residual = x + residual; return norm(residual), residual``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = float(eps)
+        self.weight = Parameter(Tensor(np.ones(hidden_size, np.float32)), name="weight")
+        self.bias = Parameter(Tensor(np.zeros(hidden_size, np.float32)), name="bias")
+
+    def forward_native(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        centered = x - ops.mean(x, -1, keep_dims=True)
+        var = ops.mean(ops.square(centered), -1, keep_dims=True)
+        out = centered * ops.rsqrt(var + self.eps) * self.weight + self.bias
+        return out if residual is None else (out, residual)
+
+    def forward_cpu(self, x, residual=None):
+        rows = x.shape[0]
+        _, out = empty(x.shape)
+        lib = cpu_layer_ops()
+        if residual is None:
+            launch(lib.layer_norm_f32, ptr(x), ptr(self.weight), ptr(self.bias), ptr(out), rows,
+                   self.hidden_size, self.eps)
+            return out
+        launch(lib.add_layer_norm_f32, ptr(x), ptr(residual), ptr(self.weight), ptr(self.bias),
+               ptr(out), rows, self.hidden_size, self.eps)
+        return out, residual

@@ -23,6 +23,7 @@ from llm_serving.model_executor.layers.layernorm import HeadRMSNorm, RMSNorm
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.layers.moe import SparseMoeBlock
 from llm_serving.model_executor.layers.rotary_embedding import RotaryEmbedding
+from llm_serving.model_executor.models.weights import load_named_weights
 from llm_serving.config import kv_heads_per_rank
 # Multi-stream, step 1: the imports.
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
@@ -185,49 +186,8 @@ class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         """Fill parameters from (HF name, array) pairs; every parameter must be covered."""
-        from mindspore import Tensor
-        params = dict(self.parameters_and_names())
-        cells = dict(self.cells_and_names())
-        host: dict[str, np.ndarray] = {}
-        filled: dict[str, set] = {}
-        for name, loaded in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            loaded = np.asarray(loaded, dtype=np.float32)
-            target, shard = name, None
-            for ckpt_part, our_part, idx in self.stacked_params:
-                if ckpt_part in name:
-                    target, shard = name.replace(ckpt_part, our_part), idx
-                    break
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} matches no model parameter")
-            param = params[target]
-            cell = cells.get(target.rsplit(".", 1)[0])
-            buf = host.get(target)
-            if buf is None:            # a Linear may hold its weight packed: [out, in] here
-                shape = (cell.gemm_shape if isinstance(cell, Linear)
-                         and target.endswith(".weight") else param.shape)
-                buf = host[target] = np.zeros(shape, np.float32)
-            filled.setdefault(target, set()).add(shard or 0)
-            if isinstance(cell, (Linear, VocabEmbedding)):
-                cell.weight_loader(buf, loaded, shard or 0, target.endswith(".bias"))
-            else:
-                if buf.shape != loaded.shape:
-                    raise ValueError(f"{name}: checkpoint shape {loaded.shape} does not match "
-                                     f"the model's {buf.shape}")
-                buf[...] = loaded
-        missing = sorted(n for n, p in params.items()
-                         if len(filled.get(n, ())) < len(getattr(cells.get(n.rsplit(".", 1)[0]),
-                                                                  "output_sizes", [0])))
-        if missing:
-            raise KeyError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
-                           + (" ..." if len(missing) > 8 else ""))
-        for target in list(host):
-            buf = host.pop(target)           # freed as it is stored
-            cell = cells.get(target.rsplit(".", 1)[0])
-            if isinstance(cell, (Linear, VocabEmbedding)) and target.endswith(".weight"):
-                cell.set_weight(buf)         # packed, bf16 bits if the layer holds bf16, ...
-            else:
-                params[target].set_data(Tensor(buf))
+        tied = self.config.tie_word_embeddings
+        load_named_weights(self, ((name, w) for name, w in weights
+                                  if "rotary_emb.inv_freq" not in name
+                                  and not (tied and name == "lm_head.weight")),
+                           self.stacked_params)

@@ -1,8 +1,8 @@
-// CPU kernels for the model's layers: linear (GEMM on weights packed in panels), RMSNorm
-// (with fused residual add), rotary embedding and SiLU-and-mul. All tensors are row-major
-// float32, except the linear weights of lls_linear_bf16 (bfloat16 bits, widened to float32 in
-// registers: the arithmetic and its order are those of lls_linear_f32); rows may be strided
-// where a stride argument says so.
+// CPU kernels for the model's layers: linear (GEMM on weights packed in panels), RMSNorm and
+// LayerNorm (with fused residual add), rotary embedding, SiLU-and-mul, GELU and a row add.
+// All tensors are row-major float32, except the linear weights of lls_linear_bf16 (bfloat16
+// bits, widened to float32 in registers: the arithmetic and its order are those of
+// lls_linear_f32); rows may be strided where a stride argument says so.
 //
 // Why: at decode time MindSpore's CPU MatMul at M=1 runs well below the memory-bandwidth
 // floor, and its element-wise ops cost ~60 us each in PyNative, more than the matmuls they sit
@@ -539,7 +539,7 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 13; }
+int lls_layer_ops_abi_version() { return 14; }
 
 // 1 when silu_and_mul_f32 takes its exps from libmvec (vector_exp), else 0.
 int lls_vector_exp_available() { return vector_exp() != nullptr; }
@@ -1210,6 +1210,80 @@ void silu_and_mul_f32(const float* __restrict x, float* __restrict out, int64_t 
           vstore(o + i, gv / (1.0f + vexp(-gv)) * vload(u + i));
         }
       for (; i < f; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+// LayerNorm with bias (GPT-2 / GPTBigCode): out[t] = (x[t] - mean) / sqrt(var + eps) * w + b,
+// the mean and the (biased) variance over the row's dim values, in two passes.
+static inline void layer_norm_row(const float* __restrict xr, const float* __restrict w,
+                                  const float* __restrict b, float* __restrict o, int64_t dim,
+                                  float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < dim; ++i) sum += xr[i];
+  const float mean = sum / (float)dim;
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
+  const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) o[i] = (xr[i] - mean) * inv * w[i] + b[i];
+}
+
+void layer_norm_f32(const float* __restrict x, const float* __restrict w,
+                    const float* __restrict b, float* __restrict out, int64_t rows,
+                    int64_t dim, float eps) {
+  parallel_rows(rows, 16, [=](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) layer_norm_row(x + t * dim, w, b, out + t * dim, dim, eps);
+  });
+}
+
+// residual[t] += x[t]; out[t] = layer_norm(residual[t])   (residual is updated in place)
+void add_layer_norm_f32(const float* __restrict x, float* __restrict residual,
+                        const float* __restrict w, const float* __restrict b,
+                        float* __restrict out, int64_t rows, int64_t dim, float eps) {
+  parallel_rows(rows, 16, [=](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      const float* xr = x + t * dim;
+      float* r = residual + t * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) r[i] += xr[i];
+      layer_norm_row(r, w, b, out + t * dim, dim, eps);
+    }
+  });
+}
+
+// x[t] += table[ids[t]], x: [T, dim] (a learned position embedding added to the token's).
+void add_rows_f32(float* __restrict x, const float* __restrict table,
+                  const int32_t* __restrict ids, int64_t rows, int64_t dim) {
+  parallel_rows(rows, 16, [=](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      const float* src = table + (int64_t)ids[t] * dim;
+      float* dst = x + t * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) dst[i] += src[i];
+    }
+  });
+}
+
+// out = gelu(x) over n values: with tanh_approx, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// (PyTorch's approximate="tanh", transformers' gelu_pytorch_tanh), else 0.5 x (1 + erf(x/sqrt2)).
+void gelu_f32(const float* __restrict x, float* __restrict out, int64_t rows, int64_t dim,
+              int tanh_approx) {
+  parallel_rows(rows, 8, [=](int64_t r0, int64_t r1) {
+    const float* xs = x + r0 * dim;
+    float* os = out + r0 * dim;
+    const int64_t n = (r1 - r0) * dim;
+    if (tanh_approx) {
+      const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = xs[i];
+        os[i] = 0.5f * v * (1.0f + std::tanh(k * (v + 0.044715f * v * v * v)));
+      }
+    } else {
+      const float r = 0.7071067811865476f;  // 1 / sqrt(2)
+      for (int64_t i = 0; i < n; ++i) os[i] = 0.5f * xs[i] * (1.0f + std::erf(xs[i] * r));
     }
   });
 }
