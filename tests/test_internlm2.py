@@ -8,7 +8,6 @@ answering llm-serving's /models/internlm/generate body with the offline engine's
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import numpy as np
@@ -17,9 +16,9 @@ import requests
 
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import ModelLoadError
-from llm_serving.executor.shm_channel import segments_of
 from llm_serving.model_executor.loader import ModelConfig
-from test_model_parity import GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy
+from test_model_parity import (GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy,
+                               assert_two_ranks_give)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -130,17 +129,7 @@ def test_two_tensor_parallel_ranks_give_hf_greedy_tokens(internlm2_model_dir, hf
     """Each rank holds 2 of the 4 query heads and 1 of the 2 KV heads: its own KV group's q, k
     and v out of every wqkv."""
     prompts, _, ref_tokens = hf_reference
-    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
-    before = segments_of()
-    llm = LLM(internlm2_model_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
-              num_blocks=256)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
-    finally:
-        llm.engine.shutdown()
-    for out, ref in zip(outs, ref_tokens[:6]):
-        assert out.outputs[0].token_ids == ref
-    assert not segments_of() - before, "shared memory left behind"
+    assert_two_ranks_give(prompts[:6], ref_tokens[:6], internlm2_model_dir)
 
 
 def test_a_wqkv_of_the_wrong_size_is_refused_by_name(internlm2_model_dir, tmp_path):

@@ -210,3 +210,22 @@ def test_prompt_logprobs_with_prefix_caching_and_preemption(tiny_model_dir, tiny
         outs += eng.step()
     _check_prompt_logprobs(outs[-1], prompts[3], ref[3])
     assert eng.block_manager.prefix_hits - hits == 80       # it reused the 5 blocks it scored
+
+
+def assert_two_ranks_give(prompts, ref_tokens, model_dir) -> None:
+    """Two tensor-parallel WorkAgents (one per core when there are two) give ``ref_tokens``
+    greedily for ``prompts`` (token ids), and leave no shared memory behind."""
+    import os
+    from llm_serving import LLM
+    from llm_serving.executor.shm_channel import segments_of
+    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
+    before = segments_of()
+    llm = LLM(model_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
+              num_blocks=256)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    finally:
+        llm.engine.shutdown()
+    for out, ref in zip(outs, ref_tokens):
+        assert out.outputs[0].token_ids == ref
+    assert not segments_of() - before, "shared memory left behind"

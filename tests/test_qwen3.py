@@ -5,16 +5,15 @@ identical, for one request and a ragged batch of 8, on our kernels and on the Mi
 path (Ascend's); replayed decode steps and two tensor-parallel ranks give the same tokens."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import ModelLoadError
-from llm_serving.executor.shm_channel import segments_of
 from llm_serving.model_executor.loader import ModelConfig
-from test_model_parity import GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy
+from test_model_parity import (GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy,
+                               assert_two_ranks_give)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -116,17 +115,7 @@ def test_two_tensor_parallel_ranks_give_hf_greedy_tokens(qwen3_model_dir, hf_ref
     """Each rank holds 2 of the 4 query heads and 1 of the 2 KV heads, and the whole q/k norm
     weights."""
     prompts, _, ref_tokens = hf_reference
-    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
-    before = segments_of()
-    llm = LLM(qwen3_model_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
-              num_blocks=256)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
-    finally:
-        llm.engine.shutdown()
-    for out, ref in zip(outs, ref_tokens[:6]):
-        assert out.outputs[0].token_ids == ref
-    assert not segments_of() - before, "shared memory left behind"
+    assert_two_ranks_give(prompts[:6], ref_tokens[:6], qwen3_model_dir)
 
 
 def test_server_serves_qwen3_as_the_offline_engine_does(tmp_path, qwen3_model_dir, qwen3_llm):

@@ -6,7 +6,6 @@ identical with decode steps replayed from CPU graphs; a .ckpt round trip; a real
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import numpy as np
@@ -14,9 +13,9 @@ import pytest
 
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import ConfigError, ModelLoadError
-from llm_serving.executor.shm_channel import segments_of
 from llm_serving.model_executor.loader import ModelConfig
-from test_model_parity import GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy
+from test_model_parity import (GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy,
+                               assert_two_ranks_give)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -157,17 +156,7 @@ def test_two_tensor_parallel_ranks_give_hf_greedy_tokens(qwen3_moe_model_dir, hf
     """Each rank holds half of every expert (16 of its 32 columns) and the whole router; the
     experts' partial sums are all-reduced once per MoE layer."""
     prompts, _, ref_tokens = hf_reference
-    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
-    before = segments_of()
-    llm = LLM(qwen3_moe_model_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
-              num_blocks=256)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
-    finally:
-        llm.engine.shutdown()
-    for out, ref in zip(outs, ref_tokens[:6]):
-        assert out.outputs[0].token_ids == ref
-    assert not segments_of() - before, "shared memory left behind"
+    assert_two_ranks_give(prompts[:6], ref_tokens[:6], qwen3_moe_model_dir)
 
 
 def test_tensor_parallel_size_must_divide_each_expert(qwen3_moe_model_dir, tmp_path):
