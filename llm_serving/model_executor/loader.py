@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from llm_serving.errors import ModelLoadError
+from llm_serving.model_executor.baichuan_config import baichuan_hf_dict, check_baichuan
 
 __all__ = [
     "ModelConfig",
@@ -30,15 +31,17 @@ __all__ = [
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM",
-                           "InternLM2ForCausalLM", "GPTBigCodeForCausalLM")
+                           "InternLM2ForCausalLM", "GPTBigCodeForCausalLM", "BaichuanForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM",
-                       "internlm2": "InternLM2ForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}
+                       "internlm2": "InternLM2ForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
+                       "baichuan": "BaichuanForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
                           "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
                           "Qwen3MoeForCausalLM": 32768, "InternLMForCausalLM": 2048,
-                          "InternLM2ForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024}
+                          "InternLM2ForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
+                          "BaichuanForCausalLM": 4096}
 GPT_BIGCODE = "GPTBigCodeForCausalLM"
 # transformers' activation_function names GPTBigCode may use -> GELU's approximation
 _GELU_APPROXIMATION = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
@@ -97,6 +100,8 @@ class ModelConfig:
     layer_norm_epsilon: float = 1e-5
     gelu_approximate: str = "tanh"
     multi_query: bool = False
+    #: Baichuan2: the LM head's rows are L2-normalized (its NormHead), once, at load time.
+    norm_head: bool = False
     bos_token_id: Optional[int] = None
     #: an int, or a list of ints
     eos_token_id: Optional[Union[int, List[int]]] = None
@@ -160,6 +165,8 @@ class ModelConfig:
                      norm_topk_prob=self.norm_topk_prob,
                      decoder_sparse_step=self.decoder_sparse_step,
                      mlp_only_layers=list(self.mlp_only_layers))
+        if self.architecture == "BaichuanForCausalLM":
+            d = baichuan_hf_dict(d)
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
         return d
@@ -268,6 +275,10 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
 
         max_pos = cfg.get("max_position_embeddings")
+        if arch == "BaichuanForCausalLM":
+            check_baichuan(cfg, hidden, err)
+            if max_pos is None:             # Baichuan2-13B names only its model_max_length
+                max_pos = cfg.get("model_max_length")
         max_pos = _DEFAULT_MAX_POSITIONS[arch] if max_pos is None else as_int("max_position_embeddings", max_pos)
         if sliding is not None and int(sliding) < max_pos:
             raise err(f"sliding-window attention (sliding_window={sliding} < max_position_embeddings={max_pos}) "
@@ -346,6 +357,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=arch in _QWEN3,
+            norm_head=arch == "BaichuanForCausalLM",
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -633,7 +645,8 @@ _MF_TO_HF_GLOBAL = {
 _HF_TO_MF_GLOBAL = {v: k for k, v in _MF_TO_HF_GLOBAL.items()}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF names a .ckpt may also carry as they are (no mindformers Llama name exists for them).
-_HF_LAYER_PARTS = set(_HF_TO_MF_LAYER) | {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+_HF_LAYER_PARTS = set(_HF_TO_MF_LAYER) | {"self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                                          "self_attn.W_pack.weight"}
 # Qwen3-MoE's router and experts, also kept under their HF names in a .ckpt.
 _MOE_PART_RE = re.compile(r"^mlp\.(gate|experts\.\d+\.(gate|up|down)_proj)\.weight$")
 

@@ -35,11 +35,13 @@ _PROMPT_LOGITS_BYTES = 64 << 20
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1,
                 multistream_config=None):
     # ModelConfig has already rejected architectures outside loader.SUPPORTED_ARCHITECTURES;
-    # all but GPTBigCode are Llama-shaped (InternLM2 under other weight names).
+    # all but GPTBigCode are Llama-shaped (InternLM2 and Baichuan under other weight names).
     if config.architecture == "GPTBigCodeForCausalLM":
         from llm_serving.model_executor.models.gpt_bigcode import GPTBigCodeForCausalLM as cls
     elif config.architecture == "InternLM2ForCausalLM":
         from llm_serving.model_executor.models.internlm2 import InternLM2ForCausalLM as cls
+    elif config.architecture == "BaichuanForCausalLM":
+        from llm_serving.model_executor.models.baichuan import BaichuanForCausalLM as cls
     else:
         from llm_serving.model_executor.models.llama import LlamaForCausalLM as cls
     return cls(config, backend, tp_rank, tp_size, multistream_config=multistream_config)

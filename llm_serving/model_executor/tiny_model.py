@@ -1,15 +1,17 @@
 """Build small random-weight models in Hugging Face format, for tests and benchmarks.
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
-tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, tiny-gpt-bigcode, bench or
-bench-gqa) writes a
+tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, tiny-gpt-bigcode, tiny-baichuan2,
+bench or bench-gqa) writes a
 directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both
-load (InternLM's architectures are remote code in transformers: ``AutoTokenizer`` only):
+load (InternLM's and Baichuan's architectures are remote code in transformers:
+``AutoTokenizer`` only):
 
 * ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM when the q/k/v projections have biases, or
   Qwen3ForCausalLM with ``--architecture qwen3``, Qwen3MoeForCausalLM with ``qwen3_moe``,
   InternLMForCausalLM with ``internlm``, InternLM2ForCausalLM with ``internlm2``,
-  GPTBigCodeForCausalLM (StarCoder / WizardCoder's layout) with ``gpt_bigcode``),
+  GPTBigCodeForCausalLM (StarCoder / WizardCoder's layout) with ``gpt_bigcode``,
+  BaichuanForCausalLM with ``baichuan2``),
 * random weights in safetensors (optionally sharded, with ``model.safetensors.index.json``),
 * a real byte-level BPE tokenizer trained with the ``tokenizers`` library on the bundled alpaca
   corpus (``clients/data``), plus ``tokenizer_config.json`` (ChatML-style chat template),
@@ -130,6 +132,16 @@ PRESETS: Dict[str, Dict[str, object]] = {
         vocab_size=1024,
         tie_word_embeddings=True,
     ),
+    # Baichuan2-7B's layout: q, k and v packed in W_pack, a NormHead, rotary positions.
+    "tiny-baichuan2": dict(
+        architecture="baichuan2",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=128,
+        vocab_size=1024,
+    ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
@@ -205,8 +217,10 @@ GENERATOR_STAMP = "llm_serving_tiny_model.json"
 _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
                 "tiny-qwen3-moe": "tiny-qwen3-moe", "tiny-internlm": "tiny-internlm",
                 "tiny-internlm2": "tiny-internlm2", "tiny-gpt-bigcode": "tiny-gpt-bigcode",
+                "tiny-baichuan2": "tiny-baichuan2",
                 "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
-ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2", "gpt_bigcode")
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2", "gpt_bigcode",
+                 "baichuan2")
 
 
 def default_model_dir(preset: str = "tiny") -> str:
@@ -427,6 +441,8 @@ def _param_specs(
     qkv_bias: bool,
     o_bias: bool = False,
     qk_norm: bool = False,
+    packed_qkv: bool = False,
+    norm_head: bool = False,
     num_experts: int = 0,
     moe_intermediate_size: int = 0,
     moe_layers: Sequence[int] = (),
@@ -438,19 +454,24 @@ def _param_specs(
     # projection: there a small embedding scale keeps the current token's own embedding from
     # dominating the logits (which makes greedy decoding repeat one token), and the final norm's
     # larger weight brings the logits back to the same scale.
+    # A NormHead (Baichuan2) has rows of norm 1, not ~2.5: the final norm scales the logits
+    # back up.
     emb_std = 0.1 if tie_word_embeddings else 1.0
-    final_norm = 3.0 if tie_word_embeddings else 1.0
+    final_norm = 3.0 if tie_word_embeddings or norm_head else 1.0
     specs: List[Tuple[str, Tuple[int, ...], float, float]] = [
         ("model.embed_tokens.weight", (vocab_size, h), 0.0, emb_std)
     ]
     for layer in range(num_layers):
         p = f"model.layers.{layer}."
-        specs += [
-            (p + "input_layernorm.weight", (h,), 1.0, 0.05),
-            (p + "self_attn.q_proj.weight", (q, h), 0.0, h**-0.5),
-            (p + "self_attn.k_proj.weight", (kv, h), 0.0, h**-0.5),
-            (p + "self_attn.v_proj.weight", (kv, h), 0.0, h**-0.5),
-        ]
+        specs.append((p + "input_layernorm.weight", (h,), 1.0, 0.05))
+        if packed_qkv:                  # Baichuan2's W_pack: [q; k; v]
+            specs.append((p + "self_attn.W_pack.weight", (q + 2 * kv, h), 0.0, h**-0.5))
+        else:
+            specs += [
+                (p + "self_attn.q_proj.weight", (q, h), 0.0, h**-0.5),
+                (p + "self_attn.k_proj.weight", (kv, h), 0.0, h**-0.5),
+                (p + "self_attn.v_proj.weight", (kv, h), 0.0, h**-0.5),
+            ]
         if qkv_bias:
             specs += [
                 (p + "self_attn.q_proj.bias", (q,), 0.0, 0.2),
@@ -707,6 +728,9 @@ def make_tiny_model(
     read for this architecture only); or
     ``"gpt_bigcode"`` (a GPTBigCodeForCausalLM: ``num_kv_heads`` 1 is multi-query, or equal to
     ``num_heads``; no rotary, so the rope arguments do not apply).
+    ``"baichuan2"`` is a BaichuanForCausalLM as Baichuan2-7B's config.json and weights have it
+    (model_type baichuan, q/k/v packed in ``self_attn.W_pack``, an ``lm_head`` that the model
+    normalizes, as many kv heads as heads).
     ``head_dim``: default ``hidden_size // num_heads``. ``rope_scaling``: None or ``"llama3"``.
     ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
     """
@@ -715,6 +739,10 @@ def make_tiny_model(
                          f"{', '.join(ARCHITECTURES)}")
     qwen3 = architecture in ("qwen3", "qwen3_moe")
     moe = architecture == "qwen3_moe"
+    baichuan = architecture == "baichuan2"
+    if baichuan and (num_kv_heads != num_heads or qkv_bias or tie_word_embeddings):
+        raise ValueError("baichuan2 packs q, k and v of the same size without biases "
+                         "(num_kv_heads = num_heads) and has an untied NormHead")
     moe_layers = [i for i in range(num_layers) if moe and i not in mlp_only_layers
                   and (i + 1) % decoder_sparse_step == 0]
     if moe and not 1 <= num_experts_per_tok <= num_experts:
@@ -780,7 +808,16 @@ def make_tiny_model(
     if qwen3:
         config.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
                        "max_window_layers": num_layers})
-    if moe:
+    if baichuan:                    # Baichuan2-7B's config.json keys
+        config = {k: config[k] for k in (
+            "bos_token_id", "eos_token_id", "hidden_act", "hidden_size", "initializer_range",
+            "intermediate_size", "max_position_embeddings", "num_attention_heads",
+            "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "torch_dtype",
+            "use_cache", "vocab_size")}
+        config.update({"architectures": ["BaichuanForCausalLM"], "model_type": "baichuan",
+                       "model_max_length": max_position_embeddings, "pad_token_id": 0,
+                       "z_loss_weight": 0})
+    elif moe:
         config.update({"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
                        "moe_intermediate_size": moe_intermediate_size,
                        "norm_topk_prob": bool(norm_topk_prob),
@@ -832,6 +869,8 @@ def make_tiny_model(
         qkv_bias=qkv_bias or internlm,
         o_bias=internlm,
         qk_norm=qwen3,
+        packed_qkv=baichuan,
+        norm_head=baichuan,
         num_experts=num_experts,
         moe_intermediate_size=moe_intermediate_size,
         moe_layers=moe_layers,
@@ -899,11 +938,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "layer 1 dense); tiny-internlm: an InternLMForCausalLM (q/k/v/o "
                         "biases); tiny-internlm2: an InternLM2ForCausalLM (GQA, packed wqkv); "
                         "tiny-gpt-bigcode: a GPTBigCodeForCausalLM (StarCoder's layout: "
-                        "multi-query, learned positions); bench: "
+                        "multi-query, learned positions); tiny-baichuan2: a BaichuanForCausalLM "
+                        "as Baichuan2-7B (W_pack, NormHead, rotary); bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
                         help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe, "
-                        "internlm, internlm2 or gpt_bigcode")
+                        "internlm, internlm2, gpt_bigcode or baichuan2")
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--num-heads", type=int)

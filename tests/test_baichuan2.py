@@ -1,0 +1,160 @@
+"""BaichuanForCausalLM, Baichuan2-7B's layout (q/k/v packed in W_pack, a NormHead, rotary
+positions), against HF transformers' LlamaForCausalLM on the same weights converted here,
+independently of our loader: W_pack split into q_proj/k_proj/v_proj by rows and lm_head's
+rows L2-normalized (torch.nn.functional.normalize), as Baichuan2's remote code computes them.
+Prefill logits within 5e-3 (one prompt, a ragged batch, our kernels and the MindSpore-op path)
+and 32 greedy tokens identical with replayed decode steps; two tensor-parallel ranks; a .ckpt;
+a real server answering llm-serving's /models/llama2/generate."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_serving import LLM, SamplingParams
+from llm_serving.errors import ModelLoadError
+from llm_serving.executor.shm_channel import segments_of
+from llm_serving.model_executor.loader import ModelConfig
+from test_model_parity import GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB = 1024
+
+
+@pytest.fixture(scope="module")
+def baichuan2_dir(tmp_path_factory):
+    from llm_serving.model_executor.tiny_model import PRESETS, make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("baichuan2") / "tiny-baichuan2"),
+                           **PRESETS["tiny-baichuan2"])
+
+
+def as_llama_checkpoint(src: str, dst: Path) -> str:
+    """Baichuan2-7B's checkpoint as an HF LlamaForCausalLM one."""
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    weights = safetensors_torch.load_file(str(Path(src) / "model.safetensors"))
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("self_attn.W_pack.weight"):
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.chunk(3, dim=0)):
+                out[name.replace("W_pack", part)] = rows.contiguous()
+        elif name == "lm_head.weight":
+            out[name] = torch.nn.functional.normalize(w.float(), dim=-1)
+        else:
+            out[name] = w
+    dst.mkdir(parents=True)
+    safetensors_torch.save_file(out, str(dst / "model.safetensors"))
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "num_key_value_heads": cfg["num_attention_heads"], "rope_theta": 10000.0,
+             "attention_bias": False, "mlp_bias": False}
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                "rms_norm_eps", "vocab_size", "max_position_embeddings", "hidden_act",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        llama[key] = cfg[key]
+    (dst / "config.json").write_text(json.dumps(llama))
+    shutil.copy(Path(src) / "generation_config.json", dst)     # the same stop tokens
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(baichuan2_dir, tmp_path_factory):
+    path = as_llama_checkpoint(baichuan2_dir, tmp_path_factory.mktemp("ref") / "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(VOCAB)
+    return (prompts, *hf_logits_and_greedy(model, prompts))
+
+
+@pytest.fixture(scope="module")
+def baichuan2_llm(baichuan2_dir):
+    return LLM(baichuan2_dir, block_size=16, num_blocks=256)
+
+
+def test_baichuan2_7b_config_json_is_read():
+    # Baichuan2-7B-Chat's config.json (auto_map left out)
+    cfg = {"architectures": ["BaichuanForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+           "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+           "intermediate_size": 11008, "max_position_embeddings": 4096,
+           "model_max_length": 4096, "model_type": "baichuan", "num_attention_heads": 32,
+           "num_hidden_layers": 32, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+           "_from_model_config": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "transformers_version": "4.29.2", "use_cache": True, "vocab_size": 125696,
+           "z_loss_weight": 0, "tokenizer_class": "BaichuanTokenizer"}
+    c = ModelConfig.from_dict(cfg)
+    assert (c.architecture, c.num_kv_heads, c.head_dim, c.rope_theta) == (
+        "BaichuanForCausalLM", 32, 128, 10000.0)
+    assert c.norm_head and not c.qkv_bias and c.max_position_embeddings == 4096
+    assert ModelConfig.from_dict(c.to_hf_dict()) == c
+    with pytest.raises(ModelLoadError, match="num_key_value_heads"):
+        ModelConfig.from_dict(dict(cfg, num_key_value_heads=8))
+
+
+@pytest.mark.parametrize("native_ops", [False, True], ids=["cpu-kernels", "mindspore-ops"])
+def test_prefill_logits_match_hf_single_and_batched(baichuan2_dir, baichuan2_llm, hf_reference,
+                                                    native_ops, monkeypatch):
+    prompts, ref_logits, _ = hf_reference
+    llm = baichuan2_llm
+    if native_ops:
+        monkeypatch.setenv("LLM_SERVING_NATIVE_OPS", "1")
+        llm = LLM(baichuan2_dir, block_size=16, num_blocks=256)
+    single = _prefill_logits(llm, [prompts[-1]])[0]
+    np.testing.assert_allclose(single, ref_logits[-1], atol=5e-3, rtol=0)
+    for ours, ref in zip(_prefill_logits(llm, prompts), ref_logits):
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+
+
+def test_greedy_tokens_match_hf_with_replayed_decode_steps(baichuan2_llm, hf_reference):
+    prompts, _, ref_tokens = hf_reference
+    outs = baichuan2_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+    stats = baichuan2_llm.engine.runner.graphs.stats
+    assert stats.replayed_steps > 20 and not stats.failed
+
+
+def test_mindspore_ckpt_gives_the_same_logits(baichuan2_dir, hf_reference, tmp_path):
+    from llm_serving.model_executor.loader import save_mindformers_ckpt
+    ckpt = save_mindformers_ckpt(baichuan2_dir, str(tmp_path / "baichuan2.ckpt"))
+    prompts, ref_logits, _ = hf_reference
+    llm = LLM(baichuan2_dir, checkpoint=ckpt, num_blocks=64)
+    np.testing.assert_allclose(_prefill_logits(llm, [prompts[4]])[0], ref_logits[4], atol=5e-3,
+                               rtol=0)
+
+
+def test_two_tensor_parallel_ranks_give_hf_greedy_tokens(baichuan2_dir, hf_reference):
+    """Each rank holds 2 of the 4 heads' rows of each W_pack part and half the NormHead's
+    (normalized) rows."""
+    prompts, _, ref_tokens = hf_reference
+    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
+    before = segments_of()
+    llm = LLM(baichuan2_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
+              num_blocks=256)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens[:6]
+    assert not segments_of() - before, "shared memory left behind"
+
+
+def test_server_answers_llm_serving_generate(tmp_path, baichuan2_dir, baichuan2_llm):
+    """start.py on the Baichuan2 checkpoint: llm-serving's /models/llama2/generate gives the
+    offline engine's greedy text."""
+    import requests
+
+    from test_http_server import free_port, start_server, stop_server
+    proc, url, _ = start_server(tmp_path, baichuan2_dir, agent_ports=(free_port(),))
+    try:
+        body = {"inputs": "Give three tips", "parameters": {"max_new_tokens": 12,
+                                                            "ignore_eos": True}}
+        r = requests.post(url + "/models/llama2/generate", json=body, timeout=120)
+    finally:
+        assert stop_server(proc) == 0
+    assert r.status_code == 200, r.text
+    offline = baichuan2_llm.generate("Give three tips", SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert r.json()["generated_text"] == offline.text and offline.text
