@@ -190,7 +190,7 @@ def bridge_table(args):
             (bt.q.ctypes.data, H * D, bt.kn.ctypes.data, KVH * D, bt.vn.ctypes.data, KVH * D,
              bt.k[l].ctypes.data, bt.v[l].ctypes.data, bt.sm.ctypes.data, bt.T, bt.bt.ctypes.data,
              bt.bt.shape[1], bt.qsl.ctypes.data, bt.sl.ctypes.data, b, bt.T, H, KVH, D,
-             args.block_size, bt.k[0].shape[0], float(SCALE), bt.out.ctypes.data, H * D)
+             args.block_size, bt.k[0].shape[0], float(SCALE), bt.out.ctypes.data, H * D, None)
             for l in range(L)]
 
         def raw():
@@ -354,7 +354,7 @@ def before_after(args):
             calls = [(bt.q.ctypes.data, H * D, bt.k[i].ctypes.data, bt.v[i].ctypes.data,
                       bt.bt.ctypes.data, bt.bt.shape[1], bt.qsl.ctypes.data, bt.sl.ctypes.data,
                       bt.B, bt.T, H, KVH, D, args.block_size, bt.k[0].shape[0], float(SCALE),
-                      bt.out.ctypes.data, H * D) for i in range(layers)]
+                      bt.out.ctypes.data, H * D, None) for i in range(layers)]
             work = max(1, b * ctx * (8 if qlen > 1 else 1) // 256)   # ~ a decode B=1 call
             per_round = max(3, min(40, 2000 // work))
             ts = {name: [] for name in libs}

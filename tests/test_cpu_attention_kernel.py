@@ -382,6 +382,89 @@ def test_decode_row_equals_the_same_row_in_a_prefill_chunk(monkeypatch, lib_flag
             np.testing.assert_array_equal(alone[0], chunk[r])
 
 
+def alibi_reference(q, k_hist, v_hist, scale, slopes):
+    """dense_reference with ALiBi: score + slope[head] * (key position - query position)."""
+    n, h, d = q.shape
+    L, kvh, _ = k_hist.shape
+    out = np.empty((n, h, d), np.float64)
+    for i in range(n):
+        pos = L - n + i
+        for head in range(h):
+            kk = k_hist[: pos + 1, head // (h // kvh)].astype(np.float64)
+            vv = v_hist[: pos + 1, head // (h // kvh)].astype(np.float64)
+            s = kk @ q[i, head].astype(np.float64) * scale
+            s += float(slopes[head]) * (np.arange(pos + 1) - pos)
+            p = np.exp(s - s.max())
+            out[i, head] = (p / p.sum()) @ vv
+    return out
+
+
+@pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",), ("-DLLS_FORCE_SCALAR",)],
+                         ids=["avx512", "avx2-build", "scalar"])
+@pytest.mark.parametrize("h,kvh,cache_dtype", [(6, 6, "float32"), (8, 2, "float32"),
+                                               (6, 6, "bfloat16"), (6, 6, "float16")],
+                         ids=["mha6", "gqa4", "mha6-bf16", "mha6-f16"])
+def test_alibi_in_mixed_ragged_batches_and_split_decodes(monkeypatch, lib_flags, h, kvh,
+                                                          cache_dtype):
+    """ALiBi slopes (Baichuan2-13B's, 6 heads: not a power of two) in new prefills, prefill
+    chunks continuing from the cache, decodes batched, and a lone decode of a context longer
+    than a segment (split between threads), fused and not; steep slopes (x 8) so that a bias
+    on the wrong key position shows."""
+    from llm_serving.model_executor.attention.alibi import alibi_slopes
+    monkeypatch.setattr(K, "_default_lib", K.load_library(list(lib_flags)))
+    slopes = alibi_slopes(h) * np.float32(8)
+    hs = PagedHarness(num_blocks=64, block_size=16, h=h, kvh=kvh, d=40, max_blocks_per_seq=16,
+                      seed=h, cache_dtype=cache_dtype)
+    for i, work in enumerate(MIXED_STEPS + [[(3, 1)], [(3, 1), (5, 1)], [(5, 40)]]):
+        inp = hs.make_step(work)
+        hs.commit(work, inp)        # (the history holds K/V as the cache stores them)
+        ref = np.concatenate([
+            alibi_reference(inp["query"][a:b], hs.k_hist[sid], hs.v_hist[sid], hs.scale,
+                            slopes)
+            for (sid, _), a, b in zip(work, inp["query_start_loc"][:-1],
+                                      inp["query_start_loc"][1:])])
+        if i % 2:
+            K.reshape_and_cache(inp["key"], inp["value"], hs.k_cache, hs.v_cache,
+                                inp["slot_mapping"])
+            out = K.paged_attention(inp["query"], hs.k_cache, hs.v_cache, inp["block_tables"],
+                                    inp["query_start_loc"], inp["seq_lens"], hs.scale,
+                                    alibi_slopes=slopes)
+        else:
+            out = K.attention_fused(inp["query"], inp["key"], inp["value"], hs.k_cache,
+                                    hs.v_cache, inp["slot_mapping"], inp["block_tables"],
+                                    inp["query_start_loc"], inp["seq_lens"], hs.scale,
+                                    alibi_slopes=slopes)
+        assert_close(out, ref)
+        if i == 0:                   # without the slopes: plain causal attention
+            plain = K.paged_attention(inp["query"], hs.k_cache, hs.v_cache, inp["block_tables"],
+                                      inp["query_start_loc"], inp["seq_lens"], hs.scale)
+            assert np.abs(plain - ref).max() > 1e-2
+    with pytest.raises(K.KernelArgumentError, match="alibi_slopes"):
+        K.paged_attention(inp["query"], hs.k_cache, hs.v_cache, inp["block_tables"],
+                          inp["query_start_loc"], inp["seq_lens"], hs.scale,
+                          alibi_slopes=slopes[:-1])
+
+
+@pytest.mark.parametrize("lib_flags", [(), ("-mno-avx512f",)], ids=["avx512", "avx2-build"])
+def test_alibi_decode_row_equals_the_same_row_in_a_prefill_chunk(monkeypatch, lib_flags):
+    from llm_serving.model_executor.attention.alibi import alibi_slopes
+    monkeypatch.setattr(K, "_default_lib", K.load_library(list(lib_flags)))
+    slopes = alibi_slopes(6)
+    hs = PagedHarness(num_blocks=12, block_size=16, h=6, kvh=6, d=64, max_blocks_per_seq=12)
+    step = hs.make_step([(0, 150)])
+    hs.commit([(0, 150)], step)
+    K.reshape_and_cache(step["key"], step["value"], hs.k_cache, hs.v_cache,
+                        step["slot_mapping"])
+    bt, q = step["block_tables"], step["query"]
+    chunk = K.paged_attention(q[100:], hs.k_cache, hs.v_cache, bt, np.array([0, 50], np.int32),
+                              np.array([150], np.int32), hs.scale, alibi_slopes=slopes)
+    for pos in (100, 129, 149):
+        alone = K.paged_attention(q[pos:pos + 1], hs.k_cache, hs.v_cache, bt,
+                                  np.array([0, 1], np.int32), np.array([pos + 1], np.int32),
+                                  hs.scale, alibi_slopes=slopes)
+        np.testing.assert_array_equal(alone[0], chunk[pos - 100])
+
+
 def test_padding_slots_are_skipped():
     hs = PagedHarness(num_blocks=32, block_size=16, h=4, kvh=4, d=64, max_blocks_per_seq=8, seed=9)
     hs.run([(0, 10), (1, 3)])

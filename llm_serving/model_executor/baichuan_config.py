@@ -22,20 +22,20 @@ def uses_alibi(cfg: Mapping[str, Any], hidden_size: int) -> bool:
     return cfg.get("max_position_embeddings") is None
 
 
-def check_baichuan(cfg: Mapping[str, Any], hidden_size: int, err) -> None:
+def check_baichuan(cfg: Mapping[str, Any], err) -> None:
     """Refuse what the Baichuan layers do not have (``err(msg)`` makes the exception)."""
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
         raise err(f"BaichuanForCausalLM packs q, k and v of the same size in W_pack: "
                   f"num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})")
-    if uses_alibi(cfg, hidden_size):
-        raise err("Baichuan2-13B's ALiBi attention (hidden_size 5120, or no "
-                  "max_position_embeddings) is not supported; Baichuan2-7B's rotary layout is")
 
 
-def baichuan_hf_dict(d: Dict[str, Any]) -> Dict[str, Any]:
-    """A Llama-style config dict as Baichuan2's config.json has it."""
-    out = {k: v for k, v in d.items()
-           if k not in ("num_key_value_heads", "head_dim", "rope_scaling", "attention_bias")}
+def baichuan_hf_dict(d: Dict[str, Any], alibi: bool) -> Dict[str, Any]:
+    """A Llama-style config dict as Baichuan2's config.json has it (the 13B's, without
+    max_position_embeddings and rope_theta, when ``alibi``)."""
+    drop = ("num_key_value_heads", "head_dim", "rope_scaling", "attention_bias")
+    if alibi:
+        drop += ("max_position_embeddings", "rope_theta")
+    out = {k: v for k, v in d.items() if k not in drop}
     out["model_max_length"] = d["max_position_embeddings"]
     return out

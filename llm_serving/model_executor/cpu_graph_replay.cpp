@@ -76,11 +76,11 @@ const Entry kSignatures[] = {
     LLS_SIGNATURE(int, P, L, P, L, P, P, L, L, L, int, P, P, P),
     // lls_reshape_and_cache(_bf16)
     LLS_SIGNATURE(int, P, L, P, L, P, P, P, L, L, L, L),
-    // lls_paged_attention(_bf16)
-    LLS_SIGNATURE(int, P, L, P, P, P, L, P, P, L, L, L, L, L, L, L, float, P, L),
-    // lls_attention_fused(_bf16)
+    // lls_paged_attention(_bf16), ALiBi slopes last
+    LLS_SIGNATURE(int, P, L, P, P, P, L, P, P, L, L, L, L, L, L, L, float, P, L, P),
+    // lls_attention_fused(_bf16), ALiBi slopes last
     LLS_SIGNATURE(int, P, L, P, L, P, L, P, P, P, L, P, L, P, P, L, L, L, L, L, L, L, float, P,
-                  L),
+                  L, P),
     LLS_SIGNATURE(void, P, P, P, L, L, float),             // rms_norm_f32
     LLS_SIGNATURE(void, P, P, P, P, L, L, float),          // add_rms_norm_f32, layer_norm_f32
     LLS_SIGNATURE(void, P, P, P, P, P, L, L, float),       // add_layer_norm_f32

@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from llm_serving.errors import ModelLoadError
-from llm_serving.model_executor.baichuan_config import baichuan_hf_dict, check_baichuan
+from llm_serving.model_executor.baichuan_config import (baichuan_hf_dict, check_baichuan,
+                                                        uses_alibi)
 
 __all__ = [
     "ModelConfig",
@@ -102,6 +103,8 @@ class ModelConfig:
     multi_query: bool = False
     #: Baichuan2: the LM head's rows are L2-normalized (its NormHead), once, at load time.
     norm_head: bool = False
+    #: ALiBi biases on the attention scores instead of rotary positions (Baichuan2-13B).
+    alibi: bool = False
     bos_token_id: Optional[int] = None
     #: an int, or a list of ints
     eos_token_id: Optional[Union[int, List[int]]] = None
@@ -166,7 +169,7 @@ class ModelConfig:
                      decoder_sparse_step=self.decoder_sparse_step,
                      mlp_only_layers=list(self.mlp_only_layers))
         if self.architecture == "BaichuanForCausalLM":
-            d = baichuan_hf_dict(d)
+            d = baichuan_hf_dict(d, self.alibi)
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
         return d
@@ -276,7 +279,7 @@ class ModelConfig:
 
         max_pos = cfg.get("max_position_embeddings")
         if arch == "BaichuanForCausalLM":
-            check_baichuan(cfg, hidden, err)
+            check_baichuan(cfg, err)
             if max_pos is None:             # Baichuan2-13B names only its model_max_length
                 max_pos = cfg.get("model_max_length")
         max_pos = _DEFAULT_MAX_POSITIONS[arch] if max_pos is None else as_int("max_position_embeddings", max_pos)
@@ -358,6 +361,7 @@ class ModelConfig:
             o_bias=o_bias,
             qk_norm=arch in _QWEN3,
             norm_head=arch == "BaichuanForCausalLM",
+            alibi=arch == "BaichuanForCausalLM" and uses_alibi(cfg, hidden),
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

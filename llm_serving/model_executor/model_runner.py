@@ -19,6 +19,7 @@ from mindspore import Tensor, ops
 
 from llm_serving.config import EngineConfig, check_tensor_parallel, kv_heads_per_rank
 from llm_serving.executor.protocol import SamplerOutput, StepInput
+from llm_serving.model_executor.attention.alibi import rank_slopes
 from llm_serving.model_executor.attention.backend import AttentionMetadata
 from llm_serving.model_executor.attention.selector import get_attention_backend
 from llm_serving.model_executor.device import init_device
@@ -68,9 +69,10 @@ class ModelRunner:
         self.device = init_device(config.device.device, config.device.start_device_id + tp.rank)
         self.config = c = m.hf
         check_tensor_parallel(c, tp.size)
-        self.backend = get_attention_backend(self.device, c.num_heads // tp.size,
-                                             kv_heads_per_rank(c.num_kv_heads, tp.size),
-                                             c.head_dim, m.kv_cache_dtype)
+        self.backend = get_attention_backend(
+            self.device, c.num_heads // tp.size, kv_heads_per_rank(c.num_kv_heads, tp.size),
+            c.head_dim, m.kv_cache_dtype,
+            rank_slopes(c.num_heads, tp.rank, tp.size) if c.alibi else None)
         ms = config.multi_stream
         ms_mode = (ms.mode(tp.size, self.device, config.parallel.cpu_allreduce)[0]
                    if ms is not None else "off")

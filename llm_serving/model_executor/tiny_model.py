@@ -2,7 +2,7 @@
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
 tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, tiny-gpt-bigcode, tiny-baichuan2,
-bench or bench-gqa) writes a
+tiny-baichuan2-alibi, bench or bench-gqa) writes a
 directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both
 load (InternLM's and Baichuan's architectures are remote code in transformers:
 ``AutoTokenizer`` only):
@@ -142,6 +142,18 @@ PRESETS: Dict[str, Dict[str, object]] = {
         intermediate_size=128,
         vocab_size=1024,
     ),
+    # Baichuan2-13B's layout: the same with ALiBi biases instead of rotary positions, and a
+    # head count that is not a power of two (as its 40), whose slopes interleave.
+    "tiny-baichuan2-alibi": dict(
+        architecture="baichuan2",
+        alibi=True,
+        hidden_size=96,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=6,
+        intermediate_size=128,
+        vocab_size=1024,
+    ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
@@ -218,6 +230,7 @@ _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
                 "tiny-qwen3-moe": "tiny-qwen3-moe", "tiny-internlm": "tiny-internlm",
                 "tiny-internlm2": "tiny-internlm2", "tiny-gpt-bigcode": "tiny-gpt-bigcode",
                 "tiny-baichuan2": "tiny-baichuan2",
+                "tiny-baichuan2-alibi": "tiny-baichuan2-alibi",
                 "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
 ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2", "gpt_bigcode",
                  "baichuan2")
@@ -713,6 +726,7 @@ def make_tiny_model(
     norm_topk_prob: bool = True,
     decoder_sparse_step: int = 1,
     mlp_only_layers: Sequence[int] = (),
+    alibi: bool = False,
 ) -> str:
     """Write a random-weight model with a trained tokenizer to ``out_dir``; return ``out_dir``.
 
@@ -730,7 +744,8 @@ def make_tiny_model(
     ``num_heads``; no rotary, so the rope arguments do not apply).
     ``"baichuan2"`` is a BaichuanForCausalLM as Baichuan2-7B's config.json and weights have it
     (model_type baichuan, q/k/v packed in ``self_attn.W_pack``, an ``lm_head`` that the model
-    normalizes, as many kv heads as heads).
+    normalizes, as many kv heads as heads); with ``alibi`` as Baichuan2-13B's (no
+    max_position_embeddings in config.json: ALiBi instead of rotary positions).
     ``head_dim``: default ``hidden_size // num_heads``. ``rope_scaling``: None or ``"llama3"``.
     ``dtype``: float32, float16 or bfloat16 (weights are drawn in float32 and converted).
     """
@@ -740,6 +755,8 @@ def make_tiny_model(
     qwen3 = architecture in ("qwen3", "qwen3_moe")
     moe = architecture == "qwen3_moe"
     baichuan = architecture == "baichuan2"
+    if alibi and not baichuan:
+        raise ValueError("alibi is Baichuan2-13B's (architecture baichuan2)")
     if baichuan and (num_kv_heads != num_heads or qkv_bias or tie_word_embeddings):
         raise ValueError("baichuan2 packs q, k and v of the same size without biases "
                          "(num_kv_heads = num_heads) and has an untied NormHead")
@@ -817,6 +834,8 @@ def make_tiny_model(
         config.update({"architectures": ["BaichuanForCausalLM"], "model_type": "baichuan",
                        "model_max_length": max_position_embeddings, "pad_token_id": 0,
                        "z_loss_weight": 0})
+        if alibi:                   # Baichuan2-13B's config.json names no position limit
+            del config["max_position_embeddings"]
     elif moe:
         config.update({"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
                        "moe_intermediate_size": moe_intermediate_size,
@@ -939,7 +958,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "biases); tiny-internlm2: an InternLM2ForCausalLM (GQA, packed wqkv); "
                         "tiny-gpt-bigcode: a GPTBigCodeForCausalLM (StarCoder's layout: "
                         "multi-query, learned positions); tiny-baichuan2: a BaichuanForCausalLM "
-                        "as Baichuan2-7B (W_pack, NormHead, rotary); bench: "
+                        "as Baichuan2-7B (W_pack, NormHead, rotary); tiny-baichuan2-alibi: as "
+                        "Baichuan2-13B (ALiBi, 6 heads); bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
                         help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe, "
@@ -956,6 +976,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="add q/k/v biases (makes a Qwen2ForCausalLM)")
     parser.add_argument("--rope-scaling", choices=["none", "llama3"], default=None)
     parser.add_argument("--rope-theta", type=float)
+    parser.add_argument("--alibi", type=_bool_flag, nargs="?", const=True, default=None,
+                        help="baichuan2: ALiBi instead of rotary (Baichuan2-13B's layout)")
     parser.add_argument("--max-position-embeddings", type=int)
     parser.add_argument("--num-shards", type=int)
     parser.add_argument("--seed", type=int)
@@ -965,7 +987,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     kwargs: Dict[str, object] = dict(PRESETS[args.preset])
     for key in ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "qkv_bias",
-                "rope_theta", "max_position_embeddings", "num_shards", "seed", "dtype"):
+                "rope_theta", "max_position_embeddings", "num_shards", "seed", "dtype",
+                "alibi"):
         value = getattr(args, key)
         if value is not None:
             kwargs[key] = value

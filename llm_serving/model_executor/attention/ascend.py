@@ -21,6 +21,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, ops
 
+from llm_serving.errors import ConfigError
 from llm_serving.model_executor.attention.backend import AttentionBackend, AttentionMetadata
 
 # The fused ops' data type (KV cache and attention inputs).
@@ -30,10 +31,17 @@ KV_DTYPE = ms.float16
 class AscendAttentionBackend(AttentionBackend):
     name = "ascend"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, kv_cache_dtype="auto"):
+    def __init__(self, num_heads, num_kv_heads, head_dim, kv_cache_dtype="auto",
+                 alibi_slopes=None):
         # KV is float16, the dtype of the PagedAttention kernel (EngineArgs refuses others).
         if kv_cache_dtype not in ("auto", "float16"):
             raise ValueError(f"the Ascend backend stores KV as float16, not {kv_cache_dtype}")
+        if alibi_slopes is not None:
+            # FlashAttentionScore takes ALiBi as its pse input and PagedAttention as an
+            # alibi_mask; neither is wired here, nor checkable without an NPU.
+            raise ConfigError("model", "ALiBi attention (Baichuan2-13B) runs on the CPU backend "
+                              "only; the Ascend backend does not pass MindSpore's fused ops "
+                              "their ALiBi input")
         super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype)
         from mindspore.ops.operations.nn_ops import (FlashAttentionScore, PagedAttention,
                                                      ReshapeAndCache)

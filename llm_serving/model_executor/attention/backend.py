@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -46,8 +46,11 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", alibi_slopes: Optional[np.ndarray] = None):
+        """``alibi_slopes``: None, or float32 [num_heads], this rank's heads' ALiBi slopes
+        (``alibi.py``): every score then gets slope * (key position - query position)."""
         self.kv_cache_dtype = kv_cache_dtype
+        self.alibi_slopes = alibi_slopes
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

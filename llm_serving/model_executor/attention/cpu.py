@@ -4,7 +4,10 @@ work follows the real token and context counts. The KV cache lives in host memor
 this backend, one ``[num_blocks, block_size, KVH, D]`` array per layer for keys and values,
 float32, or with ``kv_cache_dtype`` float16 or bfloat16 (bits in uint16) half of it: the
 kernels write K/V rounded to nearest even and widen them on read (fp32 arithmetic). The swap
-pool uses the same storage, so block moves and KV transfers copy bytes as they are.
+pool uses the same storage, so block moves and KV transfers copy bytes as they are. ALiBi
+(Baichuan2-13B) is the kernels' too: given ``alibi_slopes``, each tile of scores gets its
+slope * (key position - query position) before the online softmax, in every kind of row, so
+chunked prefills, decodes and replayed CPU graphs need nothing else.
 """
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ from llm_serving.model_executor.host_memory import HUGE_PAGE, huge_page_buffer
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, kv_cache_dtype="auto"):
-        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype)
+    def __init__(self, num_heads, num_kv_heads, head_dim, kv_cache_dtype="auto",
+                 alibi_slopes=None):
+        if alibi_slopes is not None:        # the kernels read it by address at every call
+            alibi_slopes = np.ascontiguousarray(alibi_slopes, np.float32)
+        super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype, alibi_slopes)
         dtype = "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
         if dtype not in kernels.CACHE_DTYPES:
             raise ValueError(f"the CPU attention kernels store KV as "
@@ -63,7 +69,7 @@ class CPUAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         return kernels.attention_forward(q, k, v, k_cache, v_cache, md.slot_mapping,
                                          md.block_tables, md.query_start_loc, md.seq_lens,
-                                         self.scale)
+                                         self.scale, self.alibi_slopes)
 
 
 def host_zeros(shape, dtype) -> np.ndarray:

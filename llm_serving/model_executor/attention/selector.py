@@ -18,9 +18,10 @@ BACKENDS = {
 
 
 def get_attention_backend(device: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                          kv_cache_dtype: str = "auto") -> AttentionBackend:
+                          kv_cache_dtype: str = "auto", alibi_slopes=None) -> AttentionBackend:
     """The backend for ``device`` ("CPU" or "Ascend"), sized for one rank's heads, storing KV
-    as ``kv_cache_dtype`` (resolved by EngineArgs; "auto": the backend's own)."""
+    as ``kv_cache_dtype`` (resolved by EngineArgs; "auto": the backend's own), adding ALiBi
+    biases when given those heads' ``alibi_slopes``."""
     module, _, name = BACKENDS.get(device, BACKENDS["CPU"]).partition(":")
     return getattr(importlib.import_module(module), name)(num_heads, num_kv_heads, head_dim,
-                                                          kv_cache_dtype)
+                                                          kv_cache_dtype, alibi_slopes)

@@ -73,15 +73,17 @@ class LlamaAttention(nn.Cell):
         if self.qk_norm:
             self.q_norm = HeadRMSNorm(d, config.rms_norm_eps)
             self.k_norm = HeadRMSNorm(d, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling)
+        # ALiBi (Baichuan2-13B) instead of rotary: the attention backend adds its biases.
+        self.rotary_emb = None if config.alibi else RotaryEmbedding(
+            d, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         self.attn = Attention(backend, layer_idx)
 
     def construct(self, positions, hidden_states):
         q, k, v = self.qkv_proj(hidden_states)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -20,9 +20,13 @@ or ``MemoryError`` when the kernel cannot allocate its work buffers):
 
 * :func:`reshape_and_cache` (key, value, k_cache, v_cache, slot_mapping)
 * :func:`paged_attention` (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-  scale, out=None) -> out
+  scale, out=None, alibi_slopes=None) -> out
 * :func:`attention_fused` (query, key, value, k_cache, v_cache, slot_mapping, block_tables,
-  query_start_loc, seq_lens, scale, out=None) -> out: both in one call.
+  query_start_loc, seq_lens, scale, out=None, alibi_slopes=None) -> out: both in one call.
+
+``alibi_slopes``: None, or float32 ``[H]``, one slope per query head: each score then gets
+``slope * (key position - query position)`` added after the scale (ALiBi: Baichuan2-13B,
+BLOOM), in every kind of row (new prefills, continuing chunks, decodes).
 
 MindSpore bridge (measured with bench/bench_attention_kernel.py, 12-layer decode step, per call):
 
@@ -89,7 +93,7 @@ SOURCE_PATH = Path(__file__).with_name("cpu_paged_attention.cpp")
 # branches, so the portable path's softmax exps (exp_nonpos) would not vectorize; it changes
 # no computed value.
 ATTENTION_FLAGS: Tuple[str, ...] = ("-mprefer-vector-width=512", "-pthread", "-fno-trapping-math")
-ABI_VERSION = 2
+ABI_VERSION = 3
 # Cache storage per KV cache dtype name (engine argument kv_cache_dtype).
 # vLLM's names for FP8; "fp8" is E4M3, as in vLLM.
 CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16),
@@ -137,10 +141,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype, fn.argtypes = ctypes.c_int, [P, I, P, I, P, P, P, I, I, I, I]
         fn = getattr(lib, "lls_paged_attention" + sfx)
         fn.restype = ctypes.c_int
-        fn.argtypes = [P, I, P, P, P, I, P, P, I, I, I, I, I, I, I, F, P, I]
+        fn.argtypes = [P, I, P, P, P, I, P, P, I, I, I, I, I, I, I, F, P, I, P]
         fn = getattr(lib, "lls_attention_fused" + sfx)
         fn.restype = ctypes.c_int
-        fn.argtypes = [P, I, P, I, P, I, P, P, P, I, P, I, P, P, I, I, I, I, I, I, I, F, P, I]
+        fn.argtypes = [P, I, P, I, P, I, P, P, P, I, P, I, P, P, I, I, I, I, I, I, I, F, P, I,
+                       P]
 
 
 def load_library(extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
@@ -347,6 +352,19 @@ def _check_meta(block_tables, query_start_loc, seq_lens) -> int:
     return s
 
 
+def _alibi_ptr(alibi_slopes: Optional[np.ndarray], h: int) -> int:
+    """The slopes' address for the kernel (0: no ALiBi), checked: float32 [h], contiguous."""
+    if alibi_slopes is None:
+        return 0
+    if (not isinstance(alibi_slopes, np.ndarray) or alibi_slopes.dtype != _F32
+            or alibi_slopes.shape != (h,) or not alibi_slopes.flags.c_contiguous):
+        raise KernelArgumentError(
+            f"alibi_slopes must be a contiguous float32 array [{h}] (one per query head); got "
+            f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}, shape "
+            f"{getattr(alibi_slopes, 'shape', None)}")
+    return alibi_slopes.ctypes.data
+
+
 def _out_for(query: np.ndarray, t: int, h: int, d: int, out: Optional[np.ndarray]) -> Tuple[np.ndarray, int]:
     if out is None:
         out = np.empty(query.shape, dtype=np.float32)
@@ -361,7 +379,8 @@ def _out_for(query: np.ndarray, t: int, h: int, d: int, out: Optional[np.ndarray
 
 def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_tables: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                    scale: float, out: Optional[np.ndarray] = None) -> np.ndarray:
+                    scale: float, out: Optional[np.ndarray] = None,
+                    alibi_slopes: Optional[np.ndarray] = None) -> np.ndarray:
     """Causal attention of a ragged batch of query rows over the paged cache.
 
     query: [T, H, D] or [T, H*D] float32 (rows may be strided). Sequence s owns rows
@@ -372,9 +391,10 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     if h % kvh:
         raise KernelArgumentError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
     _, _, btp, mb, qslp, slp, s = _meta_info(None, block_tables, query_start_loc, seq_lens)
+    alibi = _alibi_ptr(alibi_slopes, h)
     out, os_ = _out_for(query, t, h, d, out)
     rc = _fn("lls_paged_attention", k_cache)(_ptr(query), qs, kc, vc, btp, mb, qslp, slp, s, t, h, kvh, d,
-                                    bs, nb, float(scale), _ptr(out), os_)
+                                    bs, nb, float(scale), _ptr(out), os_, alibi)
     if rc:
         _raise(rc, "paged_attention")
     return out
@@ -383,7 +403,8 @@ def paged_attention(query: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 def attention_fused(query: np.ndarray, key: np.ndarray, value: np.ndarray, k_cache: np.ndarray,
                     v_cache: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
                     query_start_loc: np.ndarray, seq_lens: np.ndarray, scale: float,
-                    out: Optional[np.ndarray] = None) -> np.ndarray:
+                    out: Optional[np.ndarray] = None,
+                    alibi_slopes: Optional[np.ndarray] = None) -> np.ndarray:
     """reshape_and_cache(key, value, ...) followed by paged_attention(query, ...), one call."""
     kc, vc, nb, bs, kvh, d = _cache_info(k_cache, v_cache)
     t, h, qs = _rows(query, "query", None, d)
@@ -396,10 +417,11 @@ def attention_fused(query: np.ndarray, key: np.ndarray, value: np.ndarray, k_cac
     if tv != tk or nsm != tk:
         raise KernelArgumentError(
             f"key, value and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
+    alibi = _alibi_ptr(alibi_slopes, h)
     out, os_ = _out_for(query, t, h, d, out)
     rc = _fn("lls_attention_fused", k_cache)(_ptr(query), qs, _ptr(key), ks, _ptr(value), vs, kc, vc, smp,
                                     tk, btp, mb, qslp, slp, s, t, h, kvh, d, bs, nb, float(scale),
-                                    _ptr(out), os_)
+                                    _ptr(out), os_, alibi)
     if rc:
         _raise(rc, "attention_fused")
     return out
@@ -451,7 +473,8 @@ def _ms_float32():
 
 def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
                       slot_mapping: np.ndarray, block_tables: np.ndarray,
-                      query_start_loc: np.ndarray, seq_lens: np.ndarray, scale: float):
+                      query_start_loc: np.ndarray, seq_lens: np.ndarray, scale: float,
+                      alibi_slopes: Optional[np.ndarray] = None):
     """One layer of attention for the MindSpore model: writes k/v into the cache, attends.
 
     q: Tensor [T, H*D]; k, v: Tensor [T, KVH*D] (float32, rows may be strided views).
@@ -479,10 +502,11 @@ def attention_forward(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray,
     if tk != tv or nsm != tk:
         raise KernelArgumentError(
             f"k, v and slot_mapping disagree on the number of tokens: {tk}, {tv}, {nsm}")
+    alibi = _alibi_ptr(alibi_slopes, h)
     out = cpu_graph.empty((t, h * d), np.float32)
     rc = cpu_graph.launch(_fn("lls_attention_fused", k_cache), qp, qs, kp, ks, vp, vs, kc, vc,
                           smp, tk, btp, mb, qslp, slp, s, t, h, kvh, d, bs, nb, float(scale),
-                          out.ctypes.data, h * d)
+                          out.ctypes.data, h * d, alibi)
     if rc:
         _raise(rc, "attention_forward")
     return _ms_tensor().from_numpy(out)

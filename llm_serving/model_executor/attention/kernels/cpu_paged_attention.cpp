@@ -19,6 +19,9 @@
 //   lls_reshape_and_cache_bf16, lls_paged_attention_bf16, lls_attention_fused_bf16: the same
 //                              contracts with bfloat16 caches; *_f16: with float16 caches;
 //                              *_f8e4m3 and *_f8e5m2: with FP8 caches
+// lls_paged_attention* and lls_attention_fused* take ALiBi slopes last (float [H], one per
+// query head, or null): a score then gets slope * (key position - query position) added after
+// the scale, as Baichuan2-13B's and BLOOM's attention do.
 // Every function returns 0 on success and a negative code on bad input, or -5 when the kernel
 // could not allocate its work buffers; lls_last_error() then describes the problem. Nothing is
 // written to the caches or the output when input validation fails. No C++ exception leaves an
@@ -332,6 +335,7 @@ struct AttnArgs {
   float* out;
   int64_t out_stride;
   float* seg_out;  // SegmentSplit: per segment record, per query head (max, sum, output[D])
+  const float* alibi;  // ALiBi slope per query head [H], or null
 };
 
 struct Item {
@@ -1029,6 +1033,16 @@ inline void pv16_pairs(float* LLS_RESTRICT o, float corr, const float* LLS_RESTR
 #define LLS_BF16_PAIRS 0
 #endif
 
+// ALiBi: scores s of the tile whose lane i is key position q_rel0 + i relative to the query's
+// own (<= 0 where it may attend) plus slope * that distance; exact integers in float, then
+// one fma, as the portable path's alibi_tile.
+inline __m512 add_alibi(__m512 s, float slope, int64_t q_rel0) {
+  const __m512 rel = _mm512_add_ps(_mm512_set1_ps((float)q_rel0),
+                                   _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                  14, 15));
+  return _mm512_fmadd_ps(_mm512_set1_ps(slope), rel, s);
+}
+
 // Online softmax step of one query head over a tile: scores s (lanes outside `valid` are
 // ignored) -> the tile's weights exp(s - max) into p[16], the running max m and sum l updated;
 // returns the factor the output accumulated so far must be scaled by.
@@ -1060,8 +1074,8 @@ inline float softmax_tile(__m512 s, __mmask16 valid, float& m, float& l, float* 
 // in sc.o (L1-sized: 16 x 16 floats of partial sums and D floats of output per query head).
 template <int NC, class C>
 void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t t_end,
-                  int64_t t_ahead, int64_t kv0, int64_t nkv, int64_t G, int nc, __mmask16 tail,
-                  int64_t D, int64_t DP, Scratch<C>& sc) {
+                  int64_t t_ahead, int64_t qpos, int64_t kv0, int64_t nkv, int64_t G, int nc,
+                  __mmask16 tail, int64_t D, int64_t DP, Scratch<C>& sc) {
   constexpr bool kPairs = LLS_BF16_PAIRS && std::is_same<C, bf16_t>::value;
   constexpr int NP = NC > 0 ? (NC + 1) / 2 : 0;
   const int np = (int)((D + 31) / 32);
@@ -1112,7 +1126,9 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t
     for (int64_t m = 0; m < M; ++m) {
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_load_ps(part + (m * kTile + i) * 16);
-      const float corr = softmax_tile(reduce16(acc), valid, sc.m[m], sc.l[m], pw + m * kTile);
+      __m512 s = reduce16(acc);
+      if (a.alibi) s = add_alibi(s, a.alibi[kv0 * G + m], t0 - qpos);  // query head kv0*G+m
+      const float corr = softmax_tile(s, valid, sc.m[m], sc.l[m], pw + m * kTile);
       const __m512 vc = _mm512_set1_ps(corr);
       for (int64_t c = 0; c < DP; c += 16)
         _mm512_store_ps(ob + m * DP + c, _mm512_mul_ps(_mm512_load_ps(ob + m * DP + c), vc));
@@ -1223,16 +1239,16 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
     sc.ensure_decode(M);
     if (it.seg >= 0) {
       const int64_t t_end = std::min(nctx, (it.seg + 1) * kSegment);
-      decode_tiles<NC, C>(a, bt, it.seg * kSegment, t_end, t_end, it.kv0, nkv, G, nc, tail, D,
-                          DP, sc);
+      decode_tiles<NC, C>(a, bt, it.seg * kSegment, t_end, t_end, pos0, it.kv0, nkv, G, nc,
+                          tail, D, DP, sc);
       for (int64_t m = 0; m < M; ++m)
         store_output<C>(segment_record(a, it, G, m, sc), ob + m * DP, _mm512_set1_ps(1.f), D,
                         np, nc, tail);
       return;
     }
     for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
-      decode_tiles<NC, C>(a, bt, t, std::min(nctx, t + kSegment), nctx, it.kv0, nkv, G, nc,
-                          tail, D, DP, sc);
+      decode_tiles<NC, C>(a, bt, t, std::min(nctx, t + kSegment), nctx, pos0, it.kv0, nkv, G,
+                          nc, tail, D, DP, sc);
       close_segments(sc, 0, M, DP);
     }
   } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
@@ -1256,6 +1272,7 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
           else
 #endif
             s = qk16<NC, C>(qb + m * DP, kp, off, nc, tail);
+          if (a.alibi) s = add_alibi(s, a.alibi[(it.kv0 + hh) * G + gh], t0 - (pos0 + r));
           const float corr = softmax_tile(s, valid, mrow[m], lrow[m], p);
 #if LLS_BF16_PAIRS
           if constexpr (kPairs)
@@ -1385,6 +1402,12 @@ inline float exp_nonpos(float x) {
   return p * scale * (float)(x >= -87.f);  // a select, vectorized (-fno-trapping-math)
 }
 
+// ALiBi: the n scores s of a tile whose key j is q_rel0 + j positions from the query plus
+// slope * that distance (the AVX-512 path's add_alibi: the same fma, the same bits).
+inline void alibi_tile(float* LLS_RESTRICT s, int n, float slope, int64_t q_rel0) {
+  for (int j = 0; j < n; ++j) s[j] = std::fma(slope, (float)(q_rel0 + j), s[j]);
+}
+
 // Online softmax step of one query row over a tile's n scores s: the weights exp(s - max) in
 // place, the running max m and sum l updated, the output row o [D] rescaled.
 inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
@@ -1411,7 +1434,8 @@ inline void softmax_tile(float* LLS_RESTRICT s, int n, float& m, float& l,
 // 3.2-3.3 ms bfloat16, B=16 1.6-1.7 -> 0.94 ms and 2.1 -> 0.74 ms (bench_attention_kernel.py).
 template <int DC, class C>
 void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t t_end,
-                  int64_t t_ahead, int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
+                  int64_t t_ahead, int64_t qpos, int64_t kv0, int64_t nkv, int64_t G,
+                  Scratch<C>& sc) {
   const int64_t D = DC ? DC : a.D, M = G * nkv;
   float* LLS_RESTRICT s = sc.p;
   const C** kp = sc.kp;
@@ -1428,8 +1452,10 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t
         if (++g == G) { g = 0; off += D; }
       }
     }
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M; ++m) {
+      if (a.alibi) alibi_tile(s + m * kTile, n, a.alibi[kv0 * G + m], t0 - qpos);
       softmax_tile(s + m * kTile, n, sc.m[m], sc.l[m], sc.o + m * D, D);
+    }
     for (int j = 0; j < n; ++j) {
       next.prefetch_v(j);
       for (int64_t m = 0, g = 0, off = 0; m < M; ++m) {
@@ -1467,6 +1493,7 @@ void prefill_tiles(const AttnArgs& a, const int32_t* bt, int64_t pos0, int64_t n
           const int64_t m = (hh * nrows + r) * G + gh;
           const float* LLS_RESTRICT q = qb + m * D;
           for (int j = 0; j < nvalid; ++j) s[j] = dot_lanes(q, kp[j] + off, D);
+          if (a.alibi) alibi_tile(s, nvalid, a.alibi[(kv0 + hh) * G + gh], t0 - (pos0 + r));
           float* LLS_RESTRICT o = ob + m * D;
           softmax_tile(s, nvalid, mrow[m], lrow[m], o, D);
           for (int j = 0; j < nvalid; ++j) axpy(o, s[j], vp[j] + off, D);
@@ -1510,13 +1537,14 @@ void item_rows(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
     sc.ensure_decode(M);
     if (it.seg >= 0) {
       const int64_t t_end = std::min(nctx, (it.seg + 1) * kSegment);
-      decode_tiles<DC, C>(a, bt, it.seg * kSegment, t_end, t_end, it.kv0, nkv, G, sc);
+      decode_tiles<DC, C>(a, bt, it.seg * kSegment, t_end, t_end, pos0, it.kv0, nkv, G, sc);
       for (int64_t m = 0; m < M; ++m)
         std::copy(sc.o + m * D, sc.o + (m + 1) * D, segment_record(a, it, G, m, sc));
       return;
     }
     for (int64_t t = 0; t < nctx; t += kSegment) {  // as many as num_segments(nctx)
-      decode_tiles<DC, C>(a, bt, t, std::min(nctx, t + kSegment), nctx, it.kv0, nkv, G, sc);
+      decode_tiles<DC, C>(a, bt, t, std::min(nctx, t + kSegment), nctx, pos0, it.kv0, nkv, G,
+                          sc);
       close_segments(sc, 0, M, D);
     }
   } else {
@@ -1720,7 +1748,7 @@ int run_attention_or_error(const AttnArgs& a) {
 // =============================================================================================
 extern "C" {
 
-int lls_abi_version() { return 2; }
+int lls_abi_version() { return 3; }
 
 int lls_has_avx512() { return LLS_AVX512; }
 
@@ -1763,9 +1791,10 @@ int paged_attention_impl(const float* q, int64_t q_stride, const C* k_cache, con
                          const int32_t* block_tables, int64_t max_blocks,
                          const int32_t* query_start_loc, const int32_t* seq_lens, int64_t S,
                          int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                         int64_t num_blocks, float scale, float* out, int64_t out_stride) {
+                         int64_t num_blocks, float scale, float* out, int64_t out_stride,
+                         const float* alibi) {
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
-             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr};
+             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr, alibi};
   if (int rc = validate_attention(a)) return rc;
   return run_attention_or_error<C>(a);
 }
@@ -1777,9 +1806,9 @@ int attention_fused_impl(const float* q, int64_t q_stride, const float* key, int
                          int64_t max_blocks, const int32_t* query_start_loc,
                          const int32_t* seq_lens, int64_t S, int64_t T, int64_t H, int64_t KVH,
                          int64_t D, int64_t block_size, int64_t num_blocks, float scale,
-                         float* out, int64_t out_stride) {
+                         float* out, int64_t out_stride, const float* alibi) {
   AttnArgs a{q, q_stride, k_cache, v_cache, block_tables, max_blocks, query_start_loc, seq_lens,
-             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr};
+             S, T, H, KVH, D, block_size, num_blocks, scale, out, out_stride, nullptr, alibi};
   if (int rc = validate_attention(a)) return rc;
   if (int rc = validate_slots(slot_mapping, T_kv, num_blocks * block_size)) return rc;
   do_reshape_and_cache<C>(key, key_stride, value, value_stride, k_cache, v_cache, slot_mapping,
@@ -1805,10 +1834,10 @@ extern "C" {
                                   const int32_t* seq_lens, int64_t S, int64_t T, int64_t H,   \
                                   int64_t KVH, int64_t D, int64_t block_size,                 \
                                   int64_t num_blocks, float scale, float* out,                \
-                                  int64_t out_stride) {                                       \
+                                  int64_t out_stride, const float* alibi) {                   \
     return paged_attention_impl<C>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,   \
                                    query_start_loc, seq_lens, S, T, H, KVH, D, block_size,    \
-                                   num_blocks, scale, out, out_stride);                       \
+                                   num_blocks, scale, out, out_stride, alibi);                \
   }                                                                                           \
   int lls_attention_fused##SUFFIX(                                                            \
       const float* q, int64_t q_stride, const float* key, int64_t key_stride,                 \
@@ -1816,11 +1845,11 @@ extern "C" {
       const int32_t* slot_mapping, int64_t T_kv, const int32_t* block_tables,                 \
       int64_t max_blocks, const int32_t* query_start_loc, const int32_t* seq_lens, int64_t S, \
       int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,   \
-      float scale, float* out, int64_t out_stride) {                                          \
+      float scale, float* out, int64_t out_stride, const float* alibi) {                      \
     return attention_fused_impl<C>(q, q_stride, key, key_stride, value, value_stride,         \
                                    k_cache, v_cache, slot_mapping, T_kv, block_tables,        \
                                    max_blocks, query_start_loc, seq_lens, S, T, H, KVH, D,    \
-                                   block_size, num_blocks, scale, out, out_stride);           \
+                                   block_size, num_blocks, scale, out, out_stride, alibi);    \
   }
 
 LLS_CACHE_ENTRY_POINTS(, float)
@@ -1880,7 +1909,7 @@ int lls_aot_attention(int nparam, void** params, int* ndims, int64_t** shapes, c
       static_cast<float*>(params[4]), static_cast<const int32_t*>(params[5]), Tkv,
       static_cast<const int32_t*>(params[6]), shapes[6][1], static_cast<const int32_t*>(params[7]),
       static_cast<const int32_t*>(params[8]), S, T, H, KVH, D, BS, NB, scale,
-      static_cast<float*>(params[10]), H * D);
+      static_cast<float*>(params[10]), H * D, nullptr);
 }
 
 // inputs: q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale; output: out
@@ -1899,7 +1928,8 @@ int lls_aot_paged_attention(int nparam, void** params, int* ndims, int64_t** sha
       static_cast<const float*>(params[0]), H * D, static_cast<const float*>(params[1]),
       static_cast<const float*>(params[2]), static_cast<const int32_t*>(params[3]), shapes[3][1],
       static_cast<const int32_t*>(params[4]), static_cast<const int32_t*>(params[5]), S, T, H, KVH,
-      D, BS, NB, *static_cast<const float*>(params[6]), static_cast<float*>(params[7]), H * D);
+      D, BS, NB, *static_cast<const float*>(params[6]), static_cast<float*>(params[7]), H * D,
+      nullptr);
 }
 
 }  // extern "C"
