@@ -158,3 +158,36 @@ def test_server_answers_llm_serving_generate(tmp_path, baichuan2_dir, baichuan2_
     offline = baichuan2_llm.generate("Give three tips", SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     assert r.json()["generated_text"] == offline.text and offline.text
+
+
+def test_served_as_baichuan2pa_the_inputs_get_llm_servings_prompt_format(
+        tmp_path, baichuan2_dir, baichuan2_llm):
+    """llm-serving's baichuan2_13b_pa.yaml serves the model as 'baichuan2pa', and its
+    send_request puts the inputs in '<reserved_106>{}<reserved_107>' (Baichuan2's user and
+    assistant markers): its routes answer for that prompt here too, whole and streamed; the
+    OpenAI route takes the prompt as sent."""
+    import requests
+
+    from test_http_server import free_port, start_server, stop_server
+    proc, url, _ = start_server(tmp_path, baichuan2_dir, agent_ports=(free_port(),),
+                                model_name="baichuan2pa")
+    question = "Give three tips {for} health"
+    try:
+        body = {"inputs": question, "parameters": {"max_new_tokens": 12, "ignore_eos": True}}
+        whole = requests.post(url + "/models/llama2/generate", json=body, timeout=120)
+        streamed = requests.post(url + "/models/baichuan2pa/generate_stream", json=body,
+                                 timeout=120)
+        completion = requests.post(url + "/v1/completions", json={
+            "model": "baichuan2pa", "prompt": question, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}, timeout=120)
+    finally:
+        assert stop_server(proc) == 0
+    assert whole.status_code == streamed.status_code == completion.status_code == 200
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    wrapped, plain = (o.outputs[0].text for o in baichuan2_llm.generate(
+        [f"<reserved_106>{question}<reserved_107>", question], params))
+    assert wrapped != plain
+    assert whole.json()["generated_text"] == wrapped
+    last = json.loads(streamed.text.splitlines()[-1])["data"][0]
+    assert last["generated_text"] == wrapped
+    assert completion.json()["choices"][0]["text"] == plain

@@ -68,11 +68,12 @@ def free_port() -> int:
 
 
 def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
-                 preexec_fn=None, env=None):
+                 preexec_fn=None, env=None, model_name="tiny"):
     port = free_port()
     cfg = tmp_path / f"server-{port}.yaml"
     ports = ", ".join(map(str, agent_ports))
-    cfg.write_text(f"model_config:\n  model_name: tiny\n  end_token: 2\n  vocab_size: 1024\n"
+    cfg.write_text(f"model_config:\n  model_name: {model_name}\n  end_token: 2\n"
+                   f"  vocab_size: 1024\n"
                    f"serving_config:\n  agent_ports: [{ports}]\n  server_port: {port}\n"
                    f"llm_serving:\n  model: {model_dir}\n  num_blocks: 512\n"
                    f"  max_num_seqs: 64\n  max_model_len: 1024\n{section}")

@@ -16,8 +16,10 @@ names, whatever model it served) are always accepted. Unlike llm-serving, the
 seed, stop strings, repetition penalty and per-request temperature are honoured, the last
 token's text is never lost, and a field the routes do not know is refused with a 400 naming
 it (llm-serving dropped it silently). A null field takes its default, as in llm-serving. As
-in llm-serving, max_model_len (its max_generate_length) caps prompt + output: a request for
-more new tokens than the prompt leaves ends at the cap with "length".
+in llm-serving, a model served as ``baichuan2pa`` or ``internlm_7b`` gets its inputs in that
+model's prompt format (``llm_serving_prompts.py``), and max_model_len (its
+max_generate_length) caps prompt + output: a request for more new tokens than the prompt
+leaves ends at the cap with "length".
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llm_serving.entrypoints import remote_prefill, unread_offers
+from llm_serving.entrypoints.llm_serving_prompts import llm_serving_prompt
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
                                                 log_arrival, new_request_id, output_error,
@@ -155,8 +158,9 @@ async def _start(request: Request, model: str, req: GenerateRequest):
         rid = new_request_id("gen")
         # max_new_tokens beyond what the prompt leaves is lowered: llm-serving stopped at
         # max_generate_length, its cap on prompt + output ("length")
-        log_arrival(state, rid, [req.inputs], params)
-        new = await engine.check_request(rid, req.inputs, params)
+        prompt = llm_serving_prompt(state.served_model_name, req.inputs)
+        log_arrival(state, rid, [prompt], params)
+        new = await engine.check_request(rid, prompt, params)
     except Exception as e:
         raise _own_names(translate_error(e)) from None
     # first D, then P: ask P now that every check here has passed
