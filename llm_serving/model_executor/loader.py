@@ -18,6 +18,7 @@ import numpy as np
 from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.baichuan_config import (baichuan_hf_dict, check_baichuan,
                                                         uses_alibi)
+from llm_serving.model_executor.torch_bin import read_torch_bin
 
 __all__ = [
     "ModelConfig",
@@ -730,8 +731,9 @@ def find_weight_files(model_dir: str, checkpoint: Optional[str] = None) -> List[
             return find_weight_files(str(c))
         if not c.is_file():
             raise ModelLoadError(f"checkpoint {str(c)!r} does not exist (expected a .ckpt or .safetensors file)")
-        if c.suffix not in (".ckpt", ".safetensors"):
-            raise ModelLoadError(f"checkpoint {str(c)!r}: unsupported file type (expected .ckpt or .safetensors)")
+        if c.suffix not in (".ckpt", ".safetensors", ".bin"):
+            raise ModelLoadError(f"checkpoint {str(c)!r}: unsupported file type (expected .ckpt, "
+                                 ".safetensors or a PyTorch .bin)")
         return [c]
     if not d.is_dir():
         raise ModelLoadError(f"model directory {str(d)!r} does not exist (expected a directory with "
@@ -754,6 +756,9 @@ def find_weight_files(model_dir: str, checkpoint: Optional[str] = None) -> List[
     shards = sorted(d.glob("*.safetensors"))
     if shards:
         return shards
+    bins = _torch_bin_files(d)
+    if bins:
+        return bins
     ckpts = sorted(d.glob("*.ckpt"))
     if len(ckpts) == 1:
         return ckpts
@@ -761,18 +766,40 @@ def find_weight_files(model_dir: str, checkpoint: Optional[str] = None) -> List[
         raise ModelLoadError(f"{len(ckpts)} .ckpt files in {str(d)!r} ({', '.join(p.name for p in ckpts)}): "
                              "name the one to load with checkpoint=")
     raise ModelLoadError(f"no weights in {str(d)!r}: expected model.safetensors, sharded "
-                         "model-*.safetensors with model.safetensors.index.json, or a MindSpore .ckpt")
+                         "model-*.safetensors with model.safetensors.index.json, PyTorch "
+                         "pytorch_model*.bin, or a MindSpore .ckpt")
+
+
+def _torch_bin_files(d: Path) -> List[Path]:
+    """PyTorch checkpoints (Baichuan2 ships only these): the shards named by
+    pytorch_model.bin.index.json, else pytorch_model*.bin."""
+    index = d / "pytorch_model.bin.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: cannot read the shard index ({e})") from e
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shard {missing[0]!r}, which is missing from "
+                                 f"{str(d)!r}")
+        return files
+    return sorted(d.glob("pytorch_model*.bin"))
 
 
 def iter_weights(model_dir: str, checkpoint: Optional[str] = None) -> Iterator[Tuple[str, np.ndarray]]:
     """Yield (HF parameter name, numpy array) for every weight of the model.
 
     Safetensors arrays keep their dtype (read-only memory maps), except bf16 which becomes float32;
-    ``.ckpt`` parameters with mindformers names are renamed to HF names, and bf16 becomes float32.
+    ``.ckpt`` parameters with mindformers names are renamed to HF names, and bf16 becomes float32;
+    PyTorch ``.bin`` tensors are read as safetensors ones are (``torch_bin.py``).
     """
     for path in find_weight_files(model_dir, checkpoint):
         if path.suffix == ".ckpt":
             yield from _iter_ckpt(path)
+        elif path.suffix == ".bin":
+            yield from read_torch_bin(path)
         else:
             yield from read_safetensors(path)
 

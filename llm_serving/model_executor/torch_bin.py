@@ -1,0 +1,132 @@
+"""PyTorch ``pytorch_model*.bin`` checkpoints (torch.save's zip format), read without torch.
+
+Baichuan2's published checkpoints, like many of its time, are ``.bin`` files only. The file is
+a zip (stored, not compressed) holding ``<name>/data.pkl``, a pickle of the state dict whose
+tensors refer to storages ``<name>/data/<key>`` by persistent id. Here the pickle is read by
+an unpickler that knows only the few globals a state dict needs (anything else is refused,
+so no code in the file runs), and every tensor is a view of the file's memory map (bf16
+widened to a new float32 array), as safetensors files are read.
+"""
+from __future__ import annotations
+
+import collections
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+from typing import Iterator, Tuple
+
+import numpy as np
+
+from llm_serving.errors import ModelLoadError
+
+_STORAGE_DTYPES = {
+    "FloatStorage": np.dtype("<f4"), "HalfStorage": np.dtype("<f2"),
+    "BFloat16Storage": np.dtype("<u2"), "DoubleStorage": np.dtype("<f8"),
+    "LongStorage": np.dtype("<i8"), "IntStorage": np.dtype("<i4"),
+    "ShortStorage": np.dtype("<i2"), "CharStorage": np.dtype("i1"),
+    "ByteStorage": np.dtype("u1"), "BoolStorage": np.dtype("?"),
+}
+
+
+class _Storage:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+
+class _Tensor:
+    """A tensor as the pickle describes it: (storage key, dtype name, offset, size, stride)."""
+
+    def __init__(self, storage, offset, size, stride, *_):
+        self.storage, self.offset = storage, int(offset)
+        self.size, self.stride = tuple(size), tuple(stride)
+
+
+def _rebuild_parameter(data, *_):
+    return data
+
+
+_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _Tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    **{("torch", name): (lambda name=name: _Storage(name)) for name in _STORAGE_DTYPES},
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise ModelLoadError(f"{self.path}: the pickle names {module}.{name}, which is not "
+                                 "part of a plain state dict of tensors; refused")
+        if name in _STORAGE_DTYPES:
+            return found()
+        return found
+
+    def persistent_load(self, pid):
+        # ('storage', storage type, key, location, numel)
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"
+                and isinstance(pid[1], _Storage)):
+            raise ModelLoadError(f"{self.path}: unexpected persistent id {pid!r}")
+        return (str(pid[2]), pid[1].kind)
+
+
+def _member_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where a stored (uncompressed) member's bytes start in the file."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ModelLoadError(f"{path}: {info.filename} is compressed; torch.save stores them")
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        head = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def read_torch_bin(path) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yield (name, array) for every tensor of a torch.save'd state dict (zip format)."""
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        raise ModelLoadError(f"{path}: not a torch zip checkpoint (torch.save before 1.6 wrote "
+                             "another format: re-save it, or convert it to safetensors)")
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            raise ModelLoadError(f"{path}: no data.pkl in the checkpoint")
+        prefix = pkl[: -len("data.pkl")]
+        unpickler = _Unpickler(z.open(pkl))
+        unpickler.path = path
+        try:
+            state = unpickler.load()
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read the state dict ({e})") from e
+        if isinstance(state, dict) and "state_dict" in state and len(state) == 1:
+            state = state["state_dict"]
+        if not isinstance(state, dict):
+            raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
+        infos = {n: z.getinfo(n) for n in names}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, t in state.items():
+        if not isinstance(t, _Tensor):
+            continue                        # (a non-tensor entry, e.g. a version number)
+        key, kind = t.storage
+        dt = _STORAGE_DTYPES[kind]
+        member = infos.get(f"{prefix}data/{key}")
+        if member is None:
+            raise ModelLoadError(f"{path}: tensor {name!r} refers to a missing storage {key}")
+        start = _member_offset(path, member)
+        storage = np.frombuffer(data, dtype=dt, count=member.file_size // dt.itemsize,
+                                offset=start)
+        count = int(np.prod(t.size, dtype=np.int64)) if t.size else 1
+        last = t.offset + sum((s - 1) * st for s, st in zip(t.size, t.stride)) if count else 0
+        if t.offset < 0 or (count and last >= len(storage)):
+            raise ModelLoadError(f"{path}: tensor {name!r} lies outside its storage")
+        arr = np.lib.stride_tricks.as_strided(
+            storage[t.offset:], shape=t.size, strides=[s * dt.itemsize for s in t.stride],
+            writeable=False)
+        if kind == "BFloat16Storage":
+            arr = (np.ascontiguousarray(arr).astype(np.uint32) << 16).view(np.float32)
+        yield name, arr
