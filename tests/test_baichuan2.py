@@ -35,8 +35,9 @@ def baichuan2_dir(tmp_path_factory):
                            **PRESETS["tiny-baichuan2"])
 
 
-def as_llama_checkpoint(src: str, dst: Path) -> str:
-    """Baichuan2-7B's checkpoint as an HF LlamaForCausalLM one."""
+def as_llama_checkpoint(src: str, dst: Path, normalize_head: bool = True) -> str:
+    """Baichuan2-7B's checkpoint as an HF LlamaForCausalLM one (the first Baichuan's, whose
+    head is plain, with ``normalize_head`` False)."""
     cfg = json.loads((Path(src) / "config.json").read_text())
     weights = safetensors_torch.load_file(str(Path(src) / "model.safetensors"))
     out = {}
@@ -44,7 +45,7 @@ def as_llama_checkpoint(src: str, dst: Path) -> str:
         if name.endswith("self_attn.W_pack.weight"):
             for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.chunk(3, dim=0)):
                 out[name.replace("W_pack", part)] = rows.contiguous()
-        elif name == "lm_head.weight":
+        elif name == "lm_head.weight" and normalize_head:
             out[name] = torch.nn.functional.normalize(w.float(), dim=-1)
         else:
             out[name] = w
@@ -191,3 +192,35 @@ def test_served_as_baichuan2pa_the_inputs_get_llm_servings_prompt_format(
     last = json.loads(streamed.text.splitlines()[-1])["data"][0]
     assert last["generated_text"] == wrapped
     assert completion.json()["choices"][0]["text"] == plain
+
+
+def test_the_first_baichuan_has_a_plain_head(baichuan2_dir, tmp_path):
+    """Baichuan-13B and Baichuan-7B (BaiChuanForCausalLM), vocabulary 64000, have a plain
+    lm_head, which vLLM does not normalize (it tells Baichuan2 by its 125696 tokens): the same
+    weights with the vocabulary padded to 64000 give HF's Llama logits with the head as it is,
+    under either class name."""
+    src = Path(baichuan2_dir)
+    d = tmp_path / "baichuan1"
+    shutil.copytree(src, d)
+    weights = safetensors_torch.load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name]
+        pad = torch.randn(64000 - w.shape[0], w.shape[1], generator=g) * w.std()
+        weights[name] = torch.cat([w, pad]).contiguous()
+    safetensors_torch.save_file(weights, str(d / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    prompts = _prompts(VOCAB)[1:4]
+    for arch in ("BaichuanForCausalLM", "BaiChuanForCausalLM"):
+        (d / "config.json").write_text(json.dumps(dict(cfg, vocab_size=64000,
+                                                       architectures=[arch])))
+        c = ModelConfig.from_pretrained(str(d))
+        assert not c.norm_head and not c.alibi and c.architecture == arch
+        ours = _prefill_logits(LLM(str(d), num_blocks=64), prompts)
+        ref_dir = as_llama_checkpoint(str(d), tmp_path / f"ref-{arch}", normalize_head=False)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            ref_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for o, p in zip(ours, prompts):
+                ref = model(torch.tensor([p])).logits[0].numpy()
+                np.testing.assert_allclose(o, ref, atol=5e-3, rtol=0)

@@ -17,7 +17,7 @@ import numpy as np
 
 from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.baichuan_config import (baichuan_hf_dict, check_baichuan,
-                                                        uses_alibi)
+                                                        has_norm_head, uses_alibi)
 from llm_serving.model_executor.torch_bin import read_torch_bin
 
 __all__ = [
@@ -33,7 +33,8 @@ __all__ = [
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM",
-                           "InternLM2ForCausalLM", "GPTBigCodeForCausalLM", "BaichuanForCausalLM")
+                           "InternLM2ForCausalLM", "GPTBigCodeForCausalLM", "BaichuanForCausalLM",
+                           "BaiChuanForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM",
@@ -43,16 +44,19 @@ _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 32768,
                           "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
                           "Qwen3MoeForCausalLM": 32768, "InternLMForCausalLM": 2048,
                           "InternLM2ForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
-                          "BaichuanForCausalLM": 4096}
+                          "BaichuanForCausalLM": 4096, "BaiChuanForCausalLM": 4096}
 GPT_BIGCODE = "GPTBigCodeForCausalLM"
 # transformers' activation_function names GPTBigCode may use -> GELU's approximation
 _GELU_APPROXIMATION = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
                        "gelu_fast": "tanh"}
+# Baichuan2 and Baichuan-13B, and the first Baichuan-7B (its class name spelled differently)
+_BAICHUAN = ("BaichuanForCausalLM", "BaiChuanForCausalLM")
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # InternLM's configs say "bias" (true by default in InternLMConfig and InternLM2Config) for the
 # q/k/v and o projections' biases.
 _INTERNLM = ("InternLMForCausalLM", "InternLM2ForCausalLM")
 _MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPE_TO_ARCH.items()}
+_MODEL_TYPES["BaiChuanForCausalLM"] = "baichuan"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ class ModelConfig:
                      norm_topk_prob=self.norm_topk_prob,
                      decoder_sparse_step=self.decoder_sparse_step,
                      mlp_only_layers=list(self.mlp_only_layers))
-        if self.architecture == "BaichuanForCausalLM":
+        if self.architecture in _BAICHUAN:
             d = baichuan_hf_dict(d, self.alibi)
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
@@ -279,7 +283,7 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
 
         max_pos = cfg.get("max_position_embeddings")
-        if arch == "BaichuanForCausalLM":
+        if arch in _BAICHUAN:
             check_baichuan(cfg, err)
             if max_pos is None:             # Baichuan2-13B names only its model_max_length
                 max_pos = cfg.get("model_max_length")
@@ -361,8 +365,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=arch in _QWEN3,
-            norm_head=arch == "BaichuanForCausalLM",
-            alibi=arch == "BaichuanForCausalLM" and uses_alibi(cfg, hidden),
+            norm_head=arch in _BAICHUAN and has_norm_head(vocab),
+            alibi=arch in _BAICHUAN and uses_alibi(cfg, hidden),
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -41,7 +41,7 @@ def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1
         from llm_serving.model_executor.models.gpt_bigcode import GPTBigCodeForCausalLM as cls
     elif config.architecture == "InternLM2ForCausalLM":
         from llm_serving.model_executor.models.internlm2 import InternLM2ForCausalLM as cls
-    elif config.architecture == "BaichuanForCausalLM":
+    elif config.architecture in ("BaichuanForCausalLM", "BaiChuanForCausalLM"):
         from llm_serving.model_executor.models.baichuan import BaichuanForCausalLM as cls
     else:
         from llm_serving.model_executor.models.llama import LlamaForCausalLM as cls

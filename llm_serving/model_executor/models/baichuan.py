@@ -1,10 +1,11 @@
-"""Baichuan2 (BaichuanForCausalLM): the Llama layers, with the checkpoint's two differences
-taken at load time.
+"""Baichuan2 and the first Baichuan (BaichuanForCausalLM, BaiChuanForCausalLM): the Llama
+layers, with the checkpoint's two differences taken at load time.
 
 - ``self_attn.W_pack`` holds q, k and v stacked by rows ([q; k; v], as many heads each), the
   Llama attention's qkv_proj parts in that order;
-- ``lm_head`` is a NormHead: Baichuan2's remote code L2-normalizes its rows before the matmul
-  (at the first forward pass, in eval mode), so the rows are normalized here once, as loaded.
+- Baichuan2's ``lm_head`` is a NormHead (``config.norm_head``): its remote code L2-normalizes
+  the rows before the matmul (at the first forward pass, in eval mode), so the rows are
+  normalized here once, as loaded; the first Baichuan's is a plain one.
 
 Baichuan2-13B's ALiBi positions are the attention backend's (``config.alibi``), not this file's.
 """
@@ -40,7 +41,7 @@ class BaichuanForCausalLM(LlamaForCausalLM):
                                      f"of {q} rows each")
                 for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
                     yield (name.replace("W_pack", part), loaded[i * q:(i + 1) * q])
-            elif name == "lm_head.weight":
+            elif name == "lm_head.weight" and self.config.norm_head:
                 yield name, normalize_rows(loaded)
             else:
                 yield name, loaded
