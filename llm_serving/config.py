@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional, Union
 
+from llm_serving.device_target import auto_device_target
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
 from llm_serving.executor.shm_channel import check_result_channel
@@ -391,8 +392,13 @@ class EngineArgs:
             return True
         if device != "auto":
             return False
-        import mindspore as ms
-        return ms.get_context("device_target") == "CPU"
+        return auto_device_target() == "CPU"
+
+    def _resolved_device(self) -> str:
+        """The configured device, "auto" decided here (as MindSpore would), so that the
+        master and every WorkAgent run with the same one."""
+        device = str(self.device).lower()
+        return auto_device_target().lower() if device == "auto" else device
 
     def _kv_cache_dtype(self, on_cpu: bool) -> str:
         """The KV cache storage dtype this configuration runs with."""
@@ -477,7 +483,7 @@ class EngineArgs:
                 cpu_affinity=(tuple(tuple(c) for c in self.cpu_affinity)
                               if self.cpu_affinity else None),
                 cpu_allreduce=self.cpu_allreduce),
-            device=DeviceConfig(device=str(self.device).lower(),
+            device=DeviceConfig(device=self._resolved_device(),
                                 start_device_id=self.start_device_id),
             execution=ExecutionConfig(enforce_eager=self.enforce_eager,
                                       max_capture_batch=self.max_capture_batch,

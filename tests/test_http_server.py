@@ -122,6 +122,20 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="none")
 
 
+def _maps_mindspore(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libmindspore" in f.read()
+
+
+def test_the_master_does_not_load_mindspore(server):
+    """The master holds HTTP, the tokenizer and the scheduler; only the WorkAgent runs
+    MindSpore (its import costs seconds of start-up and hundreds of MiB)."""
+    pid = SERVERS[server].pid
+    assert not _maps_mindspore(pid)
+    agents = agent_pids(pid)
+    assert agents and all(_maps_mindspore(agent) for agent in agents)
+
+
 def greedy(tiny_llm, prompt, n):
     return tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n))[0].outputs[0]
 

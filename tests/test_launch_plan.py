@@ -116,3 +116,40 @@ def test_vllm_flags_without_effect_are_taken_with_a_warning(tiny_model_dir):
     res = subprocess.run(base + ["--gpu-memory-utilisation", "0.9"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--gpu-memory-utilisation" in res.stderr, res.stderr
+
+
+_AUTO = """
+import sys
+from llm_serving.config import EngineArgs
+from llm_serving.executor.launch_plan import plan_launch
+config = EngineArgs(model=sys.argv[1], device="auto", num_blocks=64).create_engine_config()
+print(config.device.device, plan_launch(config, "python").device, "mindspore" in sys.modules)
+"""
+
+
+def _decide_auto(model_dir, ld_library_path=None):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    if ld_library_path:
+        env["LD_LIBRARY_PATH"] = str(ld_library_path)
+    res = subprocess.run([sys.executable, "-c", _AUTO, str(model_dir)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.split()
+
+
+def test_auto_device_is_decided_without_importing_mindspore(tiny_model_dir, tmp_path):
+    """The serving master resolves --device auto (the KV dtype and pool, the launch plan)
+    without MindSpore's import: here, with no CANN libraries, CPU, and the agents are told
+    "cpu"; with CANN's runtime and driver libraries on the library path (set_env.sh), Ascend,
+    when the installed MindSpore has its Ascend plugin."""
+    assert _decide_auto(tiny_model_dir) == ["cpu", "CPU", "False"]
+    from llm_serving.device_target import CANN_LIBRARIES, has_ascend_plugin
+    if not has_ascend_plugin():
+        pytest.skip("this MindSpore has no Ascend plugin")
+    cann = tmp_path / "cann"
+    cann.mkdir()
+    for name in CANN_LIBRARIES[:-1]:
+        (cann / name).write_bytes(b"")
+    assert _decide_auto(tiny_model_dir, cann) == ["cpu", "CPU", "False"]   # no driver
+    (cann / CANN_LIBRARIES[-1]).write_bytes(b"")
+    assert _decide_auto(tiny_model_dir, cann) == ["ascend", "Ascend", "False"]

@@ -7,10 +7,11 @@ is more than one rank. ``multiproc_executor.py`` starts exactly this plan, and
 ``start.py --dry-run`` prints it without starting anything (``describe()``), so the device
 path can be checked on a machine without the device.
 
-Nothing here imports MindSpore or touches a device: "auto" is resolved by the caller
-(``device_target``), and the values only known at launch time (the control connection's file
-descriptor, the shared-memory segments' names, the scheduler's port) are placeholders that
-``ProcessPlan.command()`` fills in.
+Nothing here imports MindSpore or touches a device: "auto" is what MindSpore would select
+(``llm_serving/device_target.py``) unless the caller says (``device_target``), and the values
+only known at launch time (the control connection's file descriptor, the shared-memory
+segments' names, the scheduler's port) are placeholders that ``ProcessPlan.command()`` fills
+in.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from llm_serving.config import EngineConfig
+from llm_serving.device_target import auto_device_target
 
 # Placeholders in ProcessPlan.argv, filled in by command() at launch.
 CONTROL_FD = "<control-fd>"
@@ -84,13 +86,11 @@ class LaunchPlan:
 
 
 def resolve_device(device: str, device_target: Optional[str] = None) -> str:
-    """"CPU" or "Ascend" for a configured device; "auto" is ``device_target`` (what the
-    installed MindSpore was built for, as ``init_device`` decides)."""
+    """"CPU" or "Ascend" for a configured device; "auto" is ``device_target``, by default
+    what MindSpore would select on this machine (``llm_serving/device_target.py``)."""
     d = device.lower()
     if d == "auto":
-        if device_target is None:
-            raise ValueError("device 'auto' needs the MindSpore build's device_target")
-        return device_target
+        return device_target or auto_device_target()
     return DEVICE_NAMES[d]
 
 
@@ -125,8 +125,4 @@ def plan_launch(config: EngineConfig, python: str, device_target: Optional[str] 
 def print_plan(config: EngineConfig) -> None:
     """``start.py --dry-run``: print the plan for this machine's Python and exit."""
     import sys
-    target = None
-    if config.device.device.lower() == "auto":
-        import mindspore as ms
-        target = ms.get_context("device_target")
-    print(plan_launch(config, sys.executable, target).describe())
+    print(plan_launch(config, sys.executable).describe())

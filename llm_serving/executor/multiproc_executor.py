@@ -94,7 +94,6 @@ class MultiprocExecutor:
         if stale:
             logger.info("removed %d shared-memory segments left in /dev/shm by servers that "
                         "no longer run", len(stale))
-        device = config.device.device
         try:
             s, c = config.scheduler, config.cache
             in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, s.max_num_seqs,
@@ -111,8 +110,8 @@ class MultiprocExecutor:
                 segments.append(self.shm_in[-1])
                 self.shm_out.append(ch.ShmSegment(out_bytes))
                 segments.append(self.shm_out[-1])
-            plan = plan_launch(config, sys.executable, _device_target(device))
-            allreduce_env = _shm_allreduce_segment(config, _device_target(device), segments)
+            plan = plan_launch(config, sys.executable)
+            allreduce_env = _shm_allreduce_segment(config, plan.device, segments)
             sched_port = _free_port() if plan.scheduler else None
             if plan.scheduler:
                 p.scheduler = subprocess.Popen(
@@ -343,20 +342,12 @@ def _kv_meta_bytes(config: EngineConfig) -> int:
     return MAX_METADATA_BYTES
 
 
-def _device_target(device: str):
-    """What "auto" means here: the device MindSpore was built for (as init_device decides)."""
-    if device.lower() != "auto":
-        return None
-    import mindspore as ms
-    return ms.get_context("device_target")
-
-
-def _shm_allreduce_segment(config: EngineConfig, target, segments: list) -> dict:
+def _shm_allreduce_segment(config: EngineConfig, device: str, segments: list) -> dict:
     """CPU tensor parallelism all-reduces through a segment this master owns (freed with the
     others on shutdown or an agent's death): its name for the agents' environment."""
     from llm_serving.distributed import shm_allreduce as sa
     tp = config.parallel.tensor_parallel_size
-    cpu = (target or config.device.device).lower() == "cpu"
+    cpu = device == "CPU"
     if tp < 2 or not cpu or config.parallel.cpu_allreduce != "shm":
         return {}
     slot = sa.slot_bytes_for(config.scheduler.max_num_batched_tokens,
