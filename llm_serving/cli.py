@@ -208,7 +208,8 @@ def add_proxy_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds an instance may take to send the next bytes of an answer")
     p.add_argument("--health-interval", type=float, default=2.0,
-                   help="seconds between /health checks of every instance")
+                   help="seconds between /ready checks of every instance (one loading, "
+                        "restarting its model or draining for a shutdown is out of rotation)")
     p.add_argument("--max-connections", type=int, default=256,
                    help="bound on the connections to the instances (all together); the "
                         "proxy takes at most this many + 128 from clients (fewer under a "

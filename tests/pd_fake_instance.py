@@ -43,6 +43,12 @@ async def health():
     return Response(status_code=STATE["health"])
 
 
+@app.get("/ready")
+async def ready():
+    """As an instance's: what the proxy routes by (the same code as /health here)."""
+    return Response(status_code=STATE["health"])
+
+
 @app.post("/_health/{code}")
 async def set_health(code: int):
     STATE["health"] = code

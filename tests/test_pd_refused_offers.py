@@ -17,7 +17,7 @@ import requests
 
 from test_http_server import agent_pids, start_server, stop_server, free_port, wait_until
 from test_pd_mooncake import fresh, kv_section
-from test_pd_proxy_routing import Procs
+from test_pd_proxy_routing import Procs, metric as proxy_metric
 from conftest import metric
 
 TIMEOUT_S = 60
@@ -278,6 +278,48 @@ def test_a_draining_d_leaves_its_requests_to_another_d(pd, tmp_path, tiny_model_
         wait_until(lambda: metric(pd["P"], "kv_blocks_held") == 0, timeout=TIMEOUT_S / 6,
                    message="P still holds the blocks of an offer the draining D left")
     finally:
+        procs.close()
+        assert stop_server(proc) == 0
+        if busy.ident is not None:
+            busy.join(30)
+
+
+def test_a_draining_d_stays_out_of_the_rotation(pd, tmp_path, tiny_model_dir):
+    """The proxy routes by readiness: a D draining for a shutdown (its /health still 200, as
+    it is alive and finishing its own request) leaves the rotation at the next check and
+    stays out, so no request is first sent to it to be refused."""
+    proc, drainer, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "120",
+                                    section=kv_section("kv_consumer",
+                                                       kv_transfer_timeout=TIMEOUT_S),
+                                    agent_ports=(free_port(),))
+    busy = threading.Thread(target=requests.post, args=(drainer + "/v1/completions",),
+                            kwargs={"timeout": 120, "json": {
+                                "model": "tiny", "prompt": "keep draining", "stream": True,
+                                "max_tokens": 1000, "ignore_eos": True}})
+    agent = agent_pids(proc.pid)[0]
+    procs = Procs()
+    try:
+        proxy = procs.proxy([pd["P"]], [drainer, pd["D"]], "--health-interval", "0.5")[1]
+        wait_until(lambda: proxy_metric(proxy, "instance_up", role="decode", url=drainer) == 1,
+                   timeout=30)
+        busy.start()
+        wait_until(lambda: metric(drainer, "num_requests_running") == 1, timeout=30)
+        os.kill(agent, signal.SIGSTOP)      # its request then drains until we say
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: requests.get(drainer + "/ready", timeout=5).status_code == 503,
+                   timeout=30)
+        assert requests.get(drainer + "/health", timeout=5).status_code == 200
+        wait_until(lambda: proxy_metric(proxy, "instance_up", role="decode", url=drainer) == 0,
+                   timeout=10, message="the draining D is still in the proxy's rotation")
+        for i in range(2):
+            r = requests.post(proxy + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": fresh(LONG, f"drained D {i}"), "max_tokens": 3})
+            assert r.status_code == 200, r.text
+        time.sleep(1.5)         # three more checks
+        assert proxy_metric(proxy, "instance_up", role="decode", url=drainer) == 0
+        assert proc.poll() is None and busy.is_alive()      # it was draining all along
+    finally:
+        os.kill(agent, signal.SIGCONT)
         procs.close()
         assert stop_server(proc) == 0
         if busy.ident is not None:

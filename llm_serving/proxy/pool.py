@@ -1,10 +1,12 @@
 """The instances behind the proxy: which are up, and which one takes the next request.
 
-Each instance is checked with ``GET /health`` (200 only when it can serve) every
-``interval`` seconds, each check bounded by a timeout. One that answers anything but 200,
-or whose connection is refused (at a check or a request), leaves the rotation until a check
-passes again. A check that times out may only mean a busy instance: it counts as a failure
-after ``TIMEOUTS_GONE`` in a row. An instance that is gone (connection refused, or that many
+Each instance is checked with ``GET /ready`` every ``interval`` seconds, each check bounded
+by a timeout: 200 only when it takes new requests (503 while it loads, restarts its model or
+drains for a shutdown; its ``/health`` stays 200 while draining, which is liveness, not
+routing). One that answers anything but 200, or whose connection is refused (at a check or a
+request), leaves the rotation until a check passes again; a draining one never comes back.
+A check that times out may only mean a busy instance: it counts as a failure after
+``TIMEOUTS_GONE`` in a row. An instance that is gone (connection refused, or that many
 timeouts) also has its ``down`` event set, so the requests waiting on it end at once with a
 clear error instead of waiting for their read timeout.
 
@@ -87,11 +89,11 @@ async def check(client, inst: Instance, timeout: float) -> None:
     """One health check of ``inst`` (``client``: an httpx AsyncClient)."""
     import httpx2 as httpx
     try:
-        r = await client.get(inst.url + "/health", timeout=timeout)
+        r = await client.get(inst.url + "/ready", timeout=timeout)
     except httpx.TimeoutException:
         inst.timeouts += 1
         if inst.timeouts >= TIMEOUTS_GONE or not inst.healthy:
-            inst.mark_unhealthy(f"/health did not answer within {timeout:g} s, "
+            inst.mark_unhealthy(f"/ready did not answer within {timeout:g} s, "
                                 f"{inst.timeouts} times in a row", gone=True)
     except httpx.HTTPError as e:
         inst.mark_unhealthy(f"unreachable ({type(e).__name__}: {e})", gone=True)
@@ -100,8 +102,17 @@ async def check(client, inst: Instance, timeout: float) -> None:
         if r.status_code == 200:
             inst.mark_up()
         else:
-            inst.mark_unhealthy(f"/health answered {r.status_code}", gone=False)
+            inst.mark_unhealthy(f"/ready answered {r.status_code}{_reason(r)}", gone=False)
     inst.checked_at = time.monotonic()
+
+
+def _reason(resp) -> str:
+    """The instance's own reason for a 503 (``{"ready": false, "reason": ...}``), if any."""
+    try:
+        reason = resp.json().get("reason")
+    except (ValueError, AttributeError):
+        return ""
+    return f" ({reason})" if isinstance(reason, str) and reason else ""
 
 
 async def check_all(client, pools: Iterable[Pool], timeout: float) -> None:
