@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                         "finish (vLLM's flag); then they end with a 503 or a stream error "
                         "event 'the server is shutting down'; 0: at once (default "
-                        f"{SHUTDOWN_TIMEOUT_S:g})")
+                        f"{SHUTDOWN_TIMEOUT_S:g}). The whole stop takes at most this + 7 s "
+                        "(usually + under 1 s): give docker stop -t or "
+                        "terminationGracePeriodSeconds at least that")
     _add_client_bounds(s)
     from llm_serving.entrypoints.frontend_args import add_frontend_arguments
     add_frontend_arguments(s)

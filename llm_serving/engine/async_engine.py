@@ -336,6 +336,12 @@ class AsyncLLMEngine:
         waits for."""
         return len(self._streams)
 
+    @property
+    def num_steps(self) -> int:
+        """Model steps completed so far: a shutdown's drain tells from it whether the loop is
+        held in a step (a hung or stopped WorkAgent)."""
+        return self.engine.stats.num_steps
+
     def abort_all(self, reason: str) -> None:
         """End every request, queued or running, with the error ``reason`` (at the next step
         boundary; each stream gets a final output carrying it, so that its route answers as

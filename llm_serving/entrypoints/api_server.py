@@ -52,6 +52,9 @@ SHUTDOWN_REASON = "the server is shutting down"
 # After the drain window, how long the aborted requests' handlers have to send their error
 # (then uvicorn cancels what is left, e.g. a stream whose client stopped reading).
 ANSWER_ABORTED_S = 3.0
+# A drain window at least this long in which no model step ended, with requests in flight:
+# the engine loop is held in a step (a hung WorkAgent) and would not take the abort either.
+HELD_AFTER_S = 1.0
 
 
 class _RequestLimits:
@@ -354,12 +357,14 @@ async def drain(state: ServerState, timeout: float, forced=lambda: False) -> Non
     """The first step of a shutdown, while the port is still open: not ready, new requests
     refused (503); the requests in flight may finish within ``timeout`` seconds (``forced``:
     a second Ctrl-C ends the wait), then the engine aborts the rest with SHUTDOWN_REASON, and
-    their handlers answer with it (waited for up to ANSWER_ABORTED_S)."""
+    their handlers answer with it (waited for up to ANSWER_ABORTED_S, not at all when no model
+    step ended during a window of HELD_AFTER_S or more: the loop is held in a step)."""
     state.draining = True
     engine = state.engine
     if engine is None or engine.is_dead:
         return
-    deadline = time.monotonic() + timeout
+    start, steps = time.monotonic(), engine.num_steps
+    deadline = start + timeout
     if engine.num_requests:
         logger.info("shutting down: %d request(s) in flight may finish within %g s "
                     "(--shutdown-timeout)", engine.num_requests, timeout)
@@ -368,13 +373,20 @@ async def drain(state: ServerState, timeout: float, forced=lambda: False) -> Non
     if engine.num_requests:
         logger.warning("shutting down: aborting %d unfinished request(s)", engine.num_requests)
     engine.abort_all(SHUTDOWN_REASON)
-    deadline = time.monotonic() + ANSWER_ABORTED_S
+    held = (engine.num_requests and engine.num_steps == steps
+            and time.monotonic() - start >= HELD_AFTER_S)
+    deadline = time.monotonic() + (0.0 if held else ANSWER_ABORTED_S)
     while engine.num_requests and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     if engine.num_requests:
-        logger.warning("shutting down: the engine did not end %d request(s) within %g s (a "
-                       "model step still running); answering them now", engine.num_requests,
-                       ANSWER_ABORTED_S)
+        if held:
+            logger.warning("shutting down: no model step ended in %.1f s (a WorkAgent hung?); "
+                           "answering %d request(s) now", time.monotonic() - start,
+                           engine.num_requests)
+        else:
+            logger.warning("shutting down: the engine did not end %d request(s) within %g s "
+                           "(a model step still running); answering them now",
+                           engine.num_requests, ANSWER_ABORTED_S)
         engine.fail_open_streams(SHUTDOWN_REASON)
 
 
