@@ -89,10 +89,10 @@ class Sim:
     def step(self) -> None:
         cfg, bs = self.cfg, self.cfg["block_size"]
         sch = self.sch
-        cap = cfg.get("long_prefill_cap", 0)
-        if len(sch.running) + len(sch.waiting) + len(sch.swapped) < 2:
-            cap = 0                 # the only request is not capped
+        queued = len(sch.running) + len(sch.waiting) + len(sch.swapped)
         out = self.sch.schedule()
+        # the only request (after this step's timeouts) is not capped
+        cap = cfg.get("long_prefill_cap", 0) if queued - len(out.timed_out) >= 2 else 0
         for seq in out.timed_out:
             assert seq.first_scheduled_time is None
             self.finish_group(int(seq.request_id), SequenceStatus.FINISHED_TIMEOUT)
