@@ -8,7 +8,6 @@ a real server answering llm-serving's /models/llama2/generate."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -17,9 +16,9 @@ import pytest
 
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import ModelLoadError
-from llm_serving.executor.shm_channel import segments_of
 from llm_serving.model_executor.loader import ModelConfig
-from test_model_parity import GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy
+from test_model_parity import (GREEDY, _prefill_logits, _prompts, hf_logits_and_greedy,
+                               assert_two_ranks_give)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -130,16 +129,7 @@ def test_two_tensor_parallel_ranks_give_hf_greedy_tokens(baichuan2_dir, hf_refer
     """Each rank holds 2 of the 4 heads' rows of each W_pack part and half the NormHead's
     (normalized) rows."""
     prompts, _, ref_tokens = hf_reference
-    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
-    before = segments_of()
-    llm = LLM(baichuan2_dir, tensor_parallel_size=2, cpu_affinity=pin, block_size=16,
-              num_blocks=256)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
-    finally:
-        llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == ref_tokens[:6]
-    assert not segments_of() - before, "shared memory left behind"
+    assert_two_ranks_give(prompts[:6], ref_tokens[:6], baichuan2_dir)
 
 
 def test_server_answers_llm_serving_generate(tmp_path, baichuan2_dir, baichuan2_llm):
