@@ -744,17 +744,7 @@ def find_weight_files(model_dir: str, checkpoint: Optional[str] = None) -> List[
                              "*.safetensors or a .ckpt)")
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{index}: cannot read the shard index ({e})") from e
-        files = []
-        for fname in sorted(set(weight_map.values())):
-            p = d / fname
-            if not p.is_file():
-                raise ModelLoadError(f"{index} names shard {fname!r}, which is missing from {str(d)!r}")
-            files.append(p)
-        return files
+        return _indexed_shards(d, index)
     if (d / "model.safetensors").is_file():
         return [d / "model.safetensors"]
     shards = sorted(d.glob("*.safetensors"))
@@ -779,17 +769,22 @@ def _torch_bin_files(d: Path) -> List[Path]:
     pytorch_model.bin.index.json, else pytorch_model*.bin."""
     index = d / "pytorch_model.bin.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{index}: cannot read the shard index ({e})") from e
-        files = [d / f for f in sorted(set(weight_map.values()))]
-        missing = [p.name for p in files if not p.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index} names shard {missing[0]!r}, which is missing from "
-                                 f"{str(d)!r}")
-        return files
+        return _indexed_shards(d, index)
     return sorted(d.glob("pytorch_model*.bin"))
+
+
+def _indexed_shards(d: Path, index: Path) -> List[Path]:
+    """The shard files a ``*.index.json`` (safetensors' or PyTorch's) names, each present."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index}: cannot read the shard index ({e})") from e
+    files = [d / f for f in sorted(set(weight_map.values()))]
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"{index} names shard {missing[0]!r}, which is missing from "
+                             f"{str(d)!r}")
+    return files
 
 
 def iter_weights(model_dir: str, checkpoint: Optional[str] = None) -> Iterator[Tuple[str, np.ndarray]]:
