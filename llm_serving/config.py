@@ -235,6 +235,10 @@ class EngineArgs:
     override_generation_config: Optional[dict] = _arg(None,
         "sampling defaults over generation_config's (on the CLI as JSON), e.g. "
         "'{\"temperature\": 0.5}'")
+    hf_overrides: Optional[dict] = _arg(None,
+        "keys set over the model's config.json before it is read (on the CLI as JSON), as "
+        "vLLM's --hf-overrides: a key's value replaces the file's, e.g. "
+        "'{\"max_position_embeddings\": 8192}' or a new rope_scaling")
     trust_request_chat_template: bool = _arg(False,
         "let a request bring its own chat_template (vLLM's flag; off, such a request is "
         "refused: a template is a program the server runs)")
@@ -275,6 +279,10 @@ class EngineArgs:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError("reasoning_parser", f"expected one of "
                               f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ConfigError("hf_overrides", "expected a mapping of config.json keys to "
+                              f"values, got {type(self.hf_overrides).__name__} (a function, "
+                              "as vLLM's Python API also takes, is not supported)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice", "needs tool_call_parser (hermes or "
                               "llama3_json) to read the model's tool calls")
@@ -414,7 +422,9 @@ class EngineArgs:
         """Resolve the arguments once: read the model's config.json, size the KV pools, and
         decide the defaults that depend on other knobs. Raises ConfigError naming the key."""
         from llm_serving.model_executor.loader import ModelConfig
-        hf = ModelConfig.from_pretrained(self.model)
+        hf = ModelConfig.from_pretrained(self.model, self.hf_overrides)
+        if self.hf_overrides:
+            logger.info("the model's config.json with hf_overrides: %s", self.hf_overrides)
         check_tensor_parallel(hf, self.tensor_parallel_size)
         max_len = self.max_model_len or hf.max_position_embeddings
         if max_len > hf.max_position_embeddings:

@@ -127,6 +127,28 @@ def test_mindformers_ckpt_gives_same_logits_as_safetensors(model_dirs, hf_refere
                                rtol=0)
 
 
+def test_hf_overrides_rope_scaling_matches_hf_with_the_same_config(model_dirs, hf_reference):
+    """hf_overrides (vLLM's --hf-overrides) replacing the checkpoint's llama3 rope scaling with
+    linear x4: our logits and greedy tokens are transformers' on the config so changed, and no
+    longer the checkpoint's own."""
+    from llm_serving import LLM
+    name, override = "llama3-gqa", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    import json
+    from pathlib import Path
+    d = {**json.loads((Path(model_dirs[name]) / "config.json").read_text()), **override}
+    config = transformers.AutoConfig.for_model(**d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dirs[name], config=config,
+                                                              dtype=torch.float32).eval()
+    prompts, plain_logits, _ = hf_reference[name]
+    ref_logits, ref_tokens = hf_logits_and_greedy(model, prompts[-2:])
+    assert np.abs(ref_logits[-1] - plain_logits[-1]).max() > 0.05   # the override matters
+    llm = LLM(model_dirs[name], num_blocks=256, hf_overrides=override)
+    for ours, ref in zip(_prefill_logits(llm, prompts[-2:]), ref_logits):
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[-2:]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+
+
 # ---- prompt logprobs (SamplingParams.prompt_logprobs) against HF's log_softmax --------------
 
 PROMPT_LP_K = 5

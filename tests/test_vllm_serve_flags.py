@@ -528,3 +528,30 @@ def test_admission_flags_parse_and_bad_values_name_the_flag(tiny_model_dir):
                      "--no-enable-chunked-prefill")
     with pytest.raises(ConfigError, match="sse-keep-alive-interval"):
         FrontendArgs(sse_keep_alive_interval=-1)
+
+
+def test_hf_overrides_set_config_keys_over_the_models_as_vllm(tiny_model_dir, tmp_path):
+    """--hf-overrides (vLLM's): a key's value replaces config.json's before the model is read;
+    a YAML mapping does the same; what is not a mapping, or a config the override makes
+    unreadable, is refused naming it."""
+    from llm_serving.config import EngineArgs
+    from llm_serving.errors import ModelLoadError
+    base = _settings(tiny_model_dir)[0].create_engine_config().model
+    args = _settings(tiny_model_dir, "--hf-overrides",
+                     '{"max_position_embeddings": 96, "rope_theta": 50000.0}')[0]
+    model = args.create_engine_config().model
+    assert base.max_model_len > 96 and model.max_model_len == 96
+    assert (model.hf.max_position_embeddings, model.hf.rope_theta) == (96, 50000.0)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"llm_serving:\n  model: {tiny_model_dir}\n  hf_overrides:\n"
+                   "    max_position_embeddings: 80\n")
+    engine_args = server_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))[0]
+    assert engine_args.create_engine_config().model.max_model_len == 80
+    with pytest.raises(SystemExit):              # argparse: not a JSON object
+        _settings(tiny_model_dir, "--hf-overrides", "[1]")
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(model=tiny_model_dir, hf_overrides=lambda c: c)
+    assert e.value.key == "hf_overrides"
+    with pytest.raises(ModelLoadError, match="hf_overrides.*architecture"):
+        _settings(tiny_model_dir, "--hf-overrides",
+                  '{"architectures": ["NoSuchForCausalLM"]}')[0].create_engine_config()

@@ -197,8 +197,10 @@ class ModelConfig:
     # --- constructors ------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        """Parse ``model_dir/config.json``; raise ModelLoadError naming what is wrong."""
+    def from_pretrained(cls, model_dir: str,
+                        overrides: Optional[Mapping[str, Any]] = None) -> "ModelConfig":
+        """Parse ``model_dir/config.json``, with the keys of ``overrides`` (--hf-overrides)
+        set over the file's, as vLLM sets them; raise ModelLoadError naming what is wrong."""
         d = Path(model_dir).expanduser()
         if not d.exists():
             raise ModelLoadError(f"model directory {str(d)!r} does not exist (expected a directory with "
@@ -216,7 +218,11 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: cannot read JSON ({e})") from e
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
-        return cls.from_dict(cfg, source=str(path), model_dir=str(d))
+        source = str(path)
+        if overrides:
+            cfg = {**cfg, **overrides}
+            source += f" with hf_overrides {json.dumps(overrides, default=str)}"
+        return cls.from_dict(cfg, source=source, model_dir=str(d))
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], *, source: str = "config.json",
