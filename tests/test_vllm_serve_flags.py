@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,23 +130,37 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
 
 
 def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, tiny_model_dir):
-    """A client tracing its X-Request-Id through the log finds both lines of its request."""
-    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--enable-log-requests")
+    """A client tracing its X-Request-Id through the log finds both lines of its request, and
+    with --enable-log-outputs the text it was sent (cut to --max-log-len), streamed or not."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--enable-log-requests",
+                                "--enable-log-outputs", "--max-log-len", "12")
     try:
         headers = {"X-Request-Id": "trace-7"}
         r = requests.post(url + "/v1/completions", headers=headers, timeout=120,
-                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
+                                "ignore_eos": True})
         assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-7"
-        r = requests.post(url + "/v1/chat/completions", headers=headers, timeout=120,
-                          json={"model": "tiny", "max_tokens": 2,
-                                "messages": [{"role": "user", "content": "Hi"}]})
-        assert r.status_code == 200 and r.json()["id"] == "chatcmpl-trace-7"
+        completion = r.json()["choices"][0]["text"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        chunks = client.chat.completions.create(
+            model="tiny", max_tokens=8, stream=True, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Hi"}], extra_headers=headers)
+        chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finally:
         assert stop_server(proc) == 0
     log = proc.stderr.read()
     for rid in ("cmpl-trace-7", "chatcmpl-trace-7"):
         assert f"Received request {rid}: params:" in log
         assert f"request {rid}: " in log
+    assert len(completion) > 12 and len(chat) > 12
+    # the engine's request ids start with the response's (a unique suffix, then a completion's
+    # prompt index)
+    assert re.search(r"Generated response cmpl-trace-7-[0-9a-f]{8}-0: output: "
+                     + re.escape(f"{completion[:12]!r}, finish_reason: length"), log)
+    assert re.search(r"Generated response chatcmpl-trace-7-[0-9a-f]{8}-0: output: "
+                     + re.escape(f"{chat[:12]!r}, finish_reason: length"), log)
+    with pytest.raises(ConfigError, match="--enable-log-outputs.*--enable-log-requests"):
+        FrontendArgs(enable_log_outputs=True)
 
 
 def test_request_log_cuts_prompts_to_max_log_len(caplog, tiny_model_dir):

@@ -194,6 +194,12 @@ class AsyncLLMEngine:
         return cls(args)
 
     # ---- caller side (event loop) ---------------------------------------------------------
+    def log_outputs(self, max_log_len: Optional[int]) -> None:
+        """--enable-log-outputs: log each request's outputs as it ends (cut to max_log_len)."""
+        processor = self.engine.output_processor
+        processor.max_log_len = max_log_len
+        processor.log_outputs = True
+
     @property
     def is_running(self) -> bool:
         """True when requests can be served (False while a dead WorkAgent is replaced)."""

@@ -10,6 +10,7 @@ request that changed, in its output kind (cumulative, delta or final only).
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +27,8 @@ from llm_serving.sampling_params import RequestOutputKind
 from llm_serving.tokenizer import Tokenizer
 
 _MAX_FINISHED_METRICS = 10000
+
+logger = logging.getLogger(__name__)
 
 
 class RequestState:
@@ -82,6 +85,10 @@ class OutputProcessor:
             maxlen=_MAX_FINISHED_METRICS)                                   # sequence
         self._token_texts: dict[int, str] = {}      # single-token decodes (at most the vocab)
         self._last_step_time = 0.0      # when the previous step's samples were processed
+        # --enable-log-outputs: each request's outputs are logged once, as it ends, cut to
+        # max_log_len characters (token ids at debug)
+        self.log_outputs = False
+        self.max_log_len: Optional[int] = None
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, new: NewRequest, arrival_order: int) -> Sequence:
@@ -293,6 +300,19 @@ class OutputProcessor:
         by_source["local_cache_hit"] += seq.num_cached_tokens - seq.kv_external_tokens
         by_source["external_kv_transfer"] += seq.kv_external_tokens
 
+    def _log_outputs(self, req: RequestState) -> None:
+        """vLLM's --enable-log-outputs lines of a finished request, one per sequence."""
+        cut = self.max_log_len
+        for s in req.seqs:
+            name = req.request_id if len(req.seqs) == 1 else f"{req.request_id} (n={s.index})"
+            text = s.detokenizer.output_text
+            logger.info("Generated response %s: output: %r, finish_reason: %s", name,
+                        text if cut is None else text[:cut], s.finish_reason or "abort")
+            if logger.isEnabledFor(logging.DEBUG):
+                ids = s.output_token_ids
+                logger.debug("Generated response %s details: output_token_ids: %s", name,
+                             ids if cut is None else ids[:cut])
+
     def _request_output(self, req: RequestState) -> Optional[RequestOutput]:
         """The request's output in its output kind; None when there is nothing to send."""
         finished = req.finished
@@ -322,6 +342,8 @@ class OutputProcessor:
         req.sent_prompt_logprobs |= prompt_lp is not None
         metrics = None
         if finished:
+            if self.log_outputs:
+                self._log_outputs(req)
             del self.requests[req.request_id]
             metrics = _request_metrics(req)
             self.finished_metrics.append(metrics)

@@ -345,7 +345,10 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 def _load_engine(state: ServerState) -> None:
     from llm_serving.engine.async_engine import AsyncLLMEngine
     try:
-        state.engine = AsyncLLMEngine(state.engine_args)
+        engine = AsyncLLMEngine(state.engine_args)
+        if state.frontend.enable_log_outputs:
+            engine.log_outputs(state.frontend.max_log_len)
+        state.engine = engine
     except Exception as e:   # noqa: BLE001 - reported by /ready and every request
         if state.draining:        # stopped while loading: not an error
             return

@@ -88,6 +88,10 @@ class FrontendArgs:
     enable_log_requests: bool = _arg(
         False, "log each generation request as it arrives: its id and sampling parameters "
         "at info, its prompt at debug (--log-level debug), as vLLM")
+    enable_log_outputs: bool = _arg(
+        False, "with --enable-log-requests, log each request's generated text as it ends, at "
+        "info (its token ids at debug), cut to --max-log-len, as vLLM (which also logs each "
+        "streamed delta)")
     max_log_len: Optional[int] = _arg(
         None, "with --enable-log-requests, the most prompt characters or token ids logged "
         "(default: all)")
@@ -133,6 +137,8 @@ class FrontendArgs:
         if self.sse_keep_alive_interval < 0:
             raise ConfigError("--sse-keep-alive-interval", "expected seconds >= 0 (0: no "
                               f"keep-alive comments), got {self.sse_keep_alive_interval}")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ConfigError("--enable-log-outputs", "needs --enable-log-requests, as in vLLM")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("--max-log-len", f"expected an integer >= 0, got "
                               f"{self.max_log_len}")

@@ -188,6 +188,22 @@ def response_id(request: Request, prefix: str, default: str) -> str:
     return f"{prefix}-{given}"
 
 
+def request_ids(request: Request, prefix: str) -> tuple[str, str]:
+    """(the engine's request id, the response's): both ``<prefix>-<hex>``; with the client's
+    X-Request-Id, the response's is ``response_id``'s and the engine's that with a unique
+    suffix, so two requests sent with the same header do not collide and a log line naming
+    either id names the client's."""
+    own = new_request_id(prefix)
+    resp_id = response_id(request, prefix, own)
+    return (own if resp_id == own else engine_request_id(resp_id)), resp_id
+
+
+def engine_request_id(resp_id: str) -> str:
+    """A unique engine request id that starts with the response's id (which a client may
+    have chosen, and reused)."""
+    return f"{resp_id}-{uuid.uuid4().hex[:8]}"
+
+
 async def client_gone(request: Request) -> None:
     """Returns once the client has closed the connection (ASGI ``http.disconnect``), read
     after the body. A real wait on ``receive``, not ``request.is_disconnected()``: that poll's

@@ -14,9 +14,9 @@ from fastapi.responses import Response
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState,
                                                 event_stream, log_arrival, log_request,
-                                                new_request_id, openai_finish_reason,
-                                                output_error, refuse_unsupported, renamed,
-                                                response_id, server_state, sse,
+                                                openai_finish_reason, output_error,
+                                                refuse_unsupported, renamed, request_ids,
+                                                server_state, sse,
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
@@ -364,8 +364,7 @@ async def completions(req: CompletionRequest, request: Request):
             defaults=state.require_engine().default_sampling_params)
     except ValueError as e:
         raise translate_error(e) from None
-    rid = new_request_id("cmpl")
-    resp_id = response_id(request, "cmpl", rid)
+    rid, resp_id = request_ids(request, "cmpl")
     grammar_field = req.structured_field()
     streams = await start_requests(request, rid, resp_id, prompts, params, req.priority,
                                    grammar_field)
@@ -541,8 +540,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 return ({"role": role, "content": content, "tool_calls": calls},
                         "tool_calls" if is_call else None)
         return {"role": role, "content": text}, None
-    rid = new_request_id("chatcmpl")
-    resp_id = response_id(request, "chatcmpl", rid)
+    rid, resp_id = request_ids(request, "chatcmpl")
     # vLLM's echo: a last assistant message (begun by the caller) comes before the reply.
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""

@@ -23,7 +23,7 @@ from typing import Optional
 from fastapi import APIRouter, Request
 
 from llm_serving.entrypoints.http_common import (HTTPError, event_stream, log_request,
-                                                new_request_id,
+                                                engine_request_id,
                                                 output_error, refuse_unsupported, renamed,
                                                 translate_error)
 from llm_serving.entrypoints import reasoning, tool_calls, unread_offers
@@ -146,7 +146,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     def logprobs(entries) -> list:
         """vLLM's output_text logprobs: each token's text, logprob, bytes and top ones."""
         return chat_logprobs(entries, top or 0, as_ids)["content"]
-    streams = await start_requests(request, new_request_id("resp"), resp_id,
+    streams = await start_requests(request, engine_request_id(resp_id), resp_id,
                                    [{"prompt": text, "prompt_token_ids": ids}], params,
                                    req.priority, grammar_field)
     created = int(time.time())
