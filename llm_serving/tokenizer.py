@@ -656,6 +656,26 @@ class Tokenizer:
             name_or_path=str(d),
         )
 
+    def info(self, chat_template: Optional[str] = None) -> Dict[str, Any]:
+        """vLLM's /tokenizer_info: tokenizer_config.json's settings with each token written as
+        its text (as transformers' init_kwargs, which vLLM returns), file paths left out, the
+        class transformers loads for it, and the chat template in use."""
+        def plain(v: Any) -> Any:
+            if isinstance(v, dict):
+                if isinstance(v.get("content"), str):        # a token (AddedToken's fields)
+                    return v["content"]
+                return {k: plain(x) for k, x in v.items()}
+            return [plain(x) for x in v] if isinstance(v, list) else v
+        out = {k: plain(v) for k, v in self._config.items()
+               if k not in ("vocab_file", "merges_file")}
+        name = str(self._config.get("tokenizer_class") or "PreTrainedTokenizer")
+        out["tokenizer_class"] = name if name.endswith("Fast") else name + "Fast"
+        out["name_or_path"] = self.name_or_path
+        template = chat_template or self.chat_template
+        if template:
+            out["chat_template"] = template
+        return out
+
     # --- encode / decode -------------------------------------------------------------------------
 
     @property

@@ -37,7 +37,8 @@ MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server(tmp_path_factory, tiny_model_dir):
     proc, url, _ = start_server(tmp_path_factory.mktemp("oai"), tiny_model_dir,
                                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                "--trust-request-chat-template", agent_ports=(free_port(),))
+                                "--trust-request-chat-template", "--enable-tokenizer-info-endpoint",
+                                agent_ports=(free_port(),))
     logs: list[str] = []
     readers = [threading.Thread(target=lambda f=f: logs.extend(iter(f.readline, "")),
                                 daemon=True) for f in (proc.stdout, proc.stderr)]
@@ -365,6 +366,22 @@ def test_the_chat_template_receives_the_tools(server, client):
                                       json={"prompt": s, "add_special_tokens": False}
                                       ).json()["tokens"])
     assert usage == [tok(MSG[0]["content"]), tok(MSG[0]["content"] + "[get_weather][get_time]")]
+
+
+def test_tokenizer_info_is_what_transformers_reads_of_the_tokenizer(server, tiny_model_dir):
+    """vLLM's /tokenizer_info (--enable-tokenizer-info-endpoint): the special tokens, added
+    tokens, chat template and lengths transformers reads from the model's tokenizer files
+    (vLLM returns transformers' init_kwargs), each token written as its text."""
+    transformers = pytest.importorskip("transformers")
+    info = requests.get(server[0] + "/tokenizer_info", timeout=30).json()
+    ref = transformers.AutoTokenizer.from_pretrained(tiny_model_dir).init_kwargs
+    assert info["added_tokens_decoder"] == {str(i): t.content for i, t in
+                                            ref["added_tokens_decoder"].items()}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template",
+                "model_max_length", "clean_up_tokenization_spaces"):
+        assert info[key] == (getattr(ref[key], "content", ref[key])), key
+    assert info["tokenizer_class"].endswith("Fast") and info["name_or_path"]
+    assert "vocab_file" not in info and "merges_file" not in info
 
 
 def test_tokenize_counts_the_prompt_chat_will_use(server, client):

@@ -146,6 +146,8 @@ def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, t
             model="tiny", max_tokens=8, stream=True, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": "Hi"}], extra_headers=headers)
         chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        r = requests.get(url + "/tokenizer_info", timeout=30)     # off without its flag
+        assert r.status_code == 404 and "--enable-tokenizer-info-endpoint" in r.text
     finally:
         assert stop_server(proc) == 0
     log = proc.stderr.read()

@@ -88,6 +88,9 @@ class FrontendArgs:
     enable_log_requests: bool = _arg(
         False, "log each generation request as it arrives: its id and sampling parameters "
         "at info, its prompt at debug (--log-level debug), as vLLM")
+    enable_tokenizer_info_endpoint: bool = _arg(
+        False, "serve GET /tokenizer_info (tokenizer_config.json's settings and the chat "
+        "template), as vLLM; off, it answers 404")
     enable_log_outputs: bool = _arg(
         False, "with --enable-log-requests, log each request's generated text as it ends, at "
         "info (its token ids at debug), cut to --max-log-len, as vLLM (which also logs each "

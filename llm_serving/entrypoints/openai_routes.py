@@ -784,6 +784,15 @@ async def tokenize(req: TokenizeRequest, request: Request):
     return body
 
 
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    state = server_state(request)
+    if not state.frontend.enable_tokenizer_info_endpoint:
+        raise HTTPError(404, "/tokenizer_info is off; start the server with "
+                        "--enable-tokenizer-info-endpoint", kind="not_found_error")
+    return state.require_engine().tokenizer.info(state.chat_template)
+
+
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     state = server_state(request)
