@@ -6,12 +6,14 @@ import os as _os
 # libgomp reads this once, when it loads, so it is set before MindSpore is imported.
 _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 from llm_serving.outputs import CompletionOutput, RequestOutput  # noqa: F401
-from llm_serving.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
+from llm_serving.sampling_params import (BeamSearchParams, RequestOutputKind,  # noqa: F401
+                                         SamplingParams)
 from llm_serving.config import EngineArgs  # noqa: F401
 from llm_serving.inputs import TextPrompt, TokensPrompt  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLM", "LLMEngine",
+__all__ = ["AsyncLLMEngine", "BeamSearchParams", "CompletionOutput", "EngineArgs", "LLM",
+           "LLMEngine",
            "RequestOutput", "RequestOutputKind", "SamplingParams", "TextPrompt", "TokensPrompt",
            "__version__"]
 

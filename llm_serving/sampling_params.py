@@ -373,3 +373,35 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         """An independent copy (lists are not shared)."""
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's, for ``LLM.beam_search`` (entrypoints/beam_search.py): the number of beams
+    (and of sequences returned), the most new tokens, and how hypotheses are scored and
+    shown."""
+    beam_width: int
+    max_tokens: Optional[int]        # None: as many as the model's length leaves
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if value is None and name == "max_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(
+                self.length_penalty):
+            raise ValueError(f"length_penalty: expected a finite number, got "
+                             f"{self.length_penalty!r}")
+
+    def step_params(self) -> SamplingParams:
+        """What each beam asks of the engine at a step: one token and the top 2 x beam_width
+        log-probabilities (transformers' and vLLM's candidate count)."""
+        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width,
+                              temperature=self.temperature, detokenize=False)

@@ -383,11 +383,6 @@ def test_pooling_methods_are_refused_by_name(tiny_llm, method, args):
         getattr(tiny_llm, method)(*args)
 
 
-def test_beam_search_is_refused_by_name(tiny_llm):
-    with pytest.raises(NotImplementedError, match="beam_search"):
-        tiny_llm.beam_search([{"prompt": "Hello"}], None)
-
-
 def test_the_builtin_model_by_name(tmp_path, monkeypatch):
     """LLM("builtin:tiny-llama"), as start.py's --model takes it: the built-in model is
     generated under LLM_SERVING_HOME on first use and served."""

@@ -444,7 +444,7 @@ _COMMON_HONOURED = {
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
 }
 _COMMON_REFUSED = {
-    "use_beam_search": True, "length_penalty": 2.0, "truncate_prompt_tokens": 5,
+    "truncate_prompt_tokens": 5,
     "logits_processors": ["x"], "return_token_ids": True,
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,

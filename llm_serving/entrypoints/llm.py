@@ -12,13 +12,14 @@ from llm_serving.cli_args import resolve_model
 from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
                                 drop_no_effect_args)
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
+from llm_serving.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine, refuse_lora
 from llm_serving.errors import QueueFullError
 from llm_serving.outputs import RequestOutput
-from llm_serving.sampling_params import RequestOutputKind, SamplingParams
+from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 # LLM(...) also takes vLLM's disable_log_stats, which means nothing offline.
@@ -147,9 +148,49 @@ class LLM:
     def reward(self, *args, **kwargs):
         raise _no_pooling("reward")
 
-    def beam_search(self, *args, **kwargs):
-        raise NotImplementedError("LLM.beam_search() is not supported by llm_serving; "
-                                  "SamplingParams(n=..., seed=...) samples several outputs")
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False,
+                    concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
+        """vLLM's: the best ``params.beam_width`` hypotheses of each prompt (a string, a
+        {"prompt": ...} or a {"prompt_token_ids": [...]}), each with the prompt's tokens and
+        its own, and its whole text; the prompts in groups of ``concurrency_limit`` (all at
+        once by default). See entrypoints/beam_search.py."""
+        refuse_lora(lora_request)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tok = self.tokenizer
+        searches = []
+        for p in prompts:
+            if isinstance(p, str):
+                p = {"prompt": p}
+            ids = p.get("prompt_token_ids")
+            if ids is None:
+                ids = self.engine.process_request(p, SamplingParams(max_tokens=1),
+                                                  "beam-search-tokenize", 0).prompt_token_ids
+            searches.append(BeamSearch(list(ids), params, tok.eos_token_id,
+                                       self.engine.max_model_len))
+        group = concurrency_limit or len(searches)
+        step = params.step_params()
+        for start in range(0, len(searches), group):
+            live = searches[start:start + group]
+            bar = tqdm(desc="Beam search", unit="token", disable=not use_tqdm)
+            while True:
+                live = [s for s in live if not s.done]
+                if not live:
+                    break
+                bar.update()
+                outs = iter(self.generate([{"prompt_token_ids": b.tokens}
+                                           for s in live for b in s.beams], step))
+                for s in live:
+                    s.advance([_step_logprobs(next(outs)) for _ in s.beams])
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:      # vLLM: the whole text, prompt included
+                beam.text = tok.decode(beam.tokens,
+                                       skip_special_tokens=params.skip_special_tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def _run(self, news: list, use_tqdm: bool) -> list[RequestOutput]:
         order = {new.request_id: i for i, new in enumerate(news)}
@@ -178,3 +219,10 @@ class LLM:
                 for rid in order:
                     self.engine.abort_request(rid)
         return results
+
+
+def _step_logprobs(out: RequestOutput):
+    """A beam search step's candidates from its one-token request (None if it ended
+    without one)."""
+    c = out.outputs[0]
+    return c.logprobs[0] if c.logprobs else None

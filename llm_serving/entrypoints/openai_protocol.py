@@ -13,12 +13,18 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llm_serving.sampling_params import (MAX_STOPS, RequestOutputKind,
+from llm_serving.sampling_params import (MAX_STOPS, BeamSearchParams, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
+
+# Fields beam search would ignore: with use_beam_search, any value but "unset" is a 400.
+_NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "min_p",
+                         "presence_penalty", "frequency_penalty", "repetition_penalty",
+                         "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+                         "logprobs", "top_logprobs", "echo", "kv_transfer_params", "tools")
 
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
 _REFUSED_COMMON = {
-    "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": (),
+    "truncate_prompt_tokens": (),
     "logits_processors": (),
     "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
     "cache_salt": (), "vllm_xargs": (), "request_id": (),
@@ -98,9 +104,10 @@ class _SamplingFields(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict[str, Any]] = None
+    # vLLM's beam search: n beams (beam_search_params)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Declared so that they are refused by name (see _REFUSED_COMMON).
-    use_beam_search: Any = None
-    length_penalty: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     return_token_ids: Any = None
@@ -178,6 +185,30 @@ class _SamplingFields(BaseModel):
     def structured_field(self) -> Optional[str]:
         """The request field the structured output came from (after ``structured()``)."""
         return getattr(self, "_structured_field", None)
+
+    def beam_search_params(self, max_tokens: Optional[int],
+                           defaults: Optional[dict] = None) -> BeamSearchParams:
+        """use_beam_search: n beams, as vLLM reads a request (temperature left out is 1.0 or
+        the server's default; it only decides the token each step's request samples, which
+        the search does not use). What beam search would ignore is refused by name (vLLM
+        ignores it), as are streaming (as vLLM) and logprobs. ValueError naming the field."""
+        if self.stream:
+            raise ValueError("stream: streaming is not supported with beam search "
+                             "(use_beam_search), as in vLLM")
+        for name in _NOT_WITH_BEAM_SEARCH:
+            if getattr(self, name, None) not in (None, False, 0, [], {}):
+                raise ValueError(f"{name}: not supported with beam search (use_beam_search)")
+        if self.structured() is not None:
+            raise ValueError(f"{self.structured_field()}: not supported with beam search "
+                             "(use_beam_search)")
+        if max_tokens is None:
+            max_tokens = (defaults or {}).get("max_tokens")
+        temperature = sampling_knobs(self, defaults)["temperature"]
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos, temperature=temperature,
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                skip_special_tokens=self.skip_special_tokens)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,

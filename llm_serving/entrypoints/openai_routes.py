@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -11,6 +12,7 @@ from typing import AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from llm_serving.entrypoints.beam_search import BeamSearch
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState,
                                                 event_stream, log_arrival, log_request,
@@ -24,6 +26,7 @@ from llm_serving.entrypoints import reasoning, remote_prefill, tool_calls, unrea
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.engine.input_processor import encode_prompt
 from llm_serving.outputs import RequestOutput
+from llm_serving.sampling_params import BeamSearchParams
 from llm_serving.proxy import pd_request as pd
 
 router = APIRouter()
@@ -201,6 +204,66 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
     return dict(sorted(choices.items())), sum(prompt_tokens.values())
 
 
+async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts: list,
+                              params: BeamSearchParams, priority: int) -> tuple[dict, int]:
+    """use_beam_search: collect_choices' answer (choice prompt * n + beam, best first) from
+    a beam search of each prompt, run one token a step for every live beam of every prompt
+    (entrypoints/beam_search.py). A client that leaves aborts the step's requests (499)."""
+    engine = server_state(request).require_engine()
+    n = params.beam_width
+    bound = engine.limits.max_waiting
+    if len(prompts) * n > bound:
+        raise HTTPError(400, f"n: {len(prompts)} prompts x {n} beams is more than the "
+                        f"waiting-queue bound (max_waiting_requests={bound})", param="n")
+    log_arrival(server_state(request), resp_id, prompts, params)
+    step = params.step_params()
+    searches = []
+    try:
+        for i, prompt in enumerate(prompts):     # the prompts' tokens, checked as any prompt's
+            ids = (await engine.check_request(f"{rid}-{i}", prompt, step,
+                                              priority)).prompt_token_ids
+            searches.append(BeamSearch(ids, params, engine.tokenizer.eos_token_id,
+                                       engine.limits.max_model_len))
+    except ValueError as e:
+        if str(e).startswith("logprobs"):
+            raise HTTPError(400, f"n: beam search with {n} beams asks for the top {2 * n} "
+                            f"log-probabilities a step, more than the server allows "
+                            f"(--max-logprobs)", param="n") from None
+        raise translate_error(e) from None
+    except Exception as e:
+        raise translate_error(e) from None
+    for k in itertools.count():
+        live = [s for s in searches if not s.done]
+        if not live:
+            break
+        streams = []
+        try:
+            for s in live:
+                for beam in s.beams:
+                    new = await engine.check_request(f"{rid}-{k}-{len(streams)}",
+                                                     {"prompt_token_ids": beam.tokens}, step,
+                                                     priority)
+                    streams.append(engine.queue(new))
+        except Exception as e:
+            for stream in streams:
+                await stream.aclose()
+            raise translate_error(e) from None
+        outs, _ = await collect_choices(request, streams, 1)
+        lps = iter([outs[i]["lp"][0] if outs[i]["lp"] else None for i in range(len(streams))])
+        for s in live:
+            s.advance([next(lps) for _ in s.beams])
+    choices = {}
+    tok = engine.tokenizer
+    for i, s in enumerate(searches):
+        for j, beam in enumerate(s.best()):
+            ids = s.generated(beam)
+            choices[i * n + j] = {
+                "text": tok.decode(ids, skip_special_tokens=params.skip_special_tokens),
+                "ids": len(ids), "token_ids": ids, "lp": [], "finish": beam.finish_reason,
+                "stop_reason": beam.stop_reason}
+    return choices, sum(s.prompt_len for s in searches)
+
+
 def _sse_error(e: HTTPError) -> bytes:
     """An error inside an OpenAI stream (the headers went out with a 200): an error event."""
     return sse({"error": {"message": e.message, "type": e.kind, "param": e.param,
@@ -358,16 +421,18 @@ async def completions(req: CompletionRequest, request: Request):
     echo = (_Echo(state.require_engine().tokenizer, req.logprobs, as_ids) if req.echo
             else None)
     try:
-        params = req.sampling_params(
+        defaults = state.require_engine().default_sampling_params
+        beam = (req.beam_search_params(req.max_tokens, defaults) if req.use_beam_search
+                else None)
+        params = beam or req.sampling_params(
             1 if echo_only else req.max_tokens, None if echo_only else req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo else None,
-            defaults=state.require_engine().default_sampling_params)
+            prompt_logprobs=req.logprobs if req.echo else None, defaults=defaults)
     except ValueError as e:
         raise translate_error(e) from None
     rid, resp_id = request_ids(request, "cmpl")
     grammar_field = req.structured_field()
-    streams = await start_requests(request, rid, resp_id, prompts, params, req.priority,
-                                   grammar_field)
+    streams = None if beam else await start_requests(request, rid, resp_id, prompts, params,
+                                                     req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     n = req.n
     t0 = time.perf_counter()
@@ -431,8 +496,12 @@ async def completions(req: CompletionRequest, request: Request):
 
     extra: dict = {}
     cached: dict = {}
-    choices, prompt_tokens = await collect_choices(request, streams, n, echo, extra, grammar_field,
-                                                   cached)
+    if beam:
+        choices, prompt_tokens = await beam_search_choices(request, rid, resp_id, prompts, beam,
+                                                           req.priority)
+    else:
+        choices, prompt_tokens = await collect_choices(request, streams, n, echo, extra,
+                                                       grammar_field, cached)
 
     def build() -> dict:
         for idx, ch in choices.items():
@@ -504,9 +573,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     top = req.top_logprobs or 0
     as_ids = _as_ids(state, req)
     try:
-        params = req.sampling_params(max_tokens, top if req.logprobs else None,
-                                     structured=forced or structured,
-                                     defaults=engine.default_sampling_params)
+        beam = (req.beam_search_params(max_tokens, engine.default_sampling_params)
+                if req.use_beam_search else None)
+        params = beam or req.sampling_params(max_tokens, top if req.logprobs else None,
+                                             structured=forced or structured,
+                                             defaults=engine.default_sampling_params)
     except ValueError as e:
         raise translate_error(e) from None
     # How the text becomes tool calls: forced (named / required), parsed (auto), or not.
@@ -514,8 +585,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # --reasoning-parser: the thinking split off first (a grammar holds after it).
     thinking = reasoning.thinking_enabled(template_kwargs(state, req.template_vars()))
     show_reasoning = req.include_reasoning
-    think_parser = reasoning.gate_grammar(params, args.reasoning_parser, thinking,
-                                          show_reasoning, text, ids, engine.tokenizer)
+    think_parser = args.reasoning_parser if beam else reasoning.gate_grammar(
+        params, args.reasoning_parser, thinking, show_reasoning, text, ids, engine.tokenizer)
 
     # vLLM's: --response-role answers a generation prompt; else the last message's role
     role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -545,9 +616,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
-    streams = await start_requests(request, rid, resp_id,
-                                   [{"prompt": text, "prompt_token_ids": ids}],
-                                   params, req.priority, grammar_field)
+    prompt = {"prompt": text, "prompt_token_ids": ids}
+    streams = None if beam else await start_requests(request, rid, resp_id, [prompt], params,
+                                                     req.priority, grammar_field)
     created, model = int(time.time()), state.served_model_name
     t0 = time.perf_counter()
 
@@ -647,8 +718,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
     extra: dict = {}
     cached = {}
-    choices, _ = await collect_choices(request, streams, req.n, extra=extra,
-                                       grammar_field=grammar_field, cached=cached)
+    if beam:
+        choices, _ = await beam_search_choices(request, rid, resp_id, [prompt], beam,
+                                               req.priority)
+    else:
+        choices, _ = await collect_choices(request, streams, req.n, extra=extra,
+                                           grammar_field=grammar_field, cached=cached)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(resp_id, len(ids), completion_tokens, t0)
     thought_count = None
