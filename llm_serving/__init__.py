@@ -10,12 +10,12 @@ from llm_serving.sampling_params import (BeamSearchParams, RequestOutputKind,  #
                                          SamplingParams)
 from llm_serving.config import EngineArgs  # noqa: F401
 from llm_serving.inputs import TextPrompt, TokensPrompt  # noqa: F401
+from llm_serving.lora.request import LoRARequest  # noqa: F401
 
 __version__ = "0.1.0"
 __all__ = ["AsyncLLMEngine", "BeamSearchParams", "CompletionOutput", "EngineArgs", "LLM",
-           "LLMEngine",
-           "RequestOutput", "RequestOutputKind", "SamplingParams", "TextPrompt", "TokensPrompt",
-           "__version__"]
+           "LLMEngine", "LoRARequest", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name):

@@ -71,6 +71,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=help)
+        elif f.metadata.get("cli_nargs"):    # several values after one flag (vLLM's)
+            group.add_argument(flag, dest=f.name, nargs=f.metadata["cli_nargs"], default=None,
+                               metavar=f.name.upper(), help=help)
         elif base is dict:          # a section of knobs, as JSON: '{"min_total_tokens": 64}'
             group.add_argument(flag, dest=f.name, type=json_object, default=None,
                                metavar="JSON", help=help)

@@ -262,6 +262,20 @@ class EngineArgs:
     reasoning_parser: Optional[str] = _arg(None,
         "split a chat answer's <think>...</think> off its content into the message's "
         "reasoning field, as vLLM: qwen3 or deepseek_r1 (docs/openai.md)")
+    enable_lora: bool = _arg(False,
+        "serve PEFT LoRA adapters on the base model (vLLM's flag; docs/lora.md)")
+    lora_modules: Optional[list] = field(default=None, metadata={
+        "help": "adapters served by name, as vLLM's: name=path, or JSON {\"name\": ..., "
+                "\"path\": ..., \"base_model_name\": ...}; several after one flag; a request "
+                "whose model is a name runs with that adapter (needs enable_lora)",
+        "cli_nargs": "+"})
+    max_loras: int = _arg(1,
+        "the most different adapters in one step (vLLM's flag)")
+    max_lora_rank: int = _arg(16,
+        "the largest adapter rank taken; a larger adapter is refused (vLLM's flag)")
+    max_cpu_loras: Optional[int] = _arg(None,
+        "adapters each WorkAgent keeps loaded, least recently used dropped first (vLLM's "
+        "flag; default and minimum: max_loras)")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -378,8 +392,15 @@ class EngineArgs:
             raise ConfigError("override_generation_config", "expected a mapping of sampling "
                               f"defaults, got {self.override_generation_config!r}")
         KVTransferConfig.from_dict(self.kv_transfer_config)   # names a bad key now
+        positive("max_loras", self.max_loras)
+        positive("max_lora_rank", self.max_lora_rank)
+        positive("max_cpu_loras", self.max_cpu_loras, True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError("max_cpu_loras", f"{self.max_cpu_loras} is fewer than max_loras "
+                              f"({self.max_loras}): a step's adapters must all be loaded")
+        self.lora_modules = parse_lora_modules(self.lora_modules)
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
-                    "enable_multi_stream", "enforce_eager"):
+                    "enable_multi_stream", "enforce_eager", "enable_lora"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -485,6 +506,7 @@ class EngineArgs:
                 max_in_flight=self.max_num_queued_reqs,
                 max_prefill_backlog=self.max_num_queued_tokens,
                 long_prefill_cap=self.long_prefill_token_threshold,
+                max_loras=self.max_loras if self.enable_lora else 0,
                 async_scheduling=(self.async_scheduling if self.async_scheduling is not None
                                   else mp),
                 stream_interval=self.stream_interval),
@@ -502,7 +524,40 @@ class EngineArgs:
                   if self.dump_logits else None),
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
                           if self.enable_multi_stream else None),
-            kv_transfer=_kv_transfer(self.kv_transfer_config))
+            kv_transfer=_kv_transfer(self.kv_transfer_config),
+            lora=self._lora_config(hf))
+
+    def _lora_config(self, hf) -> Optional["LoRAConfig"]:
+        """The LoRA settings (None without enable_lora), checked against the rest of the
+        configuration and the model."""
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("lora_modules", "adapters are served with enable_lora "
+                                  "(--enable-lora)")
+            return None
+        from llm_serving.lora.peft import LORA_ARCHITECTURES
+        if hf.architecture not in LORA_ARCHITECTURES:
+            raise ConfigError("enable_lora", f"LoRA adapters are not supported for "
+                              f"{hf.architecture} (supported: {', '.join(LORA_ARCHITECTURES)})")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora", "LoRA adapters run on one WorkAgent: "
+                              f"tensor_parallel_size {self.tensor_parallel_size} is not "
+                              "supported with them")
+        if self.enable_multi_stream:
+            raise ConfigError("enable_lora", "LoRA adapters are not supported with "
+                              "enable_multi_stream")
+        if self.kv_transfer_config is not None:
+            raise ConfigError("enable_lora", "LoRA adapters are not supported with KV "
+                              "transfer (kv_transfer_config: PD disaggregation)")
+        from llm_serving.lora.peft import check_adapter
+        for name, path, _ in self.lora_modules or ():
+            try:                # a bad adapter stops the start, before the model loads
+                check_adapter(path, hf, self.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError("lora_modules", f"adapter {name!r}: {e}") from None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras or self.max_loras,
+                          modules=tuple(self.lora_modules or ()))
 
 
 # generation_config.json's keys that set a request's sampling defaults (vLLM's set) -> the
@@ -560,6 +615,42 @@ def generation_defaults(model: str, source: str, override: Optional[dict],
         logger.info("sampling defaults of requests that leave them out, from %s: %s (turn "
                     "them off with generation_config: vllm)",
                     "generation_config.json" if source == "auto" else source, out)
+    return out
+
+
+def parse_lora_modules(value) -> Optional[list]:
+    """``lora_modules`` as a list of (name, path, base_model_name) triples, from vLLM's forms:
+    'name=path' or a JSON object string (the command line), or mappings (YAML)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError("lora_modules", f"expected a list of name=path, got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, str) and "=" in item and "," not in item:
+            name, path = item.split("=", 1)
+            item = {"name": name, "path": path}
+        elif isinstance(item, str):
+            try:
+                item = json.loads(item)
+            except ValueError:
+                raise ConfigError("lora_modules", f"{item!r} is neither name=path nor a JSON "
+                                  "object") from None
+        if isinstance(item, (list, tuple)) and len(item) == 3:
+            item = dict(zip(("name", "path", "base_model_name"), item))
+        if not isinstance(item, dict) or not item.get("name") or not item.get("path"):
+            raise ConfigError("lora_modules", f"expected name=path or {{\"name\": ..., "
+                              f"\"path\": ...}}, got {item!r}")
+        unknown = sorted(set(item) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ConfigError("lora_modules", f"unknown field {unknown[0]!r} in {item!r}")
+        out.append((str(item["name"]), str(item["path"]), item.get("base_model_name")))
+    names = [m[0] for m in out]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ConfigError("lora_modules", f"adapter name {dup!r} is given twice")
     return out
 
 
@@ -621,6 +712,7 @@ class SchedulerConfig:
     max_in_flight: Optional[int] = None         # requests (n counts n) admitted at once
     max_prefill_backlog: Optional[int] = None   # prompt tokens of requests before their token
     long_prefill_cap: int = 0      # most prompt tokens per step for one of several prefills
+    max_loras: int = 0             # most LoRA adapters among the running sequences (0: off)
 
 
 @dataclass(frozen=True)
@@ -650,6 +742,16 @@ class ExecutionConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora: adapters a step may hold, their largest rank, how many a WorkAgent keeps
+    loaded, and the adapters served by name ((name, path, base_model_name) triples)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    modules: tuple = ()
+
+
+@dataclass(frozen=True)
 class DumpConfig:
     """--dump-logits: raw logits of every request saved at every ``every``-th position."""
     directory: str
@@ -667,6 +769,7 @@ class EngineConfig:
     dump: Optional[DumpConfig] = None
     multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
     kv_transfer: Optional[KVTransferConfig] = None     # PD disaggregation; None: off
+    lora: Optional[LoRAConfig] = None                  # LoRA adapters; None: off
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

@@ -397,7 +397,8 @@ def test_the_builtin_model_by_name(tmp_path, monkeypatch):
 
 def test_lora_request_none_is_taken_as_vllm_takes_it(tiny_llm):
     """vLLM scripts pass lora_request=None (no adapter), by name or 4th in vLLM's order; an
-    adapter is refused by name."""
+    adapter without enable_lora is refused naming lora_request (tests/test_lora.py serves
+    them)."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     plain = tiny_llm.generate("Hello", params)[0].outputs[0].token_ids
     assert tiny_llm.generate("Hello", params, lora_request=None)[0].outputs[0].token_ids == plain
@@ -414,5 +415,6 @@ def test_lora_request_none_is_taken_as_vllm_takes_it(tiny_llm):
     for call in (lambda: tiny_llm.generate("Hello", params, lora_request=object()),
                  lambda: tiny_llm.chat(chat, params, lora_request=object()),
                  lambda: eng.add_request("lora", "Hello", params, lora_request=object())):
-        with pytest.raises(ValueError, match="lora_request"):
+        with pytest.raises(ValueError, match="lora_request: LoRA adapters are served with "
+                                             "enable_lora"):
             call()

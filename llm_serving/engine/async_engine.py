@@ -170,6 +170,7 @@ class AsyncLLMEngine:
         if warm_up:
             self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
+        self.loras = self.engine.loras      # lora.registry.LoRARegistry; None: LoRA off
         self.limits = EngineLimits.of(self.engine.config,
                                       getattr(self.engine.runner, "device", None))
         self.default_sampling_params = dict(self.engine.config.model.default_sampling_params)
@@ -218,18 +219,19 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request=None) -> RequestStream:
         """Queue a request and return its stream of outputs (in ``params.output_kind``:
         DELTA gives the new token ids and text of each step).
 
         Raises ValueError for bad input, QueueFullError when the waiting queue is full, and
         EngineDeadError when the engine loop has stopped.
         """
-        return self.queue(await self.check_request(request_id, prompt, params, priority))
+        return self.queue(await self.check_request(request_id, prompt, params, priority,
+                                                   lora_request))
 
     async def check_request(self, request_id: str, prompt: PromptType,
                             params: Optional[SamplingParams] = None,
-                            priority: int = 0) -> NewRequest:
+                            priority: int = 0, lora_request=None) -> NewRequest:
         """``add_request``'s first half: every check of the request, and its tokens; nothing
         is queued (``queue`` does it). A consumer asks the producer for a first-D request's
         prefill in between, so a request it refuses costs the producer nothing."""
@@ -243,9 +245,10 @@ class AsyncLLMEngine:
             # Compiling a grammar can take a while (a large schema; llguidance's view of the
             # tokenizer, once): not on the event loop.
             new = await asyncio.to_thread(self.engine.process_request, prompt, params,
-                                          request_id, priority)
+                                          request_id, priority, None, lora_request)
         else:
-            new = self.engine.process_request(prompt, params, request_id, priority)
+            new = self.engine.process_request(prompt, params, request_id, priority,
+                                              lora_request=lora_request)
         self._check_admission(new)
         return new
 
@@ -312,9 +315,11 @@ class AsyncLLMEngine:
             raise RuntimeError("an AsyncLLMEngine serves one event loop")
 
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """vLLM's entry point: yields the request's outputs; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority,
+                                        lora_request)
         try:
             async for out in stream:
                 yield out

@@ -10,6 +10,10 @@ also match the block's tokens exactly and the cache entry its parent came from, 
 collision can never hand out wrong KV. A cached block nobody uses stays in the cache, on an
 LRU list, until a fresh block is needed and it is the least recently freed.
 
+The KV of a sequence run with a LoRA adapter is that adapter's: its chain starts from the
+adapter's id (in the first block's hash and in the parent checked on a hit), so blocks are
+shared only between sequences of the same adapter (vLLM puts the LoRA id in its block hash).
+
 Copy-on-write. The ``n`` sequences of one request share the prompt's blocks after the fork
 (reference counts > 1). Before a sequence writes into a block others still hold, it gets its
 own copy; the copy is returned as a (src, dst) pair for the model runner to perform.
@@ -29,6 +33,14 @@ from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.sequence import Sequence
 
 _ROOT_HASH = 0x6C6C6D5F73657276   # parent hash of block 0
+
+
+def _root(seq: Sequence) -> tuple[int, Optional[int]]:
+    """The parent hash and parent entry of a sequence's block 0: its adapter's (uids of
+    entries are positive, so -lora_id never names one)."""
+    if not seq.lora_id:
+        return _ROOT_HASH, None
+    return hash((_ROOT_HASH, seq.lora_id)), -seq.lora_id
 
 
 class BlockManager:
@@ -140,7 +152,7 @@ class BlockManager:
     # ---- admitting a waiting sequence -----------------------------------------------------
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs, hashes = self.block_size, seq.block_hashes
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else _root(seq)[0]
         for i in range(len(hashes), num_full_blocks):
             parent = hash((parent, tuple(seq.token_ids(i * bs, (i + 1) * bs))))
             hashes.append(parent)
@@ -161,7 +173,7 @@ class BlockManager:
             limit = min(limit, (len(scored) - 1) // bs)
         self._ensure_hashes(seq, limit)
         matched: list[int] = []
-        parent_uid = None
+        parent_uid = _root(seq)[1]
         for i in range(limit):
             block = self.cache.get(seq.block_hashes[i])
             if (block is None or self.block_parent_uid[block] != parent_uid
@@ -204,7 +216,7 @@ class BlockManager:
             return
         self._ensure_hashes(seq, full)
         for i in range(len(uids), full):
-            parent_uid = uids[i - 1] if i else None
+            parent_uid = uids[i - 1] if i else _root(seq)[1]
             if i and parent_uid is None:        # the chain above is not cached
                 uids.append(None)
                 continue

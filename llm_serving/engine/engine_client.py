@@ -58,6 +58,8 @@ class RequestStream(Protocol):
 
 class EngineClient(Protocol):
     tokenizer: "Tokenizer"
+    # The LoRA adapters served by name (lora.registry.LoRARegistry); None without enable_lora
+    loras: object
     limits: EngineLimits
     # Sampling defaults of OpenAI requests that leave a field out (EngineArgs.generation_config)
     default_sampling_params: dict
@@ -68,13 +70,14 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: Optional[SamplingParams] = None,
-                          priority: int = 0) -> RequestStream:
-        """Queue a request; its outputs come on the stream. Raises ValueError (bad input),
+                          priority: int = 0, lora_request=None) -> RequestStream:
+        """Queue a request (``lora_request``: the LoRARequest of the adapter it runs with);
+        its outputs come on the stream. Raises ValueError (bad input),
         QueueFullError, EngineDeadError, ShuttingDownError (after ``abort_all``)."""
 
     async def check_request(self, request_id: str, prompt: PromptType,
                             params: Optional[SamplingParams] = None,
-                            priority: int = 0) -> "NewRequest":
+                            priority: int = 0, lora_request=None) -> "NewRequest":
         """``add_request`` without queueing: every check, and the tokens (same errors)."""
 
     def queue(self, new: "NewRequest", kv_transfer_params=...) -> RequestStream:
@@ -82,7 +85,8 @@ class EngineClient(Protocol):
         replace its own (a first-D request's producer answer, checked here)."""
 
     def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
-                 request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 request_id: str, priority: int = 0,
+                 lora_request=None) -> AsyncIterator[RequestOutput]:
         """vLLM's entry point: the request's outputs; leaving early aborts it."""
 
     def abort(self, request_id: str) -> None: ...

@@ -9,6 +9,7 @@ scheduling, where the previous step's samples go. It reads the sequences and cha
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,8 +88,18 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
         _sampling_batch(sampled, eos_token_ids, constraints) if sampled else None,
         swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
-        **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens))
+        **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens), **_lora_fields(seqs))
     return built
+
+
+def _lora_fields(seqs: list[Sequence]) -> dict:
+    """The StepInput fields of the sequences' LoRA adapters (none when no sequence has one)."""
+    paths = {s.lora_id: s.lora_path for s in seqs if s.lora_id}
+    if not paths:
+        return {}
+    meta = json.dumps({str(i): p for i, p in paths.items()}, ensure_ascii=False).encode()
+    return dict(lora_ids=np.fromiter((s.lora_id for s in seqs), np.int32, len(seqs)),
+                lora_paths=np.frombuffer(meta, np.uint8).copy())
 
 
 def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from llm_serving.config import EngineConfig
+from llm_serving.lora.request import LoRARequest
 from llm_serving.sampling_params import SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
@@ -44,11 +45,14 @@ class NewRequest:
     max_tokens: int           # resolved: what fits in max_model_len
     priority: int
     arrival_time: float
+    lora: Optional["LoRARequest"] = None     # its adapter (None: the base model)
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, constraints=None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, constraints=None,
+                 loras=None):
         self.tokenizer = tokenizer
+        self.loras = loras                  # lora.registry.LoRARegistry; None: LoRA off
         self.constraints = constraints      # engine.constraints.Constraints
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
@@ -63,7 +67,8 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                 request_id: Optional[str] = None, priority: int = 0,
-                arrival_time: Optional[float] = None) -> NewRequest:
+                arrival_time: Optional[float] = None,
+                lora_request: Optional[LoRARequest] = None) -> NewRequest:
         """``max_tokens`` is lowered to what fits in max_model_len after the prompt (vLLM's
         rule, and llm-serving's cap on prompt + output)."""
         params = params or SamplingParams()
@@ -85,6 +90,11 @@ class InputProcessor:
                                  f"max_logprobs ({self.max_logprobs})")
         if params.kv_transfer_params is not None:
             self.check_kv_transfer(params.kv_transfer_params)
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("lora_request: LoRA adapters are served with "
+                                 "enable_lora=True (--enable-lora)")
+            self.loras.check(lora_request)
         if self.constraints is not None and (params.constrained or params.logit_bias):
             self.constraints.prepare(params)
         text, ids = self._tokenize(prompt)
@@ -96,7 +106,8 @@ class InputProcessor:
                              f"{self.max_model_len}, leaving no room to generate")
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
-                          time.time() if arrival_time is None else arrival_time)
+                          time.time() if arrival_time is None else arrival_time,
+                          lora_request)
 
     def check_kv_transfer(self, p: dict) -> None:
         """``kv_transfer_params`` this instance can take (ValueError naming the field)."""

@@ -26,6 +26,7 @@ from typing import Optional, Union
 import numpy as np
 
 from llm_serving.config import EngineArgs, EngineConfig
+from llm_serving.errors import ConfigError
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.constraints import Constraints
 from llm_serving.engine.input_builder import block_pairs, build_step_input
@@ -48,6 +49,18 @@ _EMPTY = np.zeros(0, np.int32)
 _KV_POLL_S = 0.002      # between polls of KV transfers when nothing else runs
 
 
+def _lora_registry(config: EngineConfig):
+    """The adapters the engine serves (enable_lora), ``lora_modules``' checked now, before
+    the model loads; None without LoRA."""
+    if config.lora is None:
+        return None
+    from llm_serving.lora.registry import LoRARegistry
+    try:
+        return LoRARegistry(config.lora, config.model.hf)
+    except ValueError as e:
+        raise ConfigError("lora_modules", str(e)) from None
+
+
 def create_executor(config: EngineConfig, cancel: Optional[threading.Event] = None):
     """The model runner in this process ("uni"), or WorkAgent processes ("mp"); both have
     ``submit``/``collect``, ``execute`` and ``move_blocks``. ``cancel``: once set, WorkAgents
@@ -67,13 +80,15 @@ class LLMEngine:
         self.model_config = config.model.hf
         self.max_model_len = config.model.max_model_len
         self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+        self.loras = _lora_registry(config)     # None unless enable_lora
         # Set when stopping: a replacement WorkAgent still loading or warming up is given up.
         self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
         self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.constraints = Constraints(self.tokenizer, config.model.vocab_size)
-        self.input_processor = InputProcessor(config, self.tokenizer, self.constraints)
+        self.input_processor = InputProcessor(config, self.tokenizer, self.constraints,
+                                              self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
                                                 self.max_model_len)
         self.dumper = LogitsDumper(config.dump) if config.dump else None
@@ -104,17 +119,19 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, priority: int = 0,
-                    arrival_time: Optional[float] = None) -> str:
+                    arrival_time: Optional[float] = None, lora_request=None) -> str:
         """Queue a request. Raises ValueError for bad input, QueueFullError when full."""
         return self.add_processed(self.process_request(prompt, params, request_id, priority,
-                                                       arrival_time))
+                                                       arrival_time, lora_request))
 
     def process_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                         request_id: Optional[str] = None, priority: int = 0,
-                        arrival_time: Optional[float] = None) -> NewRequest:
-        """Check and tokenize a request without touching the engine's state (any thread)."""
+                        arrival_time: Optional[float] = None,
+                        lora_request=None) -> NewRequest:
+        """Check and tokenize a request without touching the engine's state (any thread).
+        ``lora_request``: the ``LoRARequest`` of the adapter it runs with (enable_lora)."""
         return self.input_processor.process(prompt, params, request_id, priority,
-                                            arrival_time)
+                                            arrival_time, lora_request)
 
     def add_processed(self, new: NewRequest) -> str:
         """Queue a checked request (from ``process_request``)."""

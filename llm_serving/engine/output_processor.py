@@ -105,6 +105,8 @@ class OutputProcessor:
                 p.seed = params.seed + i
             seq = Sequence(new.request_id, i, new.prompt, ids, p, new.max_tokens, new.priority,
                            arrival_order, new.arrival_time)
+            if new.lora is not None:
+                seq.lora_id, seq.lora_path = new.lora.lora_int_id, new.lora.lora_path
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
                 stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,

@@ -17,6 +17,10 @@ With ``long_prefill_cap`` (vLLM's long_prefill_token_threshold), a prefill chunk
 that many tokens while other requests are in the queues, so one long prompt does not take
 the whole budget from the prompts behind it.
 
+With LoRA (``max_loras``), the running sequences use at most that many adapters: a waiting
+or swapped sequence of another adapter waits at the head of its queue until one of them is no
+longer running.
+
 Queues are kept sorted by rank: (priority, arrival) under "priority", arrival under "fcfs".
 """
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Scheduler:
         self.max_waiting = config.max_waiting
         self.queue_timeout = config.queue_timeout
         self.long_prefill_cap = config.long_prefill_cap
+        self.max_loras = config.max_loras
         self.clock = clock
         self._rank = ((lambda s: s.order_key) if self.policy == "priority"
                       else (lambda s: s.order_key[1:]))
@@ -109,6 +114,14 @@ class Scheduler:
         and the children reserved for them take slots)."""
         taken = len(self.running) + self.num_reserved
         return taken + 1 + len(seq.pending_children) <= self.max_num_seqs
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may run beside the running sequences: no adapter, or one of
+        theirs, or room for one more adapter (``max_loras``)."""
+        if not seq.lora_id:
+            return True
+        running = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id in running or len(running) < self.max_loras
 
     def _enter_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -190,7 +203,7 @@ class Scheduler:
         seq = self.swapped[0]
         if seq.tokens_in_flight:        # its last token is in flight: next step
             return False
-        if not self._has_slots_for(seq):
+        if not self._has_slots_for(seq) or not self._lora_fits(seq):
             return False
         n = min(seq.num_uncomputed_tokens, budget)
         if not self.block_manager.can_swap_in(seq, n, keep_watermark=bool(self.running)):
@@ -208,6 +221,8 @@ class Scheduler:
             return False
         if seq.block_table:             # its remote KV arrived: compute the rest
             return self._admit_loaded(out, budget, now)
+        if not self._lora_fits(seq):
+            return False
         matched = bm.match_prefix(seq)
         if self.remote is not None and self.remote.wants_load(seq):
             ext = self.remote.num_external_tokens(seq, len(matched) * bm.block_size)

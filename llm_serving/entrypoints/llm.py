@@ -16,8 +16,9 @@ from llm_serving.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
-from llm_serving.entrypoints.vllm_engine import VllmLLMEngine, refuse_lora
+from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
+from llm_serving.lora.request import LoRARequest
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -60,12 +61,18 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, lora_request=None,
+                 use_tqdm: bool = False,
+                 lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
                  priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
-        """vLLM's arguments in vLLM's order; ``lora_request`` only as None (no adapter)."""
-        refuse_lora(lora_request)
+        """vLLM's arguments in vLLM's order. ``lora_request``: the adapter every prompt runs
+        with, or a list with one per prompt (None: the base model; needs enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(prompts)
+        elif len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} "
+                             "lora requests")
         if isinstance(priority, int):
             priority = [priority] * len(prompts)      # one for every prompt, as vLLM's
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -88,7 +95,8 @@ class LLM:
         # (max_waiting_requests, the server's bound) has room, so any number can be given.
         news = [self.engine.process_request(prompt, final[id(params)],
                                             request_id=f"llm-{id(self)}-{i}",
-                                            priority=priority[i] if priority else 0)
+                                            priority=priority[i] if priority else 0,
+                                            lora_request=lora_request[i])
                 for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
         return self._run(news, use_tqdm)
 
@@ -103,8 +111,7 @@ class LLM:
         vLLM's arguments in vLLM's order. A message's content may be a string or OpenAI's list
         of text parts (joined with newlines); ``tools`` and ``chat_template_kwargs`` go to the
         chat template; ``continue_final_message`` carries on the last message instead of
-        starting a new turn."""
-        refuse_lora(lora_request)
+        starting a new turn. ``lora_request`` as ``generate``'s."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")

@@ -58,13 +58,6 @@ class VllmModelConfig:
                              f"{name!r} is not provided by llm_serving")
 
 
-def refuse_lora(lora_request) -> None:
-    """vLLM scripts pass ``lora_request=None`` for no adapter; an adapter is refused by name."""
-    if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not supported by llm_serving "
-                         "(pass None)")
-
-
 class VllmLLMEngine:
     """``llm.llm_engine``: vLLM's LLMEngine methods and fields that this engine has."""
 
@@ -81,9 +74,9 @@ class VllmLLMEngine:
                     arrival_time: Optional[float] = None, lora_request=None,
                     priority: int = 0) -> str:
         """vLLM's argument order: the id first. Outputs come from step()."""
-        refuse_lora(lora_request)
         return self._engine.add_request(prompt, params, request_id=str(request_id),
-                                        priority=priority, arrival_time=arrival_time)
+                                        priority=priority, arrival_time=arrival_time,
+                                        lora_request=lora_request)
 
     def abort_request(self, request_ids) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -99,7 +99,7 @@ class MultiprocExecutor:
             in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, s.max_num_seqs,
                                              config.model.max_model_len, c.block_size,
                                              c.num_blocks, config.model.vocab_size,
-                                             _kv_meta_bytes(config))
+                                             _kv_meta_bytes(config) + _lora_bytes(config))
             out_bytes = ch.result_channel_bytes(
                 s.max_num_seqs, config.model.max_logprobs,
                 dump_vocab=config.model.vocab_size if config.dump else 0,
@@ -340,6 +340,14 @@ def _kv_meta_bytes(config: EngineConfig) -> int:
         return 0
     from llm_serving.distributed.kv_transfer.base import MAX_METADATA_BYTES
     return MAX_METADATA_BYTES
+
+
+def _lora_bytes(config: EngineConfig) -> int:
+    """A step's LoRA fields at most: an adapter id per sequence, and max_loras paths (of at
+    most PATH_MAX bytes, each byte at most 6 in JSON) with their ids."""
+    if config.lora is None:
+        return 0
+    return 4 * config.scheduler.max_num_seqs + config.lora.max_loras * (6 * 4096 + 32)
 
 
 def _shm_allreduce_segment(config: EngineConfig, device: str, segments: list) -> dict:

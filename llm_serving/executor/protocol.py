@@ -229,6 +229,11 @@ class StepInput:
     # the previous step's samples. The master computes it while this step's forward runs and
     # sends it after ``submit`` (``send_mask``); the runner waits for it before sampling.
     mask_after_forward: int = 0
+    # LoRA: each sequence's adapter id (int32 [S], 0 = the base model; empty when no sequence
+    # has one), and the step's adapters' directories, uint8 JSON {id: path} (at most
+    # max_loras entries), for the WorkAgent to load an adapter it does not hold.
+    lora_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    lora_paths: np.ndarray = field(default_factory=lambda: _NO_BYTES)
 
 
 def array_fields(cls) -> tuple[str, ...]:

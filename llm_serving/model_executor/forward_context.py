@@ -1,7 +1,8 @@
 """The per-step forward context: what attention needs that model code should not see.
 
 The model runner sets it around each forward pass; attention layers read their KV cache and
-the batch's attention metadata from it by layer index. Model code never sees block tables,
+the batch's attention metadata from it by layer index, and linear layers the step's LoRA
+adapters and their rows (``model_executor/lora.py``). Model code never sees block tables,
 slot mappings or caches: its layers take tensors and return tensors.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ class ForwardContext:
     # backend that prepares each micro-batch's metadata (multistream/layers.py).
     ms_split: int = 0
     backend: Any = None
+    # LoRA: the step's adapters and their token rows (lora.StepLoRA); None: no row has one.
+    lora: Any = None
 
 
 _forward_context: Optional[ForwardContext] = None
@@ -31,6 +34,11 @@ def get_forward_context() -> ForwardContext:
     if _forward_context is None:
         raise RuntimeError("no forward context is set: run the model through the model runner")
     return _forward_context
+
+
+def current_lora():
+    """The running step's LoRA rows (``lora.StepLoRA``), or None (none, or no step)."""
+    return _forward_context.lora if _forward_context is not None else None
 
 
 @contextmanager

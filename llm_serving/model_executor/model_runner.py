@@ -86,6 +86,10 @@ class ModelRunner:
             use_bf16_weights(self.model)    # linear weights stored bf16, activations fp32
         self.model.load_weights(iter_weights(m.path, checkpoint=m.checkpoint))
         _return_freed_memory()
+        self.loras = None           # LoRA adapters (model_executor/lora.py), enable_lora
+        if config.lora is not None:
+            from llm_serving.model_executor.lora import LoRAModels
+            self.loras = LoRAModels(self.model, config.lora, c)
         self.block_size = block_size = cache.block_size
         self.num_blocks = num_blocks = cache.num_blocks
         num_cpu_blocks = cache.num_cpu_blocks
@@ -149,13 +153,15 @@ class ModelRunner:
         md = AttentionMetadata(step.slot_mapping, step.block_tables, step.query_start_loc,
                                step.seq_lens, self.block_size)
         split = int(np.ravel(step.ms_split)[0])     # an int in process, an array from shm
-        return self._hidden(Tensor(step.input_ids), Tensor(step.positions), md, split)
+        lora = (self.loras.for_step(step.lora_ids, step.lora_paths, step.query_start_loc)
+                if self.loras is not None else None)
+        return self._hidden(Tensor(step.input_ids), Tensor(step.positions), md, split, lora)
 
     def _hidden(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata,
-                split: int = 0):
+                split: int = 0, lora=None):
         md = self.backend.prepare(md)
         with set_forward_context(ForwardContext(md, self.kv_caches, input_ids.shape[0],
-                                                split, self.backend)):
+                                                split, self.backend, lora)):
             return self.model(input_ids, positions)
 
     def _forward_logits(self, input_ids, positions, slot_mapping, block_tables,
@@ -168,9 +174,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _graph_logits(self, step: StepInput, rows: np.ndarray) -> Optional[np.ndarray]:
-        """The step's logits from a replayed capture, or None: run it eagerly."""
+        """The step's logits from a replayed capture, or None: run it eagerly (also a step
+        with a LoRA row: a capture holds the base model's kernel calls only)."""
         if (self.graphs is None or len(step.prompt_lp_rows) or int(np.ravel(step.ms_split)[0])
-                or not self.graphs.replayable(step)):
+                or len(step.lora_ids) or not self.graphs.replayable(step)):
             return None
         return self.graphs.logits(step, rows)
 

@@ -29,6 +29,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor import cpu_graph
+from llm_serving.model_executor.forward_context import current_lora
 from llm_serving.model_executor.host_memory import WEIGHTS
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
@@ -100,6 +101,15 @@ class Linear(CustomOp):
         self.gemm_call = LinearCall(self.output_sizes if split_output else [out])
         # Row-parallel outputs are partial sums: all-reduce them, then add the bias once.
         self.reduce = parallel == "row" and tp_size > 1 and reduce_results
+        # LoRA: the layer's name among the model's, set by lora.LoRAModels (None: no LoRA).
+        self.lora_name = None
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        if self.lora_name is None:
+            return y
+        lora = current_lora()       # the step's adapters add their products to their rows
+        return y if lora is None else lora.apply(self, x, y)
 
     def _zero_weight(self, dtype) -> Parameter:
         """A zero weight Parameter in the layout the layer computes with."""
