@@ -78,11 +78,22 @@ class ServerState:
             raise ShuttingDown()
         return self.engine
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name not in self.model_names():
+    def check_model(self, name: Optional[str]):
+        """The LoRARequest of the adapter served as model ``name``, None for the base model;
+        a 404 for a name this server does not serve."""
+        if name is None or name in self.model_names():
+            return None
+        loras = self.engine.loras if self.engine is not None else None
+        lora = loras.find(name) if loras is not None else None
+        if lora is None:
             raise HTTPError(404, f"model {name!r} does not exist; this server serves "
                             f"{self.served_model_name!r}", param="model",
                             kind="not_found_error")
+        return lora
+
+    def model_name(self, lora) -> str:
+        """The model name answers carry: the adapter's for a request run with one."""
+        return lora.lora_name if lora is not None else self.served_model_name
 
 
 def server_state(request: Request) -> ServerState:

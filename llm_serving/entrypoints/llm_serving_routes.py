@@ -146,11 +146,15 @@ def _line(obj: dict, protocol: str) -> bytes:
 async def _start(request: Request, model: str, req: GenerateRequest):
     unread_offers.hold(request, req.parameters.kv_transfer_params)
     state: ServerState = request.app.state.server
+    lora = None
     if model not in LLM_SERVING_MODELS and model != state.served_model_name:
-        raise HTTPError(404, f"model {model!r} does not exist; this server serves "
-                        f"{state.served_model_name!r} (also reachable as 'llama2' or "
-                        "'internlm')",
-                        param="model", kind="not_found_error")
+        try:
+            lora = state.check_model(model)         # an adapter served by name
+        except HTTPError:
+            raise HTTPError(404, f"model {model!r} does not exist; this server serves "
+                            f"{state.served_model_name!r} (also reachable as 'llama2' or "
+                            "'internlm')",
+                            param="model", kind="not_found_error") from None
     engine = state.require_engine()
     refuse_unsupported(req.parameters, req.parameters.REFUSED, "parameters.")
     try:
@@ -160,7 +164,7 @@ async def _start(request: Request, model: str, req: GenerateRequest):
         # max_generate_length, its cap on prompt + output ("length")
         prompt = llm_serving_prompt(state.served_model_name, req.inputs)
         log_arrival(state, rid, [prompt], params)
-        new = await engine.check_request(rid, prompt, params)
+        new = await engine.check_request(rid, prompt, params, lora_request=lora)
     except Exception as e:
         raise _own_names(translate_error(e)) from None
     # first D, then P: ask P now that every check here has passed

@@ -58,7 +58,7 @@ def _check_fields(req) -> None:
 
 
 async def start_requests(request: Request, rid: str, resp_id: str, prompts: list, params,
-                         priority: int, grammar_field: Optional[str] = None):
+                         priority: int, grammar_field: Optional[str] = None, lora=None):
     """Queue one engine request per prompt (``rid``-i); all or none. ``resp_id``: the
     response's id, which the request log names at arrival as at the end (vLLM's logs name
     the id the client sent in X-Request-Id). ``grammar_field``: the request field
@@ -91,7 +91,7 @@ async def start_requests(request: Request, rid: str, resp_id: str, prompts: list
                         f"bound is {MAX_LOGPROB_ENTRIES}; ask for fewer", param="logprobs")
     log_arrival(server_state(request), resp_id, prompts, params)
     try:
-        news = [await engine.check_request(f"{rid}-{i}", prompt, params, priority)
+        news = [await engine.check_request(f"{rid}-{i}", prompt, params, priority, lora)
                 for i, prompt in enumerate(prompts)]
     except Exception as e:
         raise grammar_named(translate_error(e), grammar_field) from None
@@ -205,7 +205,8 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
 
 
 async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts: list,
-                              params: BeamSearchParams, priority: int) -> tuple[dict, int]:
+                              params: BeamSearchParams, priority: int,
+                              lora=None) -> tuple[dict, int]:
     """use_beam_search: collect_choices' answer (choice prompt * n + beam, best first) from
     a beam search of each prompt, run one token a step for every live beam of every prompt
     (entrypoints/beam_search.py). A client that leaves aborts the step's requests (499)."""
@@ -220,8 +221,8 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
     searches = []
     try:
         for i, prompt in enumerate(prompts):     # the prompts' tokens, checked as any prompt's
-            ids = (await engine.check_request(f"{rid}-{i}", prompt, step,
-                                              priority)).prompt_token_ids
+            ids = (await engine.check_request(f"{rid}-{i}", prompt, step, priority,
+                                              lora)).prompt_token_ids
             searches.append(BeamSearch(ids, params, engine.tokenizer.eos_token_id,
                                        engine.limits.max_model_len))
     except ValueError as e:
@@ -242,7 +243,7 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
                 for beam in s.beams:
                     new = await engine.check_request(f"{rid}-{k}-{len(streams)}",
                                                      {"prompt_token_ids": beam.tokens}, step,
-                                                     priority)
+                                                     priority, lora)
                     streams.append(engine.queue(new))
         except Exception as e:
             for stream in streams:
@@ -399,7 +400,7 @@ def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) ->
 async def completions(req: CompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
     state = server_state(request)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     _check_fields(req)
     if req.suffix:
         raise HTTPError(400, "suffix is not supported", param="suffix")
@@ -432,8 +433,8 @@ async def completions(req: CompletionRequest, request: Request):
     rid, resp_id = request_ids(request, "cmpl")
     grammar_field = req.structured_field()
     streams = None if beam else await start_requests(request, rid, resp_id, prompts, params,
-                                                     req.priority, grammar_field)
-    created, model = int(time.time()), state.served_model_name
+                                                     req.priority, grammar_field, lora)
+    created, model = int(time.time()), state.model_name(lora)
     n = req.n
     t0 = time.perf_counter()
 
@@ -498,7 +499,7 @@ async def completions(req: CompletionRequest, request: Request):
     cached: dict = {}
     if beam:
         choices, prompt_tokens = await beam_search_choices(request, rid, resp_id, prompts, beam,
-                                                           req.priority)
+                                                           req.priority, lora)
     else:
         choices, prompt_tokens = await collect_choices(request, streams, n, echo, extra,
                                                        grammar_field, cached)
@@ -552,7 +553,7 @@ def chat_logprobs(entries, top: int, as_ids: bool = False) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
     state = server_state(request)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     _check_fields(req)
     engine = state.require_engine()
     args = state.engine_args
@@ -618,8 +619,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     grammar_field = "tools" if forced else req.structured_field()
     prompt = {"prompt": text, "prompt_token_ids": ids}
     streams = None if beam else await start_requests(request, rid, resp_id, [prompt], params,
-                                                     req.priority, grammar_field)
-    created, model = int(time.time()), state.served_model_name
+                                                     req.priority, grammar_field, lora)
+    created, model = int(time.time()), state.model_name(lora)
     t0 = time.perf_counter()
 
     if req.stream:
@@ -720,7 +721,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     cached = {}
     if beam:
         choices, _ = await beam_search_choices(request, rid, resp_id, [prompt], beam,
-                                               req.priority)
+                                               req.priority, lora)
     else:
         choices, _ = await collect_choices(request, streams, req.n, extra=extra,
                                            grammar_field=grammar_field, cached=cached)
@@ -831,11 +832,18 @@ def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: 
 @router.get("/v1/models")
 async def models(request: Request):
     state = server_state(request)
-    max_len = state.require_engine().limits.max_model_len     # 503 while loading
-    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model",
-                                        "created": int(state.started), "owned_by": "llm_serving",
-                                        "root": state.engine_args.model,
-                                        "max_model_len": max_len}]}
+    engine = state.require_engine()                           # 503 while loading
+    max_len = engine.limits.max_model_len
+    card = {"object": "model", "created": int(state.started), "owned_by": "llm_serving",
+            "max_model_len": max_len}
+    # as vLLM: the base model, then each adapter served by name, its parent the base model
+    data = [{"id": state.served_model_name, **card, "root": state.engine_args.model,
+             "parent": None}]
+    if engine.loras is not None:
+        data += [{"id": name, **card, "root": lora.lora_path,
+                  "parent": lora.base_model_name or state.served_model_name}
+                 for name, lora in sorted(engine.loras.served.items())]
+    return {"object": "list", "data": data}
 
 
 @router.post("/tokenize")

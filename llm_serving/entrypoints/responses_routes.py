@@ -80,7 +80,7 @@ def _usage(prompt_tokens: int, output_tokens: int, cached: int, thought: int = 0
 async def create_response(req: ResponsesRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
     state = server_state(request)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     _check_fields(req)
     engine = state.require_engine()
     args = state.engine_args
@@ -148,7 +148,7 @@ async def create_response(req: ResponsesRequest, request: Request):
         return chat_logprobs(entries, top or 0, as_ids)["content"]
     streams = await start_requests(request, engine_request_id(resp_id), resp_id,
                                    [{"prompt": text, "prompt_token_ids": ids}], params,
-                                   req.priority, grammar_field)
+                                   req.priority, grammar_field, lora)
     created = int(time.time())
     t0 = time.perf_counter()
 
@@ -158,7 +158,7 @@ async def create_response(req: ResponsesRequest, request: Request):
                 "incomplete_details": ({"reason": "max_output_tokens"}
                                        if status == "incomplete" else None),
                 "instructions": req.instructions, "metadata": req.metadata,
-                "model": state.served_model_name, "object": "response", "output": output,
+                "model": state.model_name(lora), "object": "response", "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "temperature": params.temperature, "tool_choice": req.echoed_tool_choice(),
                 "tools": req.tools or [],
