@@ -185,8 +185,8 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import (llm_serving_routes, openai_routes, remote_prefill,
-                                         responses_routes, unread_offers)
+    from llm_serving.entrypoints import (llm_serving_routes, lora_routes, openai_routes,
+                                         remote_prefill, responses_routes, unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
 
     @asynccontextmanager
@@ -321,6 +321,11 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)
+    if lora_routes.runtime_lora_updating():
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
+                       "(%s). This should ONLY be used for local development!",
+                       lora_routes.RUNTIME_LORA_ENV)
+        app.include_router(lora_routes.router)
     if state.api_keys:
         app.add_middleware(_ApiKey, keys=state.api_keys)
     app.add_middleware(_RequestLimits, limit=MAX_BODY_BYTES,

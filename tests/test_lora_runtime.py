@@ -1,0 +1,103 @@
+"""vLLM's run-time adapter routes: with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true,
+/v1/load_lora_adapter serves an adapter by name (the next request with that model runs with
+it), load_inplace replaces it, /v1/unload_lora_adapter stops serving it; bad requests are
+4xx naming the field. Without the variable the routes do not exist, as in vLLM."""
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import requests
+
+from lora_adapters import hf_logits_and_greedy, make_adapter, merged_hf_model
+from test_http_server import stop_server
+from test_lora_server import serve
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+NEW = 12
+PROMPT = np.random.default_rng(12).integers(3, 1024, 20).tolist()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime-adapters")
+    return {"c": make_adapter(str(root / "c"), tiny_model_dir, r=8, alpha=16, seed=21),
+            "d": make_adapter(str(root / "d"), tiny_model_dir, r=4, alpha=4, seed=22,
+                              targets=("o_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, adapters):
+    return {name: hf_logits_and_greedy(merged_hf_model(tiny_model_dir, path), PROMPT, NEW)[1]
+            for name, path in adapters.items()}
+
+
+@pytest.fixture(scope="module")
+def runtime_server(tiny_model_dir):
+    proc, url = serve(tiny_model_dir, "--served-model-name", "tiny", "--enable-lora",
+                      env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    try:
+        yield url
+    finally:
+        assert stop_server(proc) == 0
+
+
+def _tokens(url, model):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    logprobs=0, extra_body={"return_tokens_as_token_ids": True,
+                                                            "min_tokens": NEW})
+    return [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
+
+
+def _post(url, route, **body):
+    return requests.post(f"{url}/v1/{route}", json=body, timeout=60)
+
+
+def test_load_use_replace_unload(runtime_server, adapters, reference):
+    url = runtime_server
+    r = _post(url, "load_lora_adapter", lora_name="c", lora_path=adapters["c"])
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'c' added successfully."
+    models = requests.get(url + "/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("c", "tiny")]
+    assert _tokens(url, "c") == reference["c"]
+    # a name in use needs load_inplace
+    r = _post(url, "load_lora_adapter", lora_name="c", lora_path=adapters["d"])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert "already been loaded" in r.json()["error"]["message"]
+    r = _post(url, "load_lora_adapter", lora_name="c", lora_path=adapters["d"],
+              load_inplace=True)
+    assert r.status_code == 200
+    assert _tokens(url, "c") == reference["d"]          # not c's cached KV
+    r = _post(url, "unload_lora_adapter", lora_name="c")
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'c' removed successfully."
+    with pytest.raises(openai.NotFoundError):
+        _tokens(url, "c")
+    r = _post(url, "unload_lora_adapter", lora_name="c")
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+
+
+def test_bad_loads_are_refused_naming_the_field(runtime_server, tiny_model_dir, tmp_path):
+    url = runtime_server
+    r = _post(url, "load_lora_adapter", lora_name="x", lora_path=str(tmp_path / "none"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert "not a directory" in r.json()["error"]["message"]
+    big = make_adapter(str(tmp_path / "big"), tiny_model_dir, r=32, seed=23)
+    r = _post(url, "load_lora_adapter", lora_name="big", lora_path=big)
+    assert r.status_code == 400 and "greater than max_lora_rank 16" in r.json()["error"]["message"]
+    r = _post(url, "load_lora_adapter", lora_name="tiny", lora_path=big)
+    assert r.status_code == 400 and "conflicts with a served base model" in r.text
+    r = _post(url, "load_lora_adapter", lora_name="", lora_path=big)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert "x" not in [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]]
+
+
+def test_routes_need_the_variable(tiny_model_dir, adapters):
+    proc, url = serve(tiny_model_dir, "--enable-lora")
+    try:
+        r = _post(url, "load_lora_adapter", lora_name="c", lora_path=adapters["c"])
+        assert r.status_code == 404
+    finally:
+        assert stop_server(proc) == 0
