@@ -212,3 +212,22 @@ def test_preempted_adapter_requests_resume_with_their_adapter(tiny_model_dir, ad
     out = llm.generate({"prompt_token_ids": prompts[1]}, two,
                        lora_request=_req(adapters, "b"))[0]
     assert [o.token_ids for o in out.outputs] == [reference["b"][1][1]] * 2
+
+
+def test_requests_behind_an_adapter_waiting_for_a_slot_go_ahead(tiny_model_dir, adapters,
+                                                                prompts, reference):
+    """max_loras 1, a running: b waits for the adapter slot, and the base request and the
+    second a request queued behind b start at once (as vLLM passes b over); b runs once a
+    is done, and every answer is its own."""
+    llm = LLM(tiny_model_dir, num_blocks=256, enable_lora=True, max_loras=1)
+    eng, names = llm.engine, ["a", "b", None, "a"]
+    rids = [eng.add_request({"prompt_token_ids": prompts[1]}, GREEDY,
+                            lora_request=_req(adapters, n)) for n in names]
+    done = {o.request_id: o for o in eng.step() if o.finished}
+    running = {s.request_id for s in eng.scheduler.running}
+    assert running == {rids[0], rids[2], rids[3]}
+    assert [s.request_id for s in eng.scheduler.waiting] == [rids[1]]
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    for rid, name in zip(rids, names):
+        assert done[rid].outputs[0].token_ids == reference[name][1][1], name

@@ -18,8 +18,9 @@ that many tokens while other requests are in the queues, so one long prompt does
 the whole budget from the prompts behind it.
 
 With LoRA (``max_loras``), the running sequences use at most that many adapters: a waiting
-or swapped sequence of another adapter waits at the head of its queue until one of them is no
-longer running.
+sequence of another adapter is passed over (the next one that may run is admitted, as vLLM
+skips it) until one of them is no longer running; a swapped one waits at the head of its
+queue.
 
 Queues are kept sorted by rank: (priority, arrival) under "priority", arrival under "fcfs".
 """
@@ -123,6 +124,17 @@ class Scheduler:
         running = {s.lora_id for s in self.running if s.lora_id}
         return seq.lora_id in running or len(running) < self.max_loras
 
+    def _next_waiting(self) -> int:
+        """The index of the waiting sequence to admit next: the head, or with LoRA the first
+        one whose adapter may run now; -1 when none may."""
+        head = self.waiting[0]
+        if not head.lora_id or self._lora_fits(head):
+            return 0
+        running = {s.lora_id for s in self.running if s.lora_id}
+        room = len(running) < self.max_loras
+        return next((i for i, s in enumerate(self.waiting)
+                     if not s.lora_id or s.lora_id in running or room), -1)
+
     def _enter_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.num_reserved += len(seq.pending_children)
@@ -216,13 +228,14 @@ class Scheduler:
 
     def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> bool:
         bm = self.block_manager
-        seq = self.waiting[0]
+        i = self._next_waiting()
+        if i < 0:
+            return False
+        seq = self.waiting[i]
         if seq.tokens_in_flight:        # preempted while its step ran: wait for its token
             return False
         if seq.block_table:             # its remote KV arrived: compute the rest
-            return self._admit_loaded(out, budget, now)
-        if not self._lora_fits(seq):
-            return False
+            return self._admit_loaded(out, budget, now, i)
         matched = bm.match_prefix(seq)
         if self.remote is not None and self.remote.wants_load(seq):
             ext = self.remote.num_external_tokens(seq, len(matched) * bm.block_size)
@@ -231,7 +244,7 @@ class Scheduler:
             if ext > 0:     # blocks for the remote tokens; no batch slot, no token budget
                 if not bm.can_admit(seq, matched, ext, keep_watermark=bool(self.running)):
                     return False
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 bm.admit(seq, matched, ext, out.copies)
                 self.remote.start_load(seq, ext)
                 return True
@@ -244,7 +257,7 @@ class Scheduler:
             n = budget
         if not bm.can_admit(seq, matched, n, keep_watermark=bool(self.running)):
             return False
-        self.waiting.pop(0)
+        self.waiting.pop(i)
         bm.admit(seq, matched, n, out.copies)
         self._start(seq, n, now, out)
         return True
@@ -257,10 +270,12 @@ class Scheduler:
         self._enter_running(seq)
         out.add(seq, n)
 
-    def _admit_loaded(self, out: SchedulerOutput, budget: int, now: float) -> bool:
-        """A request whose prompt KV was loaded from another instance: it holds the blocks
-        of the loaded tokens and computes the rest (at least the last prompt token)."""
-        seq = self.waiting[0]
+    def _admit_loaded(self, out: SchedulerOutput, budget: int, now: float,
+                      i: int = 0) -> bool:
+        """A request whose prompt KV was loaded from another instance (waiting ``i``): it
+        holds the blocks of the loaded tokens and computes the rest (at least the last
+        prompt token)."""
+        seq = self.waiting[i]
         if not self._has_slots_for(seq):
             return False
         n = seq.num_uncomputed_tokens
@@ -270,7 +285,7 @@ class Scheduler:
             n = budget
         if not self.block_manager.can_append(seq, n):
             return False
-        self.waiting.pop(0)
+        self.waiting.pop(i)
         self.block_manager.append(seq, n, out.copies)
         self._start(seq, n, now, out)
         return True
