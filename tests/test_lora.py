@@ -231,3 +231,22 @@ def test_requests_behind_an_adapter_waiting_for_a_slot_go_ahead(tiny_model_dir, 
         done.update((o.request_id, o) for o in eng.step() if o.finished)
     for rid, name in zip(rids, names):
         assert done[rid].outputs[0].token_ids == reference[name][1][1], name
+
+
+def test_beam_search_runs_with_each_prompts_adapter(lora_llm, adapters, prompts,
+                                                    tiny_model_dir):
+    """LLM.beam_search with one adapter per prompt: each prompt's beams are transformers'
+    beam search on the base model with that prompt's adapter merged."""
+    from llm_serving import BeamSearchParams
+    names = ["a", None]
+    outs = lora_llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]],
+                                BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True),
+                                lora_request=[_req(adapters, n) for n in names])
+    for p, name, out in zip(prompts, names, outs):
+        model = merged_hf_model(tiny_model_dir, adapters[name] if name else None)
+        ids = torch.tensor([p])
+        ref = model.generate(ids, num_beams=2, num_return_sequences=2, max_new_tokens=5,
+                             min_new_tokens=5, do_sample=False, eos_token_id=None,
+                             attention_mask=torch.ones_like(ids), pad_token_id=0)
+        assert [b.tokens[len(p):] for b in out.sequences] == \
+            [s[len(p):].tolist() for s in ref]

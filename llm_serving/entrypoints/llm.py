@@ -161,10 +161,13 @@ class LLM:
         """vLLM's: the best ``params.beam_width`` hypotheses of each prompt (a string, a
         {"prompt": ...} or a {"prompt_token_ids": [...]}), each with the prompt's tokens and
         its own, and its whole text; the prompts in groups of ``concurrency_limit`` (all at
-        once by default). See entrypoints/beam_search.py."""
-        refuse_lora(lora_request)
+        once by default); ``lora_request`` as ``generate``'s. See entrypoints/beam_search.py."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         tok = self.tokenizer
         searches = []
         for p in prompts:
@@ -176,6 +179,7 @@ class LLM:
                                                   "beam-search-tokenize", 0).prompt_token_ids
             searches.append(BeamSearch(list(ids), params, tok.eos_token_id,
                                        self.engine.max_model_len))
+        lora_of = {id(s): lora for s, lora in zip(searches, loras)}
         group = concurrency_limit or len(searches)
         step = params.step_params()
         for start in range(0, len(searches), group):
@@ -187,7 +191,9 @@ class LLM:
                     break
                 bar.update()
                 outs = iter(self.generate([{"prompt_token_ids": b.tokens}
-                                           for s in live for b in s.beams], step))
+                                           for s in live for b in s.beams], step,
+                                          lora_request=[lora_of[id(s)] for s in live
+                                                        for _ in s.beams]))
                 for s in live:
                     s.advance([_step_logprobs(next(outs)) for _ in s.beams])
         results = []
