@@ -25,6 +25,7 @@ from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
+from llm_serving.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from llm_serving.model_executor.loader import ModelConfig
@@ -254,6 +255,11 @@ class EngineArgs:
         "kv_consumer, kv_both), kv_connector_extra_config, kv_transfer_timeout, "
         "kv_failure_policy (recompute, fail; vLLM's kv_load_failure_policy too), "
         "kv_buffer_device (cpu, npu); the pool also reads MOONCAKE_CONFIG_PATH's file")
+    speculative_config: Optional[dict] = _arg(None,
+        "speculative decoding, vLLM's keys (the YAML llm_serving: key; on the CLI as JSON): "
+        "method (only ngram: prompt lookup drafts), num_speculative_tokens, "
+        "prompt_lookup_max, prompt_lookup_min (docs/speculative.md); turns async scheduling "
+        "off, as vLLM")
     tool_call_parser: Optional[str] = _arg(None,
         "how tool calls are read from the model's text with tool_choice 'auto': hermes or "
         "llama3_json (needs enable_auto_tool_choice)")
@@ -399,6 +405,14 @@ class EngineArgs:
             raise ConfigError("max_cpu_loras", f"{self.max_cpu_loras} is fewer than max_loras "
                               f"({self.max_loras}): a step's adapters must all be loaded")
         self.lora_modules = parse_lora_modules(self.lora_modules)
+        spec = SpeculativeConfig.from_value(self.speculative_config)   # names a bad key now
+        if spec is not None and self.async_scheduling:
+            raise ConfigError("async_scheduling", "cannot be combined with speculative_config "
+                              "(method ngram): drafts are proposed from the tokens the last "
+                              "step sampled; leave async_scheduling unset (vLLM's rule too)")
+        if spec is not None and self.dump_logits:
+            raise ConfigError("dump_logits", "cannot be combined with speculative_config "
+                              "(the dump's rows are one per sequence and step)")
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream", "enforce_eager", "enable_lora"):
             if key == "async_scheduling" and self.async_scheduling is None:
@@ -508,7 +522,7 @@ class EngineArgs:
                 long_prefill_cap=self.long_prefill_token_threshold,
                 max_loras=self.max_loras if self.enable_lora else 0,
                 async_scheduling=(self.async_scheduling if self.async_scheduling is not None
-                                  else mp),
+                                  else mp and self.speculative_config is None),
                 stream_interval=self.stream_interval),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_executor_backend,
@@ -525,7 +539,8 @@ class EngineArgs:
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
                           if self.enable_multi_stream else None),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
-            lora=self._lora_config(hf))
+            lora=self._lora_config(hf),
+            speculative=SpeculativeConfig.from_value(self.speculative_config))
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -549,6 +564,9 @@ class EngineArgs:
         if self.kv_transfer_config is not None:
             raise ConfigError("enable_lora", "LoRA adapters are not supported with KV "
                               "transfer (kv_transfer_config: PD disaggregation)")
+        if self.speculative_config is not None:
+            raise ConfigError("enable_lora", "LoRA adapters are not supported with "
+                              "speculative_config (n-gram drafts) yet")
         from llm_serving.lora.peft import check_adapter
         for name, path, _ in self.lora_modules or ():
             try:                # a bad adapter stops the start, before the model loads
@@ -770,6 +788,7 @@ class EngineConfig:
     multi_stream: Optional[MultiStreamConfig] = None   # None: multi-stream off
     kv_transfer: Optional[KVTransferConfig] = None     # PD disaggregation; None: off
     lora: Optional[LoRAConfig] = None                  # LoRA adapters; None: off
+    speculative: Optional[SpeculativeConfig] = None    # n-gram speculative decoding; None: off
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

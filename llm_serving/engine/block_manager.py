@@ -149,6 +149,12 @@ class BlockManager:
                        - len(seq.block_table)):
             seq.block_table.append(self._take())
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's tokens (held for drafts it rejected)."""
+        keep = self._blocks_for(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     # ---- admitting a waiting sequence -----------------------------------------------------
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs, hashes = self.block_size, seq.block_hashes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -35,6 +36,10 @@ class BuiltStep:
     prompt_logprobs: list[tuple[Sequence, int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0             # tokens that are not plain decodes
     num_tokens: int = 0                     # every token the step runs through the model
+    # Speculative decoding (None/empty when no sequence has drafts): each sampled sequence's
+    # first sampled row, and every sampled row's sequence.
+    first_rows: Optional[list[int]] = None
+    row_seqs: list[Sequence] = field(default_factory=list)
 
 
 def build_step_input(batch: SchedulerOutput, block_size: int,
@@ -52,8 +57,12 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     one_each = int(qsl[-1]) == b            # one token a row: decodes (or 1-token chunks)
     positions = (starts.copy() if one_each else
                  np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1] - starts, n))
+    # Speculative decoding: a decode's drafts follow its last known token.
+    drafts = np.fromiter((len(s.draft_token_ids) for s in seqs), np.int32, b)
+    spec = bool(drafts.any())
     ids = np.fromiter(itertools.chain.from_iterable(
-        s.token_ids(a, a + k) for s, a, k in zip(seqs, starts.tolist(), n.tolist())),
+        s.token_ids(a, a + k - len(s.draft_token_ids)) + s.draft_token_ids if spec
+        else s.token_ids(a, a + k) for s, a, k in zip(seqs, starts.tolist(), n.tolist())),
         np.int32, count=int(qsl[-1]))
     # Decodes whose input is the running step's sample: the model runner fills it in.
     in_flight = [i for i, s in enumerate(seqs) if s.tokens_in_flight]
@@ -72,23 +81,27 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     # children of a sequence finishing its prompt sample from the same row (only then: with
     # async scheduling they are forked after the parent's next step started).
     sampled, sample_rows = [], []
-    for i in np.flatnonzero(starts + n == totals).tolist():
+    for i in np.flatnonzero(starts + n - drafts == totals).tolist():
         seq = seqs[i]
         first_sample = not seq.output_token_ids and not seq.tokens_in_flight
         children = seq.pending_children if first_sample else ()
         sampled.append(seq)
         sampled.extend(children)
         sample_rows.extend([i] * (1 + len(children)))
-    decodes = (n == 1) & (starts == totals - 1) & (totals > prompt_lens)
-    built = BuiltStep(None, sampled, num_prefill_tokens=int(qsl[-1]) - int(decodes.sum()),
+    decodes = (n - drafts == 1) & (starts == totals - 1) & (totals > prompt_lens)
+    built = BuiltStep(None, sampled,
+                      num_prefill_tokens=int(qsl[-1]) - int(n[decodes].sum()),
                       num_tokens=int(qsl[-1]))
+    spec_fields = _spec_rows(built, sample_rows) if spec else {}
     built.step = StepInput(
         ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),
-        np.asarray(sample_rows, np.int32),
-        _sampling_batch(sampled, eos_token_ids, constraints) if sampled else None,
+        spec_fields.pop("sample_seqs", np.asarray(sample_rows, np.int32)),
+        (_sampling_batch(built.row_seqs or sampled, eos_token_ids, constraints)
+         if sampled else None),
         swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
-        **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens), **_lora_fields(seqs))
+        **spec_fields, **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens),
+        **_lora_fields(seqs))
     return built
 
 
@@ -102,18 +115,48 @@ def _lora_fields(seqs: list[Sequence]) -> dict:
                 lora_paths=np.frombuffer(meta, np.uint8).copy())
 
 
+def _spec_rows(built: BuiltStep, sample_rows: list[int]) -> dict:
+    """Speculative decoding: a sequence with d drafts samples d + 1 rows, one at its last
+    known token and one at each draft (the target's token after each prefix), in position
+    order; each row's sampling sees the drafts before it as output tokens. Records each
+    sampled sequence's first row and the sequence of every row in ``built``."""
+    seqs, rows, offsets, first = [], [], [], []
+    for seq, i in zip(built.sampled, sample_rows):
+        d = len(seq.draft_token_ids)
+        first.append(len(seqs))
+        seqs.extend([seq] * (d + 1))
+        rows.extend([i] * (d + 1))
+        offsets.extend(range(d, -1, -1))
+    built.first_rows = first
+    built.row_seqs = seqs
+    return dict(sample_seqs=np.asarray(rows, np.int32),
+                sample_offsets=np.asarray(offsets, np.int32))
+
+
 def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],
                     constraints=None) -> SamplingBatch:
     """Each sampled row's parameters. A penalized row's output tokens end with -1 for each
     token in flight (the model runner fills the newest in)."""
     outputs = [s.output_token_ids + [-1] * s.tokens_in_flight if s.tokens_in_flight
                else s.output_token_ids for s in sampled]
+    if any(s.draft_token_ids for s in sampled):     # row j of a sequence: after j drafts
+        outputs = _with_drafts(sampled, outputs)
     batch = SamplingBatch.from_params([s.params for s in sampled],
                                       [s.prompt_token_ids for s in sampled], outputs,
                                       eos_token_ids)
     if constraints is not None:
         constraints.apply(batch, sampled)
     return batch
+
+
+def _with_drafts(rows: list[Sequence], outputs: list) -> list:
+    """Each row's output tokens when consecutive rows of one sequence sample after its
+    drafts: the j-th row of a sequence sees its first j drafts too."""
+    out, j = [], 0
+    for r, seq in enumerate(rows):
+        j = j + 1 if r and rows[r - 1] is seq else 0
+        out.append(outputs[r] + seq.draft_token_ids[:j] if j else outputs[r])
+    return out
 
 
 def _prompt_logprob_rows(built: BuiltStep, seqs, starts, n, qsl, prompt_lens) -> dict:

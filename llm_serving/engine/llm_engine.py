@@ -72,6 +72,14 @@ def create_executor(config: EngineConfig, cancel: Optional[threading.Event] = No
     return ModelRunner(config)
 
 
+def _proposer(config: EngineConfig):
+    """The draft proposer when speculative decoding is on, else None."""
+    if config.speculative is None:
+        return None
+    from llm_serving.spec_decode.ngram_proposer import NgramProposer
+    return NgramProposer(config.speculative)
+
+
 class LLMEngine:
     def __init__(self, config: Union[EngineArgs, EngineConfig]):
         if isinstance(config, EngineArgs):
@@ -85,7 +93,8 @@ class LLMEngine:
         self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
         self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   proposer=_proposer(config))
         self.constraints = Constraints(self.tokenizer, config.model.vocab_size)
         self.input_processor = InputProcessor(config, self.tokenizer, self.constraints,
                                               self.loras)
@@ -199,7 +208,8 @@ class LLMEngine:
             built.step.dump_rows = LogitsDumper.rows(dumps)
         self.runner.submit(built.step)
         previous = self._in_flight
-        self._in_flight = StepInFlight(built.sampled, built.prompt_logprobs, dumps)
+        self._in_flight = StepInFlight(built.sampled, built.prompt_logprobs, dumps,
+                                       built.first_rows)
         for row, seq in enumerate(built.sampled):
             if seq.status is SequenceStatus.RUNNING:     # not a pending n > 1 child
                 seq.expect_token(row)

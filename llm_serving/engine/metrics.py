@@ -89,6 +89,11 @@ class EngineStats:
     kv_remote_prefill_tokens: int = 0
     kv_blocks_held: int = 0
     kv_loads_in_flight: int = 0
+    # Speculative decoding (vLLM's spec_decode_*): decodes verified with drafts, their draft
+    # tokens, and the drafts accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     # Multi-stream: steps by how they ran ("split", or why not: multistream/split.py).
     multistream_steps: dict = field(default_factory=dict)
     # Per step: the tokens it ran through the model (prefill chunks and decodes), and the

@@ -64,6 +64,9 @@ class StepInFlight:
     sampled: list[Sequence]                      # in sampled-row order
     prompt_logprobs: list[tuple[Sequence, int, int]]
     dumps: tuple = ()                            # LogitsDumper.plan, when dumping
+    # Speculative decoding: each sampled sequence's first row (its drafts' rows follow it);
+    # None when the step has no drafts (row i is sequence i's).
+    first_rows: Optional[list[int]] = None
 
 
 def _no_text(token_id: int) -> None:
@@ -153,9 +156,11 @@ class OutputProcessor:
         itl = self.stats.inter_token_latency
         touched: dict[str, None] = {}
         ended: list[RequestOutput] = []        # requests ended with an error in this step
-        generated = firsts = late = 0
+        generated = firsts = late = extra = 0
         tokens = result.token_ids.tolist() if fl.sampled else ()
-        for row, seq in enumerate(fl.sampled):
+        for i, seq in enumerate(fl.sampled):
+            row = i if fl.first_rows is None else fl.first_rows[i]
+            drafts = seq.draft_token_ids
             if seq.status.finished:         # ended while the step ran (stop, abort, error)
                 continue
             if seq.grammar_error is not None:     # sampled under a failed grammar: dropped
@@ -168,8 +173,6 @@ class OutputProcessor:
             generated += 1
             if seq.pending_children:
                 self.scheduler.fork(seq)
-            token = tokens[row]
-            seq.receive_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 firsts += 1
@@ -178,29 +181,51 @@ class OutputProcessor:
                 itl.observe(now - seq.last_token_time)
                 late += 1
             seq.last_token_time = now
-            if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
-                self._record_logprobs(seq, row, token, result)
-            status = self._stop_token(seq, token)
-            stepped = (status is None or seq.params.include_stop_str_in_output) \
-                and seq.params.detokenize
-            if stepped:
-                seq.detokenizer.step([token])   # an EOS or stop id's text is left out (vLLM)
-            if status is None:
-                status = self._check_stop(seq)
-            if status is not None:
-                seq.detokenizer.flush()
-                seq.forget_in_flight()
-                self.scheduler.finish(seq, status)
-                seq.finished_time = now
-            if stepped and seq.params.logprobs is not None:
-                self._name_partial_character(seq, token)
+            # Speculative decoding: the target's token at each draft's row equals the draft
+            # for the accepted ones; the token after them is the target's own.
+            accepted = 0
+            while accepted < len(drafts) and tokens[row + accepted] == drafts[accepted]:
+                accepted += 1
+            first = row
+            for token in tokens[first:first + accepted + 1]:
+                ended_here = self._take_token(seq, row, token, result, now)
+                row += 1
+                if ended_here:
+                    break
+            if drafts:
+                extra += row - first - 1
+                self.scheduler.settle_drafts(seq, accepted)
             touched[seq.request_id] = None
+        generated += extra
         self.stats.num_generation_tokens += generated
-        # Every other token's sequence had one in the previous step too: one gap for all.
-        if generated - firsts - late:
-            itl.observe(now - previous, generated - firsts - late)
+        # Every other sequence had a token in the previous step too: one gap for all.
+        if generated - extra - firsts - late:
+            itl.observe(now - previous, generated - extra - firsts - late)
         outputs = (self._request_output(self.requests[rid]) for rid in touched)
         return ended + [o for o in outputs if o is not None]
+
+    def _take_token(self, seq: Sequence, row: int, token: int, result: SamplerOutput,
+                    now: float) -> bool:
+        """Put one sampled token (of ``row``) on the sequence: logprobs, text, stop checks;
+        True when it ends the sequence."""
+        seq.receive_token(token)
+        if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
+            self._record_logprobs(seq, row, token, result)
+        status = self._stop_token(seq, token)
+        stepped = (status is None or seq.params.include_stop_str_in_output) \
+            and seq.params.detokenize
+        if stepped:
+            seq.detokenizer.step([token])   # an EOS or stop id's text is left out (vLLM)
+        if status is None:
+            status = self._check_stop(seq)
+        if status is not None:
+            seq.detokenizer.flush()
+            seq.forget_in_flight()
+            self.scheduler.finish(seq, status)
+            seq.finished_time = now
+        if stepped and seq.params.logprobs is not None:
+            self._name_partial_character(seq, token)
+        return status is not None
 
     def _stop_token(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
         """The token ends the sequence: EOS or one of stop_token_ids. stop_reason is the

@@ -36,6 +36,7 @@ from llm_serving.config import SchedulerConfig
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.errors import QueueFullError
+from llm_serving.spec_decode.ngram_proposer import takes_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, proposer=None):
+        """``proposer`` (spec_decode/ngram_proposer.py): speculative decoding is on; each
+        decode is scheduled with its drafts after its last token."""
         self.block_manager = block_manager
+        self.proposer = proposer
         self.stats = block_manager.stats        # the one set of counters (engine/metrics.py)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -146,6 +150,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._leave_running(seq)
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         if self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
@@ -185,7 +190,12 @@ class Scheduler:
             if seq.finishing:      # its token from the running step is its last: nothing to do
                 continue
             n = min(seq.num_uncomputed_tokens, budget, cap)
+            if self.proposer is not None and n == 1:
+                n += self._draft(seq, budget - 1)
             while not bm.can_append(seq, n):
+                if seq.draft_token_ids:     # drafts give way before anyone is preempted
+                    seq.draft_token_ids, n = [], 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 out_of_memory = True
@@ -210,6 +220,32 @@ class Scheduler:
                 break
             budget = self.max_num_batched_tokens - out.total_tokens
         return out
+
+    def _draft(self, seq: Sequence, room: int) -> int:
+        """Speculative decoding: propose drafts to follow a decoding sequence's last token
+        (at most ``room``, and none past its max_tokens); how many."""
+        if (seq.tokens_in_flight or not seq.output_token_ids or seq.num_uncomputed_tokens != 1
+                or not takes_drafts(seq)):
+            return 0
+        limit = min(room, seq.max_tokens - seq.num_output_tokens - 1)
+        seq.draft_token_ids = self.proposer.propose(seq, limit)
+        return len(seq.draft_token_ids)
+
+    def settle_drafts(self, seq: Sequence, accepted: int) -> None:
+        """The step's drafts of ``seq`` were verified and the first ``accepted`` taken as
+        its tokens (they are on the sequence now): their KV is computed; the slots of the
+        rejected ones are left to be overwritten, and blocks beyond the sequence's tokens are
+        freed. Blocks enter the prefix cache only up to the computed, accepted tokens."""
+        st = self.stats
+        st.spec_decode_num_drafts += 1
+        st.spec_decode_num_draft_tokens += len(seq.draft_token_ids)
+        st.spec_decode_num_accepted_tokens += accepted
+        seq.draft_token_ids = []
+        if seq.status is not SequenceStatus.RUNNING:
+            return
+        seq.num_computed_tokens += accepted
+        self.block_manager.trim(seq)
+        self.block_manager.register_computed(seq)
 
     def _swap_in_head(self, out: SchedulerOutput, budget: int) -> bool:
         seq = self.swapped[0]
@@ -325,7 +361,8 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += n
+            # drafts count once verified (settle_drafts): their tokens are not known yet
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)
             bm.register_computed(seq)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
@@ -340,6 +377,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence in any state, freeing its device and host blocks at once."""
+        seq.draft_token_ids = []
         if seq.status is SequenceStatus.RUNNING:
             self._leave_running(seq)
         elif seq.status is SequenceStatus.SWAPPED:

@@ -64,6 +64,11 @@ class Sequence:
         # of the one in ``in_flight_row`` of the previous step (see ``expect_token``).
         self.tokens_in_flight = 0
         self.in_flight_row = -1
+        # Speculative decoding (spec_decode/): the draft tokens scheduled after the last
+        # known token in the running step (their KV slots are held; verified when the step's
+        # tokens come back), and the proposer's token buffer (array, tokens in it).
+        self.draft_token_ids: list[int] = []
+        self.spec_context: tuple = (None, 0)
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []
         # KV transfer (PD disaggregation, engine/remote_kv.py): the caller's

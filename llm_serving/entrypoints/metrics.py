@@ -45,6 +45,10 @@ _VLLM_COUNTERS = {
     "generation_tokens": ("num_generation_tokens", "Tokens generated"),
     "prefix_cache_queries": ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("prefix_cache_hits", "Tokens found in the prefix cache"),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Decodes verified with drafts"),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
+                                        "Draft tokens accepted"),
 }
 _COUNTERS = {
     "request_aborted": ("num_aborted_requests", "Requests aborted"),

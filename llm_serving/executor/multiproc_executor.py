@@ -96,12 +96,16 @@ class MultiprocExecutor:
                         "no longer run", len(stale))
         try:
             s, c = config.scheduler, config.cache
-            in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, s.max_num_seqs,
+            # sampled rows: one a sequence, and one more for each draft (speculative decoding)
+            rows = (s.max_num_seqs if config.speculative is None else s.max_num_seqs
+                    + min(s.max_num_batched_tokens,
+                          s.max_num_seqs * config.speculative.num_speculative_tokens))
+            in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, rows,
                                              config.model.max_model_len, c.block_size,
                                              c.num_blocks, config.model.vocab_size,
                                              _kv_meta_bytes(config) + _lora_bytes(config))
             out_bytes = ch.result_channel_bytes(
-                s.max_num_seqs, config.model.max_logprobs,
+                rows, config.model.max_logprobs,
                 dump_vocab=config.model.vocab_size if config.dump else 0,
                 max_tokens=s.max_num_batched_tokens)
             self.shm_in, self.shm_out = [], []

@@ -204,6 +204,9 @@ class StepInput:
     seq_lens: np.ndarray         # int32 [S]
     sample_seqs: np.ndarray      # int32 [S']: sequences whose last row is sampled this step
     sampling: Optional["SamplingBatch"] = None  # (a sequence may appear more than once: n > 1)
+    # Speculative decoding: sampled row i is sample_offsets[i] rows before the last row of
+    # sequence sample_seqs[i] (a draft's verification row); empty: every offset is 0.
+    sample_offsets: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     # KV block moves done before the forward pass, in this order.
     swap_out: np.ndarray = field(default_factory=lambda: _NO_PAIRS)   # [K, 2] device, host
     swap_in: np.ndarray = field(default_factory=lambda: _NO_PAIRS)    # [K, 2] host, device

@@ -243,6 +243,8 @@ class ModelRunner:
         if not len(step.input_ids):          # a step that only moves KV blocks
             return (None, None) if with_hidden else None
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
+        if len(step.sample_offsets):        # speculative decoding: drafts' rows too
+            rows = rows - step.sample_offsets
         if len(step.pending_pos):
             self._fill_pending(step, rows)
         hidden = None

@@ -1,0 +1,81 @@
+"""``speculative_config``: vLLM's keys for n-gram (prompt lookup) speculative decoding.
+
+Only ``method: "ngram"`` runs here; any other method (a draft model, eagle, mtp, ...) is a
+ConfigError naming it. As vLLM: ``num_speculative_tokens`` (k) is required; with neither
+``prompt_lookup_min`` nor ``prompt_lookup_max`` both are 5, with one the other takes its
+value, and min must not exceed max.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from llm_serving.errors import ConfigError
+
+KEY = "speculative_config"
+_KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# The longest run of drafts per step this engine takes (vLLM has no bound; each draft is a
+# query row of the step, and a long run is mostly rejected).
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    @classmethod
+    def from_value(cls, value: Union[dict, str, None]) -> Optional["SpeculativeConfig"]:
+        """None (off), a mapping of vLLM's keys, or that mapping as JSON."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(KEY, f"expected a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(KEY, f"expected a mapping of vLLM's keys, got {value!r}")
+        unknown = sorted(set(value) - set(_KNOWN))
+        if unknown:
+            raise ConfigError(f"{KEY}.{unknown[0]}", "not supported here (n-gram speculative "
+                              "decoding takes " + ", ".join(_KNOWN) + ")")
+        method = value.get("method")
+        if method in ("ngram", "[ngram]"):
+            method = "ngram"
+        elif method is None:
+            raise ConfigError(f"{KEY}.method", 'missing: only "ngram" (prompt lookup) is '
+                              "supported")
+        else:
+            raise ConfigError(f"{KEY}.method", f"{method!r} is not supported here: only "
+                              '"ngram" (prompt lookup drafts, no draft model)')
+        k = _positive(value, "num_speculative_tokens", required=True)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"{KEY}.num_speculative_tokens", f"{k} is more than "
+                              f"{MAX_SPECULATIVE_TOKENS}, the most drafts per step here")
+        hi = _positive(value, "prompt_lookup_max")
+        lo = _positive(value, "prompt_lookup_min")
+        if hi is None and lo is None:
+            hi = lo = 5
+        hi = lo if hi is None else hi
+        lo = hi if lo is None else lo
+        if lo > hi:
+            raise ConfigError(f"{KEY}.prompt_lookup_min", f"{lo} is more than "
+                              f"prompt_lookup_max ({hi})")
+        return cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
+                   method=method)
+
+
+def _positive(value: dict, key: str, required: bool = False) -> Optional[int]:
+    v = value.get(key)
+    if v is None:
+        if required:
+            raise ConfigError(f"{KEY}.{key}", "missing: how many draft tokens a step "
+                              "verifies (k)")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{KEY}.{key}", f"expected a positive integer, got {v!r}")
+    return v
