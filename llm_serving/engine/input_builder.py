@@ -58,8 +58,9 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     positions = (starts.copy() if one_each else
                  np.arange(qsl[-1], dtype=np.int32) - np.repeat(qsl[:-1] - starts, n))
     # Speculative decoding: a decode's drafts follow its last known token.
-    drafts = np.fromiter((len(s.draft_token_ids) for s in seqs), np.int32, b)
-    spec = bool(drafts.any())
+    spec = batch.drafted
+    drafts = (np.fromiter((len(s.draft_token_ids) for s in seqs), np.int32, b) if spec
+              else 0)
     ids = np.fromiter(itertools.chain.from_iterable(
         s.token_ids(a, a + k - len(s.draft_token_ids)) + s.draft_token_ids if spec
         else s.token_ids(a, a + k) for s, a, k in zip(seqs, starts.tolist(), n.tolist())),
@@ -96,7 +97,7 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     built.step = StepInput(
         ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),
         spec_fields.pop("sample_seqs", np.asarray(sample_rows, np.int32)),
-        (_sampling_batch(built.row_seqs or sampled, eos_token_ids, constraints)
+        (_sampling_batch(built.row_seqs or sampled, eos_token_ids, constraints, spec)
          if sampled else None),
         swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
@@ -134,12 +135,12 @@ def _spec_rows(built: BuiltStep, sample_rows: list[int]) -> dict:
 
 
 def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],
-                    constraints=None) -> SamplingBatch:
+                    constraints=None, spec: bool = False) -> SamplingBatch:
     """Each sampled row's parameters. A penalized row's output tokens end with -1 for each
     token in flight (the model runner fills the newest in)."""
     outputs = [s.output_token_ids + [-1] * s.tokens_in_flight if s.tokens_in_flight
                else s.output_token_ids for s in sampled]
-    if any(s.draft_token_ids for s in sampled):     # row j of a sequence: after j drafts
+    if spec:        # speculative decoding: row j of a sequence samples after j drafts
         outputs = _with_drafts(sampled, outputs)
     batch = SamplingBatch.from_params([s.params for s in sampled],
                                       [s.prompt_token_ids for s in sampled], outputs,

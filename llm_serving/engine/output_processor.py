@@ -159,8 +159,6 @@ class OutputProcessor:
         generated = firsts = late = extra = 0
         tokens = result.token_ids.tolist() if fl.sampled else ()
         for i, seq in enumerate(fl.sampled):
-            row = i if fl.first_rows is None else fl.first_rows[i]
-            drafts = seq.draft_token_ids
             if seq.status.finished:         # ended while the step ran (stop, abort, error)
                 continue
             if seq.grammar_error is not None:     # sampled under a failed grammar: dropped
@@ -181,20 +179,10 @@ class OutputProcessor:
                 itl.observe(now - seq.last_token_time)
                 late += 1
             seq.last_token_time = now
-            # Speculative decoding: the target's token at each draft's row equals the draft
-            # for the accepted ones; the token after them is the target's own.
-            accepted = 0
-            while accepted < len(drafts) and tokens[row + accepted] == drafts[accepted]:
-                accepted += 1
-            first = row
-            for token in tokens[first:first + accepted + 1]:
-                ended_here = self._take_token(seq, row, token, result, now)
-                row += 1
-                if ended_here:
-                    break
-            if drafts:
-                extra += row - first - 1
-                self.scheduler.settle_drafts(seq, accepted)
+            if fl.first_rows is None:
+                self._take_token(seq, i, tokens[i], result, now)
+            else:
+                extra += self._take_verified(seq, fl.first_rows[i], tokens, result, now)
             touched[seq.request_id] = None
         generated += extra
         self.stats.num_generation_tokens += generated
@@ -203,6 +191,25 @@ class OutputProcessor:
             itl.observe(now - previous, generated - extra - firsts - late)
         outputs = (self._request_output(self.requests[rid]) for rid in touched)
         return ended + [o for o in outputs if o is not None]
+
+    def _take_verified(self, seq: Sequence, row: int, tokens: list, result: SamplerOutput,
+                       now: float) -> int:
+        """Speculative decoding: the sequence's drafts were sampled from ``row`` on (the
+        target's token after its last token, then after each draft). The drafts equal to the
+        target's tokens are accepted, then the target's token after them; each is taken as
+        decoding would take it, up to a stop. How many tokens beyond the first were taken."""
+        drafts = seq.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and tokens[row + accepted] == drafts[accepted]:
+            accepted += 1
+        taken = 0
+        for j in range(accepted + 1):
+            taken += 1
+            if self._take_token(seq, row + j, tokens[row + j], result, now):
+                break
+        if drafts:
+            self.scheduler.settle_drafts(seq, accepted)
+        return taken - 1
 
     def _take_token(self, seq: Sequence, row: int, token: int, result: SamplerOutput,
                     now: float) -> bool:

@@ -50,6 +50,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
     preempted: list[Sequence] = field(default_factory=list)
     timed_out: list[Sequence] = field(default_factory=list)
+    drafted: bool = False       # some sequence was given drafts (speculative decoding)
     # Filled by the engine's step builder: (sequence, first prompt token, count) whose prompt
     # logprobs this step computes, in the order of StepInput.prompt_lp_rows.
     prompt_logprobs: list[tuple[Sequence, int, int]] = field(default_factory=list)
@@ -191,7 +192,9 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens, budget, cap)
             if self.proposer is not None and n == 1:
-                n += self._draft(seq, budget - 1)
+                d = self._draft(seq, budget - 1)
+                n += d
+                out.drafted |= d > 0
             while not bm.can_append(seq, n):
                 if seq.draft_token_ids:     # drafts give way before anyone is preempted
                     seq.draft_token_ids, n = [], 1
