@@ -106,6 +106,25 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(tiny_model_dir, sett
         assert st.num_preemptions > 0
 
 
+def test_n_and_tensor_parallel(tiny_model_dir):
+    """n > 1 (greedy and seeded), and two tensor-parallel WorkAgents: the same outputs."""
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6)]
+    params = [SamplingParams(n=2, temperature=0.0 if i % 2 else 0.4, top_k=4, seed=i,
+                             max_tokens=30, ignore_eos=True) for i in range(6)]
+    kw = dict(num_blocks=256, block_size=4)
+
+    def run(**extra):
+        llm = LLM(tiny_model_dir, **kw, **extra)
+        outs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        return outs, llm.engine.get_stats()
+
+    ref, _ = run()
+    got, st = run(speculative_config=SPEC)
+    assert got == ref and st.spec_decode_num_accepted_tokens > 0
+    got, st = run(speculative_config=SPEC, tensor_parallel_size=2)
+    assert got == ref and st.spec_decode_num_accepted_tokens > 0
+
+
 def test_greedy_matches_transformers_generate(tiny_model_dir):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
