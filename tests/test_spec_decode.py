@@ -389,6 +389,11 @@ def test_server_answers_the_openai_client_and_counts_drafts(tmp_path, tiny_model
         assert metric(url, "spec_decode_num_draft_tokens_total") >= \
             metric(url, "spec_decode_num_accepted_tokens_total")
         assert metric(url, "spec_decode_num_drafts_total") > 0
+        # by position: the first draft is accepted at least as often as any later one
+        per_pos = [metric(url, f'spec_decode_num_accepted_tokens_per_pos_total'
+                          f'{{position="{p}"}}') for p in range(SPEC["num_speculative_tokens"])]
+        assert per_pos[0] > 0 and per_pos == sorted(per_pos, reverse=True)
+        assert sum(per_pos) == metric(url, "spec_decode_num_accepted_tokens_total")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

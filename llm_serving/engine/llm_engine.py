@@ -359,6 +359,7 @@ class LLMEngine:
             snap.kv_blocks_held = self.remote_kv.num_blocks_held
             snap.kv_loads_in_flight = len(self.remote_kv.loading)
         snap.multistream_steps = dict(st.multistream_steps)
+        snap.spec_decode_accepted_per_pos = list(st.spec_decode_accepted_per_pos)
         snap.iteration_tokens = st.iteration_tokens.copy()
         snap.inter_token_latency = st.inter_token_latency.copy()
         snap.num_running = len(sch.running)

@@ -94,6 +94,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list = field(default_factory=list)   # [position] -> count
     # Multi-stream: steps by how they ran ("split", or why not: multistream/split.py).
     multistream_steps: dict = field(default_factory=dict)
     # Per step: the tokens it ran through the model (prefill chunks and decodes), and the

@@ -243,6 +243,11 @@ class Scheduler:
         st.spec_decode_num_drafts += 1
         st.spec_decode_num_draft_tokens += len(seq.draft_token_ids)
         st.spec_decode_num_accepted_tokens += accepted
+        per_pos = st.spec_decode_accepted_per_pos
+        if len(per_pos) < accepted:
+            per_pos.extend([0] * (accepted - len(per_pos)))
+        for pos in range(accepted):
+            per_pos[pos] += 1
         seq.draft_token_ids = []
         if seq.status is not SequenceStatus.RUNNING:
             return

@@ -128,6 +128,10 @@ class ServerMetrics:
                                for source in PROMPT_TOKEN_SOURCES}
         self.cached_tokens = vllm(Counter, "prompt_tokens_cached", "Prompt tokens not computed: "
                                   "found in the prefix cache or loaded from another instance")
+        # Speculative decoding: accepted drafts by their position in the step's drafts.
+        self.accepted_per_pos = vllm(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the drafts",
+                                     ["position"])
         # Every finished request, labelled by why it ended (stop, length, abort here).
         self.success = vllm(Counter, "request_success", "Requests finished, by finish reason",
                             ["finished_reason"])
@@ -227,6 +231,9 @@ class ServerMetrics:
         self._advance("prompt_tokens", self.prompt_tokens, sum(by_source.values()))
         self._advance("prompt_tokens_cached", self.cached_tokens,
                       by_source["local_cache_hit"] + by_source["external_kv_transfer"])
+        for pos, value in enumerate(s.spec_decode_accepted_per_pos):
+            self._advance(("spec_pos", pos), self.accepted_per_pos.labels(
+                **self._labels, position=str(pos)), value)
         for reason, value in s.finished_by_reason.items():
             self._advance(("success", reason),
                           self.success.labels(**self._labels, finished_reason=reason), value)
