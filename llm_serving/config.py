@@ -25,7 +25,7 @@ from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
-from llm_serving.spec_decode.config import SpeculativeConfig
+from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
 
 if TYPE_CHECKING:
     from llm_serving.model_executor.loader import ModelConfig
@@ -495,8 +495,10 @@ class EngineArgs:
                               "LLM_SERVING_NATIVE_OPS=1 turns off")
         mp = self.distributed_executor_backend == "mp"
         max_logprobs = hf.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        spec = SpeculativeConfig.from_value(self.speculative_config)
         if mp:
-            check_result_channel(max_logprobs, self.max_num_seqs, budget)
+            check_result_channel(max_logprobs,
+                                 max_sample_rows(spec, self.max_num_seqs, budget), budget)
         return EngineConfig(
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
@@ -540,7 +542,7 @@ class EngineArgs:
                           if self.enable_multi_stream else None),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
             lora=self._lora_config(hf),
-            speculative=SpeculativeConfig.from_value(self.speculative_config))
+            speculative=spec)
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the

@@ -43,6 +43,7 @@ from llm_serving.errors import LLMServingError
 from llm_serving.executor import shm_channel as ch
 from llm_serving.executor.launch_plan import plan_launch
 from llm_serving.executor.protocol import SamplerOutput, StepInput
+from llm_serving.spec_decode.config import max_sample_rows
 
 logger = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, np.int32)
@@ -96,10 +97,8 @@ class MultiprocExecutor:
                         "no longer run", len(stale))
         try:
             s, c = config.scheduler, config.cache
-            # sampled rows: one a sequence, and one more for each draft (speculative decoding)
-            rows = (s.max_num_seqs if config.speculative is None else s.max_num_seqs
-                    + min(s.max_num_batched_tokens,
-                          s.max_num_seqs * config.speculative.num_speculative_tokens))
+            rows = max_sample_rows(config.speculative, s.max_num_seqs,
+                                   s.max_num_batched_tokens)
             in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, rows,
                                              config.model.max_model_len, c.block_size,
                                              c.num_blocks, config.model.vocab_size,

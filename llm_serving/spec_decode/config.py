@@ -69,6 +69,15 @@ class SpeculativeConfig:
                    method=method)
 
 
+def max_sample_rows(spec: Optional[SpeculativeConfig], max_num_seqs: int,
+                    max_num_batched_tokens: int) -> int:
+    """The most rows a step samples: one a sequence, and one more for each draft."""
+    if spec is None:
+        return max_num_seqs
+    return max_num_seqs + min(max_num_batched_tokens,
+                              max_num_seqs * spec.num_speculative_tokens)
+
+
 def _positive(value: dict, key: str, required: bool = False) -> Optional[int]:
     v = value.get(key)
     if v is None:
