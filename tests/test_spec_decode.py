@@ -352,13 +352,14 @@ def test_server_answers_the_openai_client_and_counts_drafts(tmp_path, tiny_model
     from pathlib import Path
 
     import openai
+    import requests
     from conftest import metric
 
     from llm_serving.cli_args import STOP_WITH_PARENT_ENV
-    prompts = _repetitive_prompts(4)
-    ref = LLM(tiny_model_dir, num_blocks=256).generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    llm = LLM(tiny_model_dir, num_blocks=256)
+    prompts = [llm.get_tokenizer().decode(p) for p in _repetitive_prompts(4)]
+    ref = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32,
+                                               ignore_eos=True))
     port = _port()
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
@@ -385,6 +386,15 @@ def test_server_answers_the_openai_client_and_counts_drafts(tmp_path, tiny_model
             chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kw)
                       if c.choices]
             assert "".join(chunks) == want.outputs[0].text
+            # llm-serving's stream: a line per token, whatever a step accepted
+            body = {"inputs": p, "parameters": {"max_new_tokens": 32, "ignore_eos": True,
+                                                "return_full_text": True}}
+            r = requests.post(url + "/models/llama2/generate_stream", json=body, timeout=120)
+            *steps, full = [json.loads(line)["data"][0] for line in r.text.splitlines()]
+            assert [s["tokens"]["id"] for s in steps] == list(want.outputs[0].token_ids)
+            assert "".join(s["generated_text"] for s in steps) == want.outputs[0].text
+            assert full["generated_tokens"] == len(steps) == 32
+            assert full["generated_text"] == want.outputs[0].text
         assert metric(url, "spec_decode_num_accepted_tokens_total") > 0
         assert metric(url, "spec_decode_num_draft_tokens_total") >= \
             metric(url, "spec_decode_num_accepted_tokens_total")

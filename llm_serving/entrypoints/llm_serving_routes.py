@@ -272,9 +272,16 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
     special = tok.special_ids
     protocol = req.parameters.return_protocol
 
+    def token_line(token: dict, text: str) -> bytes:
+        # exactly llm-serving's keys (the finish reason is on the return_full_text line)
+        return _line({"details": None, "generated_text": text, "tokens": token,
+                      "top_tokens": [token]}, protocol)
+
     def step_line(g: _Generated, out) -> bytes:
-        """A step's line: its token, with the step's incremental text (decoded once, by the
-        engine), or the error that ended the request."""
+        """A step's lines: one a token, the step's incremental text (decoded once, by the
+        engine) with its last token, or the error that ended the request. (A step gives
+        several tokens under speculative decoding; the others' lines carry no text, as
+        their tokens in the final details.)"""
         new = g.add(out)
         if g.error:
             return _line({"details": None, "generated_text": "", "finish_reason": g.finish,
@@ -282,14 +289,16 @@ async def _stream(request: Request, model: str, req: GenerateRequest):
         if new is None:
             return b""
         c, new_lps = new
-        last = (_token(c.token_ids[-1], c.text, new_lps[-1], special) if c.token_ids
-                else _token(-1, c.text, None, special))
-        # exactly llm-serving's keys (the finish reason is on the return_full_text line)
-        return _line({"details": None, "generated_text": c.text, "tokens": last,
-                      "top_tokens": [last]}, protocol)
+        if not c.token_ids:
+            return token_line(_token(-1, c.text, None, special), c.text)
+        ids = c.token_ids
+        lines = [token_line(_token(tid, "", lp, special), "")
+                 for tid, lp in zip(ids[:-1], new_lps[:-1])] if len(ids) > 1 else []
+        lines.append(token_line(_token(ids[-1], c.text, new_lps[-1], special), c.text))
+        return b"".join(lines)
 
     async def gen():
-        # A line per step (one token) whatever piled up while this handler waited, sent in
+        # A line per token whatever piled up while this handler waited, sent in
         # one write.
         g = _Generated()
         try:
