@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from llm_serving import LLM, LoRARequest, SamplingParams
-from llm_serving.engine.input_builder import build_step_input
 from lora_adapters import hf_logits_and_greedy, make_adapter, merged_hf_model
+from test_model_parity import _prefill_logits
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -56,24 +56,6 @@ def lora_llm(tiny_model_dir):
 def _req(adapters, name, lora_id=None):
     ids = {"a": 1, "b": 2, "c": 3}
     return None if name is None else LoRARequest(name, lora_id or ids[name], adapters[name])
-
-
-def _prefill_logits(llm, prompts, loras):
-    """Every prompt position's logits, all prompts in one ragged forward pass (the prefix
-    cache emptied first: every prompt token is computed)."""
-    eng = llm.engine
-    assert eng.reset_prefix_cache()
-    rids = [eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=1),
-                            lora_request=lora) for p, lora in zip(prompts, loras)]
-    try:
-        batch = eng.scheduler.schedule()
-        assert len(batch.seqs) == len(prompts), "all prompts should prefill in one step"
-        step = build_step_input(batch, eng.config.cache.block_size, set()).step
-        logits = eng.runner.forward(step, np.arange(len(step.input_ids)))
-    finally:
-        for rid in rids:
-            eng.abort_request(rid)
-    return np.split(logits, np.cumsum([len(p) for p in prompts])[:-1])
 
 
 @pytest.mark.parametrize("name", ["a", "b", "c"])

@@ -62,10 +62,16 @@ def _llm(model_dirs, name, block_size, **kw):
     return _llms[key]
 
 
-def _prefill_logits(llm, prompts):
-    """Logits of every prompt position, all prompts in one ragged forward pass."""
+def _prefill_logits(llm, prompts, loras=None):
+    """Logits of every prompt position, all prompts in one ragged forward pass; with
+    ``loras`` (a LoRARequest or None per prompt), each prompt under its adapter, the prefix
+    cache emptied first (every prompt token is computed)."""
     eng = llm.engine
-    rids = [eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=1)) for p in prompts]
+    if loras is not None:
+        assert eng.reset_prefix_cache()
+    rids = [eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=1),
+                            lora_request=lora)
+            for p, lora in zip(prompts, loras or [None] * len(prompts))]
     try:
         batch = eng.scheduler.schedule()
         assert len(batch.seqs) == len(prompts), "all prompts should prefill in one step"
