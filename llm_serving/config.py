@@ -23,6 +23,7 @@ from llm_serving.distributed.kv_transfer.config import KVTransferConfig
 from llm_serving.errors import ConfigError
 from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
+from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
@@ -55,6 +56,9 @@ class NoEffect:
     allowed: tuple = ()
 
 
+# What a pooling runner serves: the decoders models/llama.py runs (their LM head left out)
+POOLING_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                         "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM")
 # --reasoning-parser's names (entrypoints/reasoning.py splits the answers)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 LOCAL_ONLY = "the model and tokenizer load from local directories; nothing is downloaded"
@@ -282,6 +286,16 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = _arg(None,
         "adapters each WorkAgent keeps loaded, least recently used dropped first (vLLM's "
         "flag; default and minimum: max_loras)")
+    runner: str = _arg("auto",
+        "generate, or pooling (an embedding model: /v1/embeddings, LLM.embed); auto: pooling "
+        "for a config.json naming a base model (LlamaModel, Qwen3Model, ...), else generate")
+    convert: str = _arg("auto",
+        "vLLM's model conversion: embed serves a causal LM as an embedding model (runner "
+        "pooling); none or auto: as the runner decides")
+    pooler_config: Optional[dict] = _arg(None,
+        "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
+        "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
+        "use_activation (L2-normalize; default true), dimensions (Matryoshka models)")
 
     def __post_init__(self):
         def positive(key, value, allow_none=False):
@@ -303,6 +317,15 @@ class EngineArgs:
             raise ConfigError("hf_overrides", "expected a mapping of config.json keys to "
                               f"values, got {type(self.hf_overrides).__name__} (a function, "
                               "as vLLM's Python API also takes, is not supported)")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ConfigError("runner", f"expected auto, generate or pooling, got {self.runner!r}")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ConfigError("convert", f"expected auto, none or embed, got {self.convert!r}")
+        if self.convert == "embed" and self.runner == "generate":
+            raise ConfigError("convert", "embed makes a pooling model; it cannot run with "
+                              "runner generate")
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ConfigError("pooler_config", f"expected a mapping, got {self.pooler_config!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice", "needs tool_call_parser (hermes or "
                               "llama3_json) to read the model's tool calls")
@@ -496,16 +519,27 @@ class EngineArgs:
         mp = self.distributed_executor_backend == "mp"
         max_logprobs = hf.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         spec = SpeculativeConfig.from_value(self.speculative_config)
+        pooler = self._pooler(hf)
+        if pooler is not None and (self.enable_lora or self.speculative_config is not None):
+            raise ConfigError("enable_lora" if self.enable_lora else "speculative_config",
+                              "not supported with a pooling runner (embeddings)")
         if mp:
             check_result_channel(max_logprobs,
-                                 max_sample_rows(spec, self.max_num_seqs, budget), budget)
+                                 max_sample_rows(spec, self.max_num_seqs, budget), budget,
+                                 pooler.hidden_size if pooler is not None else 0)
+        prefix_caching = self.enable_prefix_caching
+        if pooler is not None and pooler.pooling_type != "LAST" and prefix_caching:
+            # MEAN and CLS read positions a cached prefix would skip (vLLM turns it off too)
+            logger.info("prefix caching off: %s pooling needs every prompt position",
+                        pooler.pooling_type)
+            prefix_caching = False
         return EngineConfig(
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
                 checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
                 kv_storage_dtype=kv_dtype, max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
-                max_logprobs=max_logprobs,
+                max_logprobs=max_logprobs, pooler=pooler,
                 default_sampling_params=generation_defaults(
                     self.model, self.generation_config, self.override_generation_config,
                     max_len)),
@@ -513,7 +547,7 @@ class EngineArgs:
                 block_size=self.block_size, num_blocks=num_blocks,
                 num_cpu_blocks=(int(self.swap_space * 2**30) // block_bytes
                                 if self.preemption_mode == "swap" else 0),
-                enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark),
+                enable_prefix_caching=prefix_caching, watermark=self.watermark),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                 enable_chunked_prefill=self.enable_chunked_prefill,
@@ -578,6 +612,38 @@ class EngineArgs:
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras or self.max_loras,
                           modules=tuple(self.lora_modules or ()))
+
+
+    def _pooler(self, hf) -> Optional[PoolerSettings]:
+        """The pooler of a pooling runner (None: a generate runner), vLLM's resolution:
+        runner auto is pooling for a base-model checkpoint (no LM head) or convert embed."""
+        pooling = (self.runner == "pooling" or self.convert == "embed"
+                   or (self.runner == "auto" and hf.base_model))
+        if not pooling:
+            if hf.base_model:
+                raise ConfigError("runner", f"this checkpoint is a base model without an LM "
+                                  f"head ({hf.architecture.replace('ForCausalLM', 'Model')}): "
+                                  "it serves embeddings (runner pooling), it cannot generate")
+            if self.pooler_config is not None:
+                raise ConfigError("pooler_config", "only a pooling runner has a pooler "
+                                  "(runner pooling)")
+            return None
+        if hf.architecture not in POOLING_ARCHITECTURES:
+            raise ConfigError("runner", f"pooling is served for the Llama-shaped decoders "
+                              f"({', '.join(POOLING_ARCHITECTURES)}), not "
+                              f"{hf.architecture}")
+        if self.enable_multi_stream:
+            raise ConfigError("enable_multi_stream", "not with a pooling runner")
+        if self.kv_transfer_config is not None:
+            raise ConfigError("kv_transfer_config", "not with a pooling runner (a pooling "
+                              "request has no decode to hand over)")
+        raw = {}
+        path = os.path.join(os.path.expanduser(self.model), "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                raw = json.load(f)
+        return resolve_pooler(self.pooler_config, os.path.expanduser(self.model),
+                              hf.hidden_size, raw, ConfigError)
 
 
 # generation_config.json's keys that set a request's sampling defaults (vLLM's set) -> the
@@ -698,6 +764,7 @@ class ModelSettings:
     # What OpenAI requests that leave a sampling field out get (generation_defaults).
     default_sampling_params: dict = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS   # the most logprobs a request may ask for
+    pooler: Optional[PoolerSettings] = None   # a pooling runner's (None: generate)
 
     @property
     def vocab_size(self) -> int:

@@ -119,3 +119,25 @@ class RequestOutput:
     # PD disaggregation: a producer's offer of the prompt's KV (vLLM's kv_transfer_params,
     # for the consumer), on the finished output; None otherwise.
     kv_transfer_params: Optional[dict] = None
+    # A pooling request's embedding (--runner pooling), on its finished output; None otherwise.
+    embedding: Optional[List[float]] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+    embedding: List[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result for one prompt."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: List[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

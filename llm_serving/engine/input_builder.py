@@ -18,6 +18,7 @@ import numpy as np
 from llm_serving.engine.scheduler import SchedulerOutput
 from llm_serving.engine.sequence import Sequence
 from llm_serving.executor.protocol import SamplingBatch, StepInput
+from llm_serving.model_executor.layers.pooler import pool_row_range
 
 _EMPTY_PAIRS = np.zeros((0, 2), np.int32)
 _NO_ROWS = np.zeros(0, np.int32)
@@ -40,12 +41,17 @@ class BuiltStep:
     # first sampled row, and every sampled row's sequence.
     first_rows: Optional[list[int]] = None
     row_seqs: list[Sequence] = field(default_factory=list)
+    # pooling runner: (sequence, first prompt position of its chunk, last chunk?) per pooled
+    # row range, in StepInput.pool_starts order
+    pooled: list[tuple[Sequence, int, bool]] = field(default_factory=list)
 
 
 def build_step_input(batch: SchedulerOutput, block_size: int,
-                     eos_token_ids: set[int], constraints=None) -> BuiltStep:
+                     eos_token_ids: set[int], constraints=None,
+                     pooling: Optional[str] = None) -> BuiltStep:
     """``constraints`` (engine.constraints.Constraints): adds logit_bias, bans and token
-    masks to the sampling batch (it advances the rows' grammar matchers)."""
+    masks to the sampling batch (it advances the rows' grammar matchers). ``pooling`` (a
+    pooling runner's LAST, MEAN or CLS): the prompts' rows are pooled, nothing samples."""
     seqs = batch.seqs
     b = len(seqs)
     n = np.asarray(batch.num_tokens, np.int32)
@@ -82,7 +88,8 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     # children of a sequence finishing its prompt sample from the same row (only then: with
     # async scheduling they are forked after the parent's next step started).
     sampled, sample_rows = [], []
-    for i in np.flatnonzero(starts + n - drafts == totals).tolist():
+    ends = (starts + n - drafts == totals) if pooling is None else np.zeros(b, bool)
+    for i in np.flatnonzero(ends).tolist():
         seq = seqs[i]
         first_sample = not seq.output_token_ids and not seq.tokens_in_flight
         children = seq.pending_children if first_sample else ()
@@ -103,6 +110,8 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
         **spec_fields, **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens),
         **_lora_fields(seqs))
+    if pooling is not None:
+        _pool_rows(built, pooling, seqs, starts, n, totals, qsl)
     return built
 
 
@@ -132,6 +141,20 @@ def _spec_rows(built: BuiltStep, sample_rows: list[int]) -> dict:
     built.row_seqs = seqs
     return dict(sample_seqs=np.asarray(rows, np.int32),
                 sample_offsets=np.asarray(offsets, np.int32))
+
+
+def _pool_rows(built: BuiltStep, kind: str, seqs, starts, n, totals, qsl) -> None:
+    """The step's pooled row ranges (a pooling runner's prompts; each is only prefilled)."""
+    pool_starts, pool_ends = [], []
+    for i, seq in enumerate(seqs):
+        final = bool(starts[i] + n[i] == totals[i])
+        a, b = pool_row_range(kind, int(starts[i]), int(n[i]), final, int(qsl[i]))
+        if b > a or final:
+            built.pooled.append((seq, int(starts[i]), final))
+            pool_starts.append(a)
+            pool_ends.append(b)
+    built.step.pool_starts = np.asarray(pool_starts, np.int32)
+    built.step.pool_ends = np.asarray(pool_ends, np.int32)
 
 
 def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],

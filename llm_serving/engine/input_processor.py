@@ -13,7 +13,9 @@ from typing import Optional, Union
 
 from llm_serving.config import EngineConfig
 from llm_serving.lora.request import LoRARequest
-from llm_serving.sampling_params import SamplingParams
+from llm_serving.model_executor.layers.pooler import check_dimensions
+from llm_serving.pooling_params import PoolingParams
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
 PromptType = Union[str, dict]
@@ -46,6 +48,7 @@ class NewRequest:
     priority: int
     arrival_time: float
     lora: Optional["LoRARequest"] = None     # its adapter (None: the base model)
+    pooling: Optional[PoolingParams] = None     # a pooling request (its params, resolved)
 
 
 class InputProcessor:
@@ -63,6 +66,7 @@ class InputProcessor:
         if self.kv_transfer is not None:
             from llm_serving.distributed.kv_transfer.factory import connector_class
             self._check_offer = connector_class(self.kv_transfer).check_offer
+        self.pooler = config.model.pooler          # None: a generate runner
         self._ids = itertools.count()
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -71,6 +75,10 @@ class InputProcessor:
                 lora_request: Optional[LoRARequest] = None) -> NewRequest:
         """``max_tokens`` is lowered to what fits in max_model_len after the prompt (vLLM's
         rule, and llm-serving's cap on prompt + output)."""
+        pooling = self._pooling(params)
+        if pooling is not None:
+            params = SamplingParams(max_tokens=1, detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
@@ -101,6 +109,12 @@ class InputProcessor:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         room = self.max_model_len - len(ids)
+        if pooling is not None:         # only prefilled: the whole length is the prompt's
+            if room < 0:
+                raise ValueError(f"prompt: it has {len(ids)} tokens, more than the maximum "
+                                 f"model length ({self.max_model_len})")
+            return NewRequest(request_id, text, ids, params, 1, priority,
+                              time.time() if arrival_time is None else arrival_time, pooling)
         if room < 1:
             raise ValueError(f"prompt: it has {len(ids)} tokens; the maximum model length is "
                              f"{self.max_model_len}, leaving no room to generate")
@@ -108,6 +122,24 @@ class InputProcessor:
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time,
                           lora_request)
+
+    def _pooling(self, params) -> Optional[PoolingParams]:
+        """A pooling request's params, resolved against the server's pooler (None for a
+        generation request); a request of the other kind than the runner's is refused."""
+        if self.pooler is None:
+            if isinstance(params, PoolingParams):
+                raise ValueError("this model is a generative model (runner generate): it "
+                                 "serves no embeddings; start it with --runner pooling")
+            return None
+        if params is not None and not isinstance(params, PoolingParams):
+            raise ValueError("this model is a pooling model (runner pooling): it serves "
+                             "embeddings, it does not generate")
+        p = params or PoolingParams()
+        dims = p.dimensions if p.dimensions is not None else self.pooler.dimensions
+        if p.dimensions is not None:
+            check_dimensions(self.pooler, p.dimensions, lambda _, msg: ValueError(msg))
+        return PoolingParams(dims, self.pooler.normalize if p.use_activation is None
+                             else p.use_activation)
 
     def check_kv_transfer(self, p: dict) -> None:
         """``kv_transfer_params`` this instance can take (ValueError naming the field)."""

@@ -40,6 +40,7 @@ from llm_serving.model_executor.multistream.split import multi_stream_on_master,
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.executor.protocol import StepInput
 from llm_serving.outputs import RequestOutput
+from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
@@ -99,9 +100,11 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.tokenizer, self.constraints,
                                               self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
-                                                self.max_model_len)
+                                                self.max_model_len, config.model.pooler)
         self.dumper = LogitsDumper(config.dump) if config.dump else None
         self.async_scheduling = config.scheduler.async_scheduling
+        # a pooling runner's pooling type (LAST, MEAN, CLS); None: a generate runner
+        self.pooling = config.model.pooler.pooling_type if config.model.pooler else None
         self.multi_stream = multi_stream_on_master(config)    # None: steps run unsplit
         self._in_flight: Optional[StepInFlight] = None
         self._arrivals = itertools.count()
@@ -126,14 +129,16 @@ class LLMEngine:
         return self.block_manager.stats
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def add_request(self, prompt: PromptType,
+                    params: Union[SamplingParams, PoolingParams, None] = None,
                     request_id: Optional[str] = None, priority: int = 0,
                     arrival_time: Optional[float] = None, lora_request=None) -> str:
         """Queue a request. Raises ValueError for bad input, QueueFullError when full."""
         return self.add_processed(self.process_request(prompt, params, request_id, priority,
                                                        arrival_time, lora_request))
 
-    def process_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def process_request(self, prompt: PromptType,
+                        params: Union[SamplingParams, PoolingParams, None] = None,
                         request_id: Optional[str] = None, priority: int = 0,
                         arrival_time: Optional[float] = None,
                         lora_request=None) -> NewRequest:
@@ -192,7 +197,8 @@ class LLMEngine:
             self.constraints.release()
             return outputs
         built = build_step_input(batch, self.config.cache.block_size,
-                                 self.output_processor.eos_token_ids, self.constraints)
+                                 self.output_processor.eos_token_ids, self.constraints,
+                                 self.pooling)
         if kv_meta is not None:
             built.step.kv_meta = kv_meta
         self.stats.num_prefill_tokens += built.num_prefill_tokens
@@ -209,10 +215,13 @@ class LLMEngine:
         self.runner.submit(built.step)
         previous = self._in_flight
         self._in_flight = StepInFlight(built.sampled, built.prompt_logprobs, dumps,
-                                       built.first_rows)
+                                       built.first_rows, built.pooled)
         for row, seq in enumerate(built.sampled):
             if seq.status is SequenceStatus.RUNNING:     # not a pending n > 1 child
                 seq.expect_token(row)
+        for seq, _, final in built.pooled:
+            if final:           # its result is in flight: nothing more to schedule
+                seq.expect_token(-1)
         if previous is not None:
             outputs += self._collect(previous)    # the samples the new step's decodes read
         if built.step.mask_after_forward:
@@ -288,10 +297,11 @@ class LLMEngine:
         they were."""
         stats, op = self.stats.saved(), self.output_processor
         kept = len(op.finished_metrics), len(op.finished_sequences)
+        params = (PoolingParams() if self.pooling is not None else
+                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                 output_kind=RequestOutputKind.FINAL_ONLY))
         self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
-                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
-                                        output_kind=RequestOutputKind.FINAL_ONLY),
-                         request_id=WARM_UP_ID)
+                         params, request_id=WARM_UP_ID)
         while self.has_unfinished_requests():     # a step still in flight included
             self.step()
         self.block_manager.reset()

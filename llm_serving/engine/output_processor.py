@@ -22,7 +22,9 @@ from llm_serving.engine.scheduler import Scheduler
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.errors import RequestIdInUseError
 from llm_serving.executor.protocol import SamplerOutput
+from llm_serving.model_executor.layers.pooler import PoolerSettings, finish_embedding
 from llm_serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import RequestOutputKind
 from llm_serving.tokenizer import Tokenizer
 
@@ -67,6 +69,7 @@ class StepInFlight:
     # Speculative decoding: each sampled sequence's first row (its drafts' rows follow it);
     # None when the step has no drafts (row i is sequence i's).
     first_rows: Optional[list[int]] = None
+    pooled: list = ()                # pooling runner: BuiltStep.pooled
 
 
 def _no_text(token_id: int) -> None:
@@ -74,7 +77,9 @@ def _no_text(token_id: int) -> None:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int,
+                 pooler: Optional[PoolerSettings] = None):
+        self.pooler = pooler            # a pooling runner's (layers/pooler.py)
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
@@ -116,6 +121,7 @@ class OutputProcessor:
                 min_tokens=p.min_tokens)
             seqs.append(seq)
         seqs[0].pending_children = seqs[1:]
+        seqs[0].pooling = new.pooling
         if params.prompt_logprobs is not None:
             seqs[0].prompt_logprobs = [None]
         self.requests[new.request_id] = RequestState(new.request_id, seqs, params.output_kind)
@@ -156,6 +162,8 @@ class OutputProcessor:
         itl = self.stats.inter_token_latency
         touched: dict[str, None] = {}
         ended: list[RequestOutput] = []        # requests ended with an error in this step
+        if fl.pooled:
+            self._record_pooled(fl.pooled, result.pooled, now, touched)
         generated = firsts = late = extra = 0
         tokens = result.token_ids.tolist() if fl.sampled else ()
         for i, seq in enumerate(fl.sampled):
@@ -233,6 +241,28 @@ class OutputProcessor:
         if stepped and seq.params.logprobs is not None:
             self._name_partial_character(seq, token)
         return status is not None
+    def _record_pooled(self, plan: list, pooled, now: float, touched: dict) -> None:
+        """Add each pooled row range to its prompt's sum; a prompt whose last chunk ran ends
+        with its embedding (layers/pooler.py). A chunk at position 0 starts the sum over (a
+        prompt recomputed after a preemption); so does a first chunk after a cached prefix
+        (LAST pooling, whose earlier chunks add nothing)."""
+        for (seq, start, final), part in zip(plan, pooled):
+            if seq.status.finished:         # aborted while the step ran
+                continue
+            seq.pooled_sum = (part.copy() if start == 0 or seq.pooled_sum is None
+                              else seq.pooled_sum + part)
+            if not final:
+                continue
+            p = seq.pooling or PoolingParams()
+            seq.embedding = finish_embedding(seq.pooled_sum, len(seq.prompt_token_ids),
+                                             self.pooler, p.use_activation is not False,
+                                             p.dimensions)
+            seq.pooled_sum = None
+            seq.first_token_time = seq.last_token_time = seq.finished_time = now
+            self._count_prompt(seq)
+            seq.forget_in_flight()
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            touched[seq.request_id] = None
 
     def _stop_token(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
         """The token ends the sequence: EOS or one of stop_token_ids. stop_reason is the
@@ -394,7 +424,7 @@ class OutputProcessor:
                              finished=finished, prompt_logprobs=prompt_lp, metrics=metrics,
                              num_cached_tokens=first.num_cached_tokens, error=req.error,
                              kv_transfer_params=first.kv_transfer_params_out if finished
-                             else None)
+                             else None, embedding=first.embedding)
 
 
 def _sequence_metrics(req: RequestState, seq: Sequence) -> RequestMetrics:

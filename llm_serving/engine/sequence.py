@@ -89,6 +89,11 @@ class Sequence:
         self.stop_reason = None
         self.detokenizer = None
         self.grammar_error: Optional[str] = None    # its grammar's matcher failed (why)
+        # A pooling request (--runner pooling): its params, the sum of its pooled rows so
+        # far (layers/pooler.py), and its embedding once its last prompt chunk ran.
+        self.pooling = None
+        self.pooled_sum = None
+        self.embedding: Optional[list] = None
         # Timings (time.time(), for metrics).
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: Optional[float] = None

@@ -19,7 +19,8 @@ from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
 from llm_serving.lora.request import LoRARequest
-from llm_serving.outputs import RequestOutput
+from llm_serving.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -30,8 +31,8 @@ _LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS,
 
 def _no_pooling(method: str) -> ValueError:
     return ValueError(f"LLM.{method}() is for pooling models (embeddings, classification, "
-                      "scores); llm_serving runs generative models only: use generate() or "
-                      "chat()")
+                      "scores); llm_serving serves embeddings only (LLM.embed() with "
+                      "runner='pooling'): use generate() or chat() on a generative model")
 
 
 class LLM:
@@ -138,13 +139,33 @@ class LLM:
                                                                       add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
-    # vLLM's pooling-model methods, and its beam search: refused by name, as vLLM refuses
-    # pooling on a generative model, rather than as a missing attribute.
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              use_tqdm: bool = False, lora_request=None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one embedding per prompt (a pooling runner: ``runner="pooling"``, or a
+        base-model checkpoint)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported with embeddings")
+        if self.engine.config.model.pooler is None:
+            raise _no_pooling("embed")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(pooling_params)} "
+                             "pooling params")
+        news = [self.engine.process_request(prompt, params, request_id=f"llm-{id(self)}-{i}")
+                for i, (prompt, params) in enumerate(zip(prompts, pooling_params))]
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
+                                       out.prompt_token_ids, out.finished,
+                                       out.num_cached_tokens or 0)
+                for out in self._run(news, use_tqdm)]
+
+    # vLLM's other pooling-model methods: refused by name, as vLLM refuses pooling on a
+    # generative model, rather than as a missing attribute.
     def encode(self, *args, **kwargs):
         raise _no_pooling("encode")
-
-    def embed(self, *args, **kwargs):
-        raise _no_pooling("embed")
 
     def classify(self, *args, **kwargs):
         raise _no_pooling("classify")

@@ -106,7 +106,8 @@ class MultiprocExecutor:
             out_bytes = ch.result_channel_bytes(
                 rows, config.model.max_logprobs,
                 dump_vocab=config.model.vocab_size if config.dump else 0,
-                max_tokens=s.max_num_batched_tokens)
+                max_tokens=s.max_num_batched_tokens,
+                pooled_size=config.model.pooler.hidden_size if config.model.pooler else 0)
             self.shm_in, self.shm_out = [], []
             for _ in range(2):            # step n uses segment n % 2 in each direction
                 self.shm_in.append(ch.ShmSegment(in_bytes))

@@ -192,6 +192,9 @@ class SamplerOutput:
     prompt_ranks: Optional[np.ndarray] = None
     prompt_top_token_ids: Optional[np.ndarray] = None
     prompt_top_logprobs: Optional[np.ndarray] = None
+    # Pooling runner: float32 [P, H], the sum of the hidden states of each of the step's
+    # StepInput.pool_starts/pool_ends row ranges (None when the step pools nothing).
+    pooled: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -237,6 +240,10 @@ class StepInput:
     # max_loras entries), for the WorkAgent to load an adapter it does not hold.
     lora_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     lora_paths: np.ndarray = field(default_factory=lambda: _NO_BYTES)
+    # Pooling runner (layers/pooler.py): row ranges [pool_starts[i], pool_ends[i]) whose
+    # final hidden states are summed into SamplerOutput.pooled; no logits, no sampling.
+    pool_starts: np.ndarray = field(default_factory=lambda: _NO_ROWS)    # int32 [P]
+    pool_ends: np.ndarray = field(default_factory=lambda: _NO_ROWS)      # int32 [P]
 
 
 def array_fields(cls) -> tuple[str, ...]:

@@ -240,8 +240,9 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
     width = -(-max_model_len // block_size)
     ints = (6 * max_tokens                       # ids, positions, slots, prompt logprob rows
             + max_seqs * width                   # block tables
-            + 6 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows,
-                                                 # pending positions and sources
+            + 8 * max_seqs + 2                   # query_start_loc, seq_lens, sample rows,
+                                                 # pending positions and sources, pooled
+                                                 # row ranges
             + 4                                  # ms_split, mask_after_forward (int64s)
             + 3 * 2 * num_blocks)                # swap out / in, copies (int32 pairs)
     per_row = 10 * 8 + 2 * max_model_len * 8 + 64 * 8 + 3 * 16   # params, penalties, bans
@@ -252,18 +253,27 @@ def step_channel_bytes(max_tokens: int, max_seqs: int, max_model_len: int, block
 
 
 def result_channel_bytes(max_seqs: int, max_logprobs: int = MAX_LOGPROBS, dump_vocab: int = 0,
-                         max_tokens: int = 0) -> int:
+                         max_tokens: int = 0, pooled_size: int = 0) -> int:
     """An upper bound on one packed SamplerOutput; ``dump_vocab`` > 0 when logits are dumped;
-    ``max_tokens`` (tokens per step) bounds the prompt logprob rows."""
-    per_row = 8 + 4 + 8 + max_logprobs * 12 + 4 * dump_vocab
+    ``max_tokens`` (tokens per step) bounds the prompt logprob rows; ``pooled_size`` (a
+    pooling runner's hidden size) the pooled vectors, one per sequence."""
+    per_row = 8 + 4 + 8 + max_logprobs * 12 + 4 * dump_vocab + 4 * pooled_size
     per_prompt_row = 4 + 8 + max_logprobs * 12
     return (max_seqs * per_row + max_tokens * per_prompt_row
             + len(_RESULT_FIELDS) * (_ARR.size + _ALIGN) + (1 << 12))
 
 
-def check_result_channel(max_logprobs: int, max_seqs: int, max_tokens: int) -> None:
-    """Refuse a max_logprobs whose result channel would exceed MAX_RESULT_CHANNEL_BYTES."""
-    size = result_channel_bytes(max_seqs, max_logprobs, max_tokens=max_tokens)
+def check_result_channel(max_logprobs: int, max_seqs: int, max_tokens: int,
+                         pooled_size: int = 0) -> None:
+    """Refuse a max_logprobs (or a pooling runner's hidden size) whose result channel would
+    exceed MAX_RESULT_CHANNEL_BYTES."""
+    size = result_channel_bytes(max_seqs, max_logprobs, max_tokens=max_tokens,
+                                pooled_size=pooled_size)
+    if size > MAX_RESULT_CHANNEL_BYTES and pooled_size:
+        raise ConfigError("max_num_seqs", f"{max_seqs} sequences' pooled vectors of "
+                          f"{pooled_size} floats and {max_logprobs} logprobs need a result "
+                          f"channel of {size / 2**30:.1f} GiB, more than its "
+                          f"{MAX_RESULT_CHANNEL_BYTES >> 30} GiB cap; lower max_num_seqs")
     if size > MAX_RESULT_CHANNEL_BYTES:
         raise ConfigError("max_logprobs", f"{max_logprobs} alternatives for each of "
                           f"{max_seqs} sequences and {max_tokens} prompt tokens a step need a "

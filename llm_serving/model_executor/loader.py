@@ -35,6 +35,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM",
                            "InternLM2ForCausalLM", "GPTBigCodeForCausalLM", "BaichuanForCausalLM",
                            "BaiChuanForCausalLM")
+# Hugging Face's base-model classes (``*Model``: the decoder stack, saved without an LM head
+# and without the "model." prefix), as embedding checkpoints such as e5-mistral and
+# Qwen3-Embedding are: served by a pooling runner on the causal LM's decoder.
+BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                            "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+                            "Qwen3MoeModel": "Qwen3MoeForCausalLM"}
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM",
@@ -116,6 +122,8 @@ class ModelConfig:
     torch_dtype: Optional[str] = None
     model_type: str = ""
     model_dir: Optional[str] = field(default=None, compare=False)
+    # config.json names a base model (BASE_MODEL_ARCHITECTURES): no LM head, pooling only
+    base_model: bool = False
 
     @property
     def q_size(self) -> int:
@@ -234,8 +242,11 @@ class ModelConfig:
         if isinstance(archs, str):
             archs = [archs]
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(str(cfg.get("model_type", "")))
+        base_model = arch in BASE_MODEL_ARCHITECTURES
+        arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise err(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise err(f"unsupported architecture {arch!r}; supported: "
+                      f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}")
         if arch == GPT_BIGCODE:
             return cls(**_gpt_bigcode_fields(cfg, err), model_dir=model_dir)
 
@@ -378,6 +389,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             model_type=str(cfg.get("model_type", "")),
             model_dir=model_dir,
+            base_model=base_model,
             **moe,
         )
 

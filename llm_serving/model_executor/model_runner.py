@@ -24,6 +24,7 @@ from llm_serving.model_executor.attention.backend import AttentionMetadata
 from llm_serving.model_executor.attention.selector import get_attention_backend
 from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
+from llm_serving.model_executor.layers.pooler import pool_rows
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
 from llm_serving.model_executor.parallel_state import get_tp_group
 from llm_serving.sample.sampler import Sampler
@@ -34,10 +35,13 @@ _PROMPT_LOGITS_BYTES = 64 << 20
 
 
 def build_model(config: ModelConfig, backend, tp_rank: int = 0, tp_size: int = 1,
-                multistream_config=None):
+                multistream_config=None, pooling: bool = False):
     # ModelConfig has already rejected architectures outside loader.SUPPORTED_ARCHITECTURES;
     # all but GPTBigCode are Llama-shaped (InternLM2 and Baichuan under other weight names).
-    if config.architecture == "GPTBigCodeForCausalLM":
+    # A pooling runner's (config.POOLING_ARCHITECTURES) is the Llama decoder without its head.
+    if pooling:
+        from llm_serving.model_executor.models.llama import LlamaEmbeddingModel as cls
+    elif config.architecture == "GPTBigCodeForCausalLM":
         from llm_serving.model_executor.models.gpt_bigcode import GPTBigCodeForCausalLM as cls
     elif config.architecture == "InternLM2ForCausalLM":
         from llm_serving.model_executor.models.internlm2 import InternLM2ForCausalLM as cls
@@ -79,8 +83,9 @@ class ModelRunner:
         if ms_mode != "off":            # multistream/overlap.py: how micro-batches overlap
             from llm_serving.model_executor.multistream.overlap import set_overlap
             set_overlap(ms_mode, self.device)
+        self.pooler = m.pooler           # a pooling runner's (layers/pooler.py); None: generate
         self.model = build_model(c, self.backend, tp.rank, tp.size,
-                                 ms if ms_mode != "off" else None)
+                                 ms if ms_mode != "off" else None, m.pooler is not None)
         if m.dtype == "bfloat16" and self.device == "CPU":
             from llm_serving.model_executor.layers.linear import use_bf16_weights
             use_bf16_weights(self.model)    # linear weights stored bf16, activations fp32
@@ -114,7 +119,7 @@ class ModelRunner:
         from llm_serving.model_executor.layers.custom_op import use_cpu_kernels
         ex = config.execution
         if (self.device == "CPU" and use_cpu_kernels() and tp.size == 1
-                and self.kv_connector is None and not ex.enforce_eager
+                and self.kv_connector is None and not ex.enforce_eager and self.pooler is None
                 and ex.max_capture_batch > 0):
             from llm_serving.model_executor.cpu_graph import CpuGraphs
             self.graphs = CpuGraphs(self._forward_logits, ex.max_capture_batch,
@@ -242,6 +247,8 @@ class ModelRunner:
     def _execute(self, step: StepInput, with_hidden: bool = False):
         if not len(step.input_ids):          # a step that only moves KV blocks
             return (None, None) if with_hidden else None
+        if self.pooler is not None:
+            return self._pool(step)
         rows = step.query_start_loc[1:][step.sample_seqs] - 1
         if len(step.sample_offsets):        # speculative decoding: drafts' rows too
             rows = rows - step.sample_offsets
@@ -275,6 +282,16 @@ class ModelRunner:
             for name, value in prompt.items():
                 setattr(out, name, value)
         return (out, hidden) if with_hidden else out
+
+    def _pool(self, step: StepInput) -> Optional[SamplerOutput]:
+        """A pooling runner's step: prompt chunks only, whose pooled row ranges are summed
+        (rank 0 returns them; the hidden states are the same on every rank)."""
+        hidden = self._run(step)
+        if not self.tp.is_driver or not len(step.pool_starts):
+            return None
+        return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.float32),
+                             pooled=pool_rows(hidden.asnumpy(), step.pool_starts,
+                                              step.pool_ends))
 
     def _fill_pending(self, step: StepInput, rows: np.ndarray) -> None:
         """Async scheduling: put the previous step's samples where the master had

@@ -193,3 +193,27 @@ class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
                                   if "rotary_emb.inv_freq" not in name
                                   and not (tied and name == "lm_head.weight")),
                            self.stacked_params)
+
+
+class LlamaEmbeddingModel(nn.Cell):
+    """The decoder alone, for a pooling runner (vLLM's ``--runner pooling`` on these
+    architectures): its final-norm hidden states, no LM head. It loads a causal LM's
+    checkpoint (its lm_head left out) and a base model's (HF ``LlamaModel``, ``Qwen3Model``:
+    names without the "model." prefix)."""
+    stacked_params = LlamaForCausalLM.stacked_params
+
+    def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1,
+                 multistream_config: Optional[MultiStreamConfig] = None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, tp_rank, tp_size)
+
+    def construct(self, input_ids, positions):
+        return self.model(input_ids, positions)
+
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
+        load_named_weights(self, ((name if name.startswith("model.") else "model." + name, w)
+                                  for name, w in weights
+                                  if "rotary_emb.inv_freq" not in name
+                                  and not name.startswith("lm_head.")),
+                           self.stacked_params)
