@@ -241,7 +241,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise RequestIdInUseError(request_id)
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
-        if params is not None and params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Compiling a grammar can take a while (a large schema; llguidance's view of the
             # tokenizer, once): not on the event loop.
             new = await asyncio.to_thread(self.engine.process_request, prompt, params,

@@ -12,6 +12,7 @@ from llm_serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llm_serving.engine.input_processor import NewRequest
+    from llm_serving.model_executor.layers.pooler import PoolerSettings
     from llm_serving.engine.metrics import EngineStats
     from llm_serving.tokenizer import Tokenizer
 
@@ -30,6 +31,8 @@ class EngineLimits:
     dtype: str
     # The KV cache's configuration as vLLM's cache_config_info labels it: (name, value) pairs.
     cache: tuple[tuple[str, str], ...] = ()
+    # A pooling runner's pooler (embeddings); None: a generate runner.
+    pooler: Optional["PoolerSettings"] = None
 
     @classmethod
     def of(cls, config: EngineConfig, device: Optional[str] = None) -> "EngineLimits":
@@ -43,7 +46,8 @@ class EngineLimits:
         return cls(config.model.max_model_len, config.scheduler.max_num_seqs,
                    config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
                    config.model.vocab_size, device,
-                   config.model.weight_dtype, tuple((k, str(v)) for k, v in cache))
+                   config.model.weight_dtype, tuple((k, str(v)) for k, v in cache),
+                   config.model.pooler)
 
 
 class RequestStream(Protocol):

@@ -137,6 +137,28 @@ class _ApiKey:
         return await self.app(scope, receive, send)
 
 
+class _PoolingRunner:
+    """ASGI middleware: on a pooling runner (--runner pooling) the generation routes are not
+    served, a 404 saying so (vLLM registers none of them there: its plain 404). Plain ASGI,
+    as _ApiKey: the body is not touched."""
+
+    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/models/")
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        engine = self.state.engine
+        if scope["type"] == "http" and engine is not None and engine.limits.pooler is not None:
+            path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+            if path.startswith(self.GENERATION):
+                return await error_response(
+                    404, f"this model is a pooling model (runner pooling): {path} is not "
+                    "served; it serves /v1/embeddings", kind="not_found_error")(
+                    scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class _RequestIdHeader:
     """ASGI middleware (--enable-request-id-headers, vLLM's): every answer carries an
     X-Request-Id header, the request's own if it sent one, else a new id."""
@@ -185,8 +207,9 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import (llm_serving_routes, lora_routes, openai_routes,
-                                         remote_prefill, responses_routes, unread_offers)
+    from llm_serving.entrypoints import (embedding_routes, llm_serving_routes, lora_routes,
+                                         openai_routes, remote_prefill, responses_routes,
+                                         unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
 
     @asynccontextmanager
@@ -318,6 +341,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(openai_routes.router)
+    app.include_router(embedding_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)
@@ -326,6 +350,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                        "(%s). This should ONLY be used for local development!",
                        lora_routes.RUNTIME_LORA_ENV)
         app.include_router(lora_routes.router)
+    app.add_middleware(_PoolingRunner, state=state)
     if state.api_keys:
         app.add_middleware(_ApiKey, keys=state.api_keys)
     app.add_middleware(_RequestLimits, limit=MAX_BODY_BYTES,

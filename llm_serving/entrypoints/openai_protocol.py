@@ -408,3 +408,44 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's fields and vLLM's extras for the embed task)."""
+    model_config = ConfigDict(extra="allow")
+
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    # vLLM's extras
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    add_special_tokens: bool = True
+    use_activation: Optional[bool] = None
+    priority: int = 0
+    # Declared so that they are refused by name (see REFUSED).
+    embed_dtype: Any = None
+    endianness: Any = None
+    padding: Any = None
+    messages: Any = None
+    request_id: Any = None
+    mm_processor_kwargs: Any = None
+    cache_salt: Any = None
+    normalize: Any = None           # removed in vLLM: refused with its word
+
+    REFUSED: ClassVar[dict] = {
+        "embed_dtype": ("float32",), "endianness": ("native", "little"),
+        "padding": ("do_not_pad",), "messages": (), "request_id": (),
+        "mm_processor_kwargs": (), "cache_salt": (),
+    }
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+    def check_combinations(self) -> None:
+        if self.normalize is not None:
+            raise ValueError("normalize: was removed (vLLM); use use_activation instead")
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise ValueError("truncation_side: only with truncate_prompt_tokens")

@@ -1,0 +1,130 @@
+"""POST /v1/embeddings: OpenAI's embeddings API on a pooling runner (``--runner pooling``),
+as vLLM serves it: one embedding per input (a string, a list of strings, a list of token ids
+or a list of such lists), as floats or as base64 of little-endian float32 values."""
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+from fastapi import APIRouter, Request
+
+from llm_serving.entrypoints.http_common import (HTTPError, logger, new_request_id,
+                                                 refuse_unsupported, server_state,
+                                                 translate_error)
+from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
+from llm_serving.entrypoints.openai_routes import encode_text, json_answer, merge_streams
+from llm_serving.pooling_params import PoolingParams
+
+router = APIRouter()
+
+
+def _inputs(req: EmbeddingRequest) -> list:
+    """The request's prompts, one per input."""
+    x = req.input
+    if isinstance(x, str) or (isinstance(x, list) and x and isinstance(x[0], int)):
+        x = [x]
+    if not x:
+        raise HTTPError(400, "input: must not be empty", param="input")
+    return x
+
+
+def _tokens(engine, req: EmbeddingRequest, prompt) -> list[int]:
+    """A prompt's token ids, truncated as truncate_prompt_tokens asks (vLLM: -1 is the model's
+    length; the tokenizer's side, right unless it says left, unless truncation_side)."""
+    if isinstance(prompt, str):
+        limit = engine.limits.max_model_len
+        if req.truncate_prompt_tokens is not None:
+            limit = None        # truncated below; the text may be longer than the model
+        ids = (engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+               if limit is None else
+               encode_text(engine, prompt, "input", req.add_special_tokens))
+    else:
+        ids = list(prompt)
+    k = req.truncate_prompt_tokens
+    if k is not None:
+        k = engine.limits.max_model_len if k == -1 else k
+        if k > engine.limits.max_model_len:
+            raise HTTPError(400, f"truncate_prompt_tokens: {k} is more than the maximum model "
+                            f"length ({engine.limits.max_model_len})",
+                            param="truncate_prompt_tokens")
+        side = req.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+        if len(ids) > k:
+            ids = ids[len(ids) - k:] if side == "left" else ids[:k]
+    return ids
+
+
+@router.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, request: Request):
+    state = server_state(request)
+    state.check_model(req.model)
+    refuse_unsupported(req, req.REFUSED)
+    try:
+        req.check_combinations()
+    except ValueError as e:
+        raise translate_error(e) from None
+    unknown = req.unknown_fields()
+    if unknown:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       ", ".join(unknown))
+    engine = state.require_engine()
+    if engine.limits.pooler is None:
+        raise HTTPError(404, "this model is a generative model: /v1/embeddings needs an "
+                        "embedding model served with --runner pooling", kind="not_found_error")
+    prompts = _inputs(req)
+    if len(prompts) > engine.limits.max_waiting:
+        raise HTTPError(400, f"input: {len(prompts)} inputs in one request exceed the "
+                        f"waiting-queue bound (max_waiting_requests={engine.limits.max_waiting})",
+                        param="input")
+    try:
+        params = PoolingParams(req.dimensions, req.use_activation)
+    except ValueError as e:
+        raise translate_error(e) from None
+    rid = new_request_id("embd")
+    try:
+        news = [await engine.check_request(f"{rid}-{i}",
+                                           {"prompt_token_ids": _tokens(engine, req, p)},
+                                           params, req.priority)
+                for i, p in enumerate(prompts)]
+    except HTTPError:
+        raise
+    except Exception as e:
+        raise _named(translate_error(e)) from None
+    streams = []
+    try:
+        for new in news:
+            streams.append(engine.queue(new))
+    except Exception as e:
+        for s in streams:
+            await s.aclose()
+        raise translate_error(e) from None
+    vectors: list = [None] * len(prompts)
+    tokens = 0
+    async for i, out in merge_streams(streams):
+        if out.finished:
+            if out.error is not None or out.embedding is None:
+                raise HTTPError(500, out.error or "the request ended without an embedding",
+                                kind="internal_server_error")
+            vectors[i] = out.embedding
+            tokens += len(out.prompt_token_ids)
+    as_b64 = req.encoding_format == "base64"
+
+    def build() -> dict:
+        data = [{"object": "embedding", "index": i,
+                 "embedding": (base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
+                               if as_b64 else v)}
+                for i, v in enumerate(vectors)]
+        return {"id": rid, "object": "list", "created": int(time.time()),
+                "model": state.served_model_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                          "completion_tokens": 0}}
+    return await json_answer(build)
+
+
+def _named(err: HTTPError) -> HTTPError:
+    """The engine's checks name their field by its engine name: the request's is input."""
+    if err.status == 400 and err.param in ("prompt", "prompt_token_ids"):
+        err.param = "input"
+        err.message = "input" + err.message[len("prompt"):] if err.message.startswith(
+            "prompt") else err.message
+    return err

@@ -1,0 +1,193 @@
+"""POST /v1/embeddings on the real server (start.py --runner pooling, the model in a
+WorkAgent) with the `openai` client, against HF transformers' mean-pooled last_hidden_state;
+bad fields are a 400 naming them; the generation routes answer 404 there, and
+/v1/embeddings answers 404 on a generate server."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import requests
+
+from llm_serving.cli_args import STOP_WITH_PARENT_ENV
+from llm_serving.executor.shm_channel import segments_of
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors", "a"]
+
+
+def _port(offset: int = 0) -> int:
+    """LLM_SERVING_TEST_PORT (+ offset) when set (a shared machine's range), else a free one."""
+    if os.environ.get("LLM_SERVING_TEST_PORT"):
+        return int(os.environ["LLM_SERVING_TEST_PORT"]) + offset
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir: str, *flags: str, port: int):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", model_dir,
+                             "--port", str(port), "--num-blocks", "128", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
+    deadline = time.monotonic() + 180
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "ready" in line or proc.poll() is not None:
+            break
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line!r} {proc.stderr.read()[-2000:]}")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not segments_of(proc.pid), "the server left shared memory behind"
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tiny_model_dir):
+    proc, url = _start(tiny_model_dir, "--runner", "pooling", "--pooler-config",
+                       json.dumps({"pooling_type": "MEAN"}), port=_port())
+    try:
+        yield url
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    model = transformers.AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def embed(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            v = model(torch.tensor([ids])).last_hidden_state[0].mean(0).double().numpy()
+        return v / np.linalg.norm(v)
+    return tok, embed
+
+
+def _model(url: str) -> str:
+    return requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_openai_client_embeddings_match_hf(pooling_server, hf):
+    tok, embed = hf
+    client = openai.OpenAI(base_url=pooling_server + "/v1", api_key="none")
+    name = _model(pooling_server)
+    out = client.embeddings.create(model=name, input=TEXTS, encoding_format="float")
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    assert [d.index for d in out.data] == [0, 1, 2]
+    assert out.object == "list" and out.model == name
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, ids))
+    for d, x in zip(out.data, ids):
+        assert d.object == "embedding" and len(d.embedding) == 64
+        np.testing.assert_allclose(d.embedding, embed(x), atol=5e-4, rtol=0)
+    # one string; token ids, one list and a list of lists
+    one = client.embeddings.create(model=name, input=TEXTS[0], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, out.data[0].embedding, atol=1e-5)
+    by_ids = client.embeddings.create(model=name, input=ids, encoding_format="float")
+    for a, b in zip(by_ids.data, out.data):
+        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-5)
+    # an empty text is its BOS token alone, as vLLM embeds it
+    empty = client.embeddings.create(model=name, input=["", TEXTS[2]], encoding_format="float")
+    np.testing.assert_allclose(empty.data[0].embedding, embed(tok("")["input_ids"]), atol=5e-4)
+    single = client.embeddings.create(model=name, input=ids[1], encoding_format="float")
+    np.testing.assert_allclose(single.data[0].embedding, out.data[1].embedding, atol=1e-5)
+    # the client's default asks for base64 and decodes it itself
+    default = client.embeddings.create(model=name, input=TEXTS)
+    for a, b in zip(default.data, out.data):
+        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-7)
+
+
+def test_base64_is_little_endian_float32(pooling_server):
+    body = {"input": TEXTS[:2], "encoding_format": "base64", "user": "u1"}
+    b64 = requests.post(pooling_server + "/v1/embeddings", json=body, timeout=60).json()
+    floats = requests.post(pooling_server + "/v1/embeddings", json={"input": TEXTS[:2]},
+                           timeout=60).json()
+    for a, b in zip(b64["data"], floats["data"]):
+        assert isinstance(a["embedding"], str)
+        np.testing.assert_array_equal(np.frombuffer(base64.b64decode(a["embedding"]), "<f4"),
+                                      np.asarray(b["embedding"], np.float32))
+
+
+def test_truncate_prompt_tokens(pooling_server, hf):
+    _, embed = hf
+    ids = list(range(3, 40))
+    post = lambda body: requests.post(pooling_server + "/v1/embeddings",   # noqa: E731
+                                      json={"input": ids, **body}, timeout=60).json()
+    left = post({"truncate_prompt_tokens": 5, "truncation_side": "left"})
+    right = post({"truncate_prompt_tokens": 5, "truncation_side": "right"})
+    assert left["usage"]["prompt_tokens"] == right["usage"]["prompt_tokens"] == 5
+    np.testing.assert_allclose(left["data"][0]["embedding"], embed(ids[-5:]), atol=5e-4)
+    np.testing.assert_allclose(right["data"][0]["embedding"], embed(ids[:5]), atol=5e-4)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input": "hi", "dimensions": 8}, "dimensions"),
+    ({"input": "hi", "encoding_format": "bytes"}, "encoding_format"),
+    ({"input": "hi", "embed_dtype": "float16"}, "embed_dtype"),
+    ({"input": "hi", "endianness": "big"}, "endianness"),
+    ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": "hi", "normalize": True}, "normalize"),
+    ({"input": [5, 99999]}, "input"),
+    ({"input": "hi", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
+    ({"input": "hi", "truncation_side": "left"}, "truncation_side"),
+    ({"input": 3}, "input"),
+])
+def test_bad_fields_are_a_400_naming_them(pooling_server, body, field):
+    r = requests.post(pooling_server + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field or err["message"].startswith(field), err
+
+
+def test_generation_routes_are_not_served_on_a_pooling_server(pooling_server):
+    name = _model(pooling_server)
+    for path, body in (("/v1/completions", {"model": name, "prompt": "hi"}),
+                       ("/v1/chat/completions",
+                        {"model": name, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"model": name, "input": "hi"}),
+                       (f"/models/{name}/generate", {"inputs": "hi"})):
+        r = requests.post(pooling_server + path, json=body, timeout=60)
+        assert r.status_code == 404, (path, r.text)
+        assert "pooling model" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=pooling_server + "/v1", api_key="none")
+    with pytest.raises(openai.NotFoundError, match="pooling model"):
+        client.completions.create(model=name, prompt="hi", max_tokens=2)
+    assert requests.get(pooling_server + "/health", timeout=30).status_code == 200
+
+
+def test_embeddings_on_a_generate_server_is_a_404(tiny_model_dir):
+    proc, url = _start(tiny_model_dir, port=_port(1))
+    try:
+        r = requests.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
+        assert r.status_code == 404
+        assert "--runner pooling" in r.json()["error"]["message"]
+        r = requests.post(url + "/v1/completions",
+                          json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        _stop(proc)
