@@ -114,14 +114,15 @@ class InputProcessor:
                 raise ValueError(f"prompt: it has {len(ids)} tokens, more than the maximum "
                                  f"model length ({self.max_model_len})")
             return NewRequest(request_id, text, ids, params, 1, priority,
-                              time.time() if arrival_time is None else arrival_time, pooling)
+                              time.time() if arrival_time is None else arrival_time,
+                              pooling=pooling)
         if room < 1:
             raise ValueError(f"prompt: it has {len(ids)} tokens; the maximum model length is "
                              f"{self.max_model_len}, leaving no room to generate")
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time,
-                          lora_request)
+                          lora=lora_request)
 
     def _pooling(self, params) -> Optional[PoolingParams]:
         """A pooling request's params, resolved against the server's pooler (None for a
