@@ -354,6 +354,7 @@ def test_server_answers_the_openai_client_and_counts_drafts(tmp_path, tiny_model
     import openai
     import requests
     from conftest import metric
+    from prometheus_client.parser import text_string_to_metric_families
 
     from llm_serving.cli_args import STOP_WITH_PARENT_ENV
     llm = LLM(tiny_model_dir, num_blocks=256)
@@ -376,6 +377,15 @@ def test_server_answers_the_openai_client_and_counts_drafts(tmp_path, tiny_model
                 break
         assert "ready" in line, "".join(lines[-20:])
         url = f"http://127.0.0.1:{port}"
+        # vLLM's per-position series exist from the start, one per draft position, at 0 (a
+        # dashboard's rate() over them, or their ratio to num_drafts, then reads 0, not
+        # "no data", and counts the first acceptances)
+        scrape = requests.get(url + "/metrics", timeout=10).text
+        per_pos = {s.labels["position"]: s.value
+                   for f in text_string_to_metric_families(scrape)
+                   if f.name == "vllm:spec_decode_num_accepted_tokens_per_pos"
+                   for s in f.samples if s.name.endswith("_total")}
+        assert per_pos == {str(p): 0.0 for p in range(SPEC["num_speculative_tokens"])}
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         model = client.models.list().data[0].id
         for p, want in zip(prompts, ref):

@@ -211,6 +211,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                                          openai_routes, remote_prefill, responses_routes,
                                          unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
+    from llm_serving.spec_decode.config import SpeculativeConfig
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -245,7 +246,9 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                   **docs)
     app.root_path = front.root_path or ""       # behind a path-based proxy (vLLM's way)
     app.state.server = state
-    state.metrics = ServerMetrics(state.served_model_name)
+    spec = SpeculativeConfig.from_value(state.engine_args.speculative_config)
+    state.metrics = ServerMetrics(state.served_model_name,
+                                  spec.num_speculative_tokens if spec is not None else 0)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):

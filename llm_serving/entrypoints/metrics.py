@@ -95,7 +95,9 @@ class _EngineHistogram:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+        """``num_speculative_tokens``: the draft positions (speculative_config's k, 0 when
+        off), whose accepted-token series exist from the start at 0, as vLLM's."""
         r = self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
 
@@ -132,6 +134,8 @@ class ServerMetrics:
         self.accepted_per_pos = vllm(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the drafts",
                                      ["position"])
+        for pos in range(num_speculative_tokens):
+            self.accepted_per_pos.labels(**labels, position=str(pos))
         # Every finished request, labelled by why it ended (stop, length, abort here).
         self.success = vllm(Counter, "request_success", "Requests finished, by finish reason",
                             ["finished_reason"])
