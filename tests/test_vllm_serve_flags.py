@@ -146,6 +146,12 @@ def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, t
             model="tiny", max_tokens=8, stream=True, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": "Hi"}], extra_headers=headers)
         chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        r = requests.post(url + "/v1/completions", headers={"X-Request-Id": "beam-3"},
+                          timeout=300, json={"model": "tiny", "prompt": "Hello", "n": 2,
+                                             "max_tokens": 8, "ignore_eos": True,
+                                             "use_beam_search": True})
+        assert r.status_code == 200, r.text
+        beams = [c["text"] for c in r.json()["choices"]]
         r = requests.get(url + "/tokenizer_info", timeout=30)     # off without its flag
         assert r.status_code == 404 and "--enable-tokenizer-info-endpoint" in r.text
     finally:
@@ -161,6 +167,12 @@ def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, t
                      + re.escape(f"{completion[:12]!r}, finish_reason: length"), log)
     assert re.search(r"Generated response chatcmpl-trace-7-[0-9a-f]{8}-0: output: "
                      + re.escape(f"{chat[:12]!r}, finish_reason: length"), log)
+    # beam search: the beams answered, once each, not the empty one-token steps
+    assert len(re.findall(r"Generated response cmpl-beam-3", log)) == 2
+    for j, text in enumerate(beams):
+        assert len(text) > 12
+        assert re.search(rf"Generated response cmpl-beam-3-[0-9a-f]{{8}}-0 \(n={j}\): output: "
+                         + re.escape(f"{text[:12]!r}, finish_reason: length"), log)
     with pytest.raises(ConfigError, match="--enable-log-outputs.*--enable-log-requests"):
         FrontendArgs(enable_log_outputs=True)
 

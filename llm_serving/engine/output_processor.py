@@ -365,17 +365,15 @@ class OutputProcessor:
         by_source["external_kv_transfer"] += seq.kv_external_tokens
 
     def _log_outputs(self, req: RequestState) -> None:
-        """vLLM's --enable-log-outputs lines of a finished request, one per sequence."""
-        cut = self.max_log_len
+        """vLLM's --enable-log-outputs lines of a finished request, one per sequence. A
+        request without text (detokenize off: a beam search's step, whose route logs the
+        beams it answers instead) is not logged."""
+        if not req.seqs[0].params.detokenize:
+            return
         for s in req.seqs:
             name = req.request_id if len(req.seqs) == 1 else f"{req.request_id} (n={s.index})"
-            text = s.detokenizer.output_text
-            logger.info("Generated response %s: output: %r, finish_reason: %s", name,
-                        text if cut is None else text[:cut], s.finish_reason or "abort")
-            if logger.isEnabledFor(logging.DEBUG):
-                ids = s.output_token_ids
-                logger.debug("Generated response %s details: output_token_ids: %s", name,
-                             ids if cut is None else ids[:cut])
+            log_generated(name, s.detokenizer.output_text, s.output_token_ids,
+                          s.finish_reason or "abort", self.max_log_len)
 
     def _request_output(self, req: RequestState) -> Optional[RequestOutput]:
         """The request's output in its output kind; None when there is nothing to send."""
@@ -461,3 +459,14 @@ def _request_metrics(req: RequestState) -> RequestMetrics:
         num_preemptions=sum(s.num_preemptions for s in req.seqs),
         n=len(req.seqs), max_tokens=first.max_tokens)
 
+
+def log_generated(name: str, text: str, token_ids: list, finish_reason: str,
+                  max_log_len: Optional[int]) -> None:
+    """One answer's --enable-log-outputs lines, in vLLM's form: its text at info, its token
+    ids at debug, each cut to max_log_len."""
+    cut = max_log_len
+    logger.info("Generated response %s: output: %r, finish_reason: %s", name,
+                text if cut is None else text[:cut], finish_reason)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("Generated response %s details: output_token_ids: %s", name,
+                     token_ids if cut is None else token_ids[:cut])

@@ -25,6 +25,7 @@ from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, Comp
 from llm_serving.entrypoints import reasoning, remote_prefill, tool_calls, unread_offers
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.engine.input_processor import encode_prompt
+from llm_serving.engine.output_processor import log_generated
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import BeamSearchParams
 from llm_serving.proxy import pd_request as pd
@@ -255,13 +256,17 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
             s.advance([next(lps) for _ in s.beams])
     choices = {}
     tok = engine.tokenizer
+    front = server_state(request).frontend
     for i, s in enumerate(searches):
         for j, beam in enumerate(s.best()):
             ids = s.generated(beam)
-            choices[i * n + j] = {
+            choice = choices[i * n + j] = {
                 "text": tok.decode(ids, skip_special_tokens=params.skip_special_tokens),
                 "ids": len(ids), "token_ids": ids, "lp": [], "finish": beam.finish_reason,
                 "stop_reason": beam.stop_reason}
+            if front.enable_log_outputs:      # the steps' requests are not logged
+                log_generated(f"{rid}-{i}" + (f" (n={j})" if n > 1 else ""), choice["text"],
+                              ids, beam.finish_reason, front.max_log_len)
     return choices, sum(s.prompt_len for s in searches)
 
 
