@@ -155,6 +155,28 @@ def test_hf_overrides_rope_scaling_matches_hf_with_the_same_config(model_dirs, h
     assert [o.outputs[0].token_ids for o in outs] == ref_tokens
 
 
+def test_hf_overrides_rope_parameters_replace_the_checkpoints_rope(model_dirs, hf_reference):
+    """hf_overrides in transformers v5's spelling, {"rope_parameters": {...}} (what vLLM 0.32
+    sets over the config), on a checkpoint whose config.json has the v4 keys (rope_theta and
+    llama3 rope_scaling): our logits and greedy tokens are transformers' with rope_parameters
+    so set, not the checkpoint's own rope."""
+    from llm_serving import LLM
+    name = "llama3-gqa"
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}
+    config = transformers.AutoConfig.from_pretrained(model_dirs[name])
+    config.rope_parameters = dict(rope)               # as vLLM applies a dict override
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dirs[name], config=config,
+                                                              dtype=torch.float32).eval()
+    prompts, plain_logits, _ = hf_reference[name]
+    ref_logits, ref_tokens = hf_logits_and_greedy(model, prompts[-2:])
+    assert np.abs(ref_logits[-1] - plain_logits[-1]).max() > 0.05   # the override matters
+    llm = LLM(model_dirs[name], num_blocks=256, hf_overrides={"rope_parameters": rope})
+    for ours, ref in zip(_prefill_logits(llm, prompts[-2:]), ref_logits):
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[-2:]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+
+
 # ---- prompt logprobs (SamplingParams.prompt_logprobs) against HF's log_softmax --------------
 
 PROMPT_LP_K = 5

@@ -229,6 +229,13 @@ class ModelConfig:
         source = str(path)
         if overrides:
             cfg = {**cfg, **overrides}
+            rope = overrides.get("rope_parameters")
+            if isinstance(rope, Mapping):
+                # transformers v5's spelling, which vLLM sets over the file's rope settings
+                # (standardized into rope_parameters): it replaces the v4 keys the file has
+                for key in ("rope_scaling", "rope_theta"):
+                    if key not in overrides and (key == "rope_scaling" or key in rope):
+                        cfg.pop(key, None)
             source += f" with hf_overrides {json.dumps(overrides, default=str)}"
         return cls.from_dict(cfg, source=source, model_dir=str(d))
 
