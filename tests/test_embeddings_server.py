@@ -180,6 +180,21 @@ def test_generation_routes_are_not_served_on_a_pooling_server(pooling_server):
     assert requests.get(pooling_server + "/health", timeout=30).status_code == 200
 
 
+def test_a_client_that_leaves_aborts_its_inputs(pooling_server):
+    """A client that gives up on a large batch (a timeout, a closed connection) frees the
+    server as vLLM's does: its inputs still waiting or running are aborted, not computed."""
+    from conftest import metric
+    body = {"model": _model(pooling_server), "input": [[5 + i % 7] * 1500 for i in range(200)]}
+    aborted = metric(pooling_server, "request_aborted_total")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(pooling_server + "/v1/embeddings", json=body, timeout=0.5)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (metric(pooling_server, "num_requests_running")
+                                           + metric(pooling_server, "num_requests_waiting")):
+        time.sleep(0.2)
+    assert metric(pooling_server, "request_aborted_total") - aborted > 100
+
+
 def test_embeddings_on_a_generate_server_is_a_404(tiny_model_dir):
     proc, url = _start(tiny_model_dir, port=_port(1))
     try:

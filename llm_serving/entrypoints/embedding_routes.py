@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from llm_serving.entrypoints.http_common import (HTTPError, logger, new_request_id,
                                                  refuse_unsupported, server_state,
-                                                 translate_error)
+                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
 from llm_serving.entrypoints.openai_routes import encode_text, json_answer, merge_streams
 from llm_serving.pooling_params import PoolingParams
@@ -100,13 +100,15 @@ async def embeddings(req: EmbeddingRequest, request: Request):
         raise translate_error(e) from None
     vectors: list = [None] * len(prompts)
     tokens = 0
-    async for i, out in merge_streams(streams):
+    async for i, out in stream_or_disconnect(request, merge_streams(streams)):
         if out.finished:
             if out.error is not None or out.embedding is None:
                 raise HTTPError(500, out.error or "the request ended without an embedding",
                                 kind="internal_server_error")
             vectors[i] = out.embedding
             tokens += len(out.prompt_token_ids)
+    if any(v is None for v in vectors):     # the client left: its requests were aborted
+        raise HTTPError(499, "the client closed the connection")
     as_b64 = req.encoding_format == "base64"
 
     def build() -> dict:
