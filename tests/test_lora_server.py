@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import openai
@@ -131,3 +132,32 @@ def test_bad_lora_module_stops_the_start(tiny_model_dir, tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert run.returncode != 0
         assert "lora_modules: adapter" in run.stderr and said in run.stderr, run.stderr[-500:]
+
+
+def _lora_info(url) -> dict:
+    """vLLM's lora_requests_info series: (running, waiting, max_lora) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(url + "/metrics", timeout=10).text
+    return {(s.labels["running_lora_adapters"], s.labels["waiting_lora_adapters"],
+             s.labels["max_lora"]): s.value
+            for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"
+            for s in f.samples}
+
+
+def test_metrics_name_the_running_adapters(lora_server):
+    """A vLLM dashboard reads vllm:lora_requests_info{max_lora, running_lora_adapters,
+    waiting_lora_adapters}; the series last set names the adapters running now."""
+    body = {"model": "a", "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+    with requests.post(lora_server + "/v1/completions", json=body, stream=True,
+                       timeout=120) as r:
+        lines = r.iter_lines()         # kept: closing it would close the connection
+        next(lines)                    # the request runs now
+        during = _lora_info(lora_server)
+    assert during and max(during, key=during.get) == ("a", "", "2"), during
+    for _ in range(100):                               # the aborted stream leaves the batch
+        after = _lora_info(lora_server)
+        if max(after, key=after.get)[0] == "":
+            break
+        time.sleep(0.1)
+    assert max(after, key=after.get) == ("", "", "2"), after

@@ -33,6 +33,8 @@ class EngineLimits:
     cache: tuple[tuple[str, str], ...] = ()
     # A pooling runner's pooler (embeddings); None: a generate runner.
     pooler: Optional["PoolerSettings"] = None
+    # LoRA: the most adapters in one step (vLLM's max_lora label); None without LoRA.
+    max_loras: Optional[int] = None
 
     @classmethod
     def of(cls, config: EngineConfig, device: Optional[str] = None) -> "EngineLimits":
@@ -47,7 +49,8 @@ class EngineLimits:
                    config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
                    config.model.vocab_size, device,
                    config.model.weight_dtype, tuple((k, str(v)) for k, v in cache),
-                   config.model.pooler)
+                   config.model.pooler,
+                   config.lora.max_loras if config.lora is not None else None)
 
 
 class RequestStream(Protocol):

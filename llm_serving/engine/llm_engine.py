@@ -62,6 +62,11 @@ def _lora_registry(config: EngineConfig):
         raise ConfigError("lora_modules", str(e)) from None
 
 
+def _adapter_names(seqs) -> tuple[str, ...]:
+    """The LoRA adapters' names among ``seqs``, each once, in order."""
+    return tuple(dict.fromkeys(s.lora_name for s in seqs if s.lora_name))
+
+
 def create_executor(config: EngineConfig, cancel: Optional[threading.Event] = None):
     """The model runner in this process ("uni"), or WorkAgent processes ("mp"); both have
     ``submit``/``collect``, ``execute`` and ``move_blocks``. ``cancel``: once set, WorkAgents
@@ -375,6 +380,8 @@ class LLMEngine:
         snap.num_running = len(sch.running)
         snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)
         snap.num_swapped = len(sch.swapped)
+        snap.running_lora_adapters = _adapter_names(sch.running)
+        snap.waiting_lora_adapters = _adapter_names([*sch.waiting, *sch.swapped])
         snap.kv_cache_usage = bm.usage
         snap.cpu_cache_usage = bm.cpu_usage
         op = self.output_processor

@@ -62,6 +62,10 @@ class EngineStats:
     num_swapped: int = 0
     kv_cache_usage: float = 0.0     # fraction of device KV blocks in use
     cpu_cache_usage: float = 0.0    # fraction of the host swap pool in use
+    # LoRA: the names of the adapters of the running and of the waiting (or swapped)
+    # sequences (vLLM's lora_requests_info labels).
+    running_lora_adapters: tuple = ()
+    waiting_lora_adapters: tuple = ()
     # Counters, since the engine started.
     num_requests: int = 0
     num_finished_requests: int = 0  # every ending: stop, length and abort (timeouts included)

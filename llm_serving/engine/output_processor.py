@@ -115,6 +115,7 @@ class OutputProcessor:
                            arrival_order, new.arrival_time)
             if new.lora is not None:
                 seq.lora_id, seq.lora_path = new.lora.lora_int_id, new.lora.lora_path
+                seq.lora_name = new.lora.lora_name
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
                 stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,

@@ -101,9 +101,11 @@ class Sequence:
         self.last_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.num_preemptions = 0
-        # LoRA: the adapter it runs with (its LoRARequest's lora_int_id and path; 0: none).
+        # LoRA: the adapter it runs with (its LoRARequest's lora_int_id, path and name; 0:
+        # none).
         self.lora_id = 0
         self.lora_path: Optional[str] = None
+        self.lora_name: Optional[str] = None
 
     @property
     def num_tokens(self) -> int:

@@ -64,7 +64,7 @@ class ServerState:
         engine = self.engine if self.engine is not None else self.require_engine()
         stats = await engine.get_stats()
         if self.metrics is not None:
-            self.metrics.update(stats, engine.limits.cache)
+            self.metrics.update(stats, engine.limits.cache, engine.limits.max_loras)
         return stats
 
     def model_names(self) -> set[str]:

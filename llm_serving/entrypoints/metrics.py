@@ -13,6 +13,7 @@ latency), which the engine counts into buckets itself, advance by its counts.
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -149,6 +150,7 @@ class ServerMetrics:
                                  "enable_prefix_caching", "cache_dtype", "kv_cache_size_tokens"],
                                 registry=r)
         self._cache_info_set: tuple = ()
+        self.lora_info: Optional[Gauge] = None      # registered with LoRA only, as vLLM
         self.ttft = vllm(Histogram, "time_to_first_token_seconds", "Time to first token",
                          buckets=_LATENCY_BUCKETS)
         self.tpot = vllm(Histogram, "request_time_per_output_token_seconds",
@@ -211,12 +213,16 @@ class ServerMetrics:
         self.kv_loads = Gauge(P + "kv_loads_in_flight", "Requests waiting for their KV from "
                               "another instance", registry=r)
 
-    def update(self, s: EngineStats, cache_info: tuple = ()) -> None:
-        """``cache_info``: the engine's ``EngineLimits.cache``."""
+    def update(self, s: EngineStats, cache_info: tuple = (),
+               max_loras: Optional[int] = None) -> None:
+        """``cache_info``: the engine's ``EngineLimits.cache``; ``max_loras``: its LoRA
+        bound (None without LoRA)."""
         if cache_info and cache_info != self._cache_info_set:
             self.cache_info.clear()
             self.cache_info.labels(engine="0", **dict(cache_info)).set(1)
             self._cache_info_set = cache_info
+        if max_loras is not None:
+            self._update_lora_info(s, max_loras)
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting + s.kv_loads_in_flight)
         self.waiting_capacity.set(s.num_waiting)
@@ -269,6 +275,19 @@ class ServerMetrics:
                                  - m.num_cached_tokens if prefilled else None)):
                 if value is not None:
                     hist.observe(value)
+
+    def _update_lora_info(self, s: EngineStats, max_loras: int) -> None:
+        """vLLM's lora_requests_info: the adapters running and waiting now, comma-joined in
+        its labels; the value is when that set was last seen (vLLM keeps earlier sets too, so
+        a dashboard takes the series with the latest value)."""
+        if self.lora_info is None:
+            self.lora_info = Gauge(V + "lora_requests_info", "Running stats on lora requests.",
+                                   ["max_lora", "waiting_lora_adapters",
+                                    "running_lora_adapters"], registry=self.registry)
+        self.lora_info.labels(max_lora=str(max_loras),
+                              waiting_lora_adapters=",".join(s.waiting_lora_adapters),
+                              running_lora_adapters=",".join(s.running_lora_adapters)
+                              ).set_to_current_time()
 
     def _advance(self, key, counter, value: int) -> None:
         """Move a counter on by what the engine counted since the previous scrape."""
