@@ -149,6 +149,8 @@ def test_truncate_prompt_tokens(pooling_server, hf):
     ({"input": "hi", "embed_dtype": "float16"}, "embed_dtype"),
     ({"input": "hi", "endianness": "big"}, "endianness"),
     ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "messages"),     # vLLM's chat form
+    ({}, "input"),
     ({"input": []}, "input"),
     ({"input": [[]]}, "input"),
     ({"input": "hi", "normalize": True}, "normalize"),

@@ -22,6 +22,8 @@ router = APIRouter()
 def _inputs(req: EmbeddingRequest) -> list:
     """The request's prompts, one per input."""
     x = req.input
+    if x is None:
+        raise HTTPError(400, "input: Field required", param="input")
     if isinstance(x, str) or (isinstance(x, list) and x and isinstance(x[0], int)):
         x = [x]
     if not x:

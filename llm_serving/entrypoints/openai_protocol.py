@@ -414,7 +414,9 @@ class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings (OpenAI's fields and vLLM's extras for the embed task)."""
     model_config = ConfigDict(extra="allow")
 
-    input: Union[str, list[str], list[int], list[list[int]]]
+    # required, but checked in the route: vLLM's chat form (messages, no input) is refused
+    # naming messages, not as a missing input
+    input: Union[str, list[str], list[int], list[list[int]], None] = None
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
