@@ -94,6 +94,11 @@ VLLM_NO_EFFECT_ARGS = {
                               ("raw_logprobs",)),
     "disable_cascade_attn": NoEffect("there is no cascade attention kernel to turn off"),
     "cpu_offload_gb": NoEffect("the weights are in host memory already", float, (0, 0.0)),
+    # LoRA (docs/lora.md): vLLM's dtypes are taken, the adapters compute in float32 here
+    "lora_dtype": NoEffect("LoRA adapters compute in float32, added to the layer's output",
+                           str, ("auto", "float16", "bfloat16")),
+    "fully_sharded_loras": NoEffect("LoRA adapters run on one WorkAgent (tensor_parallel_size "
+                                    "1): there is nothing to shard"),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and

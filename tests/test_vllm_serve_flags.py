@@ -202,11 +202,21 @@ def _settings(model, *flags):
     (["--logprobs-mode", "processed_logprobs"], "logprobs_mode"),
     (["--cpu-offload-gb", "4"], "cpu_offload_gb"),
     (["--reasoning-parser", "granite"], "reasoning_parser"),
+    (["--lora-dtype", "float64", "--enable-lora"], "lora_dtype"),
 ])
 def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, flags, key):
     with pytest.raises(ConfigError) as e:
         _settings(tiny_model_dir, *flags)
     assert e.value.key == key and flags[1] in str(e.value)
+
+
+def test_vllm_lora_flags_that_change_nothing_here_are_taken(tiny_model_dir):
+    """A vLLM LoRA command line with --lora-dtype and --fully-sharded-loras starts (they
+    mean nothing on this engine), its LoRA settings as it asks."""
+    s = _settings(tiny_model_dir, "--enable-lora", "--max-loras", "2", "--lora-dtype",
+                  "bfloat16", "--fully-sharded-loras", "--max-lora-rank", "32")
+    lora = s[0].create_engine_config().lora
+    assert (lora.max_loras, lora.max_lora_rank) == (2, 32)
 
 
 def test_kv_cache_memory_bytes_sizes_the_pool_as_vllm_reads_it(tiny_model_dir):
