@@ -101,3 +101,23 @@ def test_routes_need_the_variable(tiny_model_dir, adapters):
         assert r.status_code == 404
     finally:
         assert stop_server(proc) == 0
+
+
+def test_an_adapter_gone_before_its_first_step_is_one_line_not_a_traceback(
+        runtime_server, adapters, tmp_path):
+    """An adapter whose directory is removed after it was loaded fails the step that first
+    needs it (the WorkAgent reads its weights then; docs/lora.md): the client is told why in
+    one line, the traceback goes to the server's log only, and the server serves on."""
+    import shutil
+    url = runtime_server
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["c"], gone)
+    assert _post(url, "load_lora_adapter", lora_name="gone", lora_path=str(gone)).ok
+    shutil.rmtree(gone)
+    r = requests.post(url + "/v1/completions", timeout=120,
+                      json={"model": "gone", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code >= 500
+    message = r.json()["error"]["message"]
+    assert str(gone) in message and "Traceback" not in message and "\n" not in message
+    assert _post(url, "unload_lora_adapter", lora_name="gone").ok
+    assert len(_tokens(url, "tiny")) == NEW

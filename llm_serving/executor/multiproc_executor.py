@@ -313,7 +313,10 @@ class MultiprocExecutor:
         errors = [(r, f[2]) for r, f in enumerate(frames) if f[0] == ch.ERROR]
         if errors:
             who = f"rank {errors[0][0]} of " if self.tp_size > 1 else ""
-            raise LLMServingError(f"the WorkAgent {who}failed step {step_no}: {errors[0][1]}")
+            # the agent's error, then its traceback: the traceback to the log, not to clients
+            error, _, trace = errors[0][1].partition("\n")
+            logger.error("the WorkAgent %sfailed step %d: %s\n%s", who, step_no, error, trace)
+            raise LLMServingError(f"the WorkAgent {who}failed step {step_no}: {error}")
         return ch.result_from_arrays(ch.unpack(self.shm_out[step_no % 2].buf))
 
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
