@@ -31,8 +31,9 @@ _LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS,
 
 def _no_pooling(method: str) -> ValueError:
     return ValueError(f"LLM.{method}() is for pooling models (embeddings, classification, "
-                      "scores); llm_serving serves embeddings only (LLM.embed() with "
-                      "runner='pooling'): use generate() or chat() on a generative model")
+                      "scores); of those llm_serving serves embeddings only: LLM.embed() on "
+                      "a pooling runner (runner='pooling'); a generative model serves "
+                      "generate() and chat()")
 
 
 class LLM:
