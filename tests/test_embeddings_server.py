@@ -8,23 +8,19 @@ import base64
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import requests
 
-from llm_serving.cli_args import STOP_WITH_PARENT_ENV
 from llm_serving.executor.shm_channel import segments_of
+from test_http_server import free_port, serve_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors", "a"]
 
 
@@ -32,27 +28,11 @@ def _port(offset: int = 0) -> int:
     """LLM_SERVING_TEST_PORT (+ offset) when set (a shared machine's range), else a free one."""
     if os.environ.get("LLM_SERVING_TEST_PORT"):
         return int(os.environ["LLM_SERVING_TEST_PORT"]) + offset
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _start(model_dir: str, *flags: str, port: int):
-    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", model_dir,
-                             "--port", str(port), "--num-blocks", "128", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
-    deadline = time.monotonic() + 180
-    line = ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if "ready" in line or proc.poll() is not None:
-            break
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"the server did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    return proc, f"http://127.0.0.1:{port}"
+    return serve_model(model_dir, *flags, port=port, num_blocks=128, timeout=180)
 
 
 def _stop(proc) -> None:

@@ -84,7 +84,13 @@ def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
                             env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid()),
                                  **(env or {})},
                             preexec_fn=preexec_fn)
-    deadline = time.monotonic() + 120
+    return proc, f"http://127.0.0.1:{port}", wait_ready(proc)
+
+
+def wait_ready(proc, timeout: float = 120) -> str:
+    """The server's "ready" line, read from its stdout; if it exits or the time runs out
+    first, it is killed and RuntimeError shows its stderr's end."""
+    deadline = time.monotonic() + timeout
     line = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -93,7 +99,20 @@ def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
     if "ready" not in line:
         proc.kill()
         raise RuntimeError(f"the server did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    return proc, f"http://127.0.0.1:{port}", line
+    return line
+
+
+def serve_model(model_dir, *flags, port: int, num_blocks: int = 256, env=None,
+                timeout: float = 120):
+    """A server of ``model_dir`` started with ``--model`` and ``flags`` (no config file) on
+    ``port``, stopped with the test run if it is killed: its process and URL."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", model_dir,
+                             "--port", str(port), "--num-blocks", str(num_blocks), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid()),
+                                 **(env or {})})
+    wait_ready(proc, timeout)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_server(proc) -> int:

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from lora_adapters import hf_logits_and_greedy, make_adapter, merged_hf_model
-from test_http_server import ROOT, free_port, stop_server
+from test_http_server import ROOT, free_port, serve_model, stop_server
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -36,17 +36,7 @@ def serve(model_dir, *flags, env=None):
     (a machine whose tests must keep to a port range)."""
     base = os.environ.get("LLM_SERVING_TEST_PORT")
     port = int(base) + next(_served) if base else free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), "--model", model_dir,
-                             "--port", str(port), "--num-blocks", "256", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    line = ""
-    while "ready" not in line and proc.poll() is None:
-        line = proc.stdout.readline()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"the server did not start: {proc.stderr.read()[-2000:]}")
-    return proc, f"http://127.0.0.1:{port}"
+    return serve_model(model_dir, *flags, port=port, env=env)
 
 
 @pytest.fixture(scope="module")

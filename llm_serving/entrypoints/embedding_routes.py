@@ -9,11 +9,11 @@ import time
 import numpy as np
 from fastapi import APIRouter, Request
 
-from llm_serving.entrypoints.http_common import (HTTPError, logger, new_request_id,
-                                                 refuse_unsupported, server_state,
+from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, server_state,
                                                  stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
-from llm_serving.entrypoints.openai_routes import encode_text, json_answer, merge_streams
+from llm_serving.entrypoints.openai_routes import (check_fields, encode_text, json_answer,
+                                                   merge_streams)
 from llm_serving.pooling_params import PoolingParams
 
 router = APIRouter()
@@ -60,15 +60,7 @@ def _tokens(engine, req: EmbeddingRequest, prompt) -> list[int]:
 async def embeddings(req: EmbeddingRequest, request: Request):
     state = server_state(request)
     state.check_model(req.model)
-    refuse_unsupported(req, req.REFUSED)
-    try:
-        req.check_combinations()
-    except ValueError as e:
-        raise translate_error(e) from None
-    unknown = req.unknown_fields()
-    if unknown:
-        logger.warning("The following fields were present in the request but ignored: %s",
-                       ", ".join(unknown))
+    check_fields(req)
     engine = state.require_engine()
     if engine.limits.pooler is None:
         raise HTTPError(404, "this model is a generative model: /v1/embeddings needs an "

@@ -44,7 +44,7 @@ MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_
                  "reasoning": None}
 
 
-def _check_fields(req) -> None:
+def check_fields(req) -> None:
     """A field we cannot honour, or fields that do not go together, are a 400 naming it;
     unknown fields are logged once (vLLM)."""
     refuse_unsupported(req, req.REFUSED)
@@ -406,7 +406,7 @@ async def completions(req: CompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
     state = server_state(request)
     lora = state.check_model(req.model)
-    _check_fields(req)
+    check_fields(req)
     if req.suffix:
         raise HTTPError(400, "suffix is not supported", param="suffix")
     if req.max_tokens == 0 and not req.echo:
@@ -559,7 +559,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
     state = server_state(request)
     lora = state.check_model(req.model)
-    _check_fields(req)
+    check_fields(req)
     engine = state.require_engine()
     args = state.engine_args
     auto_ok = bool(args.enable_auto_tool_choice and args.tool_call_parser)
