@@ -86,9 +86,11 @@ def test_end_of_sequence_finishes_a_hypothesis_scored_without_it():
     flat = BeamSearch([7, 8], BeamSearchParams(2, 2, length_penalty=0.0), eos, 100)
     flat.finished, flat.beams = s.finished, s.beams
     assert [b.tokens for b in flat.best()] == [[7, 8, 2], [7, 8, 5, 2]]
+    assert s.text_tokens(best[0]) == [] and s.text_tokens(best[1]) == [5, 9]
     keep = BeamSearch([7, 8], BeamSearchParams(2, 2, include_stop_str_in_output=True), eos, 100)
     keep.advance([_lps(t2=-0.5, t5=-1.0)])
     assert keep.generated(keep.finished[0]) == [eos]
+    assert keep.text_tokens(keep.finished[0]) == []       # in the ids, never in the text
     # ignore_eos: EOS is a token like any other, but (vLLM) not counted in the length
     free = BeamSearch([7], BeamSearchParams(2, 1, ignore_eos=True), eos, 100)
     free.advance([_lps(t2=-0.5, t5=-0.45)])

@@ -96,7 +96,10 @@ class BeamSearch:
     def generated(self, beam: BeamSearchSequence) -> List[int]:
         """A hypothesis' new tokens as the OpenAI routes return them: a final EOS only with
         include_stop_str_in_output."""
+        return (self.text_tokens(beam) if not self.params.include_stop_str_in_output
+                else beam.tokens[self.prompt_len:])
+
+    def text_tokens(self, beam: BeamSearchSequence) -> List[int]:
+        """The new tokens its text is decoded from: never a final EOS (vLLM's)."""
         ids = beam.tokens[self.prompt_len:]
-        if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
-            ids = ids[:-1]
-        return ids
+        return ids[:-1] if beam.finish_reason == "stop" else ids

@@ -261,7 +261,8 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
         for j, beam in enumerate(s.best()):
             ids = s.generated(beam)
             choice = choices[i * n + j] = {
-                "text": tok.decode(ids, skip_special_tokens=params.skip_special_tokens),
+                "text": tok.decode(s.text_tokens(beam),
+                                   skip_special_tokens=params.skip_special_tokens),
                 "ids": len(ids), "token_ids": ids, "lp": [], "finish": beam.finish_reason,
                 "stop_reason": beam.stop_reason}
             if front.enable_log_outputs:      # the steps' requests are not logged
