@@ -387,8 +387,15 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's too; taken only unset here (a ValueError naming the field otherwise)
+    structured_outputs: Optional[Any] = None
+    watermarking: Optional[bool] = None
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs: not supported with beam search here")
+        if self.watermarking:
+            raise ValueError("watermarking: not supported here")
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_tokens":
