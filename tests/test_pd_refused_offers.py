@@ -249,18 +249,24 @@ def test_a_client_gone_while_p_computes_frees_ps_blocks_at_once(pd, order):
         "D started the request of a client that had gone"
 
 
+def _d_to_drain(tmp_path, model_dir):
+    """A D (its process and URL) that will be drained, and a thread (not started) that keeps
+    a long stream of its own running meanwhile."""
+    proc, url, _ = start_server(tmp_path, model_dir, "--shutdown-timeout", "120",
+                                section=kv_section("kv_consumer", kv_transfer_timeout=TIMEOUT_S),
+                                agent_ports=(free_port(),))
+    busy = threading.Thread(target=requests.post, args=(url + "/v1/completions",),
+                            kwargs={"timeout": 120, "json": {
+                                "model": "tiny", "prompt": "keep draining", "stream": True,
+                                "max_tokens": 1000, "ignore_eos": True}})
+    return proc, url, busy
+
+
 def test_a_draining_d_leaves_its_requests_to_another_d(pd, tmp_path, tiny_model_dir):
     """p-first, two Ds, one of them draining (SIGTERM, a request of its own still running):
     it answers new requests 503 without starting them, and the proxy sends each one to the
     other D with P's same offer, which that D reads (P frees the blocks at once)."""
-    proc, drainer, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "120",
-                                    section=kv_section("kv_consumer",
-                                                       kv_transfer_timeout=TIMEOUT_S),
-                                    agent_ports=(free_port(),))
-    busy = threading.Thread(target=requests.post, args=(drainer + "/v1/completions",),
-                            kwargs={"timeout": 120, "json": {
-                                "model": "tiny", "prompt": "keep draining", "stream": True,
-                                "max_tokens": 1000, "ignore_eos": True}})
+    proc, drainer, busy = _d_to_drain(tmp_path, tiny_model_dir)
     procs = Procs()
     try:
         proxy = procs.proxy([pd["P"]], [drainer, pd["D"]], "--health-interval", "60")[1]
@@ -288,14 +294,7 @@ def test_a_draining_d_stays_out_of_the_rotation(pd, tmp_path, tiny_model_dir):
     """The proxy routes by readiness: a D draining for a shutdown (its /health still 200, as
     it is alive and finishing its own request) leaves the rotation at the next check and
     stays out, so no request is first sent to it to be refused."""
-    proc, drainer, _ = start_server(tmp_path, tiny_model_dir, "--shutdown-timeout", "120",
-                                    section=kv_section("kv_consumer",
-                                                       kv_transfer_timeout=TIMEOUT_S),
-                                    agent_ports=(free_port(),))
-    busy = threading.Thread(target=requests.post, args=(drainer + "/v1/completions",),
-                            kwargs={"timeout": 120, "json": {
-                                "model": "tiny", "prompt": "keep draining", "stream": True,
-                                "max_tokens": 1000, "ignore_eos": True}})
+    proc, drainer, busy = _d_to_drain(tmp_path, tiny_model_dir)
     agent = agent_pids(proc.pid)[0]
     procs = Procs()
     try:
