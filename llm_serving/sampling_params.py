@@ -125,6 +125,8 @@ class SamplingParams:
     detokenize: produce text at all; False: the outputs' text is "" and logprobs' decoded_token
         None (vLLM's), and stop strings are refused.
     output_kind: what each streamed output holds (RequestOutputKind; default cumulative).
+    stream_interval: a stream delivers every this many new tokens (the first and the last at
+        once); raises the server's --stream-interval, never lowers it (vLLM's).
     logit_bias: token id -> value added to its logit before sampling ([-100, 100], at most
         300 entries; OpenAI's).
     allowed_token_ids: only these ids may be sampled (vLLM's).
@@ -154,6 +156,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: Optional[int] = None
     logit_bias: Optional[Dict[int, float]] = None
     allowed_token_ids: Optional[List[int]] = None
     bad_words: Optional[List[str]] = None
@@ -315,6 +318,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             need(self.max_tokens >= 1, f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         need(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.stream_interval is not None:
+            need(self.stream_interval >= 1,
+                 f"stream_interval must be >= 1 or None, got {self.stream_interval}")
         if self.max_tokens is not None:
             need(self.min_tokens <= self.max_tokens,
                  f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

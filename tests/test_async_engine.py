@@ -205,9 +205,13 @@ def test_stream_interval_sends_tokens_in_chunks_of_n(tiny_model_dir, tiny_llm):
                                         for i, p in enumerate(PROMPTS[:3])))
         stream = await eng.add_request("steps", PROMPTS[0], params)
         reads = [len(outs) async for outs in stream.steps()]
-        return merged, reads
+        # a request's own interval raises the server's (6) and never lowers it (2 -> 4)
+        own = await asyncio.gather(*(collect(eng, f"own{n}", PROMPTS[1],
+                                             delta(max_tokens=18, ignore_eos=True,
+                                                   stream_interval=n)) for n in (2, 6)))
+        return merged, reads, own
     try:
-        merged, reads = asyncio.run_coroutine_threadsafe(main(), _loop(eng)).result(300)
+        merged, reads, own = asyncio.run_coroutine_threadsafe(main(), _loop(eng)).result(300)
     finally:
         eng.shutdown()
     ref = tiny_llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=18,
@@ -217,6 +221,37 @@ def test_stream_interval_sends_tokens_in_chunks_of_n(tiny_model_dir, tiny_llm):
         sizes = [len(o.outputs[0].token_ids) for o in outs]
         assert sizes[0] >= 1 and all(n >= 4 for n in sizes[1:-1]) and 1 < len(sizes) <= 6
     assert sum(reads) == 18 and all(n >= 4 for n in reads[1:-1]) and 1 < len(reads) <= 6
+    for (_, ids, outs), least in zip(own, (4, 6)):
+        sizes = [len(o.outputs[0].token_ids) for o in outs]
+        assert len(ids) == 18 and all(n >= least for n in sizes[1:-1]), (least, sizes)
+
+
+def _delta_output(n_tokens: int, finished: bool):
+    from llm_serving.outputs import CompletionOutput, RequestOutput
+    tokens = CompletionOutput(0, "x" * n_tokens, [7] * n_tokens, None, None)
+    return RequestOutput("r", "p", [1], [tokens], finished)
+
+
+def test_a_stream_interval_counts_tokens_not_steps():
+    """A step that brings 3 tokens (accepted drafts) counts 3 towards stream_interval 4: after
+    the first output, a read every second step (6 tokens), not every fourth."""
+    from llm_serving.engine.async_engine import RequestStream
+
+    async def main():
+        stream = RequestStream("r", RequestOutputKind.DELTA, interval=4)
+        sizes = []
+
+        async def read():
+            async for out in stream:
+                sizes.append(len(out.outputs[0].token_ids))
+        reader = asyncio.ensure_future(read())
+        for i in range(7):
+            stream.put(_delta_output(3, finished=i == 6))
+            for _ in range(3):
+                await asyncio.sleep(0)        # the reader takes what is ready
+        await reader
+        return sizes
+    assert asyncio.run(main()) == [3, 6, 6, 6]
 
 
 def test_the_prefill_backlog_bound_refuses_while_prompts_wait(tiny_model_dir):

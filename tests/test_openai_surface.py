@@ -442,6 +442,7 @@ _COMMON_HONOURED = {
     "spaces_between_special_tokens": False, "allowed_token_ids": list(range(3, 900)),
     "bad_words": ["zzz"], "guided_regex": "[a-z]{1,4}", "safety_identifier": "s1",
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
+    "stream_interval": 3, "watermarking": False,
 }
 _COMMON_REFUSED = {
     "truncate_prompt_tokens": 5,
@@ -450,7 +451,7 @@ _COMMON_REFUSED = {
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
-    "guided_decoding_backend": "xgrammar",
+    "guided_decoding_backend": "xgrammar", "watermarking": True,
 }
 COMPLETIONS = {
     "honoured": {**_COMMON_HONOURED, "prompt": "Hello", "echo": True, "logprobs": 2,
@@ -496,6 +497,27 @@ def test_every_spec_field_is_honoured_or_refused_by_name(server, path, spec, bas
         r = requests.post(url, json={"model": "tiny", "max_tokens": 4, **base, field: value})
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+def test_a_request_stream_interval_sends_its_tokens_in_chunks_of_that_many(server):
+    """vLLM's per-request stream_interval (the server's is 1 here): after the first chunk,
+    chunks of at least 5 tokens but the last (each chunk's logprobs list its tokens), the same
+    tokens as an unchunked stream; below 1 it is a 400 naming it."""
+    def chunks(**kw):
+        r = requests.post(server[0] + "/v1/completions", stream=True, json={
+            "model": "tiny", "prompt": "Once upon", "max_tokens": 17, "ignore_eos": True,
+            "temperature": 0, "logprobs": 0, "stream": True, **kw})
+        assert r.status_code == 200, r.text
+        got = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+               if line.startswith("data: {")]
+        return [c["choices"][0]["logprobs"]["tokens"] for c in got]
+    chunked, plain = chunks(stream_interval=5), chunks()
+    assert [t for c in chunked for t in c] == [t for c in plain for t in c]
+    assert sum(map(len, plain)) == 17 and 1 < len(chunked) <= 5
+    assert all(len(c) >= 5 for c in chunked[1:-1]), [len(c) for c in chunked]
+    r = requests.post(server[0] + "/v1/completions",
+                      json={"model": "tiny", "prompt": "Hi", "stream_interval": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval"
 
 
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):

@@ -9,8 +9,9 @@ the event loop. A stream whose consumer falls behind coalesces what piled up: fo
 outputs, the pending deltas are concatenated; otherwise only the latest output is kept.
 ``steps()`` reads the same stream without merging: each read is the list of step outputs
 that piled up (llm-serving's stream sends a line per token, in one write per read). With
-``stream_interval`` N > 1 (vLLM's), a read waits for N step outputs, except the first one
-and the last: the consumer wakes, and the client gets a chunk, every N tokens.
+``stream_interval`` N > 1 (vLLM's: the server's, raised by a request's own), a read waits for
+N new tokens, except the first one and the last: the consumer wakes, and the client gets a
+chunk, every N tokens (a step with accepted drafts brings several).
 
 Leaving an iteration early (a client disconnect cancels the handler) aborts the request,
 which frees its KV blocks at the next step boundary.
@@ -59,7 +60,9 @@ class RequestStream:
         self._error: Optional[BaseException] = None
         self._ready = asyncio.Event()
         self._interval = interval
-        self._due = 1               # step outputs that make a read: the first at once
+        self._due = 1               # new tokens that make a read: the first at once
+        self._tokens = 0            # new tokens in _pending
+        self._length = 0            # the longest sequence's tokens delivered so far
         self.slots = 1              # sequences (n) and prompt tokens before the first
         self.prefill_tokens = 0     # output: what the admission limits count
 
@@ -70,8 +73,18 @@ class RequestStream:
             self._decline_offer(out)
             return
         self._pending.append(out)
-        if len(self._pending) >= self._due or out.finished:
+        self._tokens += self._new_tokens(out)
+        if self._tokens >= self._due or out.finished:
             self._ready.set()
+
+    def _new_tokens(self, out: RequestOutput) -> int:
+        """The tokens ``out`` adds to its longest sequence; at least 1, so that an output
+        without tokens is read as one with a token."""
+        length = max((len(c.token_ids) for c in out.outputs), default=0)
+        if self.kind is RequestOutputKind.DELTA:
+            return max(length, 1)
+        new, self._length = length - self._length, max(length, self._length)
+        return max(new, 1)
 
     def fail(self, error: BaseException) -> None:
         self._error = error
@@ -101,10 +114,10 @@ class RequestStream:
             self._decline([offer])
 
     def _readable(self) -> bool:
-        """Enough piled up: ``_due`` step outputs, the last one, or what came before an
+        """Enough piled up: ``_due`` new tokens, the last output, or what came before an
         error."""
         pending = self._pending
-        return bool(pending) and (len(pending) >= self._due or pending[-1].finished
+        return bool(pending) and (self._tokens >= self._due or pending[-1].finished
                                   or self._error is not None)
 
     async def _take(self) -> list[RequestOutput]:
@@ -118,6 +131,7 @@ class RequestStream:
             self._ready.clear()
             await self._ready.wait()
         outs, self._pending, self._due = self._pending, [], self._interval
+        self._tokens = 0
         if outs[-1].finished:
             self.finished = True
         return outs
@@ -270,8 +284,9 @@ class AsyncLLMEngine:
         self.engine.scheduler.check_room(self._adds_sent - self._adds_taken)
         self._check_admission(new)
         new = dataclasses.replace(new, params=params, arrival_time=time.time())
-        stream = RequestStream(new.request_id, params.output_kind, self.abort,
-                               self.engine.config.scheduler.stream_interval,
+        interval = max(self.engine.config.scheduler.stream_interval,
+                       params.stream_interval or 1)     # a request raises it, as vLLM's
+        stream = RequestStream(new.request_id, params.output_kind, self.abort, interval,
                                self.decline_kv_offers)
         stream.slots, stream.prefill_tokens = params.n, len(new.prompt_token_ids)
         self._streams[new.request_id] = stream

@@ -31,7 +31,7 @@ _REFUSED_COMMON = {
     "prompt_logprobs": (), "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
-    "prediction": (), "prompt_cache_key": (),
+    "prediction": (), "prompt_cache_key": (), "watermarking": (False,),
 }
 _REFUSED_CHAT = {
     "audio": (), "modalities": (["text"],), "function_call": (), "functions": (),
@@ -91,6 +91,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOPS)
     priority: int = 0
+    # vLLM's: a stream's chunks every this many tokens; raises --stream-interval.
+    stream_interval: Optional[int] = Field(None, ge=1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
@@ -126,6 +128,7 @@ class _SamplingFields(BaseModel):
     service_tier: Any = None
     prediction: Any = None
     prompt_cache_key: Any = None
+    watermarking: Any = None
     safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
 
     REFUSED: ClassVar[dict] = _REFUSED_COMMON
@@ -232,7 +235,8 @@ class _SamplingFields(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, structured_outputs=structured,
-            kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA)
+            kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA,
+            stream_interval=self.stream_interval)
 
 
 class CompletionRequest(_SamplingFields):
