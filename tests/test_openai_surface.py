@@ -442,10 +442,9 @@ _COMMON_HONOURED = {
     "spaces_between_special_tokens": False, "allowed_token_ids": list(range(3, 900)),
     "bad_words": ["zzz"], "guided_regex": "[a-z]{1,4}", "safety_identifier": "s1",
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
-    "stream_interval": 3, "watermarking": False,
+    "stream_interval": 3, "watermarking": False, "truncate_prompt_tokens": 3,
 }
 _COMMON_REFUSED = {
-    "truncate_prompt_tokens": 5,
     "logits_processors": ["x"], "return_token_ids": True,
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
@@ -518,6 +517,43 @@ def test_a_request_stream_interval_sends_its_tokens_in_chunks_of_that_many(serve
     r = requests.post(server[0] + "/v1/completions",
                       json={"model": "tiny", "prompt": "Hi", "stream_interval": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(server, tiny_model_dir):
+    """vLLM's truncate_prompt_tokens on completions and chat: the last N prompt tokens by
+    default (a generating model's tokenizer truncates on the left), the first N with
+    truncation_side "right"; -1 keeps the model's length less one; add_special_tokens false
+    leaves the BOS out. Checked against transformers' tokenization of the same text."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    url = server[0]
+    text = "The quick brown fox jumps over the lazy dog near the river bank"
+    ids = hf(text).input_ids
+
+    def complete(**kw):
+        r = requests.post(url + "/v1/completions", json={
+            "model": "tiny", "prompt": text, "max_tokens": 1, "echo": True, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens"]
+    echoed, n = complete(truncate_prompt_tokens=5)
+    assert n == 5 and echoed.startswith(hf.decode(ids[-5:]))
+    echoed, n = complete(truncate_prompt_tokens=5, truncation_side="right")
+    assert n == 5 and echoed.startswith(hf.decode(ids[:5])) and echoed.startswith("<s>")
+    assert complete(add_special_tokens=False)[1] == len(ids) - 1 == len(
+        hf(text, add_special_tokens=False).input_ids)
+    chat = requests.post(url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": MSG, "max_tokens": 1, "truncate_prompt_tokens": 7})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 7, chat.text
+    limit = requests.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    long = requests.post(url + "/v1/completions", json={
+        "model": "tiny", "prompt": "fox " * (limit * 2), "max_tokens": 1,
+        "truncate_prompt_tokens": -1})
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == limit - 1
+    for body, field in (({"truncate_prompt_tokens": limit + 1}, "truncate_prompt_tokens"),
+                        ({"truncation_side": "left"}, "truncation_side")):
+        r = requests.post(url + "/v1/completions",
+                          json={"model": "tiny", "prompt": text, "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, server_state,
                                                  stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
-from llm_serving.entrypoints.openai_routes import (check_fields, encode_text, json_answer,
-                                                   merge_streams)
+from llm_serving.entrypoints.openai_routes import (check_fields, json_answer, merge_streams,
+                                                   prompt_ids)
 from llm_serving.pooling_params import PoolingParams
 
 router = APIRouter()
@@ -34,26 +34,9 @@ def _inputs(req: EmbeddingRequest) -> list:
 def _tokens(engine, req: EmbeddingRequest, prompt) -> list[int]:
     """A prompt's token ids, truncated as truncate_prompt_tokens asks (vLLM: -1 is the model's
     length; the tokenizer's side, right unless it says left, unless truncation_side)."""
-    if isinstance(prompt, str):
-        limit = engine.limits.max_model_len
-        if req.truncate_prompt_tokens is not None:
-            limit = None        # truncated below; the text may be longer than the model
-        ids = (engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-               if limit is None else
-               encode_text(engine, prompt, "input", req.add_special_tokens))
-    else:
-        ids = list(prompt)
-    k = req.truncate_prompt_tokens
-    if k is not None:
-        k = engine.limits.max_model_len if k == -1 else k
-        if k > engine.limits.max_model_len:
-            raise HTTPError(400, f"truncate_prompt_tokens: {k} is more than the maximum model "
-                            f"length ({engine.limits.max_model_len})",
-                            param="truncate_prompt_tokens")
-        side = req.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-        if len(ids) > k:
-            ids = ids[len(ids) - k:] if side == "left" else ids[:k]
-    return ids
+    side = req.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+    return prompt_ids(engine, prompt, "input", req.add_special_tokens,
+                      req.truncate_prompt_tokens, side, engine.limits.max_model_len)
 
 
 @router.post("/v1/embeddings")

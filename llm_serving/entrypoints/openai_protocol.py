@@ -24,7 +24,6 @@ _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "mi
 
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
 _REFUSED_COMMON = {
-    "truncate_prompt_tokens": (),
     "logits_processors": (),
     "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
     "cache_salt": (), "vllm_xargs": (), "request_id": (),
@@ -109,8 +108,11 @@ class _SamplingFields(BaseModel):
     # vLLM's beam search: n beams (beam_search_params)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: keep this many prompt tokens (-1: the model's length less one), the last ones
+    # unless truncation_side is "right".
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
     # Declared so that they are refused by name (see _REFUSED_COMMON).
-    truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     return_token_ids: Any = None
     guided_whitespace_pattern: Any = None
@@ -142,6 +144,8 @@ class _SamplingFields(BaseModel):
         """Fields that are refused together (ValueError naming the field), as vLLM."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream true")
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise ValueError("truncation_side: only with truncate_prompt_tokens")
 
     def unknown_fields(self) -> list[str]:
         nested = self.stream_options.model_extra if self.stream_options else None
@@ -247,6 +251,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=1)
     suffix: Optional[str] = None
+    add_special_tokens: bool = True     # vLLM's: false tokenizes a text prompt without a BOS
 
     @field_validator("max_tokens", mode="before")
     @classmethod

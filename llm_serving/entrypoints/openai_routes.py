@@ -420,7 +420,13 @@ async def completions(req: CompletionRequest, request: Request):
         p = [p]
     if not p:
         raise HTTPError(400, "prompt: must not be empty", param="prompt")
-    prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in p]
+    if req.truncate_prompt_tokens is not None or not req.add_special_tokens:
+        engine = state.require_engine()
+        prompts = [{"prompt_token_ids": prompt_ids(
+            engine, x, "prompt", req.add_special_tokens, req.truncate_prompt_tokens,
+            req.truncation_side or "left")} for x in p]
+    else:
+        prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in p]
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
     # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
     echo_only = req.echo and req.max_tokens == 0
@@ -779,9 +785,39 @@ def encode_text(engine, text: str, field: str, add_special_tokens: bool) -> list
         raise translate_error(e) from None
 
 
-def _chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
+def prompt_ids(engine, prompt, field: str, add_special_tokens: bool = True,
+               truncate: Optional[int] = None, side: str = "left",
+               whole: Optional[int] = None) -> list[int]:
+    """A prompt's token ids (of a text, or given), cut to ``truncate`` tokens as vLLM's
+    truncate_prompt_tokens: -1 is ``whole`` (by default the model's length less one, a token
+    left for the output); ``side`` "left" keeps the last tokens, "right" the first. A text
+    is first cut, on the side kept, to the characters the model's length can hold, so that a
+    long body is not tokenized whole (as vLLM's)."""
+    limit = engine.limits.max_model_len
+    if truncate is not None:
+        truncate = (limit - 1 if whole is None else whole) if truncate == -1 else truncate
+        if truncate > limit:
+            raise HTTPError(400, f"truncate_prompt_tokens: {truncate} is more than the maximum "
+                            f"model length ({limit})", param="truncate_prompt_tokens")
+    if isinstance(prompt, str):
+        if truncate is not None:
+            most = limit * engine.tokenizer.max_chars_per_token
+            prompt = prompt[-most:] if side == "left" else prompt[:most]
+        ids = encode_text(engine, prompt, field, add_special_tokens)
+    else:
+        ids = list(prompt)
+    if truncate is not None and len(ids) > truncate:
+        ids = ids[len(ids) - truncate:] if side == "left" else ids[:truncate]
+    return ids
+
+
+def _chat_prompt_ids(state: ServerState, engine, req,
+                     tools) -> tuple[Optional[str], list[int]]:
+    """The chat prompt's text (None when truncate_prompt_tokens cut it) and token ids."""
     text = _chat_prompt(state, engine.tokenizer, req, tools)
-    return text, encode_text(engine, text, "messages", req.add_special_tokens)
+    ids = prompt_ids(engine, text, "messages", req.add_special_tokens,
+                     req.truncate_prompt_tokens, req.truncation_side or "left")
+    return (text if req.truncate_prompt_tokens is None else None), ids
 
 
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
