@@ -19,6 +19,9 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+# vLLM's bound on logprob_token_ids (the engine's max_logprobs bounds it too).
+MAX_LOGPROB_TOKEN_IDS = 128
+
 # OpenAI's bound on logit_bias (also its number of entries).
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -120,6 +123,9 @@ class SamplingParams:
     logprobs: number of top alternatives to return per generated token; 0 = only the chosen
         token's log-probability (0..20).
     prompt_logprobs: same for prompt tokens (0..20).
+    logprob_token_ids: report the log-probabilities of these token ids (and of the chosen
+        token) at every generated position, in place of the top ``logprobs`` (vLLM's; at
+        most the engine's max_logprobs ids).
     skip_special_tokens, spaces_between_special_tokens: detokenizer options.
     include_stop_str_in_output: keep the matched stop string in the text.
     detokenize: produce text at all; False: the outputs' text is "" and logprobs' decoded_token
@@ -151,6 +157,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    logprob_token_ids: Optional[List[int]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -259,6 +266,15 @@ class SamplingParams:
                                      f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
                 bias[tid] = float(v)
             self.logit_bias = bias or None
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, (list, tuple)) \
+                    or not all(is_int(t) and 0 <= t < 2**31 for t in ids):
+                raise ValueError(f"logprob_token_ids must be a list of token ids, got {ids!r}")
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(f"logprob_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} "
+                                 f"ids, got {len(ids)}")
+            self.logprob_token_ids = [int(t) for t in ids] or None
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids \
@@ -296,6 +312,18 @@ class SamplingParams:
         """Whether a step must build a token mask or bans for this request."""
         return (self.structured_outputs is not None or self.allowed_token_ids is not None
                 or self.bad_words is not None)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Log-probabilities are reported: ``logprobs`` or ``logprob_token_ids`` is set."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
+
+    @property
+    def num_logprobs(self) -> int:
+        """The alternatives reported per token besides the chosen one (-1: none asked)."""
+        if self.logprob_token_ids is not None:
+            return len(self.logprob_token_ids)
+        return -1 if self.logprobs is None else self.logprobs
 
     def _verify(self) -> None:
         # Written as `not (ok)` so that NaN fails every range check.

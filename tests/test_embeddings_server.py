@@ -136,7 +136,6 @@ def test_truncate_prompt_tokens(pooling_server, hf):
     ({"input": "hi", "normalize": True}, "normalize"),
     ({"input": [5, 99999]}, "input"),
     ({"input": "hi", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
-    ({"input": "hi", "truncation_side": "left"}, "truncation_side"),
     ({"input": 3}, "input"),
 ])
 def test_bad_fields_are_a_400_naming_them(pooling_server, body, field):

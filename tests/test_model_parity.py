@@ -279,3 +279,37 @@ def assert_two_ranks_give(prompts, ref_tokens, model_dir) -> None:
     for out, ref in zip(outs, ref_tokens):
         assert out.outputs[0].token_ids == ref
     assert not segments_of() - before, "shared memory left behind"
+
+
+def test_logprob_token_ids_are_scored_as_transformers_scores_them(tiny_model_dir, tiny_llm):
+    """vLLM's logprob_token_ids: at each generated position the chosen token and exactly the
+    asked ids (in place of the top logprobs, even with logprobs set), each with the log_softmax
+    transformers gives the same sequence; a batch mixes them with top-2 and plain rows, and
+    an id beyond max_logprobs's count or the vocabulary is refused by name."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                              dtype=torch.float32).eval()
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 1024, n).tolist() for n in (9, 40, 17)]
+    asked = [5, 900, 17, 301]
+    params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                             logprob_token_ids=asked),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=5, ignore_eos=True,
+                             logprobs=3, logprob_token_ids=asked[:2])]
+    outs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, p, out in zip(prompts, params, outs):
+        gen = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt + gen])).logits[0], -1).numpy()
+        for i, (tok, entry) in enumerate(zip(gen, out.outputs[0].logprobs)):
+            row = ref[len(prompt) - 1 + i]
+            want = ([tok] + [t for t in p.logprob_token_ids if t != tok]
+                    if p.logprob_token_ids else None)
+            if want is None:                      # the top 2 as before
+                want = [tok] + [t for t in np.argsort(-row)[:2].tolist() if t != tok]
+            assert list(entry) == want
+            np.testing.assert_allclose([entry[t].logprob for t in want], row[want],
+                                       atol=1e-4, rtol=0)
+    for bad, field in ((list(range(21)), "max_logprobs"), ([10**6], "token ids are in")):
+        with pytest.raises(ValueError, match=f"logprob_token_ids.*{field}"):
+            tiny_llm.generate("Hi", SamplingParams(max_tokens=1, logprob_token_ids=bad))

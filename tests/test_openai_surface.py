@@ -520,27 +520,33 @@ def test_a_request_stream_interval_sends_its_tokens_in_chunks_of_that_many(serve
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(server, tiny_model_dir):
-    """vLLM's truncate_prompt_tokens on completions and chat: the last N prompt tokens by
-    default (a generating model's tokenizer truncates on the left), the first N with
-    truncation_side "right"; -1 keeps the model's length less one; add_special_tokens false
-    leaves the BOS out. Checked against transformers' tokenization of the same text."""
+    """vLLM's truncate_prompt_tokens on completions and chat: the BOS and the last N-1 tokens
+    of a text by default (a generating model's tokenizer truncates on the left, and
+    transformers' truncation keeps special tokens), the first N with truncation_side
+    "right"; a token-id prompt is cut as it is; -1 keeps the model's length less one. The
+    echo is the prompt as sent, as vLLM's. add_special_tokens false leaves the BOS out.
+    Checked against transformers' tokenization of the same text."""
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(tiny_model_dir)
     url = server[0]
     text = "The quick brown fox jumps over the lazy dog near the river bank"
-    ids = hf(text).input_ids
+    ids, plain = hf(text).input_ids, hf(text, add_special_tokens=False).input_ids
 
-    def complete(**kw):
+    def complete(prompt=text, **kw):
         r = requests.post(url + "/v1/completions", json={
-            "model": "tiny", "prompt": text, "max_tokens": 1, "echo": True, **kw})
+            "model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True, **kw})
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens"]
-    echoed, n = complete(truncate_prompt_tokens=5)
-    assert n == 5 and echoed.startswith(hf.decode(ids[-5:]))
-    echoed, n = complete(truncate_prompt_tokens=5, truncation_side="right")
-    assert n == 5 and echoed.startswith(hf.decode(ids[:5])) and echoed.startswith("<s>")
-    assert complete(add_special_tokens=False)[1] == len(ids) - 1 == len(
-        hf(text, add_special_tokens=False).input_ids)
+        choice = r.json()["choices"][0]
+        seen = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"][:-1]]
+        assert len(seen) == r.json()["usage"]["prompt_tokens"]
+        return choice["text"], seen
+    echoed, seen = complete(truncate_prompt_tokens=5)
+    assert seen == ids[:1] + plain[-4:] and echoed.startswith(text)
+    assert complete(truncate_prompt_tokens=5, truncation_side="right")[1] == ids[:5]
+    assert complete(prompt=ids, truncate_prompt_tokens=3)[1] == ids[-3:]
+    assert complete(add_special_tokens=False)[1] == plain
+    assert complete(truncation_side="left")[1] == ids     # alone it changes nothing (vLLM)
     chat = requests.post(url + "/v1/chat/completions", json={
         "model": "tiny", "messages": MSG, "max_tokens": 1, "truncate_prompt_tokens": 7})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 7, chat.text
@@ -549,11 +555,49 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(server, tiny_
         "model": "tiny", "prompt": "fox " * (limit * 2), "max_tokens": 1,
         "truncate_prompt_tokens": -1})
     assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == limit - 1
-    for body, field in (({"truncate_prompt_tokens": limit + 1}, "truncate_prompt_tokens"),
-                        ({"truncation_side": "left"}, "truncation_side")):
-        r = requests.post(url + "/v1/completions",
-                          json={"model": "tiny", "prompt": text, "max_tokens": 1, **body})
-        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = requests.post(url + "/v1/completions", json={
+        "model": "tiny", "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": limit + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_logprob_token_ids_show_those_tokens_scored_as_transformers_does(server,
+                                                                         tiny_model_dir):
+    """vLLM's logprob_token_ids (with logprobs set) on completions and chat: each position's
+    top_logprobs are the chosen token and the asked ids, in that order, with transformers'
+    log_softmax; without logprobs, or with beam search, a 400 names the field."""
+    import numpy as np
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                              dtype=torch.float32).eval()
+    prompt, asked = [1, 52, 311, 97, 640, 18], [5, 900, 17]
+    common = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+              "logprob_token_ids": asked, "return_tokens_as_token_ids": True}
+    r = requests.post(server[0] + "/v1/completions",
+                      json={**common, "prompt": prompt, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    gen = [int(t.split(":")[1]) for t in lp["tokens"]]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + gen])).logits[0], -1).numpy()
+    for i, (tok, top) in enumerate(zip(gen, lp["top_logprobs"])):
+        want = [tok] + [t for t in asked if t != tok]
+        assert list(top) == [f"token_id:{t}" for t in want]
+        np.testing.assert_allclose(list(top.values()), ref[len(prompt) - 1 + i][want],
+                                   atol=1e-4, rtol=0)
+    chat = requests.post(server[0] + "/v1/chat/completions",
+                         json={**common, "messages": MSG, "logprobs": True})
+    assert chat.status_code == 200, chat.text
+    for pos in chat.json()["choices"][0]["logprobs"]["content"]:
+        tok = int(pos["token"].split(":")[1])
+        assert [e["token"] for e in pos["top_logprobs"]] == [
+            f"token_id:{t}" for t in [tok] + [t for t in asked if t != tok]]
+    for path, body in (("/v1/completions", {"prompt": prompt}),
+                       ("/v1/chat/completions", {"messages": MSG}),
+                       ("/v1/completions", {"prompt": prompt, "logprobs": 1,
+                                            "use_beam_search": True, "n": 2})):
+        r = requests.post(server[0] + path, json={**common, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text
 
 
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):

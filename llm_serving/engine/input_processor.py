@@ -96,6 +96,13 @@ class InputProcessor:
             if asked is not None and asked > self.max_logprobs:
                 raise ValueError(f"{name}: {asked} asked for, more than this server's "
                                  f"max_logprobs ({self.max_logprobs})")
+        if params.logprob_token_ids is not None:
+            ids = params.logprob_token_ids
+            if len(ids) > self.max_logprobs:
+                raise ValueError(f"logprob_token_ids: {len(ids)} ids, more than this server's "
+                                 f"max_logprobs ({self.max_logprobs})")
+            if max(ids) >= self.vocab_size:
+                raise ValueError(f"logprob_token_ids: token ids are in [0, {self.vocab_size})")
         if params.kv_transfer_params is not None:
             self.check_kv_transfer(params.kv_transfer_params)
         if lora_request is not None:

@@ -225,7 +225,7 @@ class OutputProcessor:
         """Put one sampled token (of ``row``) on the sequence: logprobs, text, stop checks;
         True when it ends the sequence."""
         seq.receive_token(token)
-        if seq.params.logprobs is not None:   # as vLLM: none asked, none reported
+        if seq.params.wants_logprobs:   # as vLLM: none asked, none reported
             self._record_logprobs(seq, row, token, result)
         status = self._stop_token(seq, token)
         stepped = (status is None or seq.params.include_stop_str_in_output) \
@@ -239,7 +239,7 @@ class OutputProcessor:
             seq.forget_in_flight()
             self.scheduler.finish(seq, status)
             seq.finished_time = now
-        if stepped and seq.params.logprobs is not None:
+        if stepped and seq.params.wants_logprobs:
             self._name_partial_character(seq, token)
         return status is not None
     def _record_pooled(self, plan: list, pooled, now: float, touched: dict) -> None:
@@ -304,7 +304,7 @@ class OutputProcessor:
         return entry
 
     def _record_logprobs(self, seq: Sequence, row: int, token: int, r: SamplerOutput) -> None:
-        k = seq.params.logprobs
+        k = seq.params.num_logprobs
         lp = float(r.logprobs[row])
         seq.cumulative_logprob += lp
         top = k > 0 and r.top_token_ids is not None
@@ -391,7 +391,7 @@ class OutputProcessor:
                 continue       # a sibling (n > 1) that ended earlier: nothing new of it
             req.sent_tokens[i], req.sent_text[i] = known, len(text)
             req.sent_finish[i] = s.finish_reason is not None
-            want_lp = s.params.logprobs is not None
+            want_lp = s.params.wants_logprobs
             outs.append(CompletionOutput(
                 index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:known],
                 cumulative_logprob=s.cumulative_logprob if want_lp else None,

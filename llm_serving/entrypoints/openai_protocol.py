@@ -20,7 +20,8 @@ from llm_serving.sampling_params import (MAX_STOPS, BeamSearchParams, RequestOut
 _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "min_p",
                          "presence_penalty", "frequency_penalty", "repetition_penalty",
                          "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
-                         "logprobs", "top_logprobs", "echo", "kv_transfer_params", "tools")
+                         "logprob_token_ids", "logprobs", "top_logprobs", "echo",
+                         "kv_transfer_params", "tools")
 
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
 _REFUSED_COMMON = {
@@ -90,6 +91,9 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOPS)
     priority: int = 0
+    # vLLM's: the logprobs of these token ids at each position, in place of the top ones
+    # (with logprobs set; SamplingParams.logprob_token_ids).
+    logprob_token_ids: Optional[list[int]] = None
     # vLLM's: a stream's chunks every this many tokens; raises --stream-interval.
     stream_interval: Optional[int] = Field(None, ge=1)
     skip_special_tokens: bool = True
@@ -144,8 +148,8 @@ class _SamplingFields(BaseModel):
         """Fields that are refused together (ValueError naming the field), as vLLM."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream true")
-        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
-            raise ValueError("truncation_side: only with truncate_prompt_tokens")
+        if self.logprob_token_ids and self.logprobs in (None, False):
+            raise ValueError("logprob_token_ids: needs logprobs set (as vLLM)")
 
     def unknown_fields(self) -> list[str]:
         nested = self.stream_options.model_extra if self.stream_options else None
@@ -233,7 +237,8 @@ class _SamplingFields(BaseModel):
             n=self.n, **knobs, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs=None if self.logprob_token_ids else logprobs,
+            logprob_token_ids=self.logprob_token_ids or None, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -257,6 +262,12 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _null_is_default(cls, v):
         return 16 if v is None else v
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if self.logprob_token_ids and self.echo and self.max_tokens == 0:
+            raise ValueError("logprob_token_ids: not with echo and max_tokens 0, which "
+                             "generate no tokens (as vLLM)")
 
 
 # OpenAI's reasoning effort levels, and vLLM's "max"
@@ -458,5 +469,3 @@ class EmbeddingRequest(BaseModel):
     def check_combinations(self) -> None:
         if self.normalize is not None:
             raise ValueError("normalize: was removed (vLLM); use use_activation instead")
-        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
-            raise ValueError("truncation_side: only with truncate_prompt_tokens")

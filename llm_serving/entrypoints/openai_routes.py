@@ -421,10 +421,13 @@ async def completions(req: CompletionRequest, request: Request):
     if not p:
         raise HTTPError(400, "prompt: must not be empty", param="prompt")
     if req.truncate_prompt_tokens is not None or not req.add_special_tokens:
+        # tokenized here; a text prompt is still echoed as sent, as vLLM's
         engine = state.require_engine()
-        prompts = [{"prompt_token_ids": prompt_ids(
-            engine, x, "prompt", req.add_special_tokens, req.truncate_prompt_tokens,
-            req.truncation_side or "left")} for x in p]
+        prompts = [{"prompt": x if isinstance(x, str) else None,
+                    "prompt_token_ids": prompt_ids(
+                        engine, x, "prompt", req.add_special_tokens,
+                        req.truncate_prompt_tokens, req.truncation_side or "left")}
+                   for x in p]
     else:
         prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in p]
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
@@ -443,6 +446,8 @@ async def completions(req: CompletionRequest, request: Request):
     except ValueError as e:
         raise translate_error(e) from None
     rid, resp_id = request_ids(request, "cmpl")
+    # the alternatives top_logprobs shows: logprob_token_ids all (vLLM's), else logprobs
+    shown = len(req.logprob_token_ids) if req.logprob_token_ids else req.logprobs
     grammar_field = req.structured_field()
     streams = None if beam else await start_requests(request, rid, resp_id, prompts, params,
                                                      req.priority, grammar_field, lora)
@@ -481,7 +486,7 @@ async def completions(req: CompletionRequest, request: Request):
                         choice_tokens[idx] = choice_tokens.get(idx, 0) + ntok
                         lp = None
                         if req.logprobs is not None:
-                            lp = _completion_logprobs(entries, gen_start, req.logprobs,
+                            lp = _completion_logprobs(entries, gen_start, shown,
                                                       prompt_lp, as_ids)
                         offsets[idx] = start + len(text)
                         chunk = {"id": resp_id, "object": "text_completion", "created": created,
@@ -524,7 +529,7 @@ async def completions(req: CompletionRequest, request: Request):
             if echo is not None:
                 prompt_text, prompt_lp = echo.prompt(idx // n)
             ch["logprobs"] = (None if req.logprobs is None else
-                              _completion_logprobs(ch["lp"], len(prompt_text), req.logprobs,
+                              _completion_logprobs(ch["lp"], len(prompt_text), shown,
                                                    prompt_lp, as_ids))
             ch["text"] = prompt_text + ch["text"]
         body = {"id": resp_id, "object": "text_completion", "created": created,
@@ -545,8 +550,10 @@ async def completions(req: CompletionRequest, request: Request):
 # ---- chat --------------------------------------------------------------------------------
 
 def _top(entry: dict, k: int, as_ids: bool = False) -> list:
-    """The k most likely of a token's (text, logprob): the chosen token plus the top-k."""
-    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+    """The k most likely of a token's (text, logprob): the chosen token plus the top-k; k -1:
+    every entry as it comes (the chosen token, then logprob_token_ids, as vLLM)."""
+    ranked = (list(entry.items()) if k < 0 else
+              sorted(entry.items(), key=lambda item: -item[1].logprob)[:k])
     return [(_name(t, v, as_ids), v.logprob) for t, v in ranked]
 
 
@@ -583,7 +590,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # hold every other client's stream meanwhile.
     text, ids = await asyncio.to_thread(_chat_prompt_ids, state, engine, req, tools)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    top = req.top_logprobs or 0
+    top = -1 if req.logprob_token_ids else req.top_logprobs or 0
     as_ids = _as_ids(state, req)
     try:
         beam = (req.beam_search_params(max_tokens, engine.default_sampling_params)
@@ -804,11 +811,30 @@ def prompt_ids(engine, prompt, field: str, add_special_tokens: bool = True,
             most = limit * engine.tokenizer.max_chars_per_token
             prompt = prompt[-most:] if side == "left" else prompt[:most]
         ids = encode_text(engine, prompt, field, add_special_tokens)
+        if truncate is not None and len(ids) > truncate and add_special_tokens:
+            return _truncate_keeping_specials(engine.tokenizer, prompt, ids, truncate, side)
     else:
         ids = list(prompt)
     if truncate is not None and len(ids) > truncate:
-        ids = ids[len(ids) - truncate:] if side == "left" else ids[:truncate]
+        ids = _cut(ids, truncate, side)
     return ids
+
+
+def _cut(ids: list[int], keep: int, side: str) -> list[int]:
+    return ids[len(ids) - keep:] if side == "left" else ids[:keep]
+
+
+def _truncate_keeping_specials(tok, text: str, ids: list[int], keep: int,
+                               side: str) -> list[int]:
+    """``keep`` tokens of a text tokenized with its special tokens (``ids``): the specials
+    stay and the text's own tokens are cut, as transformers' truncation (and vLLM's) does,
+    so a prompt cut on the left still starts with its BOS."""
+    plain = tok.encode(text, add_special_tokens=False)
+    extra = len(ids) - len(plain)
+    start = next((p for p in range(extra + 1) if ids[p:p + len(plain)] == plain), None)
+    if start is None or extra >= keep:
+        return _cut(ids, keep, side)
+    return ids[:start] + _cut(plain, keep - extra, side) + ids[start + len(plain):]
 
 
 def _chat_prompt_ids(state: ServerState, engine, req,

@@ -50,6 +50,9 @@ class SamplingBatch:
     # Per row: ids set to -inf this step (min_tokens not reached: EOS + stop_token_ids;
     # bad_words).
     banned_token_ids: Optional[List[np.ndarray]] = _ragged()
+    # Per row: the ids whose logprobs are reported in place of the top ones (vLLM's
+    # logprob_token_ids; num_logprobs holds their count); only when some row has them.
+    logprob_token_ids: Optional[List[np.ndarray]] = _ragged()
     # logit_bias, flat over the batch: logits[bias_rows[i], bias_ids[i]] += bias_values[i].
     bias_rows: Optional[np.ndarray] = None       # int32 [K]
     bias_ids: Optional[np.ndarray] = None        # int32 [K]
@@ -112,7 +115,7 @@ class SamplingBatch:
                           np.float32).reshape(b, 6).T.copy()
         lens = [len(o) for o in output_ids]
         ints = np.array([(p.top_k, -1 if p.seed is None else p.seed & _SEED_MASK,
-                          -1 if p.logprobs is None else p.logprobs, n)
+                          p.num_logprobs, n)
                          for p, n in zip(params, lens)], np.int64).reshape(b, 4).T.copy()
         batch = cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2],
@@ -139,6 +142,9 @@ class SamplingBatch:
                     any_banned = True
         if any_banned:
             batch.banned_token_ids = banned
+        if any(p.logprob_token_ids is not None for p in params):
+            batch.logprob_token_ids = [_EMPTY_IDS if p.logprob_token_ids is None else
+                                       np.asarray(p.logprob_token_ids, np.int64) for p in params]
         return batch
 
 

@@ -52,6 +52,18 @@ _BLOCK_BYTES = 2 << 20              # rows per block: about this much float32 sc
 _EMPTY_IDS = np.zeros(0, np.int64)
 
 
+def _put_asked(top_ids, top_lp, raw, lse, blk, token_lists) -> None:
+    """Rows of ``blk`` with ids in ``token_lists`` report those (in the request's order) in
+    place of their top-N: their logprobs taken from the block's raw logits ``raw``."""
+    for j, row in enumerate(blk):
+        ids = token_lists[row]
+        if len(ids):
+            top_ids[row, :] = -1
+            top_lp[row, :] = -np.inf
+            top_ids[row, :len(ids)] = ids
+            top_lp[row, :len(ids)] = raw[j, ids] - lse[j]
+
+
 # ======================================================================= the sampler
 
 class Sampler:
@@ -78,7 +90,8 @@ class Sampler:
 
         greedy = batch.temperature < SAMPLING_EPS
         if greedy.all() and not modified.any():     # plain greedy rows (the usual decode)
-            return self.compute_logprobs(logits, logits.argmax(axis=1), batch.num_logprobs)
+            return self.compute_logprobs(logits, logits.argmax(axis=1), batch.num_logprobs,
+                                         batch.logprob_token_ids)
         token_ids = np.empty(b, np.int64)
         rows = np.flatnonzero(greedy)
         if rows.size:
@@ -86,7 +99,8 @@ class Sampler:
         rows = np.flatnonzero(~greedy)
         if rows.size:
             token_ids[rows] = self._sample_random(logits, rows, batch, modified[rows])
-        return self.compute_logprobs(logits, token_ids, batch.num_logprobs)
+        return self.compute_logprobs(logits, token_ids, batch.num_logprobs,
+                                     batch.logprob_token_ids)
 
     # ------------------------------------------------------------------- greedy rows
 
@@ -175,10 +189,12 @@ class Sampler:
     # ------------------------------------------------------------------- logprobs
 
     def compute_logprobs(self, logits: np.ndarray, token_ids: np.ndarray,
-                         num_logprobs: np.ndarray) -> SamplerOutput:
+                         num_logprobs: np.ndarray,
+                         token_lists: Optional[list] = None) -> SamplerOutput:
         """Raw log-probabilities of token_ids [B] under logits [B, V]: the chosen token's for
         every row (see always_chosen_logprob), ranks and the top-N for rows with
-        num_logprobs [B] >= 0. Also used for prompt logprobs (the model runner)."""
+        num_logprobs [B] >= 0; a row with ids in ``token_lists`` (logprob_token_ids) gets those
+        in place of its top-N. Also used for prompt logprobs (the model runner)."""
         b, v = logits.shape
         want = num_logprobs >= 0
         any_want = bool(want.any())
@@ -219,6 +235,8 @@ class Sampler:
                 vals, ids = _top_values(raw, k, with_ids=True)
                 top_lp[blk] = vals - lse[:, None]
                 top_ids[blk] = ids
+                if token_lists is not None:
+                    _put_asked(top_ids, top_lp, raw, lse, blk, token_lists)
         return SamplerOutput(token_ids=token_ids, logprobs=lp, top_token_ids=top_ids,
                              top_logprobs=top_lp, ranks=ranks)
 
