@@ -20,7 +20,7 @@ SampleLogprobs = List[Dict[int, Logprob]]
 # One entry per prompt token; the first is None (nothing precedes it).
 PromptLogprobs = List[Optional[Dict[int, Logprob]]]
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "repetition")
 
 
 @dataclass

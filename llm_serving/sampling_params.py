@@ -13,11 +13,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+import numpy as np
+
 # Below this temperature a request is decoded greedily (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs: the largest `logprobs` / `prompt_logprobs` a request may ask for.
 MAX_LOGPROBS = 20
 
+
+# Bounds on repetition_detection (its check runs on every token of the requests using it).
+MAX_REPETITION_PATTERN = 1024
+MAX_REPETITION_COUNT = 1024
 
 # vLLM's bound on logprob_token_ids (the engine's max_logprobs bounds it too).
 MAX_LOGPROB_TOKEN_IDS = 128
@@ -67,6 +73,43 @@ class StructuredOutputsParams:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"structured_outputs.{k}: a non-empty string")
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's: end the output (finish_reason "repetition") once its last tokens are a pattern
+    of ``min_pattern_size``..``max_pattern_size`` tokens repeated ``min_count`` times."""
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if not all(is_int(x) for x in sizes) or self.max_pattern_size < 0 \
+                or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("repetition_detection: max_pattern_size and min_pattern_size must "
+                             "be integers >= 0 with min_pattern_size <= max_pattern_size (both "
+                             f"0: off), got {self}")
+        if self.max_pattern_size > 0 and not 2 <= self.min_count <= MAX_REPETITION_COUNT:
+            raise ValueError(f"repetition_detection: min_count must be in [2, "
+                             f"{MAX_REPETITION_COUNT}] when max_pattern_size is set, got "
+                             f"{self.min_count}")
+        if self.max_pattern_size > MAX_REPETITION_PATTERN:
+            raise ValueError(f"repetition_detection: max_pattern_size must be at most "
+                             f"{MAX_REPETITION_PATTERN}, got {self.max_pattern_size}")
+
+    def repeats(self, token_ids: List[int]) -> bool:
+        """The tokens end with a pattern repeated min_count times (vLLM's check)."""
+        if self.max_pattern_size <= 0:
+            return False
+        count = self.min_count
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * count > len(token_ids):
+                return False
+            tail = np.asarray(token_ids[-size * count:]).reshape(count, size)
+            if (tail == tail[-1]).all():
+                return True
+        return False
 
 
 class RequestOutputKind(enum.Enum):
@@ -139,6 +182,16 @@ class SamplingParams:
     bad_words: words never generated: a word's last token is banned wherever the tokens
         before it were just generated (vLLM's; with and without a leading space).
     structured_outputs: a grammar the output must match (StructuredOutputsParams).
+    extra_args: vLLM's: its "kv_transfer_params" is taken as kv_transfer_params; any other
+        key is refused (custom logits processors, which read them, are not supported).
+    skip_reading_prefix_cache: compute the whole prompt, reusing no cached prefix (its blocks
+        still enter the cache).
+    repetition_detection: end the output once it repeats a pattern
+        (RepetitionDetectionParams; finish_reason "repetition").
+    watermarking, flat_logprobs, thinking_token_budget, prompt_logprob_token_ids,
+        prompt_logprob_start, routed_experts_prompt_start, trace_decode_token_ids: vLLM's,
+        refused (ValueError naming them) when set to anything but "off"; skip_clone is a
+        copying hint with nothing to do here.
     """
 
     n: int = 1
@@ -172,6 +225,18 @@ class SamplingParams:
     # prompt's KV for a consumer; {"do_remote_prefill": true, ...the producer's answer...}
     # asks a consumer to load it. The engine refuses it without a kv_transfer config.
     kv_transfer_params: Optional[Dict[str, Any]] = None
+    # vLLM 0.32's other arguments (_normalize_vllm_extras says what each does here).
+    watermarking: Optional[bool] = None
+    extra_args: Optional[Dict[str, Any]] = None
+    skip_reading_prefix_cache: Optional[bool] = None
+    repetition_detection: Optional[RepetitionDetectionParams] = None
+    flat_logprobs: bool = False
+    skip_clone: bool = False
+    thinking_token_budget: Optional[int] = None
+    prompt_logprob_token_ids: Optional[Any] = None
+    prompt_logprob_start: Optional[int] = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: Optional[List[int]] = None
     # Filled by the engine's input processor (the tokenizer's view of bad_words, the
     # compiled grammar); not part of the user's request.
     bad_words_token_ids: Optional[List[List[int]]] = field(default=None, repr=False)
@@ -218,6 +283,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._normalize_constraints()
+        self._normalize_vllm_extras()
 
         if self.stop is None:
             self.stop = []
@@ -246,6 +312,47 @@ class SamplingParams:
                 if not is_int(t) or t < 0:
                     raise ValueError(
                         f"stop_token_ids must be integers >= 0, got {t!r} in it")
+
+    def _normalize_vllm_extras(self) -> None:
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise ValueError(f"extra_args must be a dict, got {self.extra_args!r}")
+            unread = sorted(k for k in self.extra_args if k != "kv_transfer_params")
+            if unread:
+                raise ValueError(f"extra_args: {', '.join(map(repr, unread))} would be read by "
+                                 "custom logits processors, which are not supported here")
+            kv = self.extra_args.get("kv_transfer_params")
+            if kv is not None:
+                if self.kv_transfer_params is not None and self.kv_transfer_params != kv:
+                    raise ValueError("extra_args: its kv_transfer_params differs from "
+                                     "kv_transfer_params")
+                self.kv_transfer_params = kv
+        if isinstance(self.repetition_detection, dict):
+            try:
+                self.repetition_detection = RepetitionDetectionParams(
+                    **self.repetition_detection)
+            except TypeError as e:
+                raise ValueError(f"repetition_detection: {e}") from None
+        elif self.repetition_detection is not None and \
+                not isinstance(self.repetition_detection, RepetitionDetectionParams):
+            raise ValueError("repetition_detection must be a RepetitionDetectionParams, got "
+                             f"{self.repetition_detection!r}")
+        if self.repetition_detection is not None \
+                and self.repetition_detection.max_pattern_size == 0:
+            self.repetition_detection = None
+        if self.thinking_token_budget == -1:         # vLLM's "unlimited": unset
+            self.thinking_token_budget = None
+        refused = {"watermarking": self.watermarking not in (None, False),
+                   "flat_logprobs": bool(self.flat_logprobs),
+                   "thinking_token_budget": self.thinking_token_budget is not None,
+                   "prompt_logprob_token_ids": self.prompt_logprob_token_ids is not None,
+                   "prompt_logprob_start": self.prompt_logprob_start is not None,
+                   "routed_experts_prompt_start": self.routed_experts_prompt_start != 0,
+                   "trace_decode_token_ids": self.trace_decode_token_ids is not None}
+        for name, is_set in refused.items():
+            if is_set:
+                raise ValueError(f"{name}: not supported by this engine "
+                                 f"(got {getattr(self, name)!r})")
 
     def _normalize_constraints(self) -> None:
         if self.logit_bias is not None:

@@ -114,6 +114,38 @@ def test_stop_strings_count_only_after_min_tokens(tiny_llm):
         assert out.outputs[0].text == base.text[:later]
 
 
+def test_repetition_detection_ends_a_repeating_output(tiny_llm):
+    """vLLM's repetition_detection: a logit bias makes the output one token over and over; a
+    pattern of up to 2 tokens seen 4 times ends it ("repetition", stop_reason
+    "repetition_detected"), not before min_tokens; the same request without it runs on."""
+    from llm_serving.sampling_params import RepetitionDetectionParams
+    base = dict(temperature=0.0, max_tokens=20, logit_bias={7: 100.0})
+    rd = RepetitionDetectionParams(max_pattern_size=2, min_count=4)
+    outs = tiny_llm.generate(["Hello"] * 3, [
+        SamplingParams(**base, repetition_detection=rd),
+        SamplingParams(**base, repetition_detection={"max_pattern_size": 2, "min_count": 4},
+                       min_tokens=9),
+        SamplingParams(**base)])
+    got = [(o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.outputs[0].token_ids)
+           for o in outs]
+    assert got[0] == ("repetition", "repetition_detected", [7] * 4)
+    assert got[1] == ("repetition", "repetition_detected", [7] * 9)
+    assert got[2] == ("length", None, [7] * 20)
+
+
+def test_skip_reading_prefix_cache_computes_the_whole_prompt(tiny_llm):
+    """vLLM's skip_reading_prefix_cache: the second run of a prompt reuses its cached blocks,
+    unless it asks not to; the output is the same either way."""
+    prompt = {"prompt_token_ids": list(range(3, 3 + 70))}
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    first = tiny_llm.generate(prompt, params)[0]
+    again = tiny_llm.generate(prompt, params)[0]
+    fresh = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3,
+                                                     skip_reading_prefix_cache=True))[0]
+    assert again.num_cached_tokens >= 64 and fresh.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
 def test_chat_uses_the_models_chat_template(tiny_llm):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     out = tiny_llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]

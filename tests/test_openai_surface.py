@@ -443,6 +443,7 @@ _COMMON_HONOURED = {
     "bad_words": ["zzz"], "guided_regex": "[a-z]{1,4}", "safety_identifier": "s1",
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
     "stream_interval": 3, "watermarking": False, "truncate_prompt_tokens": 3,
+    "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
 }
 _COMMON_REFUSED = {
     "logits_processors": ["x"], "return_token_ids": True,
@@ -450,7 +451,7 @@ _COMMON_REFUSED = {
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
-    "guided_decoding_backend": "xgrammar", "watermarking": True,
+    "guided_decoding_backend": "xgrammar", "watermarking": True, "thinking_token_budget": 8,
 }
 COMPLETIONS = {
     "honoured": {**_COMMON_HONOURED, "prompt": "Hello", "echo": True, "logprobs": 2,
@@ -467,7 +468,8 @@ CHAT = {
                  "add_generation_prompt": True, "chat_template": "{{ messages[0].content }}",
                  "chat_template_kwargs": {"x": 1}, "add_special_tokens": True,
                  "modalities": ["text"], "structured_outputs": {"choice": ["a", "b"]},
-                 "continue_final_message": True, "echo": True, "reasoning_effort": "low"},
+                 "continue_final_message": True, "echo": True, "reasoning_effort": "low",
+                 "return_prompt_text": True},
     "refused": {**_COMMON_REFUSED, "audio": {"voice": "alloy", "format": "wav"},
                 "modalities": ["text", "audio"], "function_call": "auto",
                 "functions": [WEATHER["function"]], "reasoning_effort": "ultra",
@@ -598,6 +600,36 @@ def test_logprob_token_ids_show_those_tokens_scored_as_transformers_does(server,
                                             "use_beam_search": True, "n": 2})):
         r = requests.post(server[0] + path, json={**common, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text
+
+
+def test_repetition_detection_and_return_prompt_text(server, tiny_model_dir):
+    """vLLM's repetition_detection ends a repeating output with finish_reason "repetition"
+    (stop_reason "repetition_detected"), streamed or not; return_prompt_text puts the chat
+    template's text (transformers' rendering of the same messages) in the answer and in a
+    stream's first chunk only; a bad pattern is a 400 naming the field."""
+    from transformers import AutoTokenizer
+    url = server[0]
+    body = {"model": "tiny", "max_tokens": 20, "temperature": 0, "logit_bias": {"7": 100},
+            "repetition_detection": {"max_pattern_size": 3, "min_count": 3}}
+    r = requests.post(url + "/v1/completions", json={**body, "prompt": "Hello"}).json()
+    c = r["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"], r["usage"]["completion_tokens"]) == (
+        "repetition", "repetition_detected", 3)
+    events = [json.loads(line[6:]) for line in requests.post(
+        url + "/v1/chat/completions", stream=True,
+        json={**body, "messages": MSG, "stream": True, "return_prompt_text": True}
+        ).iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    rendered = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        MSG, tokenize=False, add_generation_prompt=True)
+    assert [e.get("prompt_text") for e in events] == [rendered] + [None] * (len(events) - 1)
+    assert events[-1]["choices"][0]["finish_reason"] == "repetition"
+    chat = requests.post(url + "/v1/chat/completions",
+                         json={"model": "tiny", "messages": MSG, "max_tokens": 1,
+                               "return_prompt_text": True}).json()
+    assert chat["prompt_text"] == rendered
+    bad = requests.post(url + "/v1/completions", json={
+        **body, "prompt": "Hi", "repetition_detection": {"max_pattern_size": 2, "min_count": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection"
 
 
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from llm_serving.outputs import CompletionOutput, Logprob, RequestOutput
-from llm_serving.sampling_params import SamplingParams, SamplingType
+from llm_serving.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -133,3 +133,73 @@ def test_request_output_is_vllm_shaped():
     assert c.finished() and r.outputs[0].text == "hi" and r.prompt_logprobs is None
     assert not CompletionOutput(0, "", [], None, None).finished()
     assert "text='hi'" in repr(c) and "request_id='r0'" in repr(r)
+
+
+# vLLM 0.32's SamplingParams keywords beyond the ones above, each at its default: a vLLM
+# script that spells them out runs here unchanged.
+VLLM_0_32_DEFAULTS = dict(
+    watermarking=None, prompt_logprob_token_ids=None, prompt_logprob_start=None,
+    logprob_token_ids=None, flat_logprobs=False, stream_interval=None, skip_clone=False,
+    extra_args=None, skip_reading_prefix_cache=None, thinking_token_budget=None,
+    repetition_detection=None, routed_experts_prompt_start=0, trace_decode_token_ids=None,
+    output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None, logit_bias=None,
+    allowed_token_ids=None, bad_words=None)
+
+
+def test_every_vllm_0_32_keyword_is_taken_at_its_default():
+    p = SamplingParams(**VLLM_0_32_DEFAULTS)
+    assert p.kv_transfer_params is None and p.repetition_detection is None
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None   # unlimited
+
+
+@pytest.mark.parametrize("name, value, named", [
+    ("watermarking", True, "watermarking"), ("flat_logprobs", True, "flat_logprobs"),
+    ("thinking_token_budget", 8, "thinking_token_budget"),
+    ("prompt_logprob_token_ids", [[1, 2]], "prompt_logprob_token_ids"),
+    ("prompt_logprob_start", 2, "prompt_logprob_start"),
+    ("routed_experts_prompt_start", 3, "routed_experts_prompt_start"),
+    ("trace_decode_token_ids", [5], "trace_decode_token_ids"),
+    ("extra_args", {"my_processor_arg": 1}, "extra_args: 'my_processor_arg'"),
+    ("repetition_detection", {"max_pattern_size": 2, "min_count": 1}, "min_count"),
+    ("repetition_detection", {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 3},
+     "min_pattern_size <= max_pattern_size"),
+])
+def test_vllm_keywords_this_engine_cannot_honour_are_refused_by_name(name, value, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        SamplingParams(**{name: value})
+
+
+def test_extra_args_kv_transfer_params_asks_for_pd_as_vllm_0_32_does():
+    offer = {"do_remote_decode": True}
+    assert SamplingParams(extra_args={"kv_transfer_params": offer}).kv_transfer_params == offer
+    with pytest.raises(ValueError, match="differs from kv_transfer_params"):
+        SamplingParams(kv_transfer_params={"do_remote_prefill": True},
+                       extra_args={"kv_transfer_params": offer})
+
+
+def _repeats_by_definition(ids, largest, smallest, count) -> bool:
+    """vLLM's definition, spelled out: for some pattern size L, the last L*count tokens are
+    the last L tokens count times over."""
+    for size in range(max(smallest, 1), largest + 1):
+        if size * count > len(ids):
+            return False
+        tail = ids[-size * count:]
+        if all(tail[i] == tail[i % size + (count - 1) * size] for i in range(len(tail))):
+            return True
+    return False
+
+
+def test_repetition_detection_finds_exactly_the_repeats_vllm_defines():
+    import random
+    from llm_serving.sampling_params import RepetitionDetectionParams
+    rng = random.Random(5)
+    found = 0
+    for _ in range(3000):
+        largest, count = rng.randint(1, 4), rng.randint(2, 4)
+        smallest = rng.randint(0, largest)
+        ids = [rng.randint(0, 2) for _ in range(rng.randint(0, 14))]
+        got = RepetitionDetectionParams(largest, smallest, count).repeats(ids)
+        assert got == _repeats_by_definition(ids, largest, smallest, count), (ids, largest,
+                                                                            smallest, count)
+        found += got
+    assert 100 < found < 2900          # both answers were exercised

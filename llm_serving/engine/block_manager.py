@@ -164,13 +164,15 @@ class BlockManager:
             hashes.append(parent)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the start of the sequence's tokens (not yet taken).
+        """Cached blocks holding the start of the sequence's tokens (not yet taken); none
+        for a request with skip_reading_prefix_cache (vLLM's).
 
         At least one token is always left to compute, since its logits are needed. So are
         the rows whose prompt logprobs are still to be computed: a request that asks for them
         reuses only the blocks before its first unscored prompt token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or getattr(seq.params, "skip_reading_prefix_cache",
+                                                     None):
             return []
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs

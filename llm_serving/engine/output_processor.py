@@ -55,9 +55,9 @@ class RequestState:
     @property
     def finish_reason(self) -> str:
         """One reason per request: abort if any sequence was aborted, else stop if any
-        stopped, else length."""
+        stopped, else repetition if any repeated, else length."""
         reasons = {s.finish_reason for s in self.seqs}
-        return next(r for r in ("abort", "stop", "length") if r in reasons)
+        return next(r for r in ("abort", "stop", "repetition", "length") if r in reasons)
 
 
 @dataclass
@@ -289,6 +289,10 @@ class OutputProcessor:
         n_out = seq.num_output_tokens
         if n_out >= seq.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
+        rd = seq.params.repetition_detection
+        if rd is not None and n_out >= seq.params.min_tokens and rd.repeats(seq.output_token_ids):
+            seq.stop_reason = "repetition_detected"       # vLLM's
+            return SequenceStatus.FINISHED_REPETITION
         return None
 
     # ---- logprobs -------------------------------------------------------------------------

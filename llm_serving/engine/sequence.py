@@ -25,6 +25,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_TIMEOUT = "timeout"        # waited longer than queue_timeout before starting
+    FINISHED_REPETITION = "repetition"  # its output repeated a pattern (repetition_detection)
 
     @property
     def finished(self) -> bool:
@@ -32,7 +33,8 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                       SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_TIMEOUT})
+                       SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_TIMEOUT,
+                       SequenceStatus.FINISHED_REPETITION})
 
 
 class Sequence:
@@ -159,7 +161,8 @@ class Sequence:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """vLLM's finish reasons: "stop", "length" or "abort" (a queue timeout is an abort)."""
+        """vLLM's finish reasons: "stop", "length", "repetition" or "abort" (a queue timeout
+        is an abort)."""
         if not self.status.finished:
             return None
         if self.status is SequenceStatus.FINISHED_TIMEOUT:

@@ -272,8 +272,11 @@ async def _relay(stream: AsyncIterator, until=None, idle: Optional[float] = None
 # ---- each API's words for the engine's results ---------------------------------------------
 
 def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
-    """OpenAI knows "stop" and "length": an abort (a client gone, a failed step) is "stop"."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    """OpenAI knows "stop" and "length", vLLM adds "repetition" (repetition_detection): an
+    abort (a client gone, a failed step) is "stop"."""
+    if reason is None:
+        return None
+    return reason if reason in ("length", "repetition") else "stop"
 
 
 def llm_serving_finish_reason(reason: Optional[str], stop_reason, error: Optional[str]

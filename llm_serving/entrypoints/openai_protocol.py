@@ -32,6 +32,7 @@ _REFUSED_COMMON = {
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
     "prediction": (), "prompt_cache_key": (), "watermarking": (False,),
+    "thinking_token_budget": (-1,),
 }
 _REFUSED_CHAT = {
     "audio": (), "modalities": (["text"],), "function_call": (), "functions": (),
@@ -94,6 +95,8 @@ class _SamplingFields(BaseModel):
     # vLLM's: the logprobs of these token ids at each position, in place of the top ones
     # (with logprobs set; SamplingParams.logprob_token_ids).
     logprob_token_ids: Optional[list[int]] = None
+    # vLLM's: end the output once it repeats a pattern (RepetitionDetectionParams' keys).
+    repetition_detection: Optional[dict[str, Any]] = None
     # vLLM's: a stream's chunks every this many tokens; raises --stream-interval.
     stream_interval: Optional[int] = Field(None, ge=1)
     skip_special_tokens: bool = True
@@ -135,6 +138,7 @@ class _SamplingFields(BaseModel):
     prediction: Any = None
     prompt_cache_key: Any = None
     watermarking: Any = None
+    thinking_token_budget: Any = None
     safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
 
     REFUSED: ClassVar[dict] = _REFUSED_COMMON
@@ -245,7 +249,8 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, structured_outputs=structured,
             kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA,
-            stream_interval=self.stream_interval)
+            stream_interval=self.stream_interval,
+            repetition_detection=self.repetition_detection)
 
 
 class CompletionRequest(_SamplingFields):
@@ -391,6 +396,8 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True
     # OpenAI's, as vLLM takes it: the chat template's reasoning_effort variable (template_vars)
     reasoning_effort: Optional[ReasoningEffort] = None
+    # vLLM's: the answer (a stream: its first chunks) carries the chat template's prompt text
+    return_prompt_text: Optional[bool] = None
 
     REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 

@@ -636,7 +636,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
-    prompt = {"prompt": text, "prompt_token_ids": ids}
+    prompt = {"prompt": text if req.truncate_prompt_tokens is None else None,
+              "prompt_token_ids": ids}
     streams = None if beam else await start_requests(request, rid, resp_id, [prompt], params,
                                                      req.priority, grammar_field, lora)
     created, model = int(time.time()), state.model_name(lora)
@@ -648,11 +649,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         thoughts: dict[int, "reasoning.Thoughts"] = {}
         cached: dict = {}
 
-        def chunk(idx, delta, finish=None, lp=None, stop_reason=None):
+        def chunk(idx, delta, finish=None, lp=None, stop_reason=None, first=False):
             c = {"id": resp_id, "object": "chat.completion.chunk", "created": created,
                  "model": model, "choices": [{"index": idx, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish,
                                               "stop_reason": stop_reason}]}
+            if first and req.return_prompt_text:
+                c["prompt_text"] = text
             if include_usage:
                 c["usage"] = (_usage(len(ids), choice_tokens.get(idx, 0),
                                      reasoning_tokens=reasoning_count([idx]))
@@ -678,7 +681,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                     for c in out.outputs:
                         if c.index not in started:
                             started.add(c.index)
-                            yield chunk(c.index, {"role": role, "content": ""})
+                            yield chunk(c.index, {"role": role, "content": ""}, first=True)
                             if echoed:
                                 yield chunk(c.index, {"content": echoed})
                             if tool_mode is not None:
@@ -736,7 +739,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 log_request(resp_id, prompt_tokens, sum(choice_tokens.values()), t0)
         return event_stream(request, gen())
 
-    extra: dict = {}
+    extra: dict = {"prompt_text": text} if req.return_prompt_text else {}
     cached = {}
     if beam:
         choices, _ = await beam_search_choices(request, rid, resp_id, [prompt], beam,
@@ -837,13 +840,11 @@ def _truncate_keeping_specials(tok, text: str, ids: list[int], keep: int,
     return ids[:start] + _cut(plain, keep - extra, side) + ids[start + len(plain):]
 
 
-def _chat_prompt_ids(state: ServerState, engine, req,
-                     tools) -> tuple[Optional[str], list[int]]:
-    """The chat prompt's text (None when truncate_prompt_tokens cut it) and token ids."""
+def _chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
+    """The chat prompt's text and token ids (cut as truncate_prompt_tokens asks)."""
     text = _chat_prompt(state, engine.tokenizer, req, tools)
-    ids = prompt_ids(engine, text, "messages", req.add_special_tokens,
-                     req.truncate_prompt_tokens, req.truncation_side or "left")
-    return (text if req.truncate_prompt_tokens is None else None), ids
+    return text, prompt_ids(engine, text, "messages", req.add_special_tokens,
+                            req.truncate_prompt_tokens, req.truncation_side or "left")
 
 
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
