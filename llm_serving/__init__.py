@@ -5,8 +5,9 @@ import os as _os
 # takes a core from the MindSpore matmul that runs next (B=16 decode went 124 ms -> 1150 ms).
 # libgomp reads this once, when it loads, so it is set before MindSpore is imported.
 _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
-from llm_serving.outputs import (CompletionOutput, EmbeddingOutput,  # noqa: F401
-                                 EmbeddingRequestOutput, RequestOutput)
+from llm_serving.outputs import (ClassificationOutput,  # noqa: F401
+                                 ClassificationRequestOutput, CompletionOutput,
+                                 EmbeddingOutput, EmbeddingRequestOutput, RequestOutput)
 from llm_serving.pooling_params import PoolingParams  # noqa: F401
 from llm_serving.sampling_params import (BeamSearchParams, RequestOutputKind,  # noqa: F401
                                          SamplingParams)
@@ -15,7 +16,8 @@ from llm_serving.inputs import TextPrompt, TokensPrompt  # noqa: F401
 from llm_serving.lora.request import LoRARequest  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["AsyncLLMEngine", "BeamSearchParams", "CompletionOutput", "EmbeddingOutput",
+__all__ = ["AsyncLLMEngine", "BeamSearchParams", "ClassificationOutput",
+           "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "EngineArgs", "LLM", "LLMEngine", "LoRARequest",
            "PoolingParams", "RequestOutput", "RequestOutputKind", "SamplingParams",
            "TextPrompt", "TokensPrompt", "__version__"]

@@ -292,11 +292,14 @@ class EngineArgs:
         "adapters each WorkAgent keeps loaded, least recently used dropped first (vLLM's "
         "flag; default and minimum: max_loras)")
     runner: str = _arg("auto",
-        "generate, or pooling (an embedding model: /v1/embeddings, LLM.embed); auto: pooling "
-        "for a config.json naming a base model (LlamaModel, Qwen3Model, ...), else generate")
+        "generate, or pooling (an embedding model: /v1/embeddings, LLM.embed; a sequence "
+        "classifier: /classify, /score, /rerank, LLM.classify, LLM.score); auto: pooling for a "
+        "config.json naming a base model (LlamaModel, Qwen3Model, ...) or a sequence classifier "
+        "(LlamaForSequenceClassification, ...), else generate")
     convert: str = _arg("auto",
         "vLLM's model conversion: embed serves a causal LM as an embedding model (runner "
-        "pooling); none or auto: as the runner decides")
+        "pooling), classify a *ForSequenceClassification checkpoint as a classifier (what "
+        "auto does for one); none or auto: as the runner decides")
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -324,11 +327,12 @@ class EngineArgs:
                               "as vLLM's Python API also takes, is not supported)")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ConfigError("runner", f"expected auto, generate or pooling, got {self.runner!r}")
-        if self.convert not in ("auto", "none", "embed"):
-            raise ConfigError("convert", f"expected auto, none or embed, got {self.convert!r}")
-        if self.convert == "embed" and self.runner == "generate":
-            raise ConfigError("convert", "embed makes a pooling model; it cannot run with "
-                              "runner generate")
+        if self.convert not in ("auto", "none", "embed", "classify"):
+            raise ConfigError("convert", f"expected auto, none, embed or classify, got "
+                              f"{self.convert!r}")
+        if self.convert in ("embed", "classify") and self.runner == "generate":
+            raise ConfigError("convert", f"{self.convert} makes a pooling model; it cannot run "
+                              "with runner generate")
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ConfigError("pooler_config", f"expected a mapping, got {self.pooler_config!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -621,14 +625,19 @@ class EngineArgs:
 
     def _pooler(self, hf) -> Optional[PoolerSettings]:
         """The pooler of a pooling runner (None: a generate runner), vLLM's resolution:
-        runner auto is pooling for a base-model checkpoint (no LM head) or convert embed."""
-        pooling = (self.runner == "pooling" or self.convert == "embed"
-                   or (self.runner == "auto" and hf.base_model))
+        runner auto is pooling for a base-model checkpoint (no LM head), a sequence
+        classifier (task classify) or convert embed / classify."""
+        pooling = (self.runner == "pooling" or self.convert in ("embed", "classify")
+                   or (self.runner == "auto" and (hf.base_model or hf.num_labels > 0)))
         if not pooling:
             if hf.base_model:
                 raise ConfigError("runner", f"this checkpoint is a base model without an LM "
                                   f"head ({hf.architecture.replace('ForCausalLM', 'Model')}): "
                                   "it serves embeddings (runner pooling), it cannot generate")
+            if hf.num_labels:
+                raise ConfigError("runner", "this checkpoint is a sequence classifier without "
+                                  "an LM head: it serves classify and score (runner pooling), "
+                                  "it cannot generate")
             if self.pooler_config is not None:
                 raise ConfigError("pooler_config", "only a pooling runner has a pooler "
                                   "(runner pooling)")
@@ -647,8 +656,14 @@ class EngineArgs:
         if os.path.isfile(path):
             with open(path) as f:
                 raw = json.load(f)
+        task = ("classify" if self.convert == "classify"
+                or (hf.num_labels and self.convert != "embed") else "embed")
+        if task == "classify" and not hf.num_labels:
+            raise ConfigError("convert", "classify needs a *ForSequenceClassification "
+                              "checkpoint (its score head); converting a causal LM's tokens "
+                              "into classes (vLLM's classifier_from_token) is not supported")
         return resolve_pooler(self.pooler_config, os.path.expanduser(self.model),
-                              hf.hidden_size, raw, ConfigError)
+                              hf.hidden_size, raw, ConfigError, task, hf.num_labels)
 
 
 # generation_config.json's keys that set a request's sampling defaults (vLLM's set) -> the

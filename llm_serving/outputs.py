@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 
 @dataclass
@@ -119,7 +119,8 @@ class RequestOutput:
     # PD disaggregation: a producer's offer of the prompt's KV (vLLM's kv_transfer_params,
     # for the consumer), on the finished output; None otherwise.
     kv_transfer_params: Optional[dict] = None
-    # A pooling request's embedding (--runner pooling), on its finished output; None otherwise.
+    # A pooling request's embedding, or a classifier's class probabilities (--runner pooling),
+    # on its finished output; None otherwise.
     embedding: Optional[List[float]] = None
 
 
@@ -134,10 +135,29 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """vLLM's ``LLM.embed`` result for one prompt."""
+class PoolingRequestOutput:
+    """vLLM's: one prompt's pooling result (``outputs``: its EmbeddingOutput or
+    ClassificationOutput)."""
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: List[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's ``LLM.embed`` result for one prompt."""
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's: one prompt's class probabilities (the raw logits with use_activation false)."""
+    probs: List[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's ``LLM.classify`` result for one prompt."""

@@ -128,3 +128,35 @@ def metric_value(text: str, name: str) -> float:
 def metric(url: str, name: str) -> float:
     import requests
     return metric_value(requests.get(url + "/metrics", timeout=10).text, name)
+
+
+@pytest.fixture(scope="session")
+def classifier_dirs(tiny_model_dir, qwen3_model_dir, tmp_path_factory):
+    """Sequence classifiers saved by transformers (``LlamaForSequenceClassification``,
+    ``Qwen3ForSequenceClassification``) from the tiny Llama and Qwen3, random score heads:
+    {(name, num_labels): dir} for 3 labels (named) and 1 label (a cross-encoder)."""
+    import shutil
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("classifiers")
+    out = {}
+    for name, src, cls in (("llama", tiny_model_dir, "LlamaForSequenceClassification"),
+                           ("qwen3", qwen3_model_dir, "Qwen3ForSequenceClassification")):
+        for n in (3, 1):
+            cfg = transformers.AutoConfig.from_pretrained(src)
+            cfg.architectures = [cls]
+            cfg.num_labels = n
+            cfg.id2label = ({0: "negative", 1: "neutral", 2: "positive"} if n == 3
+                            else {0: "relevant"})
+            cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+            torch.manual_seed(n)
+            model = getattr(transformers, cls).from_pretrained(src, config=cfg,
+                                                               dtype=torch.float32)
+            with torch.no_grad():           # far from uniform probabilities
+                model.score.weight.normal_(0, 0.5)
+            path = str(root / f"{name}-{n}")
+            model.save_pretrained(path)
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(f"{src}/{f}", f"{path}/{f}")
+            out[(name, n)] = path
+    return out

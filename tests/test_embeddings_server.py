@@ -5,6 +5,7 @@ bad fields are a 400 naming them; the generation routes answer 404 there, and
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -45,14 +46,22 @@ def _stop(proc) -> None:
     assert not segments_of(proc.pid), "the server left shared memory behind"
 
 
-@pytest.fixture(scope="module")
-def pooling_server(tiny_model_dir):
-    proc, url = _start(tiny_model_dir, "--runner", "pooling", "--pooler-config",
-                       json.dumps({"pooling_type": "MEAN"}), port=_port())
+@contextlib.contextmanager
+def served(model_dir: str, *flags: str, port: int):
+    """The URL of a server of ``model_dir`` with ``flags``, stopped (and checked to have
+    freed its shared memory) at the end."""
+    proc, url = _start(model_dir, *flags, port=port)
     try:
         yield url
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tiny_model_dir):
+    with served(tiny_model_dir, "--runner", "pooling", "--pooler-config",
+                json.dumps({"pooling_type": "MEAN"}), port=_port()) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +186,10 @@ def test_a_client_that_leaves_aborts_its_inputs(pooling_server):
 
 
 def test_embeddings_on_a_generate_server_is_a_404(tiny_model_dir):
-    proc, url = _start(tiny_model_dir, port=_port(1))
-    try:
+    with served(tiny_model_dir, port=_port(1)) as url:
         r = requests.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
         assert r.status_code == 404
         assert "--runner pooling" in r.json()["error"]["message"]
         r = requests.post(url + "/v1/completions",
                           json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
-    finally:
-        _stop(proc)

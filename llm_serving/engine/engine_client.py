@@ -31,7 +31,7 @@ class EngineLimits:
     dtype: str
     # The KV cache's configuration as vLLM's cache_config_info labels it: (name, value) pairs.
     cache: tuple[tuple[str, str], ...] = ()
-    # A pooling runner's pooler (embeddings); None: a generate runner.
+    # A pooling runner's pooler (embed or classify); None: a generate runner.
     pooler: Optional["PoolerSettings"] = None
     # LoRA: the most adapters in one step (vLLM's max_lora label); None without LoRA.
     max_loras: Optional[int] = None

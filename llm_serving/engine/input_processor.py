@@ -139,15 +139,21 @@ class InputProcessor:
                 raise ValueError("this model is a generative model (runner generate): it "
                                  "serves no embeddings; start it with --runner pooling")
             return None
+        task = self.pooler.task
         if params is not None and not isinstance(params, PoolingParams):
-            raise ValueError("this model is a pooling model (runner pooling): it serves "
-                             "embeddings, it does not generate")
+            raise ValueError(f"this model is a pooling model (runner pooling): it serves "
+                             f"{'embeddings' if task == 'embed' else 'classify and score'}, "
+                             "it does not generate")
         p = params or PoolingParams()
+        if p.task not in (None, task):
+            raise ValueError(f"task: this model serves {task}, not {p.task}")
         dims = p.dimensions if p.dimensions is not None else self.pooler.dimensions
         if p.dimensions is not None:
+            if task != "embed":
+                raise ValueError("dimensions: only for embed, not classify")
             check_dimensions(self.pooler, p.dimensions, lambda _, msg: ValueError(msg))
         return PoolingParams(dims, self.pooler.normalize if p.use_activation is None
-                             else p.use_activation)
+                             else p.use_activation, task)
 
     def check_kv_transfer(self, p: dict) -> None:
         """``kv_transfer_params`` this instance can take (ValueError naming the field)."""

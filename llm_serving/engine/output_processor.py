@@ -22,7 +22,8 @@ from llm_serving.engine.scheduler import Scheduler
 from llm_serving.engine.sequence import Sequence, SequenceStatus
 from llm_serving.errors import RequestIdInUseError
 from llm_serving.executor.protocol import SamplerOutput
-from llm_serving.model_executor.layers.pooler import PoolerSettings, finish_embedding
+from llm_serving.model_executor.layers.pooler import (PoolerSettings, finish_classification,
+                                                      finish_embedding)
 from llm_serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import RequestOutputKind
@@ -255,9 +256,11 @@ class OutputProcessor:
             if not final:
                 continue
             p = seq.pooling or PoolingParams()
-            seq.embedding = finish_embedding(seq.pooled_sum, len(seq.prompt_token_ids),
-                                             self.pooler, p.use_activation is not False,
-                                             p.dimensions)
+            seq.embedding = (
+                finish_classification(seq.pooled_sum, self.pooler, p.use_activation is not False)
+                if self.pooler.task == "classify" else
+                finish_embedding(seq.pooled_sum, len(seq.prompt_token_ids), self.pooler,
+                                 p.use_activation is not False, p.dimensions))
             seq.pooled_sum = None
             seq.first_token_time = seq.last_token_time = seq.finished_time = now
             self._count_prompt(seq)

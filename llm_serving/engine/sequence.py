@@ -92,7 +92,8 @@ class Sequence:
         self.detokenizer = None
         self.grammar_error: Optional[str] = None    # its grammar's matcher failed (why)
         # A pooling request (--runner pooling): its params, the sum of its pooled rows so
-        # far (layers/pooler.py), and its embedding once its last prompt chunk ran.
+        # far (layers/pooler.py), and its embedding (or class probabilities) once its last
+        # prompt chunk ran.
         self.pooling = None
         self.pooled_sum = None
         self.embedding: Optional[list] = None

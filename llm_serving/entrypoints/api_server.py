@@ -43,6 +43,7 @@ from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT
                                   SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
 from llm_serving.entrypoints.frontend_args import FrontendArgs
+from llm_serving.model_executor.layers.pooler import served_routes
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState, ShuttingDown,
                                                 error_response, logger, translate_error)
 from llm_serving.errors import ConfigError, LLMServingError
@@ -154,7 +155,8 @@ class _PoolingRunner:
             if path.startswith(self.GENERATION):
                 return await error_response(
                     404, f"this model is a pooling model (runner pooling): {path} is not "
-                    "served; it serves /v1/embeddings", kind="not_found_error")(
+                    f"served; it serves {served_routes(engine.limits.pooler)}",
+                    kind="not_found_error")(
                     scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -207,9 +209,9 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import (embedding_routes, llm_serving_routes, lora_routes,
-                                         openai_routes, remote_prefill, responses_routes,
-                                         unread_offers)
+    from llm_serving.entrypoints import (classify_routes, embedding_routes,
+                                         llm_serving_routes, lora_routes, openai_routes,
+                                         remote_prefill, responses_routes, unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
     from llm_serving.spec_decode.config import SpeculativeConfig
 
@@ -345,6 +347,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
 
     app.include_router(openai_routes.router)
     app.include_router(embedding_routes.router)
+    app.include_router(classify_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)

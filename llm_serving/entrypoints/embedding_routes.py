@@ -1,10 +1,13 @@
 """POST /v1/embeddings: OpenAI's embeddings API on a pooling runner (``--runner pooling``),
 as vLLM serves it: one embedding per input (a string, a list of strings, a list of token ids
-or a list of such lists), as floats or as base64 of little-endian float32 values."""
+or a list of such lists), as floats or as base64 of little-endian float32 values. The
+helpers the other pooling routes share (classify_routes, score_routes) are here too: the
+inputs, their truncation, and running the prompts to their pooled outputs."""
 from __future__ import annotations
 
 import base64
 import time
+from typing import Optional
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -14,12 +17,31 @@ from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, serv
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
 from llm_serving.entrypoints.openai_routes import (check_fields, json_answer, merge_streams,
                                                    prompt_ids)
+from llm_serving.model_executor.layers.pooler import served_routes
 from llm_serving.pooling_params import PoolingParams
 
 router = APIRouter()
 
 
-def _inputs(req: EmbeddingRequest) -> list:
+def pooling_engine(req, request: Request, route: str, serves, what: str):
+    """(server state, engine, pooler) of a pooling route's request, its fields checked; a
+    404 unless the model serves ``route`` (``serves(pooler)``), saying what does (``what``:
+    the model kind the route needs)."""
+    state = server_state(request)
+    state.check_model(req.model)
+    check_fields(req)
+    engine = state.require_engine()
+    pooler = engine.limits.pooler
+    if pooler is None:
+        raise HTTPError(404, f"this model is a generative model: {route} needs {what} served "
+                        "with --runner pooling", kind="not_found_error")
+    if not serves(pooler):
+        raise HTTPError(404, f"{route} needs {what}; this model serves "
+                        f"{served_routes(pooler)}", kind="not_found_error")
+    return state, engine, pooler
+
+
+def _inputs(req) -> list:
     """The request's prompts, one per input."""
     x = req.input
     if x is None:
@@ -31,42 +53,37 @@ def _inputs(req: EmbeddingRequest) -> list:
     return x
 
 
-def _tokens(engine, req: EmbeddingRequest, prompt) -> list[int]:
+def _tokens(engine, req, prompt, add_special_tokens: Optional[bool] = None) -> list[int]:
     """A prompt's token ids, truncated as truncate_prompt_tokens asks (vLLM: -1 is the model's
     length; the tokenizer's side, right unless it says left, unless truncation_side)."""
     side = req.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-    return prompt_ids(engine, prompt, "input", req.add_special_tokens,
+    if add_special_tokens is None:
+        add_special_tokens = req.add_special_tokens
+    return prompt_ids(engine, prompt, "input", add_special_tokens,
                       req.truncate_prompt_tokens, side, engine.limits.max_model_len)
 
 
-@router.post("/v1/embeddings")
-async def embeddings(req: EmbeddingRequest, request: Request):
-    state = server_state(request)
-    state.check_model(req.model)
-    check_fields(req)
-    engine = state.require_engine()
-    if engine.limits.pooler is None:
-        raise HTTPError(404, "this model is a generative model: /v1/embeddings needs an "
-                        "embedding model served with --runner pooling", kind="not_found_error")
-    prompts = _inputs(req)
-    if len(prompts) > engine.limits.max_waiting:
-        raise HTTPError(400, f"input: {len(prompts)} inputs in one request exceed the "
+def truncate(engine, req, ids: list[int]) -> list[int]:
+    """Token ids (a scored pair's encoding) truncated as a prompt's are."""
+    return _tokens(engine, req, ids, add_special_tokens=True)
+
+
+async def run_pooled(request: Request, engine, rid: str, token_lists: list, params,
+                     priority: int, field: str = "input") -> list:
+    """Each prompt's finished output (RequestOutput: its ``embedding`` vector, its prompt
+    ids), the prompts queued all or none; a client that leaves aborts them (499)."""
+    if len(token_lists) > engine.limits.max_waiting:
+        raise HTTPError(400, f"{field}: {len(token_lists)} inputs in one request exceed the "
                         f"waiting-queue bound (max_waiting_requests={engine.limits.max_waiting})",
-                        param="input")
+                        param=field)
     try:
-        params = PoolingParams(req.dimensions, req.use_activation)
-    except ValueError as e:
-        raise translate_error(e) from None
-    rid = new_request_id("embd")
-    try:
-        news = [await engine.check_request(f"{rid}-{i}",
-                                           {"prompt_token_ids": _tokens(engine, req, p)},
-                                           params, req.priority)
-                for i, p in enumerate(prompts)]
+        news = [await engine.check_request(f"{rid}-{i}", {"prompt_token_ids": ids}, params,
+                                           priority)
+                for i, ids in enumerate(token_lists)]
     except HTTPError:
         raise
     except Exception as e:
-        raise _named(translate_error(e)) from None
+        raise _named(translate_error(e), field) from None
     streams = []
     try:
         for new in news:
@@ -75,24 +92,38 @@ async def embeddings(req: EmbeddingRequest, request: Request):
         for s in streams:
             await s.aclose()
         raise translate_error(e) from None
-    vectors: list = [None] * len(prompts)
-    tokens = 0
+    outs: list = [None] * len(token_lists)
     async for i, out in stream_or_disconnect(request, merge_streams(streams)):
         if out.finished:
             if out.error is not None or out.embedding is None:
-                raise HTTPError(500, out.error or "the request ended without an embedding",
+                raise HTTPError(500, out.error or "the request ended without its pooled output",
                                 kind="internal_server_error")
-            vectors[i] = out.embedding
-            tokens += len(out.prompt_token_ids)
-    if any(v is None for v in vectors):     # the client left: its requests were aborted
+            outs[i] = out
+    if any(o is None for o in outs):     # the client left: its requests were aborted
         raise HTTPError(499, "the client closed the connection")
+    return outs
+
+
+@router.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, request: Request):
+    state, engine, _ = pooling_engine(req, request, "/v1/embeddings",
+                                      lambda p: p.task == "embed", "an embedding model")
+    prompts = _inputs(req)
+    try:
+        params = PoolingParams(req.dimensions, req.use_activation)
+    except ValueError as e:
+        raise translate_error(e) from None
+    rid = new_request_id("embd")
+    outs = await run_pooled(request, engine, rid, [_tokens(engine, req, p) for p in prompts],
+                            params, req.priority)
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
     as_b64 = req.encoding_format == "base64"
 
     def build() -> dict:
         data = [{"object": "embedding", "index": i,
-                 "embedding": (base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
-                               if as_b64 else v)}
-                for i, v in enumerate(vectors)]
+                 "embedding": (base64.b64encode(np.asarray(o.embedding, "<f4").tobytes())
+                               .decode() if as_b64 else o.embedding)}
+                for i, o in enumerate(outs)]
         return {"id": rid, "object": "list", "created": int(time.time()),
                 "model": state.served_model_name, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
@@ -100,10 +131,10 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     return await json_answer(build)
 
 
-def _named(err: HTTPError) -> HTTPError:
-    """The engine's checks name their field by its engine name: the request's is input."""
+def _named(err: HTTPError, field: str) -> HTTPError:
+    """The engine's checks name their field by its engine name: the request's is ``field``."""
     if err.status == 400 and err.param in ("prompt", "prompt_token_ids"):
-        err.param = "input"
-        err.message = "input" + err.message[len("prompt"):] if err.message.startswith(
+        err.param = field
+        err.message = field + err.message[len("prompt"):] if err.message.startswith(
             "prompt") else err.message
     return err

@@ -19,7 +19,8 @@ from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
 from llm_serving.lora.request import LoRARequest
-from llm_serving.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from llm_serving.outputs import (ClassificationOutput, ClassificationRequestOutput,
+                                 EmbeddingOutput, EmbeddingRequestOutput, RequestOutput)
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -30,10 +31,15 @@ _LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS,
 
 
 def _no_pooling(method: str) -> ValueError:
-    return ValueError(f"LLM.{method}() is for pooling models (embeddings, classification, "
-                      "scores); of those llm_serving serves embeddings only: LLM.embed() on "
-                      "a pooling runner (runner='pooling'); a generative model serves "
-                      "generate() and chat()")
+    return ValueError(f"LLM.{method}() is for pooling models of its kind: llm_serving serves "
+                      "LLM.embed() on an embedding model and LLM.classify() on a sequence "
+                      "classifier, both on a pooling runner (runner='pooling'); a "
+                      "generative model serves generate() and chat()")
+
+
+def _no_tokenization_kwargs(kwargs) -> None:
+    if kwargs:
+        raise ValueError("tokenization_kwargs: not supported by this server")
 
 
 class LLM:
@@ -145,10 +151,35 @@ class LLM:
               use_tqdm: bool = False, lora_request=None) -> list[EmbeddingRequestOutput]:
         """vLLM's: one embedding per prompt (a pooling runner: ``runner="pooling"``, or a
         base-model checkpoint)."""
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
+                                       out.prompt_token_ids, out.finished,
+                                       out.num_cached_tokens or 0)
+                for out in self._pool("embed", prompts, pooling_params, use_tqdm,
+                                      lora_request)]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+                 use_tqdm: bool = False, lora_request=None,
+                 tokenization_kwargs=None) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's class probabilities (a sequence classifier's checkpoint,
+        ``*ForSequenceClassification``; softmax over its labels, sigmoid for one label, the
+        raw logits with ``PoolingParams(use_activation=False)``)."""
+        _no_tokenization_kwargs(tokenization_kwargs)
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding),
+                                            out.prompt_token_ids, out.finished,
+                                            out.num_cached_tokens or 0)
+                for out in self._pool("classify", prompts, pooling_params, use_tqdm,
+                                      lora_request)]
+
+    def _pool(self, method: str, prompts, pooling_params, use_tqdm: bool,
+              lora_request) -> list[RequestOutput]:
+        """Run prompts on the pooling runner; ``method`` is the LLM method (for errors)."""
         if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported with embeddings")
-        if self.engine.config.model.pooler is None:
-            raise _no_pooling("embed")
+            raise ValueError("lora_request: LoRA adapters are not supported with pooling models")
+        pooler = self.engine.config.model.pooler
+        task = {"embed": "embed", "classify": "classify"}.get(method)
+        if pooler is None or (task is not None and pooler.task != task):
+            raise _no_pooling(method)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -158,18 +189,12 @@ class LLM:
                              "pooling params")
         news = [self.engine.process_request(prompt, params, request_id=f"llm-{id(self)}-{i}")
                 for i, (prompt, params) in enumerate(zip(prompts, pooling_params))]
-        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding),
-                                       out.prompt_token_ids, out.finished,
-                                       out.num_cached_tokens or 0)
-                for out in self._run(news, use_tqdm)]
+        return self._run(news, use_tqdm)
 
     # vLLM's other pooling-model methods: refused by name, as vLLM refuses pooling on a
     # generative model, rather than as a missing attribute.
     def encode(self, *args, **kwargs):
         raise _no_pooling("encode")
-
-    def classify(self, *args, **kwargs):
-        raise _no_pooling("classify")
 
     def score(self, *args, **kwargs):
         raise _no_pooling("score")

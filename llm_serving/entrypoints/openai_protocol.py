@@ -437,37 +437,27 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-class EmbeddingRequest(BaseModel):
-    """POST /v1/embeddings (OpenAI's fields and vLLM's extras for the embed task)."""
+class PoolingBaseRequest(BaseModel):
+    """vLLM's fields common to its pooling requests (/v1/embeddings, /classify), and the
+    ones refused by name."""
     model_config = ConfigDict(extra="allow")
 
-    # required, but checked in the route: vLLM's chat form (messages, no input) is refused
-    # naming messages, not as a missing input
-    input: Union[str, list[str], list[int], list[list[int]], None] = None
     model: Optional[str] = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
     user: Optional[str] = None
-    # vLLM's extras
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     truncation_side: Optional[Literal["left", "right"]] = None
-    add_special_tokens: bool = True
     use_activation: Optional[bool] = None
     priority: int = 0
     # Declared so that they are refused by name (see REFUSED).
-    embed_dtype: Any = None
-    endianness: Any = None
     padding: Any = None
-    messages: Any = None
     request_id: Any = None
     mm_processor_kwargs: Any = None
     cache_salt: Any = None
     normalize: Any = None           # removed in vLLM: refused with its word
 
     REFUSED: ClassVar[dict] = {
-        "embed_dtype": ("float32",), "endianness": ("native", "little"),
-        "padding": ("do_not_pad",), "messages": (), "request_id": (),
-        "mm_processor_kwargs": (), "cache_salt": (),
+        "padding": ("do_not_pad",), "request_id": (), "mm_processor_kwargs": (),
+        "cache_salt": (),
     }
 
     def unknown_fields(self) -> list[str]:
@@ -476,3 +466,25 @@ class EmbeddingRequest(BaseModel):
     def check_combinations(self) -> None:
         if self.normalize is not None:
             raise ValueError("normalize: was removed (vLLM); use use_activation instead")
+
+
+class ClassificationRequest(PoolingBaseRequest):
+    """POST /classify (vLLM's completion form: one class vector per input)."""
+    # required, but checked in the route: vLLM's chat form (messages, no input) is refused
+    # naming messages, not as a missing input
+    input: Union[str, list[str], list[int], list[list[int]], None] = None
+    add_special_tokens: bool = True
+    messages: Any = None
+
+    REFUSED: ClassVar[dict] = {**PoolingBaseRequest.REFUSED, "messages": ()}
+
+
+class EmbeddingRequest(ClassificationRequest):
+    """POST /v1/embeddings (OpenAI's fields and vLLM's extras for the embed task)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    embed_dtype: Any = None
+    endianness: Any = None
+
+    REFUSED: ClassVar[dict] = {**ClassificationRequest.REFUSED, "embed_dtype": ("float32",),
+                               "endianness": ("native", "little")}

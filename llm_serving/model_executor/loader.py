@@ -41,6 +41,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
                             "Qwen3MoeModel": "Qwen3MoeForCausalLM"}
+# Hugging Face's sequence classifiers (``*ForSequenceClassification``: the decoder and a
+# ``score`` linear head, no LM head), as classification models and cross-encoder rerankers
+# are saved: served by a pooling runner (classify, score) on the causal LM's decoder.
+SEQ_CLS_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                         "MistralForSequenceClassification": "MistralForCausalLM",
+                         "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                         "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "internlm": "InternLMForCausalLM",
@@ -68,6 +75,18 @@ _MODEL_TYPES["BaiChuanForCausalLM"] = "baichuan"
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
+
+
+def _seq_cls_labels(cfg: Mapping[str, Any], err) -> dict:
+    """A sequence classifier's num_labels, as transformers reads it: ``num_labels``, else the
+    size of ``id2label``, else 2."""
+    raw = cfg.get("id2label") or {}
+    if not isinstance(raw, Mapping):
+        raise err(f"id2label: expected a mapping of class index to label, got {raw!r}")
+    n = cfg.get("num_labels", len(raw) or 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise err(f"num_labels: expected a positive integer, got {n!r}")
+    return {"num_labels": n}
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,8 @@ class ModelConfig:
     model_dir: Optional[str] = field(default=None, compare=False)
     # config.json names a base model (BASE_MODEL_ARCHITECTURES): no LM head, pooling only
     base_model: bool = False
+    # a sequence classifier's (SEQ_CLS_ARCHITECTURES) labels: its score head's rows (0: none)
+    num_labels: int = 0
 
     @property
     def q_size(self) -> int:
@@ -250,10 +271,11 @@ class ModelConfig:
             archs = [archs]
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(str(cfg.get("model_type", "")))
         base_model = arch in BASE_MODEL_ARCHITECTURES
-        arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
+        seq_cls = _seq_cls_labels(cfg, err) if arch in SEQ_CLS_ARCHITECTURES else {}
+        arch = BASE_MODEL_ARCHITECTURES.get(arch, SEQ_CLS_ARCHITECTURES.get(arch, arch))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise err(f"unsupported architecture {arch!r}; supported: "
-                      f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}")
+                      f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES) + tuple(SEQ_CLS_ARCHITECTURES))}")
         if arch == GPT_BIGCODE:
             return cls(**_gpt_bigcode_fields(cfg, err), model_dir=model_dir)
 
@@ -397,6 +419,7 @@ class ModelConfig:
             model_type=str(cfg.get("model_type", "")),
             model_dir=model_dir,
             base_model=base_model,
+            **seq_cls,
             **moe,
         )
 

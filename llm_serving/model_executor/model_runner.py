@@ -285,13 +285,16 @@ class ModelRunner:
 
     def _pool(self, step: StepInput) -> Optional[SamplerOutput]:
         """A pooling runner's step: prompt chunks only, whose pooled row ranges are summed
-        (rank 0 returns them; the hidden states are the same on every rank)."""
+        (rank 0 returns them; the hidden states are the same on every rank); a classifier's
+        score head turns each into its logits (an empty range stays zeros: the head has no
+        bias)."""
         hidden = self._run(step)
         if not self.tp.is_driver or not len(step.pool_starts):
             return None
-        return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.float32),
-                             pooled=pool_rows(hidden.asnumpy(), step.pool_starts,
-                                              step.pool_ends))
+        pooled = pool_rows(hidden.asnumpy(), step.pool_starts, step.pool_ends)
+        if self.pooler.task == "classify":
+            pooled = self.model.score(Tensor(pooled)).asnumpy()
+        return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.float32), pooled=pooled)
 
     def _fill_pending(self, step: StepInput, rows: np.ndarray) -> None:
         """Async scheduling: put the previous step's samples where the master had

@@ -1,5 +1,6 @@
-"""Pooling (embedding models, vLLM's ``--runner pooling``): one vector per prompt from the
-decoder's final-norm hidden states.
+"""Pooling (vLLM's ``--runner pooling``): one vector per prompt from the decoder's final-norm
+hidden states: an embedding (task embed), or a sequence classifier's class probabilities
+(task classify: its ``score`` head on the pooled row, then vLLM's activation).
 
 A prompt may run over several prefill chunks, so pooling is split in two:
 
@@ -7,6 +8,9 @@ A prompt may run over several prefill chunks, so pooling is split in two:
   step (a chunk's rows for MEAN, its last row for LAST, its first for CLS): float32 [P, H];
 - on the master, the output processor adds a prompt's parts up and ``finish_embedding``
   divides (MEAN), truncates (Matryoshka ``dimensions``) and L2-normalizes.
+
+For classify the runner applies the score head to the pooled rows (LAST or CLS: one row per
+prompt, so the head sees exactly that row) and ``finish_classification`` the activation.
 
 No LM head runs for these rows and nothing is sampled. Only numpy here: the master imports it.
 """
@@ -22,6 +26,14 @@ import numpy as np
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # vLLM's --pooler-config keys taken here (vLLM 0.32's names)
 _POOLER_KEYS = ("pooling_type", "seq_pooling_type", "use_activation", "dimensions", "task")
+TASKS = ("embed", "classify")
+# vLLM's classifier activations (get_act_fn): classify is softmax over two or more labels and
+# sigmoid for one; the sentence-transformers cross-encoder activations it loads by name
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity",
+                   "torch.nn.modules.activation.Sigmoid": "classify",
+                   "torch.nn.modules.activation.Softmax": "classify"}
+_PROBLEM_TYPES = {"regression": "identity", "single_label_classification": "classify",
+                  "multi_label_classification": "sigmoid"}
 # sentence-transformers' modules.json types (vLLM's get_pooling_config)
 _ST_POOLING = {"sentence_transformers.models.Pooling",
                "sentence_transformers.sentence_transformer.modules.pooling.Pooling"}
@@ -39,6 +51,10 @@ class PoolerSettings:
     hidden_size: int = 0
     is_matryoshka: bool = False              # config.json declares Matryoshka dimensions
     matryoshka_dimensions: Optional[tuple] = None
+    task: str = "embed"                      # embed, or classify (a score head's logits)
+    num_labels: int = 0                      # classify: the score head's rows
+    activation: str = "classify"             # classify: classify, sigmoid or identity
+    id2label: Optional[dict] = None          # classify: config.json's label names by index
 
 
 def _st_pooling(model_dir: str) -> dict:
@@ -72,10 +88,12 @@ def _st_pooling(model_dir: str) -> dict:
 
 
 def resolve_pooler(user: Optional[dict], model_dir: str, hidden_size: int, hf: dict,
-                   error) -> PoolerSettings:
+                   error, task: str = "embed", num_labels: int = 0) -> PoolerSettings:
     """The pooler of a pooling runner: the user's --pooler-config first, then the model
     directory's sentence-transformers files, then vLLM's decoder default (LAST, normalized).
-    ``error(key, message)`` makes the exception raised for a bad key."""
+    ``task`` classify: a sequence classifier of ``num_labels`` (LAST by default, vLLM's
+    activation from config.json). ``error(key, message)`` makes the exception raised for a
+    bad key."""
     user = dict(user or {})
     if "normalize" in user:
         raise error("pooler_config", "normalize was removed in vLLM; use use_activation")
@@ -83,12 +101,13 @@ def resolve_pooler(user: Optional[dict], model_dir: str, hidden_size: int, hf: d
     if unknown:
         raise error("pooler_config", f"unknown key {unknown[0]!r}; this server takes "
                     + ", ".join(_POOLER_KEYS))
-    if user.get("task", "embed") != "embed":
-        raise error("pooler_config", f"task {user['task']!r} is not served here (only embed)")
+    if user.get("task", task) != task:
+        raise error("pooler_config", f"task {user['task']!r} is not served by this model "
+                    f"(its task: {task})")
     if user.get("pooling_type") is not None and user.get("seq_pooling_type") is not None:
         raise error("pooler_config", "cannot set both pooling_type and seq_pooling_type")
     kind = user.get("pooling_type") or user.get("seq_pooling_type")
-    st = _st_pooling(model_dir)
+    st = _st_pooling(model_dir) if task == "embed" else {}
     kind = kind or st.get("seq_pooling_type") or "LAST"
     if kind not in POOLING_TYPES:
         raise error("pooler_config", f"pooling_type {kind!r} is not served here; expected "
@@ -98,6 +117,16 @@ def resolve_pooler(user: Optional[dict], model_dir: str, hidden_size: int, hf: d
         normalize = st.get("use_activation", True)
     if not isinstance(normalize, bool):
         raise error("pooler_config", f"use_activation: expected true or false, got {normalize!r}")
+    if task == "classify":
+        if kind == "MEAN":
+            raise error("pooler_config", "pooling_type MEAN is not served for classify here "
+                        "(LAST or CLS)")
+        if user.get("dimensions") is not None:
+            raise error("pooler_config", "dimensions: only for embed, not classify")
+        return PoolerSettings(kind, normalize, None, hidden_size, task="classify",
+                              num_labels=num_labels, activation=_classifier_activation(hf, error),
+                              id2label={int(k): str(v)
+                                        for k, v in (hf.get("id2label") or {}).items()})
     dims = hf.get("matryoshka_dimensions")
     settings = PoolerSettings(kind, normalize, None, hidden_size,
                               bool(dims) or bool(hf.get("is_matryoshka", False)),
@@ -107,6 +136,23 @@ def resolve_pooler(user: Optional[dict], model_dir: str, hidden_size: int, hf: d
         settings = PoolerSettings(kind, normalize, user["dimensions"], hidden_size,
                                   settings.is_matryoshka, settings.matryoshka_dimensions)
     return settings
+
+
+def _classifier_activation(hf: dict, error) -> str:
+    """vLLM's get_act_fn on config.json: problem_type first, then a sentence-transformers
+    cross-encoder's activation_fn, else classify (softmax, or sigmoid for one label)."""
+    problem = hf.get("problem_type")
+    if problem in _PROBLEM_TYPES:
+        return _PROBLEM_TYPES[problem]
+    st = hf.get("sentence_transformers")
+    name = (st.get("activation_fn") if isinstance(st, dict) else None) \
+        or hf.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "classify"
+    if name not in _ST_ACTIVATIONS:
+        raise error("activation_fn", f"config.json's classifier activation {name!r} is not "
+                    f"served here; expected one of {', '.join(_ST_ACTIVATIONS)}")
+    return _ST_ACTIVATIONS[name]
 
 
 def check_dimensions(p: PoolerSettings, dimensions, error, field: str = "dimensions") -> None:
@@ -157,3 +203,22 @@ def finish_embedding(total: np.ndarray, num_tokens: int, p: PoolerSettings,
     if normalize:
         v = v / max(np.linalg.norm(v), 1e-12)
     return v.astype(np.float32).tolist()
+
+
+def finish_classification(logits: np.ndarray, p: PoolerSettings, activate: bool) -> list[float]:
+    """A prompt's class probabilities from its score head's logits: vLLM's activation
+    (softmax over two or more labels, sigmoid for one; or the checkpoint's), or the raw logits
+    when ``activate`` is false."""
+    v = logits.astype(np.float64)
+    kind = p.activation if activate else "identity"
+    if kind == "classify" and len(v) > 1:
+        e = np.exp(v - v.max())
+        v = e / e.sum()
+    elif kind != "identity":            # sigmoid (and classify over one label)
+        v = 1.0 / (1.0 + np.exp(-v))
+    return v.astype(np.float32).tolist()
+
+
+def served_routes(p: PoolerSettings) -> str:
+    """The HTTP routes a pooling runner serves (vLLM registers only those)."""
+    return "/v1/embeddings" if p.task == "embed" else "/classify"

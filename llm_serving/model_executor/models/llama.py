@@ -198,8 +198,10 @@ class LlamaForCausalLM(nn.Cell, SupportsMultiStream):
 class LlamaEmbeddingModel(nn.Cell):
     """The decoder alone, for a pooling runner (vLLM's ``--runner pooling`` on these
     architectures): its final-norm hidden states, no LM head. It loads a causal LM's
-    checkpoint (its lm_head left out) and a base model's (HF ``LlamaModel``, ``Qwen3Model``:
-    names without the "model." prefix)."""
+    checkpoint (its lm_head left out), a base model's (HF ``LlamaModel``, ``Qwen3Model``:
+    names without the "model." prefix) and a sequence classifier's (HF
+    ``LlamaForSequenceClassification``: its ``score`` head, ``num_labels`` rows, replicated
+    on every tensor-parallel rank)."""
     stacked_params = LlamaForCausalLM.stacked_params
 
     def __init__(self, config, backend: AttentionBackend, tp_rank=0, tp_size=1,
@@ -207,12 +209,15 @@ class LlamaEmbeddingModel(nn.Cell):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, tp_rank, tp_size)
+        self.score = (Linear(config.hidden_size, [config.num_labels])
+                      if config.num_labels else None)
 
     def construct(self, input_ids, positions):
         return self.model(input_ids, positions)
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
-        load_named_weights(self, ((name if name.startswith("model.") else "model." + name, w)
+        load_named_weights(self, ((name if name.startswith(("model.", "score.")) else
+                                   "model." + name, w)
                                   for name, w in weights
                                   if "rotary_emb.inv_freq" not in name
                                   and not name.startswith("lm_head.")),
