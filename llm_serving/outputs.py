@@ -136,8 +136,8 @@ class EmbeddingOutput:
 
 @dataclass
 class PoolingRequestOutput:
-    """vLLM's: one prompt's pooling result (``outputs``: its EmbeddingOutput or
-    ClassificationOutput)."""
+    """vLLM's: one prompt's pooling result (``outputs``: its EmbeddingOutput,
+    ClassificationOutput or ScoringOutput)."""
     request_id: str
     outputs: Any
     prompt_token_ids: List[int]
@@ -161,3 +161,13 @@ class ClassificationOutput:
 
 class ClassificationRequestOutput(PoolingRequestOutput):
     """vLLM's ``LLM.classify`` result for one prompt."""
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: one pair's score (a cross-encoder's, or two embeddings' cosine similarity)."""
+    score: float
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """vLLM's ``LLM.score`` result for one pair."""

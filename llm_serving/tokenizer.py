@@ -695,6 +695,15 @@ class Tokenizer:
                 ids = ids + [self.eos_token_id]
         return ids
 
+    def encode_pair(self, text: str, text_pair: str, add_special_tokens: bool = True) -> List[int]:
+        """transformers' ``tokenizer(text, text_pair=...)["input_ids"]``: tokenizer.json's pair
+        template (e.g. ``<s> A <s> B`` for Llama's, ``A B`` for one without a pair template);
+        for a sentencepiece model, each text encoded as alone (Llama's slow tokenizer)."""
+        b = self._backend
+        if isinstance(b, _HFBackend):
+            return b.tok.encode(text, text_pair, add_special_tokens=add_special_tokens).ids
+        return self.encode(text, add_special_tokens) + self.encode(text_pair, add_special_tokens)
+
     def __call__(self, text: Union[str, Sequence[str]], add_special_tokens: bool = True,
                  **kwargs: Any) -> "BatchEncoding":
         """transformers' ``tokenizer(text)``: ``{"input_ids", "attention_mask"}`` (also as

@@ -1,7 +1,9 @@
-"""Sequence classification (vLLM's classify task on a pooling runner): LLM.classify against
-HF transformers' ``*ForSequenceClassification`` logits on the same random checkpoints (a tiny
-Llama and a tiny Qwen3, 3 labels and 1 label), with vLLM's activations (softmax over labels,
-sigmoid for one, the raw logits without); the refusals."""
+"""Sequence classification and scoring (vLLM's classify and score tasks on a pooling runner):
+LLM.classify and LLM.score against HF transformers' ``*ForSequenceClassification`` logits on
+the same random checkpoints (a tiny Llama and a tiny Qwen3, 3 labels and 1 label), with
+vLLM's activations (softmax over labels, sigmoid for one, the raw logits without); a
+cross-encoder's pair is the tokenizer's pair encoding; an embedding model scores by cosine
+similarity; the refusals."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TEXTS = ["The capital of France is Paris.", "a", "Classifiers read the last token " * 6]
+QUERY = "Where is Paris?"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "x"]
 
 
 def _hf(model_dir: str):
@@ -72,8 +76,46 @@ def test_one_label_is_a_sigmoid_and_problem_type_is_read(classifier_dirs, tmp_pa
                                rtol=0)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_cross_encoder_scores_the_tokenizers_pair_encoding(classifier_dirs, name):
+    path = classifier_dirs[(name, 1)]
+    tok, logits = _hf(path)
+    llm = LLM(path, num_blocks=64)
+    pair = lambda a, b: tok(a, text_pair=b)["input_ids"]    # noqa: E731
+    one_to_many = llm.score(QUERY, DOCS)
+    assert len(one_to_many) == 3
+    for out, doc in zip(one_to_many, DOCS):
+        assert out.prompt_token_ids == pair(QUERY, doc)
+        np.testing.assert_allclose(out.outputs.score, _sigmoid(logits(pair(QUERY, doc))[0]),
+                                   atol=1e-5, rtol=0)
+    many = llm.score(DOCS[:2], [QUERY, QUERY])        # N:N pairs the i-th with the i-th
+    for out, doc in zip(many, DOCS[:2]):
+        np.testing.assert_allclose(out.outputs.score, _sigmoid(logits(pair(doc, QUERY))[0]),
+                                   atol=1e-5, rtol=0)
+    raw = llm.score(QUERY, DOCS[1], pooling_params=PoolingParams(use_activation=False))
+    np.testing.assert_allclose(raw[0].outputs.score, logits(pair(QUERY, DOCS[1]))[0],
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_embedding_model_scores_by_cosine_similarity(tiny_model_dir):
+    model = transformers.AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def last(text):
+        with torch.no_grad():
+            return model(torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0, -1]
+    llm = LLM(tiny_model_dir, runner="pooling", num_blocks=64)
+    outs = llm.score(QUERY, DOCS)
+    for out, doc in zip(outs, DOCS):
+        ref = torch.nn.functional.cosine_similarity(last(QUERY), last(doc), dim=0).item()
+        assert abs(out.outputs.score - ref) < 1e-5
+        assert out.prompt_token_ids == tok(QUERY)["input_ids"] + tok(doc)["input_ids"]
+
+
 def test_refusals(classifier_dirs, tiny_model_dir):
     cls3 = LLM(classifier_dirs[("llama", 3)], num_blocks=64)
+    with pytest.raises(ValueError, match="num_labels == 1"):
+        cls3.score(QUERY, DOCS)
     with pytest.raises(ValueError, match=r"LLM.embed\(\) is for pooling models"):
         cls3.embed("hi")
     with pytest.raises(ValueError, match="pooling model"):
@@ -82,6 +124,13 @@ def test_refusals(classifier_dirs, tiny_model_dir):
         cls3.classify("hi", PoolingParams(dimensions=4))
     with pytest.raises(ValueError, match="task: the score task was removed"):
         PoolingParams(task="score")
+    ce = LLM(classifier_dirs[("llama", 1)], num_blocks=64)
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        ce.score(DOCS[:2], DOCS)
+    with pytest.raises(ValueError, match="data_2: multimodal"):
+        ce.score(QUERY, {"content": [{"type": "text", "text": "x"}]})
+    with pytest.raises(ValueError, match="chat_template"):
+        ce.score(QUERY, DOCS, chat_template="{{ x }}")
     with pytest.raises(ConfigError, match="runner"):
         LLM(classifier_dirs[("llama", 3)], runner="generate", num_blocks=64)
     with pytest.raises(ConfigError, match="convert"):      # a causal LM has no score head

@@ -1,7 +1,8 @@
-"""POST /classify on the real server (start.py, the model in a WorkAgent) with `requests`: a
-classifier of one label (a tiny Qwen3ForSequenceClassification) and one of 3 labels against
-HF transformers' logits; vLLM's answer shape, bad fields a 400 naming them, and a 404 for the
-routes a model does not serve."""
+"""POST /classify, /score and /rerank on the real server (start.py, the model in a WorkAgent)
+with `requests`: a cross-encoder (a tiny Qwen3ForSequenceClassification of one label) and a
+3-label classifier against HF transformers' logits, an embedding model's /score against the
+cosine similarity of HF's hidden states; vLLM's answer shapes, bad fields a 400 naming them,
+and a 404 for the routes a model does not serve."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,6 +47,43 @@ def _post(url: str, path: str, body: dict) -> dict:
     return r.json()
 
 
+def test_score_matches_hf_one_to_many_and_n_to_n(ce_server, ce_hf):
+    tok, logit = ce_hf
+
+    def score(a: str, b: str) -> float:        # the tokenizer's pair encoding, as vLLM's
+        return _sigmoid(logit(tok(a, text_pair=b)["input_ids"]))
+    for path in ("/score", "/v1/score"):
+        out = _post(ce_server, path, {"text_1": QUERY, "text_2": DOCS})
+        assert out["object"] == "list" and out["id"].startswith("score-")
+        assert [d["index"] for d in out["data"]] == [0, 1, 2]
+        assert all(d["object"] == "score" for d in out["data"])
+        for d, doc in zip(out["data"], DOCS):
+            assert abs(d["score"] - score(QUERY, doc)) < 1e-5
+        tokens = sum(len(tok(QUERY, text_pair=d)["input_ids"]) for d in DOCS)
+        assert out["usage"]["prompt_tokens"] == out["usage"]["total_tokens"] == tokens
+    # N:N under vLLM's other names for the two sides
+    out = _post(ce_server, "/score", {"queries": DOCS[:2], "documents": [QUERY, QUERY]})
+    for d, doc in zip(out["data"], DOCS[:2]):
+        assert abs(d["score"] - score(doc, QUERY)) < 1e-5
+
+
+def test_rerank_orders_by_relevance(ce_server, ce_hf):
+    tok, logit = ce_hf
+    ref = [_sigmoid(logit(tok(QUERY, text_pair=d)["input_ids"])) for d in DOCS]
+    best = sorted(range(3), key=lambda i: ref[i], reverse=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        out = _post(ce_server, path, {"query": QUERY, "documents": DOCS, "top_n": 2})
+        assert set(out) == {"id", "model", "usage", "results"}
+        assert [r["index"] for r in out["results"]] == best[:2]
+        for r in out["results"]:
+            assert r["document"] == {"text": DOCS[r["index"]], "multi_modal": None}
+            assert abs(r["relevance_score"] - ref[r["index"]]) < 1e-5
+        tokens = sum(len(tok(QUERY, text_pair=d)["input_ids"]) for d in DOCS)
+        assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    everything = _post(ce_server, "/rerank", {"query": QUERY, "documents": DOCS})
+    assert [r["index"] for r in everything["results"]] == best
+
+
 def test_classify_on_a_cross_encoder(ce_server, ce_hf):
     tok, logit = ce_hf
     ids = [tok(t)["input_ids"] for t in (QUERY, DOCS[0])]
@@ -63,6 +101,20 @@ def test_classify_on_a_cross_encoder(ce_server, ce_hf):
 
 
 @pytest.mark.parametrize("path, body, field", [
+    ("/score", {"text_1": DOCS[:2], "text_2": DOCS}, "text_2"),
+    ("/score", {"text_1": QUERY, "text_2": {"content": [{"type": "text", "text": "x"}]}},
+     "text_2"),
+    ("/score", {"text_1": [], "text_2": DOCS}, "text_1"),
+    ("/score", {"text_1": QUERY}, "text_1"),
+    ("/score", {"text_1": QUERY, "text_2": DOCS, "max_tokens_per_doc": 4},
+     "max_tokens_per_doc"),
+    ("/score", {"text_1": QUERY, "text_2": DOCS, "instruction": "judge"}, "instruction"),
+    ("/score", {"text_1": QUERY, "text_2": DOCS, "normalize": True}, "normalize"),
+    ("/rerank", {"query": QUERY, "documents": DOCS, "return_documents": False},
+     "return_documents"),
+    ("/rerank", {"query": QUERY, "documents": []}, "documents"),
+    ("/rerank", {"documents": DOCS}, "query"),
+    ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
     ("/classify", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
     ("/classify", {}, "input"),
     ("/classify", {"input": "hi", "normalize": True}, "normalize"),
@@ -76,12 +128,25 @@ def test_bad_fields_are_a_400_naming_them(ce_server, path, body, field):
         err["param"]), err
 
 
-def test_the_routes_each_model_serves(tiny_model_dir, ce_server):
+def test_embedding_model_scores_and_the_routes_each_model_serves(tiny_model_dir, ce_server):
     r = requests.post(ce_server + "/v1/embeddings", json={"input": "hi"}, timeout=60)
-    assert r.status_code == 404 and "serves /classify" in r.text
+    assert r.status_code == 404 and "/classify, /score and /rerank" in r.text
+    model = transformers.AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def last(text):
+        with torch.no_grad():
+            return model(torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0, -1]
     with served(tiny_model_dir, "--runner", "pooling", port=_port(3)) as url:
+        out = _post(url, "/score", {"text_1": QUERY, "text_2": DOCS})
+        for d, doc in zip(out["data"], DOCS):
+            ref = torch.nn.functional.cosine_similarity(last(QUERY), last(doc), dim=0).item()
+            assert abs(d["score"] - ref) < 1e-5
+        # each text is embedded once: the query counts once
+        tokens = sum(len(tok(t)["input_ids"]) for t in [QUERY] + DOCS)
+        assert out["usage"]["prompt_tokens"] == tokens
         r = requests.post(url + "/classify", json={"input": "hi"}, timeout=60)
-        assert r.status_code == 404 and "serves /v1/embeddings" in r.text
+        assert r.status_code == 404 and "/v1/embeddings, /score and /rerank" in r.text
 
 
 def test_classify_names_the_most_likely_label(classifier_dirs):
@@ -97,3 +162,5 @@ def test_classify_names_the_most_likely_label(classifier_dirs):
             np.testing.assert_allclose(d["probs"], ref.numpy(), atol=1e-5, rtol=0)
             assert d["num_classes"] == 3
             assert d["label"] == model.config.id2label[int(ref.argmax())]
+        r = requests.post(url + "/score", json={"text_1": QUERY, "text_2": DOCS}, timeout=60)
+        assert r.status_code == 404 and "serves /classify" in r.text   # num_labels != 1

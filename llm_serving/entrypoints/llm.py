@@ -19,8 +19,11 @@ from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
 from llm_serving.lora.request import LoRARequest
+from llm_serving.entrypoints.scoring import (cosine, cross_encoder_prompt, pair_indices,
+                                             score_texts)
 from llm_serving.outputs import (ClassificationOutput, ClassificationRequestOutput,
-                                 EmbeddingOutput, EmbeddingRequestOutput, RequestOutput)
+                                 EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+                                 ScoringOutput, ScoringRequestOutput)
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -32,8 +35,9 @@ _LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS,
 
 def _no_pooling(method: str) -> ValueError:
     return ValueError(f"LLM.{method}() is for pooling models of its kind: llm_serving serves "
-                      "LLM.embed() on an embedding model and LLM.classify() on a sequence "
-                      "classifier, both on a pooling runner (runner='pooling'); a "
+                      "LLM.embed() on an embedding model, LLM.classify() on a sequence "
+                      "classifier, LLM.score() on either (a classifier of one label: a "
+                      "cross-encoder), all on a pooling runner (runner='pooling'); a "
                       "generative model serves generate() and chat()")
 
 
@@ -171,6 +175,44 @@ class LLM:
                 for out in self._pool("classify", prompts, pooling_params, use_tqdm,
                                       lora_request)]
 
+    def score(self, data_1, data_2, /, *, use_tqdm: bool = False,
+              pooling_params: Optional[PoolingParams] = None, lora_request=None,
+              tokenization_kwargs=None, chat_template=None) -> list[ScoringRequestOutput]:
+        """vLLM's: the score of each pair of texts, 1:1, 1:N or N:N (entrypoints/scoring.py):
+        a cross-encoder's (a classifier of one label: its sigmoid) or an embedding model's
+        (the cosine similarity of the two embeddings)."""
+        _no_tokenization_kwargs(tokenization_kwargs)
+        if chat_template is not None:
+            raise ValueError("chat_template: score templates are not supported by this "
+                             "server; pairs are joined by the tokenizer")
+        pooler = self.engine.config.model.pooler
+        if pooler is None:
+            raise _no_pooling("score")
+        if pooler.task == "classify" and pooler.num_labels != 1:
+            raise ValueError("Scoring API is only enabled for num_labels == 1 (this "
+                             f"classifier has {pooler.num_labels})")
+        first, second = score_texts(data_1, data_2)
+        pairs = pair_indices(len(first), len(second))
+        if pooler.task == "classify":
+            prompts = [{"prompt_token_ids": cross_encoder_prompt(self.tokenizer, pooler,
+                                                                 first[i], second[j])}
+                       for i, j in pairs]
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[0]),
+                                         out.prompt_token_ids, out.finished,
+                                         out.num_cached_tokens or 0)
+                    for out in self._pool("score", prompts, pooling_params, use_tqdm,
+                                          lora_request)]
+        outs = self._pool("score", first + second, pooling_params, use_tqdm, lora_request)
+        pad = [] if self.tokenizer.pad_token_id is None else [self.tokenizer.pad_token_id]
+        results = []
+        for i, j in pairs:
+            a, b = outs[i], outs[len(first) + j]
+            results.append(ScoringRequestOutput(
+                f"{a.request_id}_{b.request_id}", ScoringOutput(cosine(a.embedding, b.embedding)),
+                a.prompt_token_ids + pad + b.prompt_token_ids, True,
+                (a.num_cached_tokens or 0) + (b.num_cached_tokens or 0)))
+        return results
+
     def _pool(self, method: str, prompts, pooling_params, use_tqdm: bool,
               lora_request) -> list[RequestOutput]:
         """Run prompts on the pooling runner; ``method`` is the LLM method (for errors)."""
@@ -195,9 +237,6 @@ class LLM:
     # generative model, rather than as a missing attribute.
     def encode(self, *args, **kwargs):
         raise _no_pooling("encode")
-
-    def score(self, *args, **kwargs):
-        raise _no_pooling("score")
 
     def reward(self, *args, **kwargs):
         raise _no_pooling("reward")

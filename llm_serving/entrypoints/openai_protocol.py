@@ -438,8 +438,8 @@ class DetokenizeRequest(BaseModel):
 
 
 class PoolingBaseRequest(BaseModel):
-    """vLLM's fields common to its pooling requests (/v1/embeddings, /classify), and the
-    ones refused by name."""
+    """vLLM's fields common to its pooling requests (/v1/embeddings, /classify, /score,
+    /rerank), and the ones refused by name."""
     model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
@@ -488,3 +488,58 @@ class EmbeddingRequest(ClassificationRequest):
 
     REFUSED: ClassVar[dict] = {**ClassificationRequest.REFUSED, "embed_dtype": ("float32",),
                                "endianness": ("native", "little")}
+
+
+class ScoringRequest(PoolingBaseRequest):
+    """vLLM's scoring fields (/score, /rerank); the pair texts are the subclasses'."""
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+    instruction: Any = None
+    chat_template_kwargs: Any = None
+
+    REFUSED: ClassVar[dict] = {**PoolingBaseRequest.REFUSED, "max_tokens_per_query": (0,),
+                               "max_tokens_per_doc": (0,), "instruction": (),
+                               "chat_template_kwargs": ()}
+
+
+ScoreInput = Union[str, dict]
+
+
+class ScoreRequest(ScoringRequest):
+    """POST /score: vLLM's pairs under any of its four names (text_1 / text_2, queries /
+    documents, queries / items, data_1 / data_2)."""
+    text_1: Union[ScoreInput, list[ScoreInput], None] = None
+    text_2: Union[ScoreInput, list[ScoreInput], None] = None
+    queries: Union[ScoreInput, list[ScoreInput], None] = None
+    documents: Union[ScoreInput, list[ScoreInput], None] = None
+    items: Union[ScoreInput, list[ScoreInput], None] = None
+    data_1: Union[ScoreInput, list[ScoreInput], None] = None
+    data_2: Union[ScoreInput, list[ScoreInput], None] = None
+
+    PAIRS: ClassVar[tuple] = (("queries", "documents"), ("queries", "items"),
+                              ("data_1", "data_2"), ("text_1", "text_2"))
+
+    def pair(self) -> tuple:
+        """(first, second, their field names): the first name pair the request sets."""
+        for a, b in self.PAIRS:
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                return getattr(self, a), getattr(self, b), (a, b)
+        raise ValueError("text_1: Field required (with text_2; or queries with documents or "
+                         "items, or data_1 with data_2)")
+
+
+class RerankRequest(ScoringRequest):
+    """POST /rerank (Jina's and Cohere's form, as vLLM serves it)."""
+    query: Optional[ScoreInput] = None
+    documents: Union[ScoreInput, list[ScoreInput], None] = None
+    top_n: int = Field(default=0, ge=0)
+    # every result carries its document (vLLM's answer): asking for none is refused
+    return_documents: Any = None
+
+    REFUSED: ClassVar[dict] = {**ScoringRequest.REFUSED, "return_documents": (True,)}
+
+    def pair(self) -> tuple:
+        for name in ("query", "documents"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: Field required")
+        return self.query, self.documents, ("query", "documents")

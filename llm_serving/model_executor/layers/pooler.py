@@ -54,6 +54,7 @@ class PoolerSettings:
     task: str = "embed"                      # embed, or classify (a score head's logits)
     num_labels: int = 0                      # classify: the score head's rows
     activation: str = "classify"             # classify: classify, sigmoid or identity
+    use_sep_token: bool = True               # score: a pair is the tokenizer's pair encoding
     id2label: Optional[dict] = None          # classify: config.json's label names by index
 
 
@@ -125,6 +126,8 @@ def resolve_pooler(user: Optional[dict], model_dir: str, hidden_size: int, hf: d
             raise error("pooler_config", "dimensions: only for embed, not classify")
         return PoolerSettings(kind, normalize, None, hidden_size, task="classify",
                               num_labels=num_labels, activation=_classifier_activation(hf, error),
+                              use_sep_token=bool(hf.get("use_sep_token",
+                                                        hf.get("use_pad_token", True))),
                               id2label={int(k): str(v)
                                         for k, v in (hf.get("id2label") or {}).items()})
     dims = hf.get("matryoshka_dimensions")
@@ -221,4 +224,6 @@ def finish_classification(logits: np.ndarray, p: PoolerSettings, activate: bool)
 
 def served_routes(p: PoolerSettings) -> str:
     """The HTTP routes a pooling runner serves (vLLM registers only those)."""
-    return "/v1/embeddings" if p.task == "embed" else "/classify"
+    if p.task == "embed":
+        return "/v1/embeddings, /score and /rerank"
+    return "/classify, /score and /rerank" if p.num_labels == 1 else "/classify"
