@@ -632,6 +632,47 @@ def test_repetition_detection_and_return_prompt_text(server, tiny_model_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection"
 
 
+def test_generative_scoring_scores_items_as_transformers_does(server, tiny_model_dir):
+    """vLLM's /generative_scoring: each item after the query (before it with item_first) is
+    scored by its first label's probability as the next token, a softmax over the labels
+    or (apply_softmax false) over the vocabulary, checked against transformers' log_softmax
+    of the same token ids; the field at fault is named in a 400."""
+    import numpy as np
+    import torch
+    import transformers
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                              dtype=torch.float32).eval()
+    query, items, labels = "Is it true? Answer:", [" yes", " no way"], [5, 900, 17]
+    q_ids = hf_tok(query).input_ids
+
+    def expected(joined, apply_softmax):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([joined])).logits[0, -1], -1).numpy()
+        chosen = lp[labels]
+        return float(np.exp(chosen[0]) / np.exp(chosen).sum() if apply_softmax
+                     else np.exp(chosen[0]))
+    for apply_softmax, item_first in ((True, False), (False, True)):
+        r = requests.post(server[0] + "/generative_scoring", json={
+            "model": "tiny", "query": query, "items": items, "label_token_ids": labels,
+            "apply_softmax": apply_softmax, "item_first": item_first})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        joined = [hf_tok(i, add_special_tokens=False).input_ids for i in items]
+        joined = [i + q_ids if item_first else q_ids + i for i in joined]
+        assert [d["index"] for d in got["data"]] == [0, 1]
+        np.testing.assert_allclose([d["score"] for d in got["data"]],
+                                   [expected(j, apply_softmax) for j in joined], rtol=1e-3)
+        assert got["usage"]["prompt_tokens"] == sum(map(len, joined))
+    for body, field in (({"label_token_ids": []}, "label_token_ids"),
+                        ({"items": []}, "items"),
+                        ({"label_token_ids": [10**6]}, "label_token_ids"),
+                        ({"label_token_ids": list(range(30))}, "label_token_ids")):
+        r = requests.post(server[0] + "/generative_scoring", json={
+            "model": "tiny", "query": query, "items": items, "label_token_ids": labels, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
     url, logs = server
     r = client.chat.completions.create(model="tiny", messages=[{**MSG[0], "mood": "x"}],

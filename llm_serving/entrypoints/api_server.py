@@ -143,7 +143,8 @@ class _PoolingRunner:
     served, a 404 saying so (vLLM registers none of them there: its plain 404). Plain ASGI,
     as _ApiKey: the body is not touched."""
 
-    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/models/")
+    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/models/",
+                  "/generative_scoring")
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -210,6 +211,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
     from llm_serving.entrypoints import (classify_routes, embedding_routes,
+                                         generative_scoring_routes,
                                          llm_serving_routes, lora_routes, openai_routes,
                                          remote_prefill, responses_routes, score_routes,
                                          unread_offers)
@@ -350,6 +352,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(embedding_routes.router)
     app.include_router(classify_routes.router)
     app.include_router(score_routes.router)
+    app.include_router(generative_scoring_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)

@@ -543,3 +543,32 @@ class RerankRequest(ScoringRequest):
             if getattr(self, name) is None:
                 raise ValueError(f"{name}: Field required")
         return self.query, self.documents, ("query", "documents")
+
+
+class GenerativeScoringRequest(BaseModel):
+    """POST /generative_scoring (vLLM 0.32's): each item joined to the query, scored by the
+    probability of label_token_ids as the next token."""
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    query: Union[str, list[int]]
+    items: Union[list[str], list[list[int]]]
+    label_token_ids: list[int]
+    # True: softmax over the labels' logprobs; False: their probabilities over the vocabulary
+    apply_softmax: bool = True
+    item_first: bool = False
+    add_special_tokens: bool = True     # the query's; an item never gets them (vLLM)
+    priority: int = 0
+    cache_salt: Any = None
+    request_id: Any = None
+
+    REFUSED: ClassVar[dict] = {"cache_salt": (), "request_id": ()}
+
+    def check_combinations(self) -> None:
+        if not self.label_token_ids:
+            raise ValueError("label_token_ids: must hold at least one token id")
+        if not self.items:
+            raise ValueError("items: must hold at least one item")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
