@@ -164,3 +164,16 @@ def test_classify_names_the_most_likely_label(classifier_dirs):
             assert d["label"] == model.config.id2label[int(ref.argmax())]
         r = requests.post(url + "/score", json={"text_1": QUERY, "text_2": DOCS}, timeout=60)
         assert r.status_code == 404 and "serves /classify" in r.text   # num_labels != 1
+
+
+def test_invocations_on_a_cross_encoder_reranks_scores_and_classifies(ce_server):
+    """vLLM's SageMaker /invocations on a cross-encoder: a query with documents is a rerank,
+    a score pair a score, an input a classification, each the answer of that route."""
+    for path, body in (("/rerank", {"query": QUERY, "documents": DOCS}),
+                       ("/score", {"text_1": QUERY, "text_2": DOCS}),
+                       ("/classify", {"input": DOCS})):
+        direct, via = _post(ce_server, path, body), _post(ce_server, "/invocations", body)
+        for key in ("id", "created"):
+            direct.pop(key, None)
+            via.pop(key, None)
+        assert via == direct, path

@@ -673,6 +673,24 @@ def test_generative_scoring_scores_items_as_transformers_does(server, tiny_model
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_invocations_answers_as_the_route_the_body_is_for(server):
+    """vLLM's SageMaker /invocations on a generative model: a body with messages is a chat
+    completion, one with a prompt a completion (greedy: the same answer as the route's own);
+    a malformed body is a 400 naming its field, one of neither kind a 400 naming body."""
+    url = server[0]
+    for path, body in (("/v1/chat/completions", {"messages": MSG}),
+                       ("/v1/completions", {"prompt": "Once upon"})):
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, **body}
+        direct = requests.post(url + path, json=body).json()
+        via = requests.post(url + "/invocations", json=body).json()
+        assert via["object"] == direct["object"] and via["usage"] == direct["usage"]
+        assert via["choices"] == direct["choices"]
+    for body, field in (({"messages": 5}, "messages"), ({"input": "x"}, "body"),
+                        ([1, 2], "body")):
+        r = requests.post(url + "/invocations", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
     url, logs = server
     r = client.chat.completions.create(model="tiny", messages=[{**MSG[0], "mood": "x"}],

@@ -213,8 +213,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from llm_serving.entrypoints import (classify_routes, embedding_routes,
                                          generative_scoring_routes,
                                          llm_serving_routes, lora_routes, openai_routes,
-                                         remote_prefill, responses_routes, score_routes,
-                                         unread_offers)
+                                         remote_prefill, responses_routes, sagemaker_routes,
+                                         score_routes, unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
     from llm_serving.spec_decode.config import SpeculativeConfig
 
@@ -353,6 +353,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(classify_routes.router)
     app.include_router(score_routes.router)
     app.include_router(generative_scoring_routes.router)
+    app.include_router(sagemaker_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)
