@@ -691,6 +691,30 @@ def test_invocations_answers_as_the_route_the_body_is_for(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_batch_chat_answers_each_conversation_as_one_choice(server):
+    """vLLM 0.32's /v1/chat/completions/batch: conversation i is choice i, the answer the
+    chat route gives it alone (greedy), the usage summed; streaming, tools, beam search and
+    n > 1 are a 400 naming them, as vLLM, and so is an empty conversation."""
+    url = server[0]
+    talks = [MSG, [{"role": "user", "content": "Once upon a time"}]]
+    common = {"model": "tiny", "max_tokens": 5, "temperature": 0}
+    alone = [requests.post(url + "/v1/chat/completions", json={**common, "messages": m}).json()
+             for m in talks]
+    batch = requests.post(url + "/v1/chat/completions/batch",
+                          json={**common, "messages": talks}).json()
+    assert batch["object"] == "chat.completion"
+    assert batch["choices"] == [{**a["choices"][0], "index": i} for i, a in enumerate(alone)]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
+    for body, field in (({"stream": True}, "stream"), ({"n": 2}, "n"),
+                        ({"tools": [WEATHER]}, "tools"),
+                        ({"use_beam_search": True}, "use_beam_search"),
+                        ({"messages": [MSG, []]}, "messages")):
+        r = requests.post(url + "/v1/chat/completions/batch",
+                          json={**common, "messages": talks, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):
     url, logs = server
     r = client.chat.completions.create(model="tiny", messages=[{**MSG[0], "mood": "x"}],

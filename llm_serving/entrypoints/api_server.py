@@ -210,7 +210,7 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import (classify_routes, embedding_routes,
+    from llm_serving.entrypoints import (chat_batch_routes, classify_routes, embedding_routes,
                                          generative_scoring_routes,
                                          llm_serving_routes, lora_routes, openai_routes,
                                          remote_prefill, responses_routes, sagemaker_routes,
@@ -349,6 +349,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(openai_routes.router)
+    app.include_router(chat_batch_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(classify_routes.router)
     app.include_router(score_routes.router)

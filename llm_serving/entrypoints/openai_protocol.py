@@ -414,6 +414,29 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: needs logprobs true")
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM 0.32's): the chat fields, with ``messages`` a
+    list of conversations, each answered as one choice."""
+    messages: list[list[ChatMessage]] = Field(min_length=1)     # type: ignore[assignment]
+
+    def check_combinations(self) -> None:
+        super().check_combinations()
+        if any(not conversation for conversation in self.messages):
+            raise ValueError("messages: every conversation needs at least one message")
+        for name, refused in (("stream", self.stream), ("tools", self.tools),
+                              ("use_beam_search", self.use_beam_search), ("n", self.n != 1)):
+            if refused:
+                raise ValueError(f"{name}: not supported by batch chat completions (as vLLM)")
+
+    def unknown_fields(self) -> list[str]:
+        return []           # each conversation's request names them (the chat route's check)
+
+    def conversation(self, i: int) -> ChatCompletionRequest:
+        """Conversation i as a chat completion request of its own."""
+        return ChatCompletionRequest.model_validate(
+            {**self.model_dump(exclude_unset=True), "messages": self.model_dump()["messages"][i]})
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or messages rendered as the chat route renders them. A
     field it does not know is refused by name."""
