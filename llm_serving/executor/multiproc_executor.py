@@ -300,6 +300,8 @@ class MultiprocExecutor:
         if not self._outstanding:
             raise LLMServingError("no step is in flight")
         step_no = self._outstanding.popleft()
+        if self._procs.broken:    # a hung or dead agent: its later steps are lost as well
+            raise AgentDiedError(f"a WorkAgent died; step {step_no} is lost")
         if self._mask_owed is not None and self._mask_owed[0] == step_no:
             self.send_mask(None)     # collected unmasked (an engine failing its requests)
         frames = self._wait_all(self.step_timeout, f"running step {step_no}")
