@@ -4,6 +4,10 @@ it), load_inplace replaces it, /v1/unload_lora_adapter stops serving it; bad req
 4xx naming the field. Without the variable the routes do not exist, as in vLLM."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import openai
 import pytest
@@ -103,21 +107,76 @@ def test_routes_need_the_variable(tiny_model_dir, adapters):
         assert stop_server(proc) == 0
 
 
-def test_an_adapter_gone_before_its_first_step_is_one_line_not_a_traceback(
-        runtime_server, adapters, tmp_path):
-    """An adapter whose directory is removed after it was loaded fails the step that first
-    needs it (the WorkAgent reads its weights then; docs/lora.md): the client is told why in
-    one line, the traceback goes to the server's log only, and the server serves on."""
-    import shutil
+def _stream_tokens(url, model, max_tokens):
+    """A streamed greedy completion of PROMPT: its open response and a generator of its
+    events (token ids per chunk, the finish reason, or the error)."""
+    r = requests.post(url + "/v1/completions", stream=True, timeout=120, json={
+        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "min_tokens": max_tokens, "stream": True, "logprobs": 0,
+        "return_tokens_as_token_ids": True})
+    assert r.status_code == 200
+
+    def events():
+        for line in r.iter_lines():
+            if not line or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[len(b"data: "):])
+            if "error" in event:
+                yield "error", event["error"]["message"]
+                continue
+            choice = event["choices"][0]
+            yield "tokens", [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+            if choice["finish_reason"]:
+                yield "finish", choice["finish_reason"]
+    return r, events()
+
+
+def test_an_adapter_gone_after_loading_fails_its_own_requests_only(
+        runtime_server, adapters, reference, tiny_model_dir, tmp_path):
+    """An adapter whose directory is removed after it was loaded, first used in a step with
+    a base-model request: that request streams on to its end with the base model's tokens;
+    the adapter's request ends with one line naming the path (the traceback goes to the
+    server's log only). Then the name is a 400 naming the path while the directory is gone,
+    and once it is back the name serves the adapter's own tokens (not KV computed without
+    it while it was gone)."""
     url = runtime_server
+    base = hf_logits_and_greedy(merged_hf_model(tiny_model_dir), PROMPT, NEW)[1]
     gone = tmp_path / "gone"
     shutil.copytree(adapters["c"], gone)
     assert _post(url, "load_lora_adapter", lora_name="gone", lora_path=str(gone)).ok
     shutil.rmtree(gone)
-    r = requests.post(url + "/v1/completions", timeout=120,
+    r, events = _stream_tokens(url, "tiny", 300)
+    with r:
+        got = list(next(events)[1])                  # the base request is running ...
+        _, lora_events = _stream_tokens(url, "gone", NEW)   # ... when the adapter's starts
+        errors = [v for k, v in lora_events if k == "error"]
+        assert len(errors) == 1, errors
+        assert str(gone) in errors[0] and "Traceback" not in errors[0]
+        assert "\n" not in errors[0]
+        rest = list(events)
+    got += [t for k, v in rest if k == "tokens" for t in v]
+    assert ("finish", "length") in rest and not [v for k, v in rest if k == "error"]
+    assert len(got) == 300 and got[:NEW] == base
+    r = requests.post(url + "/v1/completions", timeout=60,
                       json={"model": "gone", "prompt": PROMPT, "max_tokens": 2})
-    assert r.status_code >= 500
-    message = r.json()["error"]["message"]
-    assert str(gone) in message and "Traceback" not in message and "\n" not in message
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert str(gone) in r.json()["error"]["message"]
+    shutil.copytree(adapters["c"], gone)
+    assert _tokens(url, "gone") == reference["c"]
     assert _post(url, "unload_lora_adapter", lora_name="gone").ok
-    assert len(_tokens(url, "tiny")) == NEW
+
+
+def test_an_adapter_with_unreadable_weights_is_refused_when_loaded(runtime_server, adapters,
+                                                                   tmp_path):
+    """Weights that cannot be read (a truncated file: its header is whole) are a 400 naming
+    lora_path at load time, not a failure of the first step that runs the adapter."""
+    url = runtime_server
+    cut = tmp_path / "cut"
+    shutil.copytree(adapters["c"], cut)
+    weights = cut / "adapter_model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 64)
+    r = _post(url, "load_lora_adapter", lora_name="cut", lora_path=str(cut))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert "truncated" in r.json()["error"]["message"]
+    models = requests.get(url + "/v1/models", timeout=10).json()["data"]
+    assert "cut" not in [m["id"] for m in models]

@@ -155,6 +155,8 @@ class LLMEngine:
     def add_processed(self, new: NewRequest) -> str:
         """Queue a checked request (from ``process_request``)."""
         self.scheduler.check_room()
+        if new.lora is not None:      # checked before its adapter was found unreadable
+            self.loras.check_readable(new.lora)
         seq = self.output_processor.add(new, next(self._arrivals))
         self.scheduler.add(seq)
         return new.request_id
@@ -277,7 +279,27 @@ class LLMEngine:
         result = self.runner.collect()
         if fl.dumps:
             self.dumper.save(fl.dumps, result.dump_logits)
-        return self.output_processor.process(fl, result) + self._apply_kv_outputs()
+        ended = self._end_unreadable_loras() if self.loras is not None else []
+        return ended + self.output_processor.process(fl, result) + self._apply_kv_outputs()
+
+    def _end_unreadable_loras(self) -> list[RequestOutput]:
+        """End the requests of the LoRA adapters the model runner could not read (their rows
+        ran without them; the other requests of the step go on), and never run those ids
+        again (lora/registry.py)."""
+        failed = self.runner.take_lora_failures()
+        outs = []
+        for lora_id, why in failed.items():
+            self.loras.unreadable(lora_id, why)
+            for rid, req in list(self.requests.items()):
+                seq = req.seqs[0]
+                if seq.lora_id == lora_id:
+                    logger.error("request %s: LoRA adapter %r could not be read at %s: %s",
+                                 rid, seq.lora_name, seq.lora_path, why)
+                    outs.append(self.output_processor.end_request(
+                        rid, SequenceStatus.FINISHED_ABORTED,
+                        f"the model process could not read LoRA adapter {seq.lora_name!r} at "
+                        f"{seq.lora_path}: {why}"))
+        return [o for o in outs if o is not None]
 
     def _fail_timed_out(self, seq: Sequence) -> Optional[RequestOutput]:
         return self.output_processor.end_request(

@@ -148,6 +148,7 @@ class MultiprocExecutor:
         self._closed = False
         self._extras: dict[int, bytes] = {}      # rank -> bytes after its last frame
         self._kv_outputs: list = []              # connector outputs not taken yet
+        self._lora_failed: dict[int, str] = {}   # adapters the agents could not read
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
         self._finalizer = weakref.finalize(self, _cleanup, p, *segments)
         try:
@@ -169,6 +170,12 @@ class MultiprocExecutor:
     def take_kv_connector_output(self) -> list:
         """The KV connector outputs the ranks reported since the last call."""
         out, self._kv_outputs = self._kv_outputs, []
+        return out
+
+    def take_lora_failures(self) -> dict:
+        """{adapter id: why} of the LoRA adapters an agent could not read since the last
+        call (reported with the steps collected)."""
+        out, self._lora_failed = self._lora_failed, {}
         return out
 
     @property
@@ -224,6 +231,10 @@ class MultiprocExecutor:
                     raise self._died(f"the WorkAgent {who}(pid {p.agents[rank].pid}) closed "
                                      f"its connection while {doing}") from None
                 kind, step_no, n = ch.FRAME.unpack_from(frame)
+                if kind == ch.LORA_FAILED:        # then its DONE
+                    failed = json.loads(frame[ch.FRAME.size:])
+                    self._lora_failed.update({int(k): v for k, v in failed.items()})
+                    continue
                 payload = (frame[ch.FRAME.size:].decode(errors="replace") if kind == ch.ERROR
                            else n)
                 if kind != ch.ERROR and len(frame) > ch.FRAME.size:

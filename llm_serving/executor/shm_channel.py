@@ -77,9 +77,11 @@ _HEAD = struct.Struct("<q")          # number of arrays
 _ARR = struct.Struct("<bbxxxxxxqqqq")  # dtype code (-1 = None), ndim, pad, offset, shape[0..2]
 
 # Control frames: kind, step number, payload bytes. MASK n: step n's token bitmask (a step
-# with ``mask_after_forward``) is now written in its input segment.
+# with ``mask_after_forward``) is now written in its input segment. LORA_FAILED n, before
+# step n's DONE: JSON {adapter id: why} of the LoRA adapters the agent could not read.
 FRAME = struct.Struct("<cqq")
 READY, STEP, DONE, ERROR, QUIT, MASK = b"R", b"S", b"D", b"E", b"Q", b"M"
+LORA_FAILED = b"L"
 
 
 class ChannelFullError(RuntimeError):

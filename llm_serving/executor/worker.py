@@ -11,7 +11,9 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
 - agent -> master READY once the model is loaded (or ERROR with the reason, then exit);
 - master -> agent STEP n: a StepInput is packed in input segment n % 2; the agent runs it and
   answers DONE n with the SamplerOutput packed in output segment n % 2, or ERROR n (the
-  master may send STEP n+1 before DONE n arrives: steps run in order);
+  master may send STEP n+1 before DONE n arrives: steps run in order); before DONE n,
+  LORA_FAILED n with JSON {adapter id: why} when a LoRA adapter of the step could not be
+  read (its rows ran without it; the master ends its requests, the step stands);
 - master -> agent MASK n: step n was sent with ``mask_after_forward`` (its token bitmask
   needs step n-1's samples); the master has now written the bitmask into input segment n % 2.
   Rank 0 runs step n's forward, then waits for this frame (at most MASK_TIMEOUT_S) before
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import signal
 import sys
@@ -148,6 +151,10 @@ def main(argv=None) -> int:
             step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
             runner.wait_for_mask = lambda n=step_no: control.wait_mask(n)
             result = runner.execute(step)     # (a step with no tokens only moves KV)
+            failed = runner.take_lora_failures()
+            if failed:
+                msg = json.dumps(failed).encode()
+                conn.send_bytes(ch.FRAME.pack(ch.LORA_FAILED, step_no, len(msg)) + msg)
             n = (ch.pack(shm_out[step_no % len(shm_out)].buf, ch.result_to_arrays(result))
                  if shm_out is not None else 0)
             # Every rank appends its KV connector output (small JSON; none without PD).

@@ -1,14 +1,17 @@
 """The adapters the engine knows (master side): each request's ``LoRARequest`` is checked
 here before it is queued, its adapter read and checked once per id and path
-(``peft.check_adapter``), and the adapters served by name (``--lora-modules``, and those
-loaded at run time) are kept by name for the HTTP routes."""
+(``peft.check_adapter``, then its weights read as a WorkAgent will), and the adapters
+served by name (``--lora-modules``, and those loaded at run time) are kept by name for the
+HTTP routes."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Optional
 
 from llm_serving.config import LoRAConfig
-from llm_serving.lora.peft import AdapterSpec, check_adapter
+from llm_serving.errors import ModelLoadError
+from llm_serving.lora.peft import AdapterSpec, check_adapter, load_adapter
 from llm_serving.lora.request import LoRARequest
 
 
@@ -19,6 +22,9 @@ class LoRARegistry:
         self._specs: dict[tuple[int, str], AdapterSpec] = {}
         self._paths: dict[int, str] = {}       # id -> the path its requests run with
         self.served: dict[str, LoRARequest] = {}    # by name: --lora-modules, loaded ones
+        # ids whose adapter a WorkAgent could not read: their requests ran without it, so KV
+        # cached under the id may be the base model's; the id is never run again
+        self._unreadable: dict[int, str] = {}
         self._next_id = 1
         for name, path, base in config.modules:
             self.load(name, path, base)
@@ -31,6 +37,7 @@ class LoRARegistry:
             raise ValueError(f"lora_request: expected a LoRARequest, got "
                              f"{type(lora).__name__}")
         key = (lora.lora_int_id, lora.lora_path)
+        self.check_readable(lora)
         with self._lock:
             spec = self._specs.get(key)
             if spec is not None:
@@ -40,6 +47,10 @@ class LoRARegistry:
             raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is adapter "
                              f"{known!r} already; give {lora.lora_path!r} its own id")
         spec = check_adapter(lora.lora_path, self.hf, self.config.max_lora_rank)
+        try:        # the weights themselves, as the WorkAgent will: a bad file is refused now
+            load_adapter(spec)
+        except (OSError, ModelLoadError) as e:
+            raise ValueError(f"lora_path: cannot read the adapter's weights: {e}") from None
         with self._lock:
             self._specs[key] = spec
             self._paths.setdefault(lora.lora_int_id, lora.lora_path)
@@ -62,6 +73,27 @@ class LoRARegistry:
         with self._lock:
             self.served[name] = lora
         return lora
+
+    def check_readable(self, lora: LoRARequest) -> None:
+        """A ValueError if a WorkAgent could not read this adapter id before."""
+        why = self._unreadable.get(lora.lora_int_id)
+        if why is not None:
+            raise ValueError(f"lora_request: the model process could not read LoRA adapter "
+                             f"{lora.lora_name!r} (lora_int_id {lora.lora_int_id}) at "
+                             f"{lora.lora_path}: {why}; give it a new lora_int_id")
+
+    def unreadable(self, lora_id: int, why: str) -> None:
+        """A WorkAgent could not read adapter ``lora_id`` (its directory removed or changed
+        since it was checked): the id is not run again, and a name served with it is served
+        under a new id, checked again by its next request (a 400 while it is still bad)."""
+        with self._lock:
+            self._unreadable[lora_id] = why
+            for key in [k for k in self._specs if k[0] == lora_id]:
+                del self._specs[key]
+            for name, lora in list(self.served.items()):
+                if lora.lora_int_id == lora_id:
+                    self.served[name] = dataclasses.replace(lora, lora_int_id=self._next_id)
+                    self._next_id += 1
 
     def unload(self, name: str) -> Optional[LoRARequest]:
         """Stop serving model ``name``; its requests in flight run on."""

@@ -1,11 +1,13 @@
 """LoRA in the model runner: the adapters a WorkAgent holds, and each step's rows per adapter.
 
 ``LoRAModels`` names the model's linear layers (``Linear.lora_name``), loads an adapter's
-weights from its directory the first time a step needs it, and keeps up to ``max_cpu_loras``
-of them, the least recently used dropped first. Per step, ``for_step`` groups the token rows
-by adapter (from ``StepInput.lora_ids``, an id per sequence); the model runner puts the
-result, a ``StepLoRA``, in the forward context, and every ``Linear`` adds its adapters'
-products to their rows (``StepLoRA.apply``):
+weights from its directory the first time a step needs it, and keeps up to
+``max_cpu_loras`` of them, the least recently used dropped first. An adapter that cannot be
+read then (its directory removed or changed since the master checked it) fails only its own
+requests: its rows run without it, and ``take_failures`` tells the master, which ends them.
+Per step, ``for_step`` groups the token rows by adapter (from ``StepInput.lora_ids``, an id
+per sequence); the model runner puts the result, a ``StepLoRA``, in the forward context, and
+every ``Linear`` adds its adapters' products to their rows (``StepLoRA.apply``):
 
     y[rows] += (x[rows] @ A.T) @ (scale * B).T
 
@@ -16,6 +18,7 @@ fused layer (q/k/v, gate/up) holds its parts' A matrices stacked, so that x is r
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from typing import Optional
 
@@ -24,6 +27,8 @@ from mindspore import Tensor
 
 from llm_serving.config import LoRAConfig
 from llm_serving.lora.peft import LORA_ARCHITECTURES, check_adapter, load_adapter
+
+logger = logging.getLogger(__name__)
 
 
 def _linear_part(module: str, stacked: list) -> tuple[str, int]:
@@ -105,6 +110,7 @@ class LoRAModels:
                 cell.lora_name = name
                 self.layers[name] = cell
         self._loaded: OrderedDict = OrderedDict()    # (id, path) -> AdapterWeights, LRU first
+        self.failed: dict[int, str] = {}      # adapters that could not be read, not yet told
 
     def adapter(self, lora_id: int, path: str, keep: set) -> AdapterWeights:
         """The adapter's weights, loaded now if not held (dropping the least recently used
@@ -140,8 +146,20 @@ class LoRAModels:
         keep = {(i, paths[str(i)]) for i in ids}
         groups = []
         for i in ids:
+            try:
+                weights = self.adapter(i, paths[str(i)], keep)
+            except Exception as e:   # noqa: BLE001 - its requests fail, not the step
+                logger.warning("cannot read LoRA adapter %d at %s: %s", i, paths[str(i)], e)
+                self.failed[i] = f"{type(e).__name__}: {e}"
+                continue
             rows = np.flatnonzero(per_row == i)
             if rows[-1] - rows[0] + 1 == len(rows):
                 rows = slice(int(rows[0]), int(rows[-1]) + 1)
-            groups.append((self.adapter(i, paths[str(i)], keep), rows))
-        return StepLoRA(groups)
+            groups.append((weights, rows))
+        return StepLoRA(groups) if groups else None
+
+    def take_failures(self) -> dict:
+        """{adapter id: why} of the adapters that could not be read since the last call (their
+        rows ran without them: the master ends their requests)."""
+        failed, self.failed = self.failed, {}
+        return failed

@@ -221,6 +221,11 @@ class ModelRunner:
             merged.bytes += o.bytes
         return merged.to_bytes()
 
+    def take_lora_failures(self) -> dict:
+        """{adapter id: why} of the LoRA adapters this runner could not read since the last
+        call (the executor interface; model_executor/lora.py)."""
+        return self.loras.take_failures() if self.loras is not None else {}
+
     def execute(self, step: StepInput) -> Optional[SamplerOutput]:
         self.move_blocks(step.swap_out, step.swap_in, step.copies)
         conn = self.kv_connector
