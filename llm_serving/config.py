@@ -104,6 +104,10 @@ DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and
 # `vllm bench serve` (docs/benchmarks.md).
 MAX_CAPTURE_BATCH = 32
+# How long a model step may run before its WorkAgent is taken for hung, unless
+# execute_model_timeout or vLLM's variable says otherwise (vLLM's default too).
+EXECUTE_MODEL_TIMEOUT_ENV = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+DEFAULT_EXECUTE_MODEL_TIMEOUT = 300.0
 
 
 def _arg(default, help: str):
@@ -225,9 +229,10 @@ class EngineArgs:
         f"(up to max_num_seqs) only once it has kept its size for {STEADY_STEPS} steps in a row "
         "(each new size costs an extra step to capture and check, which a draining batch "
         "would pay for every size)")
-    execute_model_timeout: float = _arg(300.0,
+    execute_model_timeout: Optional[float] = _arg(None,
         "seconds a model step may take before its WorkAgent is taken for hung: the requests "
-        "in flight fail and the agent is replaced (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)")
+        f"in flight fail and the agent is replaced (default: vLLM's {EXECUTE_MODEL_TIMEOUT_ENV} "
+        f"from the environment, else {DEFAULT_EXECUTE_MODEL_TIMEOUT:.0f})")
     seed: int = _arg(0,
         "seed of the sampler for requests without their own")
     max_logprobs: int = _arg(MAX_LOGPROBS,
@@ -388,7 +393,8 @@ class EngineArgs:
                 raise ConfigError(key, f"expected a number {rng}, got {value!r}")
         number("swap_space", self.swap_space, 0)
         number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
-        number("execute_model_timeout", self.execute_model_timeout, 0, low_inclusive=False)
+        number("execute_model_timeout", self.execute_model_timeout, 0, allow_none=True,
+               low_inclusive=False)
         number("watermark", self.watermark, 0, high=1)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         for key in ("start_device_id", "max_capture_batch"):
@@ -485,6 +491,22 @@ class EngineArgs:
                               "float16 (its PagedAttention kernel's dtype); use auto or float16")
         return "float16"
 
+    def _execute_model_timeout(self) -> float:
+        """execute_model_timeout, else vLLM's environment variable, else the default."""
+        if self.execute_model_timeout is not None:
+            return float(self.execute_model_timeout)
+        env = os.environ.get(EXECUTE_MODEL_TIMEOUT_ENV, "").strip()
+        if not env:
+            return DEFAULT_EXECUTE_MODEL_TIMEOUT
+        try:
+            value = float(env)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise ConfigError(EXECUTE_MODEL_TIMEOUT_ENV,
+                              f"expected a number of seconds > 0, got {env!r}")
+        return value
+
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and
         decide the defaults that depend on other knobs. Raises ConfigError naming the key."""
@@ -578,7 +600,7 @@ class EngineArgs:
                                 start_device_id=self.start_device_id),
             execution=ExecutionConfig(enforce_eager=self.enforce_eager,
                                       max_capture_batch=self.max_capture_batch,
-                                      execute_model_timeout=self.execute_model_timeout),
+                                      execute_model_timeout=self._execute_model_timeout()),
             dump=(DumpConfig(self.dump_logits, self.dump_logits_every)
                   if self.dump_logits else None),
             multi_stream=(MultiStreamConfig.from_dict(self.multi_stream)
@@ -845,7 +867,7 @@ class ExecutionConfig:
     how long one may take before its WorkAgent is taken for hung."""
     enforce_eager: bool = False
     max_capture_batch: int = MAX_CAPTURE_BATCH
-    execute_model_timeout: float = 300.0
+    execute_model_timeout: float = DEFAULT_EXECUTE_MODEL_TIMEOUT
 
 
 @dataclass(frozen=True)

@@ -930,10 +930,11 @@ def test_sigterm_while_a_dead_agent_is_replaced_stops_at_once(tmp_path, tiny_mod
 
 def test_a_hung_agent_is_replaced_after_the_step_timeout(tmp_path, tiny_model_dir, tiny_llm):
     """A WorkAgent that stops answering (SIGSTOP) is taken for hung once a step has run
-    --execute-model-timeout seconds: its requests fail then (within the second the master
-    polls in; not after a second timeout for the step submitted behind it), it is killed and
-    replaced."""
-    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--execute-model-timeout", "2")
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (vLLM's variable; --execute-model-timeout) seconds: its
+    requests fail then (within the second the master polls in; not after a second timeout for
+    the step submitted behind it), it is killed and replaced."""
+    proc, url, _ = start_server(tmp_path, tiny_model_dir,
+                                env={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "2"})
     try:
         hung = agent_pids(proc.pid)
         kill_an_agent_and_come_back(url, proc.pid, tiny_llm, sig=signal.SIGSTOP, within=3.6)

@@ -594,3 +594,22 @@ def test_hf_overrides_set_config_keys_over_the_models_as_vllm(tiny_model_dir, tm
     with pytest.raises(ModelLoadError, match="hf_overrides.*architecture"):
         _settings(tiny_model_dir, "--hf-overrides",
                   '{"architectures": ["NoSuchForCausalLM"]}')[0].create_engine_config()
+
+
+def test_vllm_execute_model_timeout_variable_sets_the_step_bound(tiny_model_dir, monkeypatch):
+    """A vLLM deployment's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS bounds a step here too (unless
+    --execute-model-timeout is given); a value that is not a positive number is refused
+    naming the variable. (tests/test_http_server.py hangs a real WorkAgent under it.)"""
+    def bound(*flags):
+        return _settings(tiny_model_dir, *flags)[0].create_engine_config() \
+            .execution.execute_model_timeout
+    monkeypatch.delenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    assert bound() == 300
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "600")
+    assert bound() == 600
+    assert bound("--execute-model-timeout", "20") == 20
+    for bad in ("0", "-5", "ten"):
+        monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", bad)
+        with pytest.raises(ConfigError) as e:
+            bound()
+        assert e.value.key == "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" and repr(bad) in str(e.value)
