@@ -131,20 +131,24 @@ def _stream_tokens(url, model, max_tokens):
     return r, events()
 
 
-def test_an_adapter_gone_after_loading_fails_its_own_requests_only(
+def test_an_adapter_gone_after_loading_still_runs_and_then_fails_its_own_requests_only(
         runtime_server, adapters, reference, tiny_model_dir, tmp_path):
-    """An adapter whose directory is removed after it was loaded, first used in a step with
-    a base-model request: that request streams on to its end with the base model's tokens;
-    the adapter's request ends with one line naming the path (the traceback goes to the
-    server's log only). Then the name is a 400 naming the path while the directory is gone,
-    and once it is back the name serves the adapter's own tokens (not KV computed without
-    it while it was gone)."""
+    """The WorkAgent reads an adapter when it is loaded (as vLLM's workers do): removing its
+    directory after the load's answer does not stop it from serving. Once the agent has
+    dropped it (max_cpu_loras is 1 here: another adapter loaded), its next request needs the
+    directory, and fails alone: a base-model request in the same steps streams on to its end
+    with the base model's tokens, while the adapter's request ends with one line naming the
+    path (the traceback goes to the server's log only). Then the name is a 400 naming the
+    path while the directory is gone, and once it is back the name serves the adapter's own
+    tokens (not KV computed without it while it was gone)."""
     url = runtime_server
     base = hf_logits_and_greedy(merged_hf_model(tiny_model_dir), PROMPT, NEW)[1]
     gone = tmp_path / "gone"
     shutil.copytree(adapters["c"], gone)
     assert _post(url, "load_lora_adapter", lora_name="gone", lora_path=str(gone)).ok
     shutil.rmtree(gone)
+    assert _tokens(url, "gone") == reference["c"]
+    assert _post(url, "load_lora_adapter", lora_name="other", lora_path=adapters["d"]).ok
     r, events = _stream_tokens(url, "tiny", 300)
     with r:
         got = list(next(events)[1])                  # the base request is running ...
@@ -163,7 +167,8 @@ def test_an_adapter_gone_after_loading_fails_its_own_requests_only(
     assert str(gone) in r.json()["error"]["message"]
     shutil.copytree(adapters["c"], gone)
     assert _tokens(url, "gone") == reference["c"]
-    assert _post(url, "unload_lora_adapter", lora_name="gone").ok
+    for name in ("gone", "other"):
+        assert _post(url, "unload_lora_adapter", lora_name=name).ok
 
 
 def test_an_adapter_with_unreadable_weights_is_refused_when_loaded(runtime_server, adapters,

@@ -387,6 +387,16 @@ class AsyncLLMEngine:
         self._held = True
         self._fail_all(ShuttingDownError(reason))
 
+    async def read_lora(self, lora) -> Optional[str]:
+        """Have the model runner read a newly registered LoRA adapter (between two steps);
+        None once read, else why it could not be (its id is then not run again)."""
+        self.check_health()
+        self._bind_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put(("read_lora", (lora, fut)))
+        self._wake.set()
+        return await fut
+
     async def get_stats(self) -> EngineStats:
         """The engine's stats, taken on the engine thread between steps."""
         self.check_health()
@@ -438,6 +448,8 @@ class AsyncLLMEngine:
             while not self._stopping:
                 outs = self._take_commands()
                 try:
+                    if engine.lora_reads_pending:
+                        outs.extend(engine.read_new_loras())
                     if engine.has_unfinished_requests():
                         steps = engine.stats.num_steps
                         outs.extend(engine.step())
@@ -520,6 +532,9 @@ class AsyncLLMEngine:
                 engine.decline_kv_offer(arg)
             elif cmd == "stats":
                 self._post(_resolve, arg, engine.get_stats())
+            elif cmd == "read_lora":
+                lora, fut = arg
+                engine.read_lora(lora, lambda why, fut=fut: self._post(_resolve, fut, why))
             elif cmd == "abort_all":
                 outs.extend(engine.fail_all(arg))
 

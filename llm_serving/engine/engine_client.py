@@ -110,3 +110,7 @@ class EngineClient(Protocol):
         requests refused before they were queued; the producer frees their blocks at once."""
 
     async def get_stats(self) -> "EngineStats": ...
+
+    async def read_lora(self, lora) -> Optional[str]:
+        """The model runner reads a newly registered LoRA adapter: None, or why it could
+        not."""

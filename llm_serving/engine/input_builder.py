@@ -120,9 +120,14 @@ def _lora_fields(seqs: list[Sequence]) -> dict:
     paths = {s.lora_id: s.lora_path for s in seqs if s.lora_id}
     if not paths:
         return {}
-    meta = json.dumps({str(i): p for i, p in paths.items()}, ensure_ascii=False).encode()
     return dict(lora_ids=np.fromiter((s.lora_id for s in seqs), np.int32, len(seqs)),
-                lora_paths=np.frombuffer(meta, np.uint8).copy())
+                lora_paths=lora_paths_array(paths))
+
+
+def lora_paths_array(paths: dict) -> np.ndarray:
+    """StepInput.lora_paths: {adapter id: path} as JSON bytes."""
+    meta = json.dumps({str(i): p for i, p in paths.items()}, ensure_ascii=False).encode()
+    return np.frombuffer(meta, np.uint8).copy()
 
 
 def _spec_rows(built: BuiltStep, sample_rows: list[int]) -> dict:

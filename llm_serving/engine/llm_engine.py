@@ -17,6 +17,7 @@ are processed, and the model waits for it only before sampling.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -29,7 +30,7 @@ from llm_serving.config import EngineArgs, EngineConfig
 from llm_serving.errors import ConfigError
 from llm_serving.engine.block_manager import BlockManager
 from llm_serving.engine.constraints import Constraints
-from llm_serving.engine.input_builder import block_pairs, build_step_input
+from llm_serving.engine.input_builder import block_pairs, build_step_input, lora_paths_array
 from llm_serving.engine.input_processor import InputProcessor, NewRequest, PromptType
 from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
 from llm_serving.engine.metrics import EngineStats
@@ -114,6 +115,10 @@ class LLMEngine:
         self._in_flight: Optional[StepInFlight] = None
         self._arrivals = itertools.count()
         self._init_remote_kv()
+        # LoRA adapters registered at run time, for the model runner to read before the next
+        # step: (LoRARequest, done(why: None once read)).
+        self._lora_reads: collections.deque = collections.deque()
+        self._read_served_loras()
 
     def _init_remote_kv(self) -> None:
         """KV transfer (PD disaggregation), when configured: the scheduler-side connector,
@@ -282,6 +287,51 @@ class LLMEngine:
         ended = self._end_unreadable_loras() if self.loras is not None else []
         return ended + self.output_processor.process(fl, result) + self._apply_kv_outputs()
 
+    def read_lora(self, lora, done) -> None:
+        """Have the model runner read a newly registered adapter before the next step (vLLM's
+        workers load an adapter when it is added), so that its requests run even if its
+        directory is gone by then. ``done(why)`` is called with None once it is read, else
+        with the reason (the id is then not run again)."""
+        self._lora_reads.append((lora, done))
+
+    @property
+    def lora_reads_pending(self) -> bool:
+        return bool(self._lora_reads)
+
+    def read_new_loras(self) -> list[RequestOutput]:
+        """The reads ``read_lora`` asked for, each a step without tokens; the step running
+        is collected first (its outputs are returned)."""
+        outputs = self._collect(self._take_in_flight()) if self._in_flight is not None else []
+        while self._lora_reads:
+            lora, done = self._lora_reads.popleft()
+            why = "the model process failed while reading it"
+            try:
+                why = self._read_loras([lora]).get(lora.lora_int_id)
+            finally:
+                done(why)
+        return outputs
+
+    def _read_served_loras(self) -> None:
+        """The adapters served by name read by the model runner: at start (--lora-modules)
+        and by a new WorkAgent."""
+        if self.loras is not None:
+            self._read_loras(list(self.loras.served.values()))
+
+    def _read_loras(self, loras: list) -> dict:
+        """The model runner reads ``loras`` now (nothing may be in flight); {id: why} of those
+        it could not read, whose ids are not run again (lora/registry.py)."""
+        failed = {}
+        for lora in loras:
+            self.runner.execute(StepInput(
+                _EMPTY, _EMPTY, _EMPTY, np.zeros((0, 0), np.int32), np.zeros(1, np.int32),
+                _EMPTY, _EMPTY, None,
+                lora_paths=lora_paths_array({lora.lora_int_id: lora.lora_path})))
+            for lora_id, why in self.runner.take_lora_failures().items():
+                logger.error("LoRA adapter %d could not be read: %s", lora_id, why)
+                self.loras.unreadable(lora_id, why)
+                failed[lora_id] = why
+        return failed
+
     def _end_unreadable_loras(self) -> list[RequestOutput]:
         """End the requests of the LoRA adapters the model runner could not read (their rows
         ran without them; the other requests of the step go on), and never run those ids
@@ -371,6 +421,7 @@ class LLMEngine:
         self.runner = create_executor(self.config, self.cancel_loading)
         self._init_remote_kv()
         self.warm_up()
+        self._read_served_loras()
 
     def kill_runner(self) -> None:
         """Kill the WorkAgent processes at once, if any (a step they hold then fails with

@@ -54,13 +54,20 @@ async def load_lora_adapter(req: LoadLoRAAdapterRequest, request: Request):
     if req.lora_name in state.model_names():
         raise HTTPError(400, f"lora_name: the lora adapter '{req.lora_name}' conflicts with a "
                         "served base model.", param="lora_name")
-    try:        # reads the adapter's config and safetensors header: off the event loop
-        await asyncio.to_thread(loras.load, req.lora_name, req.lora_path, None,
-                                req.load_inplace)
+    try:        # reads the adapter's config and weights: off the event loop
+        lora = await asyncio.to_thread(loras.load, req.lora_name, req.lora_path, None,
+                                       req.load_inplace)
     except ValueError as e:
         field = str(e).split(":", 1)[0]
         raise HTTPError(400, str(e), param=field if field == "lora_name" else "lora_path") \
             from None
+    # The WorkAgents read it now too (vLLM's add_lora), so that its requests run even if the
+    # directory is removed after this answer.
+    why = await state.require_engine().read_lora(lora)
+    if why is not None:
+        loras.unload(req.lora_name)
+        raise HTTPError(400, f"lora_path: the model process could not read the adapter: {why}",
+                        param="lora_path")
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         try:
             step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
             runner.wait_for_mask = lambda n=step_no: control.wait_mask(n)
-            result = runner.execute(step)     # (a step with no tokens only moves KV)
+            result = runner.execute(step)   # (one with no tokens moves KV or reads adapters)
             failed = runner.take_lora_failures()
             if failed:
                 msg = json.dumps(failed).encode()

@@ -135,6 +135,20 @@ class LoRAModels:
         """The (id, path) of the adapters held, least recently used first."""
         return list(self._loaded)
 
+    def read(self, lora_paths: np.ndarray) -> None:
+        """Load the adapters of ``lora_paths`` ({id: path} JSON) now: newly registered ones."""
+        for i, path in json.loads(lora_paths.tobytes().decode()).items():
+            self._adapter_or_failure(int(i), path, set())
+
+    def _adapter_or_failure(self, lora_id: int, path: str, keep: set):
+        """``adapter``, or None with the reason kept for ``take_failures``."""
+        try:
+            return self.adapter(lora_id, path, keep)
+        except Exception as e:   # noqa: BLE001 - its requests fail, not the step
+            logger.warning("cannot read LoRA adapter %d at %s: %s", lora_id, path, e)
+            self.failed[lora_id] = f"{type(e).__name__}: {e}"
+            return None
+
     def for_step(self, lora_ids: np.ndarray, lora_paths: np.ndarray,
                  query_start_loc: np.ndarray) -> Optional[StepLoRA]:
         """The step's rows per adapter (None when no sequence has one)."""
@@ -146,11 +160,8 @@ class LoRAModels:
         keep = {(i, paths[str(i)]) for i in ids}
         groups = []
         for i in ids:
-            try:
-                weights = self.adapter(i, paths[str(i)], keep)
-            except Exception as e:   # noqa: BLE001 - its requests fail, not the step
-                logger.warning("cannot read LoRA adapter %d at %s: %s", i, paths[str(i)], e)
-                self.failed[i] = f"{type(e).__name__}: {e}"
+            weights = self._adapter_or_failure(i, paths[str(i)], keep)
+            if weights is None:
                 continue
             rows = np.flatnonzero(per_row == i)
             if rows[-1] - rows[0] + 1 == len(rows):

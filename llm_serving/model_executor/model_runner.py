@@ -250,7 +250,9 @@ class ModelRunner:
         return result
 
     def _execute(self, step: StepInput, with_hidden: bool = False):
-        if not len(step.input_ids):          # a step that only moves KV blocks
+        if not len(step.input_ids):   # a step that only moves KV blocks or reads adapters
+            if self.loras is not None and len(step.lora_paths):
+                self.loras.read(step.lora_paths)
             return (None, None) if with_hidden else None
         if self.pooler is not None:
             return self._pool(step)
