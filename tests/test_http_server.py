@@ -866,6 +866,37 @@ def kill_an_agent_and_come_back(url, server_pid, tiny_llm, rank=0, num_agents=1,
     assert metric(url, "generation_tokens_total") >= generated + 8
 
 
+def test_metrics_and_load_answer_while_a_step_holds_the_engine(server):
+    """A model step that holds the engine thread (a long prefill on a slow machine; a hung
+    WorkAgent, until --execute-model-timeout) does not hold /metrics, /load and llm-serving's
+    /serving/get_bs: within about a second they answer with the last stats (they waited for
+    the step, up to 300 s, so a Prometheus scrape or a load balancer's poll timed out). Once
+    the step ends they are current again, and the request in flight ends normally."""
+    url = server
+    agent = agent_pids(SERVERS[server].pid)[0]
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "stream": True}
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
+        next(lines)                                   # the request is running
+        assert requests.get(url + "/load", timeout=10).json() == {"server_load": 1}
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)
+            for path in ("/metrics", "/load", "/serving/get_bs"):
+                t0 = time.monotonic()
+                got = requests.get(url + path, timeout=10)
+                assert got.status_code == 200 and time.monotonic() - t0 < 2.5, path
+            assert json.loads(got.text[len("data: "):])["data"] == 1   # get_bs: 1 running
+            assert requests.get(url + "/load", timeout=10).json() == {"server_load": 1}
+            assert metric(url, "num_requests_running") == 1
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        rest = list(lines)
+    assert rest[-1] == b"data: [DONE]" and b'"error"' not in b"".join(rest)
+    wait_until(lambda: requests.get(url + "/load", timeout=10).json() == {"server_load": 0},
+               10, "/load did not come back to 0")
+
+
 def test_killed_agent_fails_requests_in_flight_and_comes_back(server, tiny_llm):
     kill_an_agent_and_come_back(server, SERVERS[server].pid, tiny_llm)
 

@@ -24,6 +24,9 @@ from llm_serving.errors import (EngineDeadError, LLMServingError, QueueFullError
                                 ShuttingDownError)
 
 logger = logging.getLogger("llm_serving.server")
+# How long a stats read (/metrics, /load) waits for the engine thread before it answers with
+# the last stats: a step's length, a few ms, when nothing holds it.
+STATS_WAIT_S = 1.0
 
 
 class HTTPError(Exception):
@@ -57,15 +60,30 @@ class ServerState:
     started: float = field(default_factory=time.time)
     log_stats_interval: float = 10.0      # seconds between stats log lines; 0: none
     frontend: FrontendArgs = field(default_factory=FrontendArgs)   # vLLM's server flags
+    _last_stats: object = field(default=None, repr=False)     # the engine's, taken last
 
     async def stats(self):
         """The engine's stats, also fed to /metrics: the engine hands each finished request's
-        timings over once, so every reader goes through here or the histograms miss them."""
+        timings over once, so every reader goes through here or the histograms miss them.
+        The engine thread takes them between two steps: while a step holds it (a long
+        prefill, a hung WorkAgent until execute_model_timeout) the last stats are answered
+        after STATS_WAIT_S, and the ones asked for fed to /metrics when they come."""
         engine = self.engine if self.engine is not None else self.require_engine()
-        stats = await engine.get_stats()
+        read = asyncio.ensure_future(engine.get_stats())
+        read.add_done_callback(lambda done: self._took_stats(engine, done))
+        if self._last_stats is None:
+            return await asyncio.shield(read)
+        try:
+            return await asyncio.wait_for(asyncio.shield(read), STATS_WAIT_S)
+        except asyncio.TimeoutError:
+            return self._last_stats
+
+    def _took_stats(self, engine, read: asyncio.Future) -> None:
+        if read.cancelled() or read.exception() is not None:   # (the reader is told)
+            return
+        self._last_stats = stats = read.result()
         if self.metrics is not None:
             self.metrics.update(stats, engine.limits.cache, engine.limits.max_loras)
-        return stats
 
     def model_names(self) -> set[str]:
         return {self.served_model_name, self.engine_args.model}
