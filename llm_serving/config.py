@@ -634,10 +634,10 @@ class EngineArgs:
         if self.speculative_config is not None:
             raise ConfigError("enable_lora", "LoRA adapters are not supported with "
                               "speculative_config (n-gram drafts) yet")
-        from llm_serving.lora.peft import check_adapter
+        from llm_serving.lora.peft import read_adapter
         for name, path, _ in self.lora_modules or ():
             try:                # a bad adapter stops the start, before the model loads
-                check_adapter(path, hf, self.max_lora_rank)
+                read_adapter(path, hf, self.max_lora_rank)
             except ValueError as e:
                 raise ConfigError("lora_modules", f"adapter {name!r}: {e}") from None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,

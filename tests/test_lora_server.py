@@ -115,8 +115,12 @@ def test_unknown_model_is_still_404(lora_server):
 
 def test_bad_lora_module_stops_the_start(tiny_model_dir, tmp_path):
     big = make_adapter(str(tmp_path / "big"), tiny_model_dir, r=32, seed=3)
+    cut = make_adapter(str(tmp_path / "cut"), tiny_model_dir, r=8, seed=4)
+    weights = os.path.join(cut, "adapter_model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) - 64)     # its header is whole
     for module, said in ((f"x={tmp_path / 'none'}", "not a directory"),
-                         (f"big={big}", "LoRA rank 32 is greater than max_lora_rank 16")):
+                         (f"big={big}", "LoRA rank 32 is greater than max_lora_rank 16"),
+                         (f"cut={cut}", "cannot read the adapter's weights")):
         run = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
                               "--enable-lora", "--lora-modules", module, "--dry-run"],
                              capture_output=True, text=True, timeout=120)

@@ -1,9 +1,9 @@
 """A PEFT LoRA adapter directory: ``adapter_config.json`` and ``adapter_model.safetensors``.
 
 ``check_adapter`` reads the config and the safetensors header (no weights) and checks them
-against the base model: the master does this once per adapter, so that a bad adapter is
-refused before any request runs with it. ``load_adapter`` reads the weights (a WorkAgent,
-once per adapter it keeps). What PEFT can express and this engine does not compute is refused
+against the base model; ``read_adapter`` reads the weights too: the master does this once per
+adapter, so that a bad adapter is refused before any request runs with it. ``load_adapter``
+reads the weights (a WorkAgent, once per adapter it keeps). What PEFT can express and this engine does not compute is refused
 by name: DoRA (``use_dora``), ``modules_to_save``, a ``bias`` other than none, LoRA bias,
 ``alpha_pattern``, layer replication, and modules other than q/k/v/o and gate/up/down.
 """
@@ -143,6 +143,18 @@ def check_adapter(path: str, hf, max_lora_rank: int) -> AdapterSpec:
         top = max(top, rank)
         modules.append((module, rank, alpha / math.sqrt(rank) if rslora else alpha / rank))
     return AdapterSpec(os.path.abspath(path), top, tuple(modules))
+
+
+def read_adapter(path: str, hf, max_lora_rank: int) -> AdapterSpec:
+    """``check_adapter``, then the weights read as a WorkAgent will read them, so that a file
+    that cannot be read (e.g. truncated) is refused when the adapter is given, not at its
+    first step; a ValueError naming what is wrong."""
+    spec = check_adapter(path, hf, max_lora_rank)
+    try:
+        load_adapter(spec)
+    except (OSError, ModelLoadError) as e:
+        raise ValueError(f"lora_path: cannot read the adapter's weights: {e}") from None
+    return spec
 
 
 def load_adapter(spec: AdapterSpec) -> dict:

@@ -1,6 +1,6 @@
 """The adapters the engine knows (master side): each request's ``LoRARequest`` is checked
 here before it is queued, its adapter read and checked once per id and path
-(``peft.check_adapter``, then its weights read as a WorkAgent will), and the adapters
+(``peft.read_adapter``: its config checked, its weights read), and the adapters
 served by name (``--lora-modules``, and those loaded at run time) are kept by name for the
 HTTP routes."""
 from __future__ import annotations
@@ -10,8 +10,7 @@ import threading
 from typing import Optional
 
 from llm_serving.config import LoRAConfig
-from llm_serving.errors import ModelLoadError
-from llm_serving.lora.peft import AdapterSpec, check_adapter, load_adapter
+from llm_serving.lora.peft import AdapterSpec, read_adapter
 from llm_serving.lora.request import LoRARequest
 
 
@@ -46,11 +45,7 @@ class LoRARegistry:
         if known is not None and known != lora.lora_path:
             raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is adapter "
                              f"{known!r} already; give {lora.lora_path!r} its own id")
-        spec = check_adapter(lora.lora_path, self.hf, self.config.max_lora_rank)
-        try:        # the weights themselves, as the WorkAgent will: a bad file is refused now
-            load_adapter(spec)
-        except (OSError, ModelLoadError) as e:
-            raise ValueError(f"lora_path: cannot read the adapter's weights: {e}") from None
+        spec = read_adapter(lora.lora_path, self.hf, self.config.max_lora_rank)
         with self._lock:
             self._specs[key] = spec
             self._paths.setdefault(lora.lora_int_id, lora.lora_path)
