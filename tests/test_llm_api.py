@@ -451,3 +451,27 @@ def test_lora_request_none_is_taken_as_vllm_takes_it(tiny_llm):
         with pytest.raises(ValueError, match="lora_request: LoRA adapters are served with "
                                              "enable_lora"):
             call()
+
+
+def test_enqueue_then_wait_for_completion_runs_what_was_enqueued(tiny_model_dir, tiny_llm):
+    """vLLM 0.32's enqueue / enqueue_chat / wait_for_completion: requests are checked when
+    enqueued (a bad one raises then, and nothing runs), run together by wait_for_completion,
+    and come back in the order enqueued with the outputs generate and chat give them;
+    from_engine_args and get_world_size as vLLM's."""
+    from llm_serving import LLM, EngineArgs
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    talk = [{"role": "user", "content": "Hi there"}]
+    ids = tiny_llm.enqueue(["Hello", "Once upon"], greedy, use_tqdm=False)
+    ids += tiny_llm.enqueue_chat(talk, greedy, use_tqdm=False)
+    assert len(set(ids)) == 3
+    with pytest.raises(ValueError, match="max_logprobs"):
+        tiny_llm.enqueue(["x", "y"], [greedy, SamplingParams(logprobs=50)], use_tqdm=False)
+    outs = tiny_llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == ids
+    want = tiny_llm.generate(["Hello", "Once upon"], greedy) + tiny_llm.chat(talk, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
+    assert tiny_llm.wait_for_completion(use_tqdm=False) == []
+    llm = LLM.from_engine_args(EngineArgs(tiny_model_dir, num_blocks=64))
+    assert llm.get_world_size() == 1
+    assert (llm.generate("Hello", greedy)[0].outputs[0].token_ids
+            == want[0].outputs[0].token_ids)

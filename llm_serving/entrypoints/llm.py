@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 from typing import Optional, Sequence, Union
 
 from pydantic import ValidationError
@@ -51,8 +52,25 @@ class LLM:
         """``model``: an HF model directory, or ``builtin:tiny-llama`` (as start.py's
         --model: the built-in tiny model, generated on first use)."""
         engine_args = drop_no_effect_args(engine_args, "LLM", _LLM_NO_EFFECT)
-        self.engine = LLMEngine(EngineArgs.from_kwargs(resolve_model(model), **engine_args))
+        self._start(EngineArgs.from_kwargs(resolve_model(model), **engine_args))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """vLLM's: an LLM of ready EngineArgs (``llm_serving.EngineArgs``)."""
+        llm = cls.__new__(cls)
+        llm._start(engine_args)
+        return llm
+
+    def _start(self, engine_args: EngineArgs) -> None:
+        self.engine = LLMEngine(engine_args)
         self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+        self._enqueued: list = []       # enqueue()'s checked requests, for wait_for_completion
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the ranks the model runs on (tensor parallel; no data or pipeline
+        parallelism here)."""
+        return self.engine.config.parallel.tensor_parallel_size
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -78,6 +96,34 @@ class LLM:
                  priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
         """vLLM's arguments in vLLM's order. ``lora_request``: the adapter every prompt runs
         with, or a list with one per prompt (None: the base model; needs enable_lora)."""
+        return self._run(self._process(prompts, sampling_params, lora_request, priority),
+                         use_tqdm)
+
+    def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]],
+                sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+                priority: Union[int, Sequence[int], None] = None, use_tqdm: bool = True,
+                tokenization_kwargs: Optional[dict] = None,
+                mm_processor_kwargs: Optional[dict] = None) -> list[str]:
+        """vLLM 0.32's: check and keep the prompts, as ``generate`` takes them, without
+        running them; ``wait_for_completion`` runs everything enqueued. The request ids."""
+        _no_tokenization_kwargs(tokenization_kwargs)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: not supported by this server")
+        news = self._process(prompts, sampling_params, lora_request, priority, use_tqdm)
+        self._enqueued.extend(news)
+        return [new.request_id for new in news]
+
+    def wait_for_completion(self, output_type=None, *,
+                            use_tqdm: bool = True) -> list[RequestOutput]:
+        """vLLM 0.32's: run every enqueued request to its end; their outputs in the order
+        they were enqueued."""
+        news, self._enqueued = self._enqueued, []
+        return self._run(news, use_tqdm)
+
+    def _process(self, prompts, sampling_params, lora_request, priority,
+                 use_tqdm: bool = False) -> list:
+        """``generate``'s arguments as checked requests, not queued yet."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(lora_request, (list, tuple)):
@@ -105,12 +151,13 @@ class LLM:
                     final[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
         # Every prompt is checked before any runs; they are queued as the waiting queue
         # (max_waiting_requests, the server's bound) has room, so any number can be given.
-        news = [self.engine.process_request(prompt, final[id(params)],
-                                            request_id=f"llm-{id(self)}-{i}",
+        items = enumerate(zip(prompts, sampling_params))
+        return [self.engine.process_request(prompt, final[id(params)],
+                                            request_id=f"llm-{id(self)}-{next(self._ids)}",
                                             priority=priority[i] if priority else 0,
                                             lora_request=lora_request[i])
-                for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
-        return self._run(news, use_tqdm)
+                for i, (prompt, params) in tqdm(items, total=len(prompts),
+                                                desc="Adding requests", disable=not use_tqdm)]
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                    None] = None,
@@ -124,6 +171,29 @@ class LLM:
         of text parts (joined with newlines); ``tools`` and ``chat_template_kwargs`` go to the
         chat template; ``continue_final_message`` carries on the last message instead of
         starting a new turn. ``lora_request`` as ``generate``'s."""
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
+
+    def enqueue_chat(self, messages, sampling_params: Union[SamplingParams,
+                                                            Sequence[SamplingParams],
+                                                            None] = None,
+                     use_tqdm: bool = True, lora_request=None,
+                     priority: Union[int, Sequence[int], None] = None,
+                     chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tools: Optional[list] = None,
+                     chat_template_kwargs: Optional[dict] = None,
+                     tokenization_kwargs: Optional[dict] = None,
+                     mm_processor_kwargs: Optional[dict] = None) -> list[str]:
+        """vLLM 0.32's, in its order: ``chat``'s conversations enqueued (see ``enqueue``)."""
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs)
+        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm,
+                            tokenization_kwargs, mm_processor_kwargs)
+
+    def _chat_prompts(self, messages, chat_template, add_generation_prompt,
+                      continue_final_message, tools, chat_template_kwargs) -> list[dict]:
+        """One prompt (its text and token ids) per conversation, from the chat template."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")
@@ -148,7 +218,7 @@ class LLM:
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text,
                                                                       add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
+        return prompts
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
