@@ -95,6 +95,17 @@ def test_cross_encoder_scores_the_tokenizers_pair_encoding(classifier_dirs, name
     raw = llm.score(QUERY, DOCS[1], pooling_params=PoolingParams(use_activation=False))
     np.testing.assert_allclose(raw[0].outputs.score, logits(pair(QUERY, DOCS[1]))[0],
                                atol=1e-4, rtol=1e-5)
+    # a score template (vLLM's: the messages {"role": "query"} and {"role": "document"}),
+    # rendered and tokenized as transformers does it
+    template = "Query: {{ messages[0].content }}\nDocument: {{ messages[1].content }}\nRelevant:"
+    templated = llm.score(QUERY, DOCS[:2], chat_template=template)
+    for out, doc in zip(templated, DOCS[:2]):
+        text = tok.apply_chat_template([{"role": "query", "content": QUERY},
+                                        {"role": "document", "content": doc}],
+                                       chat_template=template, tokenize=False)
+        assert out.prompt_token_ids == tok(text)["input_ids"]
+        np.testing.assert_allclose(out.outputs.score,
+                                   _sigmoid(logits(tok(text)["input_ids"])[0]), atol=1e-5, rtol=0)
 
 
 def test_embedding_model_scores_by_cosine_similarity(tiny_model_dir):
@@ -129,8 +140,6 @@ def test_refusals(classifier_dirs, tiny_model_dir):
         ce.score(DOCS[:2], DOCS)
     with pytest.raises(ValueError, match="data_2: multimodal"):
         ce.score(QUERY, {"content": [{"type": "text", "text": "x"}]})
-    with pytest.raises(ValueError, match="chat_template"):
-        ce.score(QUERY, DOCS, chat_template="{{ x }}")
     with pytest.raises(ConfigError, match="runner"):
         LLM(classifier_dirs[("llama", 3)], runner="generate", num_blocks=64)
     with pytest.raises(ConfigError, match="convert"):      # a causal LM has no score head

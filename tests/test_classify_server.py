@@ -177,3 +177,19 @@ def test_invocations_on_a_cross_encoder_reranks_scores_and_classifies(ce_server)
             direct.pop(key, None)
             via.pop(key, None)
         assert via == direct, path
+
+
+def test_chat_template_renders_each_pair_as_vllm_does(classifier_dirs, ce_hf):
+    """--chat-template on a cross-encoder (vLLM's score template): /rerank scores the text
+    the template makes of {"role": "query"} and {"role": "document"}, as transformers renders
+    and tokenizes it."""
+    tok, logit = ce_hf
+    template = "Q: {{ messages[0].content }}\nD: {{ messages[1].content }}\nRelevant:"
+    with served(classifier_dirs[("qwen3", 1)], "--chat-template", template,
+                port=_port(5)) as url:
+        out = _post(url, "/rerank", {"query": QUERY, "documents": DOCS})
+    for result in out["results"]:
+        text = tok.apply_chat_template([{"role": "query", "content": QUERY},
+                                        {"role": "document", "content": DOCS[result["index"]]}],
+                                       chat_template=template, tokenize=False)
+        assert abs(result["relevance_score"] - _sigmoid(logit(tok(text)["input_ids"]))) < 1e-5

@@ -249,12 +249,10 @@ class LLM:
               pooling_params: Optional[PoolingParams] = None, lora_request=None,
               tokenization_kwargs=None, chat_template=None) -> list[ScoringRequestOutput]:
         """vLLM's: the score of each pair of texts, 1:1, 1:N or N:N (entrypoints/scoring.py):
-        a cross-encoder's (a classifier of one label: its sigmoid) or an embedding model's
-        (the cosine similarity of the two embeddings)."""
+        a cross-encoder's (a classifier of one label: its sigmoid; ``chat_template``, a score
+        template rendering each pair) or an embedding model's (the cosine similarity of the
+        two embeddings)."""
         _no_tokenization_kwargs(tokenization_kwargs)
-        if chat_template is not None:
-            raise ValueError("chat_template: score templates are not supported by this "
-                             "server; pairs are joined by the tokenizer")
         pooler = self.engine.config.model.pooler
         if pooler is None:
             raise _no_pooling("score")
@@ -264,9 +262,9 @@ class LLM:
         first, second = score_texts(data_1, data_2)
         pairs = pair_indices(len(first), len(second))
         if pooler.task == "classify":
-            prompts = [{"prompt_token_ids": cross_encoder_prompt(self.tokenizer, pooler,
-                                                                 first[i], second[j])}
-                       for i, j in pairs]
+            prompts = [{"prompt_token_ids": cross_encoder_prompt(
+                self.tokenizer, pooler, first[i], second[j], chat_template=chat_template)}
+                for i, j in pairs]
             return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[0]),
                                          out.prompt_token_ids, out.finished,
                                          out.num_cached_tokens or 0)

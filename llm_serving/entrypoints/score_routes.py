@@ -37,8 +37,12 @@ async def _scores(req, request: Request, route: str):
     rid = new_request_id("score")
     tok = engine.tokenizer
     if pooler.task == "classify":
-        prompts = [truncate(engine, req, cross_encoder_prompt(tok, pooler, first[i], second[j]))
-                   for i, j in pairs]
+        template = server_state(request).chat_template      # --chat-template, as vLLM's
+        try:
+            prompts = [truncate(engine, req, cross_encoder_prompt(
+                tok, pooler, first[i], second[j], chat_template=template)) for i, j in pairs]
+        except ValueError as e:
+            raise translate_error(e) from None
     else:           # a bi-encoder: each text once
         prompts = [truncate(engine, req, tok.encode(t)) for t in first + second]
     outs = await run_pooled(request, engine, rid, prompts, params, req.priority, names[0])

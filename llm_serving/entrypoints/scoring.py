@@ -40,9 +40,16 @@ def pair_indices(n_first: int, n_second: int) -> list[tuple[int, int]]:
 
 
 def cross_encoder_prompt(tokenizer, pooler, first: str, second: str,
-                         add_special_tokens: bool = True) -> list[int]:
-    """A pair's prompt on a cross-encoder: the tokenizer's pair encoding, or (a model whose
-    config.json says use_sep_token false, vLLM's "LLM as reranker") the two texts joined."""
+                         add_special_tokens: bool = True, chat_template=None) -> list[int]:
+    """A pair's prompt on a cross-encoder: with a score template given (--chat-template, or
+    LLM.score's chat_template), the template's text of the messages {"role": "query"} and
+    {"role": "document"}, as vLLM renders it; else the tokenizer's pair encoding, or (a model
+    whose config.json says use_sep_token false, vLLM's "LLM as reranker") the texts joined."""
+    if chat_template is not None:
+        text = tokenizer.render_chat_template(
+            [{"role": "query", "content": first}, {"role": "document", "content": second}],
+            add_generation_prompt=False, chat_template=chat_template)
+        return tokenizer.encode(text, add_special_tokens)
     if pooler.use_sep_token:
         return tokenizer.encode_pair(first, second, add_special_tokens)
     return tokenizer.encode(first + second, add_special_tokens)
