@@ -26,6 +26,7 @@ from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
+from llm_serving.engine.structured_outputs_config import StructuredOutputsConfig
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
 
 if TYPE_CHECKING:
@@ -282,6 +283,12 @@ class EngineArgs:
     reasoning_parser: Optional[str] = _arg(None,
         "split a chat answer's <think>...</think> off its content into the message's "
         "reasoning field, as vLLM: qwen3 or deepseek_r1 (docs/openai.md)")
+    structured_outputs_config: Optional[dict] = _arg(None,
+        "structured outputs for every request, vLLM's keys (on the CLI as JSON): backend "
+        "(auto or guidance: grammars run on llguidance, vLLM's guidance backend), "
+        "disable_any_whitespace, disable_additional_properties (both need backend guidance), "
+        "reasoning_parser (as --reasoning-parser), enable_in_reasoning (the grammar holds "
+        "while the model thinks too); docs/openai.md")
     enable_lora: bool = _arg(False,
         "serve PEFT LoRA adapters on the base model (vLLM's flag; docs/lora.md)")
     lora_modules: Optional[list] = field(default=None, metadata={
@@ -323,6 +330,13 @@ class EngineArgs:
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ConfigError("tool_call_parser", f"expected hermes or llama3_json, got "
                               f"{self.tool_call_parser!r}")
+        so = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        if so.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ConfigError("structured_outputs_config.reasoning_parser", f"expected one of "
+                              f"{', '.join(REASONING_PARSERS)}, got {so.reasoning_parser!r}")
+        # kept whole (its defaults filled in) for the routes; --reasoning-parser wins, as vLLM
+        self.structured_outputs_config = dataclasses.asdict(so)
+        self.reasoning_parser = self.reasoning_parser or so.reasoning_parser or None
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError("reasoning_parser", f"expected one of "
                               f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
@@ -571,6 +585,7 @@ class EngineArgs:
                 kv_storage_dtype=kv_dtype, max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
                 max_logprobs=max_logprobs, pooler=pooler,
+                structured_outputs=StructuredOutputsConfig(**self.structured_outputs_config),
                 default_sampling_params=generation_defaults(
                     self.model, self.generation_config, self.override_generation_config,
                     max_len)),
@@ -807,6 +822,7 @@ class ModelSettings:
     default_sampling_params: dict = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS   # the most logprobs a request may ask for
     pooler: Optional[PoolerSettings] = None   # a pooling runner's (None: generate)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
     def vocab_size(self) -> int:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
+from llm_serving.engine.structured_outputs_config import StructuredOutputsConfig
 from llm_serving.executor.protocol import SamplingBatch
 from llm_serving.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, np.int64)
-# JSON as compact as json.dumps(separators=(",", ":")) with one space allowed after ':' and
-# ',': vLLM's llguidance default lets any whitespace through, which a weak model fills.
-_JSON_OPTIONS = {"whitespace_flexible": False}
 # llguidance's parallel fill hands the rows to its thread pool. On 2 cores, where the model
 # already uses both, it cost 5-10x the plain loop (JSON schema, vocab 8000: 6.7 vs 1.2 ms at
 # 64 rows, 3.8 vs 0.3 ms at 16): it is used only with cores to spare and rows to share.
@@ -57,14 +55,20 @@ _PAR_CORES, _PAR_ROWS = 8, 32
 _LEXER_FUEL = 100_000
 
 
-def compile_grammar(so: StructuredOutputsParams) -> str:
-    """llguidance's grammar text for a request's structured output (not yet validated)."""
+def compile_grammar(so: StructuredOutputsParams,
+                    config: StructuredOutputsConfig = StructuredOutputsConfig()) -> str:
+    """llguidance's grammar text for a request's structured output (not yet validated).
+    JSON is compact by default (one space allowed after ':' and ','): vLLM's default lets
+    any whitespace through, which a weak model fills; ``config`` (the engine's
+    structured_outputs_config) may ask for that, or close objects to unlisted keys."""
     import llguidance
     from llguidance import LLMatcher
     if so.json is not None:
-        return LLMatcher.grammar_from_json_schema(so.json, defaults=_JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(config.json_schema(so.json),
+                                                  defaults=config.json_defaults())
     if so.json_object:
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                  defaults=config.json_defaults())
     if so.regex is not None:
         return LLMatcher.grammar_from_regex(so.regex)
     if so.choice is not None:
@@ -73,8 +77,10 @@ def compile_grammar(so: StructuredOutputsParams) -> str:
 
 
 class Constraints:
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int):
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int,
+                 config: StructuredOutputsConfig = StructuredOutputsConfig()):
         self.tokenizer = tokenizer
+        self.config = config
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         self._lltok = None
@@ -124,7 +130,7 @@ class Constraints:
         from llguidance import LLMatcher
         tok = self.lltokenizer()
         try:
-            grammar = compile_grammar(so)
+            grammar = compile_grammar(so, self.config)
         except (ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs: {e}") from None
         error = LLMatcher.validate_grammar(grammar, tok, limits=self.limits())

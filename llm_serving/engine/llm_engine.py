@@ -102,7 +102,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    proposer=_proposer(config))
-        self.constraints = Constraints(self.tokenizer, config.model.vocab_size)
+        self.constraints = Constraints(self.tokenizer, config.model.vocab_size,
+                                       config.model.structured_outputs)
         self.input_processor = InputProcessor(config, self.tokenizer, self.constraints,
                                               self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,

@@ -606,7 +606,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     thinking = reasoning.thinking_enabled(template_kwargs(state, req.template_vars()))
     show_reasoning = req.include_reasoning
     think_parser = args.reasoning_parser if beam else reasoning.gate_grammar(
-        params, args.reasoning_parser, thinking, show_reasoning, text, ids, engine.tokenizer)
+        params, args, thinking, show_reasoning, text, ids, engine.tokenizer)
 
     # vLLM's: --response-role answers a generation prompt; else the last message's role
     role = state.frontend.response_role if req.add_generation_prompt else req.messages[-1].role

@@ -236,13 +236,18 @@ def ended_in_prompt(name: str, thinking: bool, prompt: str, prompt_ids: list[int
     return prompt.rfind(last) >= 0 and kinds[last]
 
 
-def gate_grammar(params, name: Optional[str], thinking: bool, include_reasoning: bool,
-                 prompt: str, prompt_ids: list[int], tokenizer) -> Optional[str]:
-    """The parser that splits the answer (None: no split). Under a grammar the model thinks
-    first and the grammar holds from the end of its thinking (``params.reasoning_end``, as
-    vLLM); from the first token, with no split, when the prompt left no thinking to do or
-    ``include_reasoning`` is false (vLLM's too, which then has no thinking to show)."""
+def gate_grammar(params, args, thinking: bool, include_reasoning: bool, prompt: str,
+                 prompt_ids: list[int], tokenizer) -> Optional[str]:
+    """The parser that splits the answer (None: no split), ``args.reasoning_parser``. Under a
+    grammar the model thinks first and the grammar holds from the end of its thinking
+    (``params.reasoning_end``, as vLLM); from the first token, with no split, when the prompt
+    left no thinking to do or ``include_reasoning`` is false (vLLM's too, which then has no
+    thinking to show). With structured_outputs_config's enable_in_reasoning the grammar holds
+    from the first token, thinking included, and the answer is split as without a grammar."""
+    name = args.reasoning_parser
     if name is None or params.structured_outputs is None:
+        return name
+    if args.structured_outputs_config["enable_in_reasoning"]:
         return name
     if include_reasoning and not ended_in_prompt(name, thinking, prompt, prompt_ids,
                                                  tokenizer):

@@ -134,7 +134,7 @@ async def create_response(req: ResponsesRequest, request: Request):
         raise translate_error(e) from None
     # --reasoning-parser: the thinking split off first, as on the chat route (a grammar holds
     # after it)
-    think_parser = reasoning.gate_grammar(params, args.reasoning_parser, thinking,
+    think_parser = reasoning.gate_grammar(params, args, thinking,
                                           show_reasoning, text, ids, engine.tokenizer)
 
     def thinker() -> Optional[reasoning.Thoughts]:
