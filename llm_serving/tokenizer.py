@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import (Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple,
                     Union)
 
+from llm_serving.chat_content_format import format_contents
 from llm_serving.errors import ConfigError, ModelLoadError
 
 __all__ = ["BatchEncoding", "Tokenizer"]
@@ -516,6 +517,8 @@ def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -
     """``text`` up to the end of the last message's content, as the template wrote it (a
     template that trims the content's surrounding spaces is followed)."""
     final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):          # OpenAI's parts: the text ends with the last one's
+        final = next((p.get("text") for p in reversed(final) if isinstance(p, dict)), None)
     if not isinstance(final, str) or not final.strip():
         raise ValueError("continue_final_message: the last message has no text to continue")
     at = text.rfind(final.strip())
@@ -841,6 +844,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
         continue_final_message: bool = False,
+        content_format: Optional[str] = None,
         **kwargs: Any,
     ) -> str:
         """The text of ``messages`` by the chat template (``chat_template`` overrides the
@@ -852,6 +856,8 @@ class Tokenizer:
         ``continue_final_message`` (transformers' and vLLM's): the text ends where the last
         message's content does, without what the template closes a turn with, so the model
         carries on writing that message (an assistant reply begun by the caller).
+        ``content_format`` (vLLM's --chat-template-content-format: auto, string or openai;
+        chat_content_format.py): the form each message's content is given in; None: as given.
         """
         template = chat_template if chat_template is not None else self.chat_template
         if isinstance(template, str) and template in self._named_templates:
@@ -871,6 +877,8 @@ class Tokenizer:
             context["additional_special_tokens"] = extra
         context.update(_plain(kwargs))
         messages = _developer_as_system(_plain(list(messages)), template)
+        if content_format is not None:
+            messages = format_contents(messages, content_format, template)
         context["messages"] = messages
         context["add_generation_prompt"] = add_generation_prompt
         text = _render_bounded(_compile_chat_template(template), context)

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from llm_serving.chat_content_format import CONTENT_FORMATS
 from llm_serving.cli_args import json_object
 from llm_serving.errors import ConfigError
 
@@ -118,6 +119,11 @@ class FrontendArgs:
     default_chat_template_kwargs: dict = _arg(
         None, "chat template variables every chat request gets, as JSON, e.g. "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win", json=dict)
+    chat_template_content_format: str = _arg(
+        "auto", "how a message's content is given to the chat template: string (text parts "
+        "joined with newlines), openai (a list of {\"type\": \"text\", \"text\": ...} parts, a "
+        "string as one), or auto: openai when the template loops over a message's content, "
+        "else string (vLLM's detection)", choices=CONTENT_FORMATS)
 
     def __post_init__(self):
         self.allowed_origins = [] if self.allowed_origins is None else self.allowed_origins

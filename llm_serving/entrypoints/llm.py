@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from llm_serving.chat_content_format import CONTENT_FORMATS
 from llm_serving.cli_args import resolve_model
 from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
                                 drop_no_effect_args)
@@ -163,12 +164,15 @@ class LLM:
                                                    None] = None,
              use_tqdm: bool = False, lora_request=None, *,
              priority: Union[int, Sequence[int], None] = None,
-             chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Optional[list] = None,
              chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of conversations, with
         vLLM's arguments in vLLM's order. A message's content may be a string or OpenAI's list
-        of text parts (joined with newlines); ``tools`` and ``chat_template_kwargs`` go to the
+        of text parts, given to the template as ``chat_template_content_format`` says (auto,
+        string: joined with newlines, or openai: the parts; as vLLM's
+        --chat-template-content-format); ``tools`` and ``chat_template_kwargs`` go to the
         chat template; ``continue_final_message`` carries on the last message instead of
         starting a new turn. ``lora_request`` as ``generate``'s."""
         prompts = self._chat_prompts(messages, chat_template, add_generation_prompt,
@@ -197,6 +201,9 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format: expected one of "
+                             f"{', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r}")
         kwargs = dict(chat_template_kwargs or {})
         taken = sorted({*CHAT_OWN_FIELDS, "chat_template"} & kwargs.keys())
         if taken:
@@ -213,7 +220,8 @@ class LLM:
                                  f"{e.errors()[0]['loc']}") from None
             text = self.tokenizer.render_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=template,
-                continue_final_message=continue_final_message, tools=tools, **kwargs)
+                continue_final_message=continue_final_message, tools=tools,
+                content_format=chat_template_content_format, **kwargs)
             # The template already holds any BOS token; don't add a second one.
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text,

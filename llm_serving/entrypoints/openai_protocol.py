@@ -310,8 +310,13 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict:
         """The message as the chat template sees it (tool calls' arguments as objects, as
         Hugging Face templates expect; the thinking as both reasoning and reasoning_content,
-        as vLLM hands it over)."""
-        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        as vLLM hands it over). A list of parts stays one, of text parts only, for the
+        template's content format (chat_content_format.py) to give as it asks."""
+        content = self.content
+        if isinstance(content, list):
+            self.text()                     # text parts only
+            content = [{"type": "text", "text": p["text"]} for p in content]
+        m: dict[str, Any] = {"role": self.role, "content": content}
         thought = self.reasoning if self.reasoning is not None else self.reasoning_content
         if thought is not None:
             if self.role != "assistant":

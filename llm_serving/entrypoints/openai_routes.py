@@ -888,6 +888,7 @@ def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: 
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template,
+            content_format=state.frontend.chat_template_content_format,
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
             **kwargs)
     except ValueError as e:
