@@ -84,9 +84,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                metavar=f.name.upper(), help=help)
     # vLLM's flags that mean nothing here: taken, with a warning (cli_engine_overrides)
     for name, spec in VLLM_NO_EFFECT_ARGS.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                           **({"type": spec.type, "metavar": name.upper()} if spec.type
-                              else {"action": "store_true"}),
+        kind = json_object if spec.type is dict else spec.type
+        group.add_argument("--" + name.replace("_", "-"), *([spec.alias] if spec.alias else []),
+                           dest=name, default=None,
+                           **({"type": kind, "metavar": name.upper(), "nargs": spec.nargs}
+                              if spec.type else {"action": "store_true"}),
                            help=f"vLLM's flag, taken for its command lines; no effect: "
                            f"{spec.why}" + (f" (only {' or '.join(map(str, spec.allowed))})"
                                             if spec.allowed else ""))

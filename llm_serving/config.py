@@ -55,6 +55,8 @@ class NoEffect:
     why: str
     type: Optional[type] = None
     allowed: tuple = ()
+    nargs: Optional[str] = None      # several values after the flag (vLLM's)
+    alias: Optional[str] = None      # vLLM's short flag (-O)
 
 
 # What a pooling runner serves: the decoders models/llama.py runs (their LM head left out)
@@ -63,6 +65,8 @@ POOLING_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCaus
 # --reasoning-parser's names (entrypoints/reasoning.py splits the answers)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 LOCAL_ONLY = "the model and tokenizer load from local directories; nothing is downloaded"
+CPU_GRAPHS = ("decode steps are replayed from CPU graph captures up to max_capture_batch "
+              "(off with enforce_eager)")
 # vLLM's engine arguments that mean nothing here: LLM(...), the YAML and the command line take
 # them with one warning (drop_no_effect_args), so that a vLLM script or command line runs; any
 # other unknown argument is refused by name.
@@ -100,6 +104,16 @@ VLLM_NO_EFFECT_ARGS = {
                            str, ("auto", "float16", "bfloat16")),
     "fully_sharded_loras": NoEffect("LoRA adapters run on one WorkAgent (tensor_parallel_size "
                                     "1): there is nothing to shard"),
+    # torch.compile and CUDA graphs (vLLM-CPU clears the capture sizes and compiles with
+    # torch's inductor); decode steps here are replayed from CPU graph captures instead
+    "compilation_config": NoEffect(f"nothing is compiled with torch here; {CPU_GRAPHS}", dict,
+                                   alias="-cc"),
+    "optimization_level": NoEffect(f"nothing is compiled with torch here; {CPU_GRAPHS}", int,
+                                   (0, 1, 2, 3), alias="-O"),
+    "cudagraph_capture_sizes": NoEffect(f"there are no CUDA graphs (vLLM-CPU drops these "
+                                        f"sizes too); {CPU_GRAPHS}", int, nargs="+"),
+    "max_cudagraph_capture_size": NoEffect(f"there are no CUDA graphs (vLLM-CPU captures none "
+                                           f"either); {CPU_GRAPHS}", int),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and

