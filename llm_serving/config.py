@@ -289,6 +289,13 @@ class EngineArgs:
         "method (only ngram: prompt lookup drafts), num_speculative_tokens, "
         "prompt_lookup_max, prompt_lookup_min (docs/speculative.md); turns async scheduling "
         "off, as vLLM")
+    spec_method: Optional[str] = _arg(None,
+        "vLLM's short form of speculative_config's method (only ngram here)")
+    spec_model: Optional[str] = _arg(None,
+        "vLLM's short form of speculative_config's model: a draft model, refused (only ngram "
+        "drafts here)")
+    spec_tokens: Optional[int] = _arg(None,
+        "vLLM's short form of speculative_config's num_speculative_tokens")
     tool_call_parser: Optional[str] = _arg(None,
         "how tool calls are read from the model's text with tool_choice 'auto': hermes or "
         "llama3_json (needs enable_auto_tool_choice)")
@@ -471,6 +478,7 @@ class EngineArgs:
             raise ConfigError("max_cpu_loras", f"{self.max_cpu_loras} is fewer than max_loras "
                               f"({self.max_loras}): a step's adapters must all be loaded")
         self.lora_modules = parse_lora_modules(self.lora_modules)
+        self.speculative_config = self._with_spec_short_forms()
         spec = SpeculativeConfig.from_value(self.speculative_config)   # names a bad key now
         if spec is not None and self.async_scheduling:
             raise ConfigError("async_scheduling", "cannot be combined with speculative_config "
@@ -534,6 +542,33 @@ class EngineArgs:
             raise ConfigError(EXECUTE_MODEL_TIMEOUT_ENV,
                               f"expected a number of seconds > 0, got {env!r}")
         return value
+
+    def _with_spec_short_forms(self) -> Optional[dict]:
+        """speculative_config with vLLM's --spec-method / --spec-tokens set in it, as vLLM
+        combines them (a key given both ways is an error); the short forms are then cleared,
+        so that the arguments re-checked (dataclasses.replace) combine the same."""
+        short = {key: v for key, v in (("method", self.spec_method),
+                                       ("num_speculative_tokens", self.spec_tokens))
+                 if v is not None}
+        if self.spec_model is not None:
+            raise ConfigError("spec_model", f"{self.spec_model!r}: draft models are not "
+                              "supported here, only n-gram (prompt lookup) drafts: --spec-method "
+                              "ngram (docs/speculative.md)")
+        if not short:
+            return self.speculative_config
+        config = self.speculative_config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except ValueError as e:
+                raise ConfigError("speculative_config", f"expected a JSON object: {e}") from None
+        config = dict(config or {})
+        for key, name in (("method", "spec_method"), ("num_speculative_tokens", "spec_tokens")):
+            if key in short and key in config:
+                raise ConfigError(name, f"both it and speculative_config's {key} are given: "
+                                  "give one (vLLM's rule too)")
+        self.spec_method = self.spec_tokens = None
+        return {**config, **short}
 
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and

@@ -204,6 +204,8 @@ def _settings(model, *flags):
     (["--reasoning-parser", "granite"], "reasoning_parser"),
     (["--lora-dtype", "float64", "--enable-lora"], "lora_dtype"),
     (["-O", "5"], "optimization_level"),
+    (["--spec-model", "/data/draft", "--spec-tokens", "2"], "spec_model"),
+    (["--spec-method", "eagle3", "--spec-tokens", "2"], "speculative_config.method"),
 ])
 def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, flags, key):
     with pytest.raises(ConfigError) as e:
@@ -232,6 +234,20 @@ def test_vllm_compilation_flags_are_taken_and_change_no_capture(tiny_model_dir, 
                  "max_cudagraph_capture_size"):
         assert name in caplog.text
     assert "max_capture_batch" in caplog.text
+
+
+def test_vllm_spec_short_forms_set_the_speculative_config(tiny_model_dir):
+    """--spec-method / --spec-tokens are vLLM 0.32's short forms of --speculative-config's
+    keys, combined with its other keys; a key given both ways is refused, as vLLM."""
+    spec = _settings(tiny_model_dir, "--spec-method", "ngram", "--spec-tokens", "3",
+                     "--speculative-config", '{"prompt_lookup_max": 4}')[0] \
+        .create_engine_config().speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max,
+            spec.prompt_lookup_min) == ("ngram", 3, 4, 4)
+    with pytest.raises(ConfigError) as e:
+        _settings(tiny_model_dir, "--spec-tokens", "2", "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert e.value.key == "spec_tokens" and "num_speculative_tokens" in str(e.value)
 
 
 def test_kv_cache_memory_bytes_sizes_the_pool_as_vllm_reads_it(tiny_model_dir):
