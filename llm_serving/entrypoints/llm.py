@@ -175,8 +175,9 @@ class LLM:
         --chat-template-content-format); ``tools`` and ``chat_template_kwargs`` go to the
         chat template; ``continue_final_message`` carries on the last message instead of
         starting a new turn. ``lora_request`` as ``generate``'s."""
-        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs)
+        prompts = self._chat_prompts(messages, chat_template, chat_template_content_format,
+                                     add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def enqueue_chat(self, messages, sampling_params: Union[SamplingParams,
@@ -184,19 +185,22 @@ class LLM:
                                                             None] = None,
                      use_tqdm: bool = True, lora_request=None,
                      priority: Union[int, Sequence[int], None] = None,
-                     chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, tools: Optional[list] = None,
-                     chat_template_kwargs: Optional[dict] = None,
+                     chat_template: Optional[str] = None,
+                     chat_template_content_format: str = "auto",
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None,
                      tokenization_kwargs: Optional[dict] = None,
                      mm_processor_kwargs: Optional[dict] = None) -> list[str]:
         """vLLM 0.32's, in its order: ``chat``'s conversations enqueued (see ``enqueue``)."""
-        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs)
+        prompts = self._chat_prompts(messages, chat_template, chat_template_content_format,
+                                     add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs)
         return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm,
                             tokenization_kwargs, mm_processor_kwargs)
 
-    def _chat_prompts(self, messages, chat_template, add_generation_prompt,
-                      continue_final_message, tools, chat_template_kwargs) -> list[dict]:
+    def _chat_prompts(self, messages, chat_template, chat_template_content_format,
+                      add_generation_prompt, continue_final_message, tools,
+                      chat_template_kwargs) -> list[dict]:
         """One prompt (its text and token ids) per conversation, from the chat template."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
