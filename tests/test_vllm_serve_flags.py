@@ -56,7 +56,8 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
         "--pipeline-parallel-size", "1", "--data-parallel-size", "1",
         "--disable-sliding-window", "--max-parallel-loading-workers", "2",
         "--revision", "main", "--tokenizer-revision", "main", "--download-dir", str(tmp_path),
-        "--logprobs-mode", "raw_logprobs", "--disable-cascade-attn", "--cpu-offload-gb", "0")
+        "--logprobs-mode", "raw_logprobs", "--disable-cascade-attn", "--cpu-offload-gb", "0",
+        "--exclude-tools-when-tool-choice-none", "--trust-request-chat-template")
     try:
         assert line.startswith("llm_serving ready: https://")
         url = url.replace("http://", "https://")
@@ -117,6 +118,17 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
                                        extra_body={"return_tokens_as_token_ids": False}
                                        ).choices[0].logprobs
         assert not any(t.startswith("token_id:") for t in lp.tokens)
+        # --exclude-tools-when-tool-choice-none: the template gets no tools with "none"
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+        shown = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                 "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}")
+        used = [client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1, tools=[tool], tool_choice=choice,
+            extra_body={"chat_template": shown}).usage.prompt_tokens
+            for choice in ("none", "required")]
+        assert used[0] == used[1] - len(requests.post(
+            url + "/tokenize", verify=crt, json={"prompt": "[get_weather]",
+                                                 "add_special_tokens": False}).json()["tokens"])
         # --num-gpu-blocks-override 300
         metrics = get("/metrics").text
         assert 'num_gpu_blocks="300"' in metrics

@@ -119,6 +119,10 @@ class FrontendArgs:
     default_chat_template_kwargs: dict = _arg(
         None, "chat template variables every chat request gets, as JSON, e.g. "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win", json=dict)
+    exclude_tools_when_tool_choice_none: bool = _arg(
+        False, "a request with tool_choice \"none\" does not give its tools to the chat "
+        "template (by default the template receives them, as on vLLM, and the model may not "
+        "call one)")
     chat_template_content_format: str = _arg(
         "auto", "how a message's content is given to the chat template: string (text parts "
         "joined with newlines), openai (a list of {\"type\": \"text\", \"text\": ...} parts, a "

@@ -588,7 +588,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise translate_error(e) from None
     # Off the event loop: a body of many messages takes seconds to template, which would
     # hold every other client's stream meanwhile.
-    text, ids = await asyncio.to_thread(_chat_prompt_ids, state, engine, req, tools)
+    text, ids = await asyncio.to_thread(
+        _chat_prompt_ids, state, engine, req, tool_calls.prompt_tools(
+            req.tools, choice, state.frontend.exclude_tools_when_tool_choice_none))
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = -1 if req.logprob_token_ids else req.top_logprobs or 0
     as_ids = _as_ids(state, req)

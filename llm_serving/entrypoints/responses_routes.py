@@ -89,9 +89,11 @@ async def create_response(req: ResponsesRequest, request: Request):
         messages, continue_final = req.messages()
         structured, grammar_field = req.structured()
         top = req.logprobs()
-        tools, choice = req.chat_tools()
-        tools, forced = tool_calls.resolve(tools, choice, auto_ok,
+        given, choice = req.chat_tools()
+        tools, forced = tool_calls.resolve(given, choice, auto_ok,
                                            req.parallel_tool_calls is not False)
+        shown = tool_calls.prompt_tools(given, choice,
+                                        state.frontend.exclude_tools_when_tool_choice_none)
         if forced is not None and structured is not None:
             raise ValueError(f"tool_choice: a forced tool call cannot be combined with "
                              f"{grammar_field}")
@@ -110,7 +112,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     def prompt() -> tuple[str, list[int]]:
         try:
             text = render_chat(state, engine.tokenizer, messages, not continue_final,
-                               continue_final, None, req.template_vars(), tools)
+                               continue_final, None, req.template_vars(), shown)
         except HTTPError as e:
             raise renamed(e, "input" if e.param == "messages" else None) from None
         return text, encode_text(engine, text, "input", False)

@@ -72,6 +72,15 @@ def resolve(tools, choice, auto_enabled: bool, parallel: bool):
     return used, forced_grammar(used, choice, parallel) if used else None
 
 
+def prompt_tools(tools, choice, exclude_when_none: bool):
+    """The tools the chat template receives: all of them, also with tool_choice "none" (as
+    vLLM: the model sees them and is not let call one) unless --exclude-tools-when-tool-
+    choice-none; None without tools."""
+    if not tools or (choice == "none" and exclude_when_none):
+        return None
+    return tools
+
+
 def new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
