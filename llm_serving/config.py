@@ -152,6 +152,11 @@ class EngineArgs:
         "tokenizer directory (default: the model's)")
     checkpoint: Optional[str] = _arg(None,
         "a MindSpore .ckpt with mindformers' parameter names to load")
+    skip_tokenizer_init: bool = _arg(False,
+        "token ids in, token ids out, as vLLM: text prompts, chat, /tokenize, echo, "
+        "logprobs on /v1/completions and structured outputs are refused, outputs carry no "
+        "text and stop strings never match (the model directory still needs its tokenizer "
+        "files here, for the end-of-sequence ids)")
     max_num_seqs: int = _arg(128,
         "most sequences per step (llm-serving's decode_batch_size)")
     max_num_batched_tokens: Optional[int] = _arg(None,
@@ -488,7 +493,8 @@ class EngineArgs:
             raise ConfigError("dump_logits", "cannot be combined with speculative_config "
                               "(the dump's rows are one per sequence and step)")
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
-                    "enable_multi_stream", "enforce_eager", "enable_lora"):
+                    "enable_multi_stream", "enforce_eager", "enable_lora",
+                    "skip_tokenizer_init"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -635,6 +641,7 @@ class EngineArgs:
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
                 max_logprobs=max_logprobs, pooler=pooler,
                 structured_outputs=StructuredOutputsConfig(**self.structured_outputs_config),
+                skip_tokenizer_init=self.skip_tokenizer_init,
                 default_sampling_params=generation_defaults(
                     self.model, self.generation_config, self.override_generation_config,
                     max_len)),
@@ -872,6 +879,7 @@ class ModelSettings:
     max_logprobs: int = MAX_LOGPROBS   # the most logprobs a request may ask for
     pooler: Optional[PoolerSettings] = None   # a pooling runner's (None: generate)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    skip_tokenizer_init: bool = False     # token ids in and out only (vLLM's)
 
     @property
     def vocab_size(self) -> int:

@@ -449,7 +449,7 @@ _COMMON_HONOURED = {
     "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
 }
 _COMMON_REFUSED = {
-    "logits_processors": ["x"], "return_token_ids": True,
+    "logits_processors": ["x"],
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
@@ -461,7 +461,7 @@ COMPLETIONS = {
                  "best_of": 1, "suffix": None, "response_format": {"type": "json_object"},
                  "guided_json": {"type": "string", "maxLength": 3},
                  "guided_choice": ["a", "b"], "guided_grammar": 'start: "x"',
-                 "structured_outputs": {"regex": "a+"}},
+                 "structured_outputs": {"regex": "a+"}, "return_token_ids": True},
     "refused": {**_COMMON_REFUSED, "best_of": 2, "suffix": "end"},
 }
 CHAT = {
@@ -476,7 +476,8 @@ CHAT = {
     "refused": {**_COMMON_REFUSED, "audio": {"voice": "alloy", "format": "wav"},
                 "modalities": ["text", "audio"], "function_call": "auto",
                 "functions": [WEATHER["function"]], "reasoning_effort": "ultra",
-                "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}]},
+                "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}],
+                "return_token_ids": True},
 }
 # Each field is sent alone (structured outputs and forced tools exclude each other).
 @pytest.mark.parametrize("path, spec, base", [

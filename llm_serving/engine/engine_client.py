@@ -35,6 +35,8 @@ class EngineLimits:
     pooler: Optional["PoolerSettings"] = None
     # LoRA: the most adapters in one step (vLLM's max_lora label); None without LoRA.
     max_loras: Optional[int] = None
+    # skip_tokenizer_init: text is not tokenized, nor ids decoded (token ids in and out)
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def of(cls, config: EngineConfig, device: Optional[str] = None) -> "EngineLimits":
@@ -50,7 +52,8 @@ class EngineLimits:
                    config.model.vocab_size, device,
                    config.model.weight_dtype, tuple((k, str(v)) for k, v in cache),
                    config.model.pooler,
-                   config.lora.max_loras if config.lora is not None else None)
+                   config.lora.max_loras if config.lora is not None else None,
+                   config.model.skip_tokenizer_init)
 
 
 class RequestStream(Protocol):

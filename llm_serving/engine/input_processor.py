@@ -21,6 +21,9 @@ from llm_serving.tokenizer import Tokenizer
 PromptType = Union[str, dict]
 
 
+# skip_tokenizer_init (vLLM's): what needs text or the tokenizer is refused with this reason
+NO_TOKENIZER = "the tokenizer is not used with skip_tokenizer_init (token ids in and out)"
+
 def encode_prompt(tokenizer: Tokenizer, text: str, max_model_len: int, field: str = "prompt",
                   add_special_tokens: bool = True) -> list[int]:
     """``text``'s token ids; a text too long for max_model_len tokens by its length alone is
@@ -67,6 +70,7 @@ class InputProcessor:
             from llm_serving.distributed.kv_transfer.factory import connector_class
             self._check_offer = connector_class(self.kv_transfer).check_offer
         self.pooler = config.model.pooler          # None: a generate runner
+        self.skip_tokenizer = config.model.skip_tokenizer_init
         self._ids = itertools.count()
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -80,6 +84,12 @@ class InputProcessor:
             params = SamplingParams(max_tokens=1, detokenize=False,
                                     output_kind=RequestOutputKind.FINAL_ONLY)
         params = params or SamplingParams()
+        if self.skip_tokenizer:     # vLLM's: no text out, and no grammar (it needs the vocab)
+            if params.structured_outputs is not None:
+                raise ValueError(f"structured_outputs: {NO_TOKENIZER}")
+            if params.detokenize:
+                params = params.clone()
+                params.detokenize = False
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -177,6 +187,9 @@ class InputProcessor:
                 raise ValueError("a prompt dict needs 'prompt_token_ids' (a TokensPrompt) or "
                                  f"a 'prompt' string (a TextPrompt), got keys {list(prompt)}")
             prompt = prompt["prompt"]
+        if isinstance(prompt, str) and self.skip_tokenizer:
+            raise ValueError(f"prompt: a text prompt is not taken: {NO_TOKENIZER}; give "
+                             "prompt_token_ids")
         if isinstance(prompt, dict):
             try:
                 ids = [int(t) for t in prompt["prompt_token_ids"]]

@@ -13,6 +13,7 @@ from llm_serving.chat_content_format import CONTENT_FORMATS
 from llm_serving.cli_args import resolve_model
 from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
                                 drop_no_effect_args)
+from llm_serving.engine.input_processor import NO_TOKENIZER
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from llm_serving.entrypoints.openai_protocol import ChatMessage
@@ -74,6 +75,8 @@ class LLM:
         return self.engine.config.parallel.tensor_parallel_size
 
     def get_tokenizer(self):
+        if self.engine.config.model.skip_tokenizer_init:
+            raise ValueError(f"get_tokenizer: {NO_TOKENIZER}")
         return self.tokenizer
 
     @functools.cached_property
@@ -205,6 +208,8 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: it continues the last message, so "
                              "add_generation_prompt must be False (it defaults to True)")
+        if self.engine.config.model.skip_tokenizer_init:
+            raise ValueError(f"chat: {NO_TOKENIZER}")
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format: expected one of "
                              f"{', '.join(CONTENT_FORMATS)}, got {chat_template_content_format!r}")

@@ -262,6 +262,12 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = Field(None, ge=1, le=1)
     suffix: Optional[str] = None
     add_special_tokens: bool = True     # vLLM's: false tokenizes a text prompt without a BOS
+    # vLLM's: each choice carries its token_ids and its prompt's prompt_token_ids (the way
+    # out of a --skip-tokenizer-init server)
+    return_token_ids: Optional[bool] = None
+
+    REFUSED: ClassVar[dict] = {k: v for k, v in _REFUSED_COMMON.items()
+                               if k != "return_token_ids"}
 
     @field_validator("max_tokens", mode="before")
     @classmethod

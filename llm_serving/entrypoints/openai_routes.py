@@ -24,7 +24,7 @@ from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, Comp
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.entrypoints import reasoning, remote_prefill, tool_calls, unread_offers
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
-from llm_serving.engine.input_processor import encode_prompt
+from llm_serving.engine.input_processor import NO_TOKENIZER, encode_prompt
 from llm_serving.engine.output_processor import log_generated
 from llm_serving.outputs import RequestOutput
 from llm_serving.sampling_params import BeamSearchParams
@@ -187,7 +187,8 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
                 watch(c)
             ch = choices.setdefault(i * n + c.index, {"text": [], "ids": 0, "lp": [],
                                                       "finish": None, "stop_reason": None,
-                                                      "token_ids": []})
+                                                      "token_ids": [],
+                                                      "prompt_ids": out.prompt_token_ids})
             ch["text"].append(c.text)
             ch["ids"] += len(c.token_ids)
             ch["token_ids"].extend(c.token_ids)
@@ -264,7 +265,7 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
                 "text": tok.decode(s.text_tokens(beam),
                                    skip_special_tokens=params.skip_special_tokens),
                 "ids": len(ids), "token_ids": ids, "lp": [], "finish": beam.finish_reason,
-                "stop_reason": beam.stop_reason}
+                "stop_reason": beam.stop_reason, "prompt_ids": beam.tokens[:s.prompt_len]}
             if front.enable_log_outputs:      # the steps' requests are not logged
                 log_generated(f"{rid}-{i}" + (f" (n={j})" if n > 1 else ""), choice["text"],
                               ids, beam.finish_reason, front.max_log_len)
@@ -433,6 +434,9 @@ async def completions(req: CompletionRequest, request: Request):
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
     # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
     echo_only = req.echo and req.max_tokens == 0
+    for field in ("echo", "logprobs", "use_beam_search"):    # they decode tokens (vLLM too)
+        if getattr(req, field):
+            check_tokenizer(state.require_engine(), field)
     as_ids = _as_ids(state, req)
     echo = (_Echo(state.require_engine().tokenizer, req.logprobs, as_ids) if req.echo
             else None)
@@ -488,12 +492,16 @@ async def completions(req: CompletionRequest, request: Request):
                         if req.logprobs is not None:
                             lp = _completion_logprobs(entries, gen_start, shown,
                                                       prompt_lp, as_ids)
+                        choice = {"index": idx, "text": text, "logprobs": lp,
+                                  "finish_reason": openai_finish_reason(c.finish_reason),
+                                  "stop_reason": c.stop_reason}
+                        if req.return_token_ids:    # the prompt's ids with the first chunk
+                            choice.update(token_ids=[] if echo_only else list(c.token_ids),
+                                          prompt_token_ids=None if idx in offsets else
+                                          list(out.prompt_token_ids))
                         offsets[idx] = start + len(text)
                         chunk = {"id": resp_id, "object": "text_completion", "created": created,
-                                 "model": model,
-                                 "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                              "finish_reason": openai_finish_reason(c.finish_reason),
-                                              "stop_reason": c.stop_reason}]}
+                                 "model": model, "choices": [choice]}
                         if include_usage:
                             chunk["usage"] = (_usage(prompt_tokens[i], choice_tokens[idx])
                                               if continuous else None)
@@ -536,7 +544,10 @@ async def completions(req: CompletionRequest, request: Request):
                 "model": model,
                 "choices": [{"index": idx, "text": ch["text"], "logprobs": ch["logprobs"],
                              "finish_reason": openai_finish_reason(ch["finish"]),
-                             "stop_reason": ch["stop_reason"]}
+                             "stop_reason": ch["stop_reason"],
+                             **({"token_ids": [] if echo_only else ch["token_ids"],
+                                 "prompt_token_ids": list(ch["prompt_ids"])}
+                                if req.return_token_ids else {})}
                             for idx, ch in choices.items()],
                 "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()),
                                 _cached(state, cached)),
@@ -790,6 +801,7 @@ async def json_answer(build) -> Response:
 
 
 def encode_text(engine, text: str, field: str, add_special_tokens: bool) -> list[int]:
+    check_tokenizer(engine, field)
     try:
         return encode_prompt(engine.tokenizer, text, engine.limits.max_model_len, field,
                              add_special_tokens)
@@ -840,6 +852,12 @@ def _truncate_keeping_specials(tok, text: str, ids: list[int], keep: int,
     if start is None or extra >= keep:
         return _cut(ids, keep, side)
     return ids[:start] + _cut(plain, keep - extra, side) + ids[start + len(plain):]
+
+
+def check_tokenizer(engine, field: str) -> None:
+    """A 400 naming ``field`` when the server runs with --skip-tokenizer-init (as vLLM's)."""
+    if engine.limits.skip_tokenizer_init:
+        raise HTTPError(400, f"{field}: {NO_TOKENIZER}", param=field)
 
 
 def _chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
@@ -953,6 +971,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     state = server_state(request)
     state.check_model(req.model)
     engine = state.require_engine()
+    check_tokenizer(engine, "tokens")
     vocab = engine.limits.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
