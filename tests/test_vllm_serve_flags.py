@@ -57,7 +57,8 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
         "--disable-sliding-window", "--max-parallel-loading-workers", "2",
         "--revision", "main", "--tokenizer-revision", "main", "--download-dir", str(tmp_path),
         "--logprobs-mode", "raw_logprobs", "--disable-cascade-attn", "--cpu-offload-gb", "0",
-        "--exclude-tools-when-tool-choice-none", "--trust-request-chat-template")
+        "--exclude-tools-when-tool-choice-none", "--trust-request-chat-template",
+        "--log-error-stack")
     try:
         assert line.startswith("llm_serving ready: https://")
         url = url.replace("http://", "https://")
@@ -136,6 +137,9 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
         assert stop_server(proc) == 0
     log = proc.stderr.read()
     assert "Received request cmpl-" in log and "max_tokens=2" in log     # --enable-log-requests
+    # --log-error-stack: the max_logprobs refusal's stack
+    assert re.search(r"error answered to POST /llm/v1/completions: logprobs: .*max_logprobs.*"
+                     r"\nTraceback", log), log[-3000:]
     assert "these vLLM arguments have no effect here: load_format" in log
     assert "revision (the model and tokenizer load from local directories" in log
     assert '"GET /health' not in log + proc.stdout.read()     # no access log

@@ -255,14 +255,22 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     state.metrics = ServerMetrics(state.served_model_name,
                                   spec.num_speculative_tokens if spec is not None else 0)
 
+    def log_stack(request: Request, e: Exception) -> None:
+        """--log-error-stack (vLLM's): the stack of an error answered to a request."""
+        if front.log_error_stack:
+            logger.error("error answered to %s %s: %s", request.method, request.url.path, e,
+                         exc_info=e)
+
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
+        log_stack(request, e)
         if not isinstance(e, ShuttingDown):        # another instance may take it, offer and all
             unread_offers.decline(request)
         return error_response(e.status, e.message, e.param, e.kind, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
+        log_stack(request, e)
         unread_offers.decline(request, e.body)
         err = e.errors()[0]
         if err["type"] == "json_invalid":
@@ -282,6 +290,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         """FastAPI's own: a body it could not read (it hides why behind "There was an error
         parsing the body"), said in the API's error shape; others (an unknown route: 404)
         as FastAPI says them, as vLLM does."""
+        log_stack(request, e)
         cause = e.__cause__
         if isinstance(cause, HTTPError):            # the body limit, reached while reading
             return error_response(cause.status, cause.message)

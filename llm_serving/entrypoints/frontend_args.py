@@ -96,6 +96,9 @@ class FrontendArgs:
         False, "with --enable-log-requests, log each request's generated text as it ends, at "
         "info (its token ids at debug), cut to --max-log-len, as vLLM (which also logs each "
         "streamed delta)")
+    log_error_stack: bool = _arg(
+        False, "log the stack trace of each error answered to a request (a 4xx or 5xx), at "
+        "error level, as vLLM")
     max_log_len: Optional[int] = _arg(
         None, "with --enable-log-requests, the most prompt characters or token ids logged "
         "(default: all)")
