@@ -15,8 +15,10 @@ from llm_serving.cli_args import (DEFAULT_CONFIG, STOP_WITH_PARENT_ENV,  # noqa:
                                   REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
                                   SHUTDOWN_TIMEOUT_S,
                                   add_engine_arguments,
-                                  cli_engine_overrides, resolve_model, serve_config)
+                                  cli_engine_overrides, json_object, resolve_model,
+                                  serve_config)
 from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
+from llm_serving.logging_config import configure_logging
 from llm_serving.serving_config import load_config
 
 def server_settings(args) -> tuple:
@@ -139,9 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: --model as given, as vLLM; "
                         "else the config's model_config.model_name)")
-    s.add_argument("--log-level", default="info",
+    s.add_argument("--log-level", default=None,
                    choices=["debug", "info", "warning", "error"],
-                   help="log level; debug also prints the traceback of a start-up error")
+                   help="log level (default info); debug also prints the traceback of a "
+                        "start-up error")
+    s.add_argument("--logging-config", type=json_object, default=None, metavar="JSON",
+                   help="vLLM's logging settings: log_level (--log-level wins), formatter "
+                        "(text or json: a JSON object a line), configure_logging (false: "
+                        "leave Python's logging as it is), pylogging_config_file (a "
+                        "dictConfig JSON file)")
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (prompt and generation tok/s, running and "
                         "waiting requests, KV cache usage), as vLLM's flag")
@@ -231,9 +239,12 @@ def remedy(e: Exception) -> Optional[str]:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ["LLM_SERVING_LOG_LEVEL"] = args.log_level.upper()    # for the WorkAgents
+    try:
+        level = configure_logging(args.log_level, getattr(args, "logging_config", None))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.environ["LLM_SERVING_LOG_LEVEL"] = level    # for the WorkAgents
     try:
         if args.command == "proxy":
             from llm_serving.proxy.server import run_proxy
@@ -248,7 +259,7 @@ def main(argv=None) -> None:
         pass
     except (LLMServingError, ValueError) as e:
         # A user's error: one line, and what to do about it. The traceback only on request.
-        if args.log_level == "debug":
+        if level == "DEBUG":
             import traceback
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)

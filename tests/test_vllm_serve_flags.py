@@ -266,6 +266,34 @@ def test_vllm_spec_short_forms_set_the_speculative_config(tiny_model_dir):
     assert e.value.key == "spec_tokens" and "num_speculative_tokens" in str(e.value)
 
 
+def _dry_run_log(model, *flags) -> subprocess.CompletedProcess:
+    """start.py --dry-run with a no-effect flag, whose warning is the one line logged."""
+    return subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", model,
+                           "--dry-run", "--disable-cascade-attn", *flags],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_logging_config_sets_the_format_or_a_dictconfig_file(tiny_model_dir, tmp_path):
+    """vLLM's --logging-config: formatter json logs a JSON object a line; a
+    pylogging_config_file's handlers take the logs; a bad key or value is refused by name."""
+    run = _dry_run_log(tiny_model_dir, "--logging-config", '{"formatter": "json"}')
+    (line,) = [json.loads(x) for x in run.stderr.splitlines()]
+    assert line["level"] == "WARNING" and "disable_cascade_attn" in line["message"]
+    log = tmp_path / "log.txt"
+    spec = {"version": 1, "formatters": {"f": {"format": "MINE %(levelname)s %(message)s"}},
+            "handlers": {"h": {"class": "logging.FileHandler", "filename": str(log),
+                               "formatter": "f"}},
+            "root": {"handlers": ["h"], "level": "INFO"}}
+    (tmp_path / "logging.json").write_text(json.dumps(spec))
+    run = _dry_run_log(tiny_model_dir, "--logging-config",
+                       json.dumps({"pylogging_config_file": str(tmp_path / "logging.json")}))
+    assert run.returncode == 0 and run.stderr == ""
+    assert log.read_text().startswith("MINE WARNING the command line: these vLLM arguments")
+    for value, key in (('{"formatter": "xml"}', "formatter"), ('{"level": "x"}', "level")):
+        run = _dry_run_log(tiny_model_dir, "--logging-config", value)
+        assert run.returncode == 2 and f"--logging-config.{key}" in run.stderr
+
+
 def test_kv_cache_memory_bytes_sizes_the_pool_as_vllm_reads_it(tiny_model_dir):
     engine_args = _settings(tiny_model_dir, "--kv-cache-memory-bytes", "4M")[0]
     assert engine_args.kv_cache_memory_bytes == 4 << 20
