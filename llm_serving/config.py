@@ -26,6 +26,7 @@ from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
+from llm_serving.engine.metrics import check_histogram_buckets
 from llm_serving.engine.structured_outputs_config import StructuredOutputsConfig
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
 
@@ -338,6 +339,11 @@ class EngineArgs:
         "vLLM's model conversion: embed serves a causal LM as an embedding model (runner "
         "pooling), classify a *ForSequenceClassification checkpoint as a classifier (what "
         "auto does for one); none or auto: as the runner decides")
+    custom_histogram_buckets: Optional[dict] = _arg(None,
+        "/metrics histogram bounds by vLLM's bucket family (on the CLI as JSON), e.g. "
+        "'{\"time_to_first_token\": [0.1, 0.5, 1]}': request_latency, time_to_first_token, "
+        "inter_token_latency, iteration_tokens, request_params_n, request_num_preemptions, "
+        "request_tokens (kv_cache_residency is taken and names no histogram here)")
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -483,6 +489,7 @@ class EngineArgs:
             raise ConfigError("max_cpu_loras", f"{self.max_cpu_loras} is fewer than max_loras "
                               f"({self.max_loras}): a step's adapters must all be loaded")
         self.lora_modules = parse_lora_modules(self.lora_modules)
+        check_histogram_buckets(self.custom_histogram_buckets)     # names a bad family now
         self.speculative_config = self._with_spec_short_forms()
         spec = SpeculativeConfig.from_value(self.speculative_config)   # names a bad key now
         if spec is not None and self.async_scheduling:
@@ -678,7 +685,9 @@ class EngineArgs:
                           if self.enable_multi_stream else None),
             kv_transfer=_kv_transfer(self.kv_transfer_config),
             lora=self._lora_config(hf),
-            speculative=spec)
+            speculative=spec,
+            histogram_buckets={k: list(v) for k, v in
+                               check_histogram_buckets(self.custom_histogram_buckets).items()})
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -973,6 +982,8 @@ class EngineConfig:
     kv_transfer: Optional[KVTransferConfig] = None     # PD disaggregation; None: off
     lora: Optional[LoRAConfig] = None                  # LoRA adapters; None: off
     speculative: Optional[SpeculativeConfig] = None    # n-gram speculative decoding; None: off
+    # --custom-histogram-buckets: family -> bounds (the engine counts two of them itself)
+    histogram_buckets: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

@@ -58,7 +58,8 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
         "--revision", "main", "--tokenizer-revision", "main", "--download-dir", str(tmp_path),
         "--logprobs-mode", "raw_logprobs", "--disable-cascade-attn", "--cpu-offload-gb", "0",
         "--exclude-tools-when-tool-choice-none", "--trust-request-chat-template",
-        "--log-error-stack")
+        "--log-error-stack", "--custom-histogram-buckets",
+        '{"time_to_first_token": [0.5, 1000], "iteration_tokens": [4, 64]}')
     try:
         assert line.startswith("llm_serving ready: https://")
         url = url.replace("http://", "https://")
@@ -133,6 +134,12 @@ def test_a_vllm_serve_command_line_runs_with_the_behaviour_it_asks_for(
         # --num-gpu-blocks-override 300
         metrics = get("/metrics").text
         assert 'num_gpu_blocks="300"' in metrics
+        # --custom-histogram-buckets: those families' bounds, the engine-counted one too
+        for name, les in (("time_to_first_token_seconds", ["0.5", "1000.0", "+Inf"]),
+                          ("iteration_tokens_total", ["4.0", "64.0", "+Inf"])):
+            found = re.findall(rf'vllm:{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)', metrics)
+            assert [le for le, _ in found] == les, (name, found)
+            assert float(found[-1][1]) >= 1     # the requests above were counted in them
     finally:
         assert stop_server(proc) == 0
     log = proc.stderr.read()
@@ -250,6 +257,16 @@ def test_vllm_compilation_flags_are_taken_and_change_no_capture(tiny_model_dir, 
                  "max_cudagraph_capture_size"):
         assert name in caplog.text
     assert "max_capture_batch" in caplog.text
+
+
+@pytest.mark.parametrize("value, family", [('{"e2e": [1]}', "e2e"),
+                                           ('{"request_tokens": [5, 2]}', "request_tokens"),
+                                           ('{"request_latency": [true]}', "request_latency")])
+def test_bad_custom_histogram_buckets_are_refused_naming_the_family(tiny_model_dir, value,
+                                                                   family):
+    with pytest.raises(ConfigError) as e:
+        _settings(tiny_model_dir, "--custom-histogram-buckets", value)
+    assert e.value.key == f"custom_histogram_buckets.{family}"
 
 
 def test_vllm_spec_short_forms_set_the_speculative_config(tiny_model_dir):

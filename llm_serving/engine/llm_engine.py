@@ -99,7 +99,8 @@ class LLMEngine:
         # Set when stopping: a replacement WorkAgent still loading or warming up is given up.
         self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
-        self.block_manager = BlockManager(config.cache, EngineStats())   # the one set of counters
+        self.block_manager = BlockManager(config.cache, EngineStats.with_buckets(
+            config.histogram_buckets))      # the one set of counters
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    proposer=_proposer(config))
         self.constraints = Constraints(self.tokenizer, config.model.vocab_size,

@@ -21,7 +21,8 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from llm_serving.engine.metrics import (INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS,
-                                        PROMPT_TOKEN_SOURCES, EngineStats, StepHistogram)
+                                        PROMPT_TOKEN_SOURCES, EngineStats, StepHistogram,
+                                        histogram_bounds)
 
 P = "llm_serving:"
 V = "vllm:"
@@ -96,10 +97,16 @@ class _EngineHistogram:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_speculative_tokens: int = 0):
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0,
+                 buckets: Optional[dict] = None):
         """``num_speculative_tokens``: the draft positions (speculative_config's k, 0 when
-        off), whose accepted-token series exist from the start at 0, as vLLM's."""
+        off), whose accepted-token series exist from the start at 0, as vLLM's; ``buckets``:
+        --custom-histogram-buckets (family -> bounds), over the defaults below."""
         r = self.registry = CollectorRegistry()
+        buckets = buckets or {}
+
+        def bounds(family: str, default: tuple) -> tuple:
+            return histogram_bounds(buckets, family, default)
         labels = {"model_name": model_name, "engine": "0"}
 
         def vllm(kind, name, doc, extra=(), **kw):
@@ -152,45 +159,49 @@ class ServerMetrics:
         self._cache_info_set: tuple = ()
         self.lora_info: Optional[Gauge] = None      # registered with LoRA only, as vLLM
         self.ttft = vllm(Histogram, "time_to_first_token_seconds", "Time to first token",
-                         buckets=_LATENCY_BUCKETS)
+                         buckets=bounds("time_to_first_token", _LATENCY_BUCKETS))
         self.tpot = vllm(Histogram, "request_time_per_output_token_seconds",
                          "Mean time per output token after the first, per request",
-                         buckets=_TPOT_BUCKETS)
+                         buckets=bounds("inter_token_latency", _TPOT_BUCKETS))
         self.e2e = vllm(Histogram, "e2e_request_latency_seconds", "Request latency",
-                        buckets=_LATENCY_BUCKETS)
+                        buckets=bounds("request_latency", _LATENCY_BUCKETS))
         self.queue = vllm(Histogram, "request_queue_time_seconds", "Time waiting to start",
-                          buckets=_LATENCY_BUCKETS)
+                          buckets=bounds("request_latency", _LATENCY_BUCKETS))
         self.prompt_len = vllm(Histogram, "request_prompt_tokens", "Prompt tokens per request",
-                               buckets=_TOKEN_BUCKETS)
+                               buckets=bounds("request_tokens", _TOKEN_BUCKETS))
         self.output_len = vllm(Histogram, "request_generation_tokens",
-                               "Tokens generated per request", buckets=_TOKEN_BUCKETS)
+                               "Tokens generated per request",
+                               buckets=bounds("request_tokens", _TOKEN_BUCKETS))
         self.prefill_time = vllm(Histogram, "request_prefill_time_seconds", "Time from first "
-                                 "scheduled to the first token", buckets=_PHASE_BUCKETS)
+                                 "scheduled to the first token",
+                                 buckets=bounds("request_latency", _PHASE_BUCKETS))
         self.decode_time = vllm(Histogram, "request_decode_time_seconds", "Time from the first "
-                                "token to the last", buckets=_PHASE_BUCKETS)
+                                "token to the last",
+                                buckets=bounds("request_latency", _PHASE_BUCKETS))
         self.inference_time = vllm(Histogram, "request_inference_time_seconds", "Time from "
                                    "first scheduled to the last token (prefill and decode)",
-                                   buckets=_PHASE_BUCKETS)
+                                   buckets=bounds("request_latency", _PHASE_BUCKETS))
         self.params_n = vllm(Histogram, "request_params_n", "The n request parameter",
-                             buckets=_N_BUCKETS)
+                             buckets=bounds("request_params_n", _N_BUCKETS))
         self.params_max_tokens = vllm(Histogram, "request_params_max_tokens", "The max_tokens "
                                       "request parameter (capped to fit max_model_len)",
-                                      buckets=_TOKEN_BUCKETS)
+                                      buckets=bounds("request_tokens", _TOKEN_BUCKETS))
         self.max_generation = vllm(Histogram, "request_max_num_generation_tokens", "Tokens "
                                    "generated per request by its longest sequence",
-                                   buckets=_TOKEN_BUCKETS)
+                                   buckets=bounds("request_tokens", _TOKEN_BUCKETS))
         self.preemptions = vllm(Histogram, "request_num_preemptions", "Times a request was "
-                                "preempted", buckets=_PREEMPTION_BUCKETS)
+                                "preempted",
+                                buckets=bounds("request_num_preemptions", _PREEMPTION_BUCKETS))
         self.prefill_computed = vllm(Histogram, "request_prefill_kv_computed_tokens", "Prompt "
                                      "tokens computed per request (cached ones left out)",
-                                     buckets=_TOKEN_BUCKETS)
+                                     buckets=bounds("request_tokens", _TOKEN_BUCKETS))
         # Counted by the engine per step.
         self.iteration_tokens = _EngineHistogram(
             V + "iteration_tokens_total", "Tokens per engine step (prefill chunks and "
-            "decodes)", labels, ITERATION_TOKENS_BUCKETS, r)
+            "decodes)", labels, bounds("iteration_tokens", ITERATION_TOKENS_BUCKETS), r)
         self.itl = _EngineHistogram(
             V + "inter_token_latency_seconds", "Time between a sequence's tokens",
-            labels, INTER_TOKEN_LATENCY_BUCKETS, r)
+            labels, bounds("inter_token_latency", INTER_TOKEN_LATENCY_BUCKETS), r)
         # This server's own.
         self.swapped = Gauge(P + "num_requests_swapped", "Sequences swapped out", registry=r)
         self.cpu_usage = Gauge(P + "cpu_cache_usage_perc", "Host swap blocks in use (0..1)",
