@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from llm_serving.device_target import auto_device_target
 from llm_serving.distributed.kv_transfer.config import KVTransferConfig
-from llm_serving.errors import ConfigError
+from llm_serving.errors import ConfigError, config_mapping
 from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
@@ -569,13 +569,7 @@ class EngineArgs:
                               "ngram (docs/speculative.md)")
         if not short:
             return self.speculative_config
-        config = self.speculative_config
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except ValueError as e:
-                raise ConfigError("speculative_config", f"expected a JSON object: {e}") from None
-        config = dict(config or {})
+        config = dict(config_mapping("speculative_config", self.speculative_config or {}))
         for key, name in (("method", "spec_method"), ("num_speculative_tokens", "spec_tokens")):
             if key in short and key in config:
                 raise ConfigError(name, f"both it and speculative_config's {key} are given: "

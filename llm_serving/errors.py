@@ -14,6 +14,20 @@ class ConfigError(LLMServingError, ValueError):
         super().__init__(f"{key}: {problem}")
 
 
+def config_mapping(key: str, value) -> dict:
+    """A section of vLLM's keys given as a mapping or as that mapping's JSON text (a
+    ``--*-config`` flag's); ConfigError naming ``key`` otherwise."""
+    if isinstance(value, str):
+        import json
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(key, f"expected a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a mapping of vLLM's keys, got {value!r}")
+    return value
+
+
 class ModelLoadError(LLMServingError):
     """A model directory or checkpoint cannot be used (missing files, unsupported architecture)."""
 

@@ -18,11 +18,10 @@ whitespace between tokens unless ``disable_any_whitespace``); vLLM's other backe
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Union
 
-from llm_serving.errors import ConfigError
+from llm_serving.errors import ConfigError, config_mapping
 
 KEY = "structured_outputs_config"
 # vLLM's backends; only llguidance's runs here
@@ -50,13 +49,7 @@ class StructuredOutputsConfig:
         """The defaults (None), a mapping of vLLM's keys, or that mapping as JSON."""
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(KEY, f"expected a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(KEY, f"expected a mapping of vLLM's keys, got {value!r}")
+        value = config_mapping(KEY, value)
         known = cls.__dataclass_fields__
         unknown = sorted(set(value) - set(known))
         if unknown:

@@ -7,11 +7,10 @@ value, and min must not exceed max.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from llm_serving.errors import ConfigError
+from llm_serving.errors import ConfigError, config_mapping
 
 KEY = "speculative_config"
 _KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -32,13 +31,7 @@ class SpeculativeConfig:
         """None (off), a mapping of vLLM's keys, or that mapping as JSON."""
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(KEY, f"expected a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(KEY, f"expected a mapping of vLLM's keys, got {value!r}")
+        value = config_mapping(KEY, value)
         unknown = sorted(set(value) - set(_KNOWN))
         if unknown:
             raise ConfigError(f"{KEY}.{unknown[0]}", "not supported here (n-gram speculative "
