@@ -38,6 +38,7 @@ setup(
         # than its pure-Python h11 under W1's 200 streams.
         "httptools",
         "prometheus-client",
+        "python-json-logger",   # --logging-config's json formatter, as vLLM's
         "llguidance>=1.9,<2",   # structured outputs: a Rust core, no torch
         "aiohttp",
         "httpx2",               # the PD proxy's and the consumer's async HTTP client

@@ -3,7 +3,8 @@ LoggingConfig's keys):
 
 - ``log_level``: CRITICAL, ERROR, WARNING, INFO, DEBUG or NOTSET (``--log-level`` wins);
 - ``formatter``: ``text`` (the default: time, level, logger, message) or ``json`` (one JSON
-  object a line: ``time``, ``level``, ``logger``, ``message``, ``exc_info`` when given);
+  object a line, python-json-logger's, with vLLM's keys: ``asctime``, ``levelname``,
+  ``name``, ``processName``, ``process``, ``message``, ``exc_info`` when given);
 - ``configure_logging``: false leaves Python's logging unconfigured (vLLM's
   VLLM_CONFIGURE_LOGGING=0);
 - ``pylogging_config_file``: a ``logging.config.dictConfig`` JSON file, which then decides
@@ -16,23 +17,15 @@ import logging
 import logging.config
 from typing import Optional
 
+from pythonjsonlogger.json import JsonFormatter
+
 from llm_serving.errors import ConfigError
 
 KEY = "--logging-config"
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 FORMATTERS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-class JsonFormatter(logging.Formatter):
-    """A record as one JSON object."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = {"time": self.formatTime(record), "level": record.levelname,
-                "logger": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            line["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False)
+JSON_FORMAT = "%(asctime)s %(levelname)s %(name)s %(processName)s %(process)d %(message)s"  # vLLM's
 
 
 def configure_logging(log_level: Optional[str], config: Optional[dict]) -> str:
@@ -63,7 +56,7 @@ def configure_logging(log_level: Optional[str], config: Optional[dict]) -> str:
             raise ConfigError(f"{KEY}.pylogging_config_file", f"{path}: {e}") from None
         return level
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if formatter == "json" else
+    handler.setFormatter(JsonFormatter(JSON_FORMAT) if formatter == "json" else
                          logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=getattr(logging, level), handlers=[handler])
     return level

@@ -295,7 +295,8 @@ def test_logging_config_sets_the_format_or_a_dictconfig_file(tiny_model_dir, tmp
     pylogging_config_file's handlers take the logs; a bad key or value is refused by name."""
     run = _dry_run_log(tiny_model_dir, "--logging-config", '{"formatter": "json"}')
     (line,) = [json.loads(x) for x in run.stderr.splitlines()]
-    assert line["level"] == "WARNING" and "disable_cascade_attn" in line["message"]
+    assert line["levelname"] == "WARNING" and "disable_cascade_attn" in line["message"]
+    assert {"asctime", "name", "processName", "process"} <= line.keys()     # vLLM's keys
     log = tmp_path / "log.txt"
     spec = {"version": 1, "formatters": {"f": {"format": "MINE %(levelname)s %(message)s"}},
             "handlers": {"h": {"class": "logging.FileHandler", "filename": str(log),
