@@ -6,6 +6,8 @@ prefix cache.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -421,3 +423,34 @@ def test_server_answers_the_openai_client_and_counts_drafts(tmp_path, tiny_model
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_drafts_follow_vllms_batch_size_schedule(tiny_model_dir):
+    """vLLM 0.32's num_speculative_tokens_per_batch_size: [first, last, k] batch-size ranges
+    (a gap or the tail takes the range before it, k never above num_speculative_tokens); a
+    schedule of no drafts beyond one running sequence drafts for a request alone and not for
+    several, the outputs the same either way."""
+    from llm_serving.spec_decode.config import SpeculativeConfig
+    cfg = SpeculativeConfig.from_value({**SPEC, "num_speculative_tokens": 2,
+                                        "num_speculative_tokens_per_batch_size":
+                                            [[8, 16, 1], [1, 4, 3], [32, 64, 0]]})
+    assert [cfg.drafts_for_batch(b) for b in (1, 4, 5, 8, 20, 32, 100)] == [2, 2, 2, 1, 1, 0, 0]
+    for bad, said in (([[2, 8, 1]], "start at batch size 1"),
+                      ([[1, 8, 1], [8, 9, 1]], "overlap"), ([[1, 8, -1]], "k >= 0"),
+                      ([[1, 8]], "[first, last, k]"), ([], "non-empty")):
+        with pytest.raises(ConfigError, match=r"per_batch_size.*" + re.escape(said)):
+            SpeculativeConfig.from_value({**SPEC, "num_speculative_tokens_per_batch_size": bad})
+    alone_only = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 1024, 0]]}
+    prompts = _repetitive_prompts(4)
+    # a bias makes every output one token over and over, which n-grams always match
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                            logit_bias={7: 100.0})
+    ref, _, _ = _run(tiny_model_dir, prompts, params, staggered=False)
+    several, engine, _ = _run(tiny_model_dir, prompts, params, staggered=False,
+                              speculative_config=alone_only, max_num_seqs=4)
+    # the four run together to the end (same lengths): never alone, never a draft
+    assert [o.token_ids for o in several] == [o.token_ids for o in ref]
+    assert engine.get_stats().spec_decode_num_draft_tokens == 0
+    alone, engine, _ = _run(tiny_model_dir, prompts[:1], params, speculative_config=alone_only)
+    assert alone[0].token_ids == ref[0].token_ids
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0

@@ -183,6 +183,8 @@ class Scheduler:
         cap = (self.long_prefill_cap if self.long_prefill_cap
                and len(self.running) + len(self.waiting) + len(self.swapped) > 1 else budget)
 
+        # speculative decoding: the most drafts a sequence gets at this batch size
+        drafts = self.proposer.drafts_for_batch(len(self.running)) if self.proposer else 0
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -191,8 +193,8 @@ class Scheduler:
             if seq.finishing:      # its token from the running step is its last: nothing to do
                 continue
             n = min(seq.num_uncomputed_tokens, budget, cap)
-            if self.proposer is not None and n == 1:
-                d = self._draft(seq, budget - 1)
+            if drafts and n == 1:
+                d = self._draft(seq, min(budget - 1, drafts))
                 n += d
                 out.drafted |= d > 0
             while not bm.can_append(seq, n):

@@ -13,7 +13,9 @@ from typing import Optional, Union
 from llm_serving.errors import ConfigError, config_mapping
 
 KEY = "speculative_config"
-_KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+          "num_speculative_tokens_per_batch_size")
+_SCHEDULE = "num_speculative_tokens_per_batch_size"
 # The longest run of drafts per step this engine takes (vLLM has no bound; each draft is a
 # query row of the step, and a long run is mostly rejected).
 MAX_SPECULATIVE_TOKENS = 32
@@ -25,6 +27,23 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    # vLLM 0.32's dynamic speculative decoding: (first, last, k) inclusive batch-size ranges,
+    # sorted; see drafts_for_batch.
+    per_batch_size: Optional[tuple] = None
+
+    def drafts_for_batch(self, batch: int) -> int:
+        """The most drafts a sequence gets when ``batch`` sequences run, as vLLM's schedule
+        reads: the range holding ``batch``, else (a gap, or past the last range) the range
+        before it; never more than num_speculative_tokens."""
+        k = self.num_speculative_tokens
+        if self.per_batch_size is None:
+            return k
+        chosen = self.per_batch_size[0][2]
+        for first, _, drafts in self.per_batch_size:
+            if first > batch:
+                break
+            chosen = drafts
+        return min(k, chosen)
 
     @classmethod
     def from_value(cls, value: Union[dict, str, None]) -> Optional["SpeculativeConfig"]:
@@ -59,7 +78,7 @@ class SpeculativeConfig:
             raise ConfigError(f"{KEY}.prompt_lookup_min", f"{lo} is more than "
                               f"prompt_lookup_max ({hi})")
         return cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
-                   method=method)
+                   method=method, per_batch_size=_schedule(value.get(_SCHEDULE)))
 
 
 def max_sample_rows(spec: Optional[SpeculativeConfig], max_num_seqs: int,
@@ -69,6 +88,34 @@ def max_sample_rows(spec: Optional[SpeculativeConfig], max_num_seqs: int,
         return max_num_seqs
     return max_num_seqs + min(max_num_batched_tokens,
                               max_num_seqs * spec.num_speculative_tokens)
+
+
+def _schedule(value) -> Optional[tuple]:
+    """vLLM's num_speculative_tokens_per_batch_size: [first, last, k] ranges of batch sizes,
+    positive, first <= last, k >= 0, not overlapping, the first starting at 1 (so every
+    batch size has a k)."""
+    if value is None:
+        return None
+    name = f"{KEY}.{_SCHEDULE}"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(name, f"expected a non-empty list of [first, last, k], got {value!r}")
+    ranges = []
+    for entry in value:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 \
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in entry):
+            raise ConfigError(name, f"each entry is [first, last, k] (integers), got {entry!r}")
+        first, last, k = entry
+        if first <= 0 or last < first or k < 0:
+            raise ConfigError(name, f"{list(entry)}: batch sizes are positive with first <= "
+                              "last, and k >= 0")
+        ranges.append((first, last, k))
+    ranges.sort()
+    for (_, last, _), (first, _, _) in zip(ranges, ranges[1:]):
+        if first <= last:
+            raise ConfigError(name, "the batch-size ranges overlap")
+    if ranges[0][0] != 1:
+        raise ConfigError(name, "the first range must start at batch size 1")
+    return tuple(ranges)
 
 
 def _positive(value: dict, key: str, required: bool = False) -> Optional[int]:

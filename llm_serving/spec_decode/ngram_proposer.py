@@ -26,6 +26,7 @@ _NO_DRAFTS: list[int] = []
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, window: int = SEARCH_WINDOW):
         self.k = config.num_speculative_tokens
+        self.drafts_for_batch = config.drafts_for_batch
         self.max_n = config.prompt_lookup_max
         self.min_n = config.prompt_lookup_min
         self.window = window
