@@ -472,12 +472,11 @@ CHAT = {
                  "chat_template_kwargs": {"x": 1}, "add_special_tokens": True,
                  "modalities": ["text"], "structured_outputs": {"choice": ["a", "b"]},
                  "continue_final_message": True, "echo": True, "reasoning_effort": "low",
-                 "return_prompt_text": True},
+                 "return_prompt_text": True, "return_token_ids": True},
     "refused": {**_COMMON_REFUSED, "audio": {"voice": "alloy", "format": "wav"},
                 "modalities": ["text", "audio"], "function_call": "auto",
                 "functions": [WEATHER["function"]], "reasoning_effort": "ultra",
-                "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}],
-                "return_token_ids": True},
+                "web_search_options": {}, "verbosity": "low", "documents": [{"a": "b"}]},
 }
 # Each field is sent alone (structured outputs and forced tools exclude each other).
 @pytest.mark.parametrize("path, spec, base", [
@@ -717,6 +716,28 @@ def test_batch_chat_answers_each_conversation_as_one_choice(server):
         r = requests.post(url + "/v1/chat/completions/batch",
                           json={**common, "messages": talks, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_chat_return_token_ids_gives_the_prompt_and_output_ids(server, tiny_model_dir):
+    """vLLM's return_token_ids on chat: the answer's prompt_token_ids are transformers'
+    tokenization of the rendered template, each choice's token_ids the tokens of its text;
+    streamed, each choice's first chunk has the prompt's ids and the other chunks their own
+    tokens, the same ids in all."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    whole = requests.post(server[0] + "/v1/chat/completions", json=body).json()
+    rendered = hf.apply_chat_template(MSG, tokenize=False, add_generation_prompt=True)
+    assert whole["prompt_token_ids"] == hf(rendered, add_special_tokens=False).input_ids
+    out = whole["choices"][0]
+    assert len(out["token_ids"]) == 6
+    assert hf.decode(out["token_ids"], skip_special_tokens=True) == out["message"]["content"]
+    events = [json.loads(line[6:]) for line in requests.post(
+        server[0] + "/v1/chat/completions", json={**body, "stream": True}, stream=True
+        ).iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == out["token_ids"]
 
 
 def test_unknown_fields_are_accepted_and_named_once_in_the_log(server, client):

@@ -409,8 +409,12 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Optional[ReasoningEffort] = None
     # vLLM's: the answer (a stream: its first chunks) carries the chat template's prompt text
     return_prompt_text: Optional[bool] = None
+    # vLLM's: each choice (each chunk) carries its token_ids, the answer (a stream: each
+    # choice's first chunk) the prompt's prompt_token_ids
+    return_token_ids: Optional[bool] = None
 
-    REFUSED: ClassVar[dict] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
+    REFUSED: ClassVar[dict] = {k: v for k, v in {**_REFUSED_COMMON, **_REFUSED_CHAT}.items()
+                               if k != "return_token_ids"}
 
     def unknown_fields(self) -> list[str]:
         return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in

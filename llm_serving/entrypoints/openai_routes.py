@@ -662,13 +662,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         thoughts: dict[int, "reasoning.Thoughts"] = {}
         cached: dict = {}
 
-        def chunk(idx, delta, finish=None, lp=None, stop_reason=None, first=False):
+        def chunk(idx, delta, finish=None, lp=None, stop_reason=None, first=False,
+                  token_ids=None):
             c = {"id": resp_id, "object": "chat.completion.chunk", "created": created,
                  "model": model, "choices": [{"index": idx, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish,
                                               "stop_reason": stop_reason}]}
             if first and req.return_prompt_text:
                 c["prompt_text"] = text
+            if req.return_token_ids:           # vLLM's: the prompt's ids with the first
+                if first:
+                    c["prompt_token_ids"] = ids
+                elif token_ids is not None:
+                    c["choices"][0]["token_ids"] = token_ids
             if include_usage:
                 c["usage"] = (_usage(len(ids), choice_tokens.get(idx, 0),
                                      reasoning_tokens=reasoning_count([idx]))
@@ -720,9 +726,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             # vLLM's: the last text comes in the finish chunk, whose delta
                             # always has its content ("" when the last token added none)
                             finish = openai_finish_reason(c.finish_reason)
-                            if text or lp or finish is not None:
+                            if text or lp or finish is not None or (req.return_token_ids
+                                                                    and c.token_ids):
                                 yield chunk(c.index, {"content": text}, finish, lp,
-                                            c.stop_reason)
+                                            c.stop_reason, token_ids=list(c.token_ids))
                             continue
                         finish = openai_finish_reason(c.finish_reason)
                         # content before the calls, then each call, as they come
@@ -731,13 +738,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                             more, is_call = calls.pop(c.index).finish()
                             deltas += more
                             finish = "tool_calls" if is_call else finish
-                        if (lp or finish is not None) and not deltas:
+                        if (lp or finish is not None or (req.return_token_ids and c.token_ids)
+                                ) and not deltas:
                             deltas = [{}]
-                        # as vLLM's: the step's last delta is the finish chunk
+                        # as vLLM's: the step's last delta is the finish chunk (and has the
+                        # step's token ids)
                         for k, delta in enumerate(deltas):
-                            end = finish if k == len(deltas) - 1 else None
+                            last = k == len(deltas) - 1
+                            end = finish if last else None
                             yield chunk(c.index, delta, end, lp if k == 0 else None,
-                                        c.stop_reason if end else None)
+                                        c.stop_reason if end else None,
+                                        token_ids=list(c.token_ids) if last else None)
                 if include_usage:
                     yield sse({"id": resp_id, "object": "chat.completion.chunk",
                                 "created": created, "model": model, "choices": [],
@@ -753,6 +764,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return event_stream(request, gen())
 
     extra: dict = {"prompt_text": text} if req.return_prompt_text else {}
+    if req.return_token_ids:
+        extra["prompt_token_ids"] = ids
     cached = {}
     if beam:
         choices, _ = await beam_search_choices(request, rid, resp_id, [prompt], beam,
@@ -781,7 +794,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                      if req.logprobs and (show_reasoning or not think_parser)
                                      else None),
                         "finish_reason": override or openai_finish_reason(ch["finish"]),
-                        "stop_reason": ch["stop_reason"]})
+                        "stop_reason": ch["stop_reason"],
+                        **({"token_ids": ch["token_ids"]} if req.return_token_ids else {})})
         return {"id": resp_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": out,
                 "usage": _usage(len(ids), completion_tokens, _cached(state, cached),
