@@ -16,19 +16,20 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 @functools.lru_cache(maxsize=32)
-def detect_content_format(template: Optional[str]) -> str:
+def detect_content_format(template: Optional[str], parse=None) -> str:
     """``openai`` if the template has a ``for`` loop over a message's content, else
     ``string``. As vLLM reads a template: a message is the target of a loop over ``messages``
     (or a variable set from it); its content is ``message.content`` / ``message['content']``,
     a variable named ``content`` (outside macros), or a macro's parameter that a call passes a
-    message's content to."""
+    message's content to. ``parse``: the Jinja parser of the environment that renders the
+    template (its extensions, {% generation %}; the tokenizer's); None: plain Jinja's."""
     import jinja2
     from jinja2 import nodes
     if not template:
         return "string"
-    from llm_serving.tokenizer import _compile_chat_template
-    try:       # parsed by the environment that renders it (its extensions, {% generation %})
-        root = _compile_chat_template(template).environment.parse(template)
+    try:
+        root = (parse or jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse)(
+            template)
     except jinja2.TemplateError:
         return "string"
     lists = _names_from(root, {"messages"})
@@ -88,11 +89,12 @@ def _refers_to(node, names: set, key: Optional[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in names
 
 
-def format_contents(messages: list, content_format: str, template: str) -> list:
+def format_contents(messages: list, content_format: str, template: str, parse=None) -> list:
     """``messages`` (contents as strings or lists of text parts) with each content in the form
-    ``content_format`` (``auto`` resolved against ``template``) gives it."""
+    ``content_format`` (``auto`` resolved against ``template``, read with ``parse``) gives
+    it."""
     if content_format == "auto":
-        content_format = detect_content_format(template)
+        content_format = detect_content_format(template, parse)
     return [{**m, "content": _formatted(m.get("content"), content_format)} if "content" in m
             else m for m in messages]
 

@@ -26,8 +26,8 @@ from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
-from llm_serving.engine.metrics import check_histogram_buckets
-from llm_serving.engine.structured_outputs_config import StructuredOutputsConfig
+from llm_serving.histogram_buckets import check_histogram_buckets
+from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
 
 if TYPE_CHECKING:

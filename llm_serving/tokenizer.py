@@ -404,6 +404,11 @@ MAX_RENDERED_CHARS = 8 << 20
 
 
 @functools.lru_cache(maxsize=16)
+def _parse_template(template: str):
+    """The template's syntax tree, by the environment that renders it."""
+    return _compile_chat_template(template).environment.parse(template)
+
+
 def _compile_chat_template(template: str):
     import jinja2
     import jinja2.ext
@@ -878,7 +883,7 @@ class Tokenizer:
         context.update(_plain(kwargs))
         messages = _developer_as_system(_plain(list(messages)), template)
         if content_format is not None:
-            messages = format_contents(messages, content_format, template)
+            messages = format_contents(messages, content_format, template, _parse_template)
         context["messages"] = messages
         context["add_generation_prompt"] = add_generation_prompt
         text = _render_bounded(_compile_chat_template(template), context)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
-from llm_serving.engine.structured_outputs_config import StructuredOutputsConfig
+from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving.executor.protocol import SamplingBatch
 from llm_serving.sampling_params import SamplingParams, StructuredOutputsParams
 

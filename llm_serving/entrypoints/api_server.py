@@ -42,7 +42,7 @@ import llm_serving
 from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
                                   SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
-from llm_serving.engine.metrics import check_histogram_buckets
+from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.model_executor.layers.pooler import served_routes
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState, ShuttingDown,
