@@ -53,6 +53,7 @@ setup(
             "transformers",
             "protobuf",
             "openai",
+            "anthropic",
             "requests",
             "schemathesis",
             "jsonschema",

@@ -87,6 +87,16 @@ def start_server(tmp_path, model_dir, *extra, section="", agent_ports=(16002,),
     return proc, f"http://127.0.0.1:{port}", wait_ready(proc)
 
 
+def served(tmp_path, model_dir, *extra):
+    """For a fixture (``yield from``): the URL of a server started as start_server starts it,
+    on agent ports of its own, and stopped cleanly at the fixture's end."""
+    proc, url, _ = start_server(tmp_path, model_dir, *extra, agent_ports=(free_port(),))
+    try:
+        yield url
+    finally:
+        assert stop_server(proc) == 0
+
+
 def wait_ready(proc, timeout: float = 120) -> str:
     """The server's "ready" line, read from its stdout; if it exits or the time runs out
     first, it is killed and RuntimeError shows its stderr's end."""

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from test_http_server import free_port, start_server, stop_server
+from test_http_server import served
 
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 # The copy's generation_config.json: greedy by default (top_k 1), 7 new tokens for a chat
@@ -28,11 +28,7 @@ def server(tmp_path_factory, tiny_model_dir):
     gen = json.loads((model / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [2, 4]
     (model / "generation_config.json").write_text(json.dumps({**gen, **GEN_DEFAULTS}))
-    proc, url, _ = start_server(tmp, model, agent_ports=(free_port(),))
-    try:
-        yield url
-    finally:
-        assert stop_server(proc) == 0
+    yield from served(tmp, model)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import requests
 
 from conftest import metric
 from llm_serving.entrypoints.responses_items import OutputItems
-from test_http_server import free_port, start_server, stop_server
+from test_http_server import free_port, served, start_server, stop_server
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
@@ -41,13 +41,8 @@ TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    proc, url, _ = start_server(tmp_path_factory.mktemp("resp"), tiny_model_dir,
-                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                agent_ports=(free_port(),))
-    try:
-        yield url
-    finally:
-        assert stop_server(proc) == 0
+    yield from served(tmp_path_factory.mktemp("resp"), tiny_model_dir,
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ Routes:
 - llm-serving's own (``llm_serving_routes.py``);
 - the OpenAI-compatible API (``openai_routes.py``), and its Responses API
   (``responses_routes.py``);
+- Anthropic's Messages API (``anthropic_routes.py``), whose errors have Anthropic's shape;
 - operations (here): ``/live`` (the process is up), ``/health`` (requests can be served, as
   vLLM's), ``/ready`` (the same, and not shutting down), ``/metrics``, ``/version``.
 
@@ -144,8 +145,8 @@ class _PoolingRunner:
     served, a 404 saying so (vLLM registers none of them there: its plain 404). Plain ASGI,
     as _ApiKey: the body is not touched."""
 
-    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/models/",
-                  "/generative_scoring")
+    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                  "/models/", "/generative_scoring")
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -211,8 +212,8 @@ def _not_serving(state: ServerState) -> str:
 def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from llm_serving.entrypoints import (chat_batch_routes, classify_routes, embedding_routes,
-                                         generative_scoring_routes,
+    from llm_serving.entrypoints import (anthropic_routes, chat_batch_routes, classify_routes,
+                                         embedding_routes, generative_scoring_routes,
                                          llm_serving_routes, lora_routes, openai_routes,
                                          remote_prefill, responses_routes, sagemaker_routes,
                                          score_routes, unread_offers)
@@ -263,12 +264,19 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
             logger.error("error answered to %s %s: %s", request.method, request.url.path, e,
                          exc_info=e)
 
+    def shaped_error(status, message, param=None, kind="invalid_request_error",
+                     headers=None, request: Optional[Request] = None):
+        """The route's error: Anthropic's shape on its Messages API, else OpenAI's."""
+        if request is not None and anthropic_routes.is_anthropic(request):
+            return anthropic_routes.error(status, message, kind, headers)
+        return error_response(status, message, param, kind, headers)
+
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
         log_stack(request, e)
         if not isinstance(e, ShuttingDown):        # another instance may take it, offer and all
             unread_offers.decline(request)
-        return error_response(e.status, e.message, e.param, e.kind, e.headers)
+        return shaped_error(e.status, e.message, e.param, e.kind, e.headers, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -276,16 +284,18 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         unread_offers.decline(request, e.body)
         err = e.errors()[0]
         if err["type"] == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {err['msg']}", "body")
+            return shaped_error(400, f"the body is not valid JSON: {err['msg']}", "body",
+                                request=request)
         if err["type"] == "extra_forbidden":     # the unknown key itself is named
             loc = ".".join(str(p) for p in err["loc"] if p != "body")
-            return error_response(400, f"{loc}: not a field this route supports", loc)
+            return shaped_error(400, f"{loc}: not a field this route supports", loc,
+                                request=request)
         field = _field_of(err["loc"])[0]
         # a field taking several types fails once per type: say what each wanted
         wanted = dict.fromkeys(f"at {inner}: {x['msg']}" if inner else x["msg"]
                                for x in e.errors()
                                for f, inner in [_field_of(x["loc"])] if f == field)
-        return error_response(400, f"{field}: {'; or '.join(wanted)}", field)
+        return shaped_error(400, f"{field}: {'; or '.join(wanted)}", field, request=request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, e: StarletteHTTPException):
@@ -295,11 +305,12 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         log_stack(request, e)
         cause = e.__cause__
         if isinstance(cause, HTTPError):            # the body limit, reached while reading
-            return error_response(cause.status, cause.message)
+            return shaped_error(cause.status, cause.message, request=request)
         if e.status_code == 400:
-            return error_response(400, "the body could not be read as JSON: it must be UTF-8 "
-                                  f"JSON, nested at most a few hundred levels, with numbers of "
-                                  f"at most 4300 digits ({type(cause).__name__})", "body")
+            return shaped_error(400, "the body could not be read as JSON: it must be UTF-8 "
+                                f"JSON, nested at most a few hundred levels, with numbers of "
+                                f"at most 4300 digits ({type(cause).__name__})", "body",
+                                request=request)
         return JSONResponse({"detail": e.detail}, status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
@@ -308,7 +319,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
         logger.exception("unexpected error on %s", request.url.path)
         unread_offers.decline(request)
         err = translate_error(e)
-        return error_response(err.status, err.message, err.param, err.kind, err.headers)
+        return shaped_error(err.status, err.message, err.param, err.kind, err.headers,
+                            request)
 
     @app.get("/live")
     async def live():
@@ -367,6 +379,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(generative_scoring_routes.router)
     app.include_router(sagemaker_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(anthropic_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)
     if lora_routes.runtime_lora_updating():

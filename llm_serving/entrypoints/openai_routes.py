@@ -600,7 +600,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     # Off the event loop: a body of many messages takes seconds to template, which would
     # hold every other client's stream meanwhile.
     text, ids = await asyncio.to_thread(
-        _chat_prompt_ids, state, engine, req, tool_calls.prompt_tools(
+        chat_prompt_ids, state, engine, req, tool_calls.prompt_tools(
             req.tools, choice, state.frontend.exclude_tools_when_tool_choice_none))
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = -1 if req.logprob_token_ids else req.top_logprobs or 0
@@ -874,7 +874,7 @@ def check_tokenizer(engine, field: str) -> None:
         raise HTTPError(400, f"{field}: {NO_TOKENIZER}", param=field)
 
 
-def _chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
+def chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
     """The chat prompt's text and token ids (cut as truncate_prompt_tokens asks)."""
     text = _chat_prompt(state, engine.tokenizer, req, tools)
     return text, prompt_ids(engine, text, "messages", req.add_special_tokens,
