@@ -189,6 +189,55 @@ def test_forced_tool_use_and_its_result_sent_back(client, chat_client):
         model="tiny", messages=turn, tools=[WEATHER]).input_tokens == chat.usage.prompt_tokens
 
 
+# Qwen's rule: a system message only first
+SYSTEM_FIRST = (
+    "{{- bos_token }}{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and not loop.first %}"
+    "{{- raise_exception('System message must be at the beginning.') }}{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+INLINE = [{"role": "user", "content": "Hi"},
+          {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+          {"role": "user", "content": "Go on"}]
+
+
+def test_inline_system_messages_stand_or_join_the_first_as_the_template_takes(
+        server, chat_client, tmp_path_factory, tiny_model_dir):
+    """Claude Code's reminders: system messages among the others stay where they are when
+    the template takes them there, and join the leading one (vLLM's probe) for a template
+    that takes a system message first only."""
+    def messages(url):
+        return requests.post(url + "/v1/messages", json={
+            "model": "tiny", "max_tokens": 6, "system": SYSTEM, "messages": INLINE, **GREEDY},
+            timeout=60).json()
+
+    def chat(url, conversation):
+        return requests.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 6, "messages": conversation, **GREEDY},
+            timeout=60).json()
+    in_place = [{"role": "system", "content": SYSTEM}, INLINE[0],
+                {"role": "system", "content": "Reminder."}, INLINE[2]]
+    msg, answer = messages(server), chat(server, in_place)
+    assert msg["content"][0]["text"] == answer["choices"][0]["message"]["content"]
+    assert msg["usage"]["input_tokens"] == answer["usage"]["prompt_tokens"]
+    template = tmp_path_factory.mktemp("system-first") / "template.jinja"
+    template.write_text(SYSTEM_FIRST)
+    other = served(tmp_path_factory.mktemp("system-first-srv"), tiny_model_dir,
+                   "--chat-template", str(template))
+    url = next(other)
+    try:
+        assert chat(url, in_place)["error"]["message"].startswith("messages: the chat template")
+        merged = [{"role": "system", "content": SYSTEM + "Reminder."}, INLINE[0], INLINE[2]]
+        msg, answer = messages(url), chat(url, merged)
+        assert msg["content"][0]["text"] == answer["choices"][0]["message"]["content"]
+        assert msg["usage"]["input_tokens"] == answer["usage"]["prompt_tokens"]
+        counted = requests.post(url + "/v1/messages/count_tokens", json={
+            "model": "tiny", "system": SYSTEM, "messages": INLINE}, timeout=60).json()
+        assert counted["input_tokens"] == answer["usage"]["prompt_tokens"]
+    finally:
+        next(other, None)
+
+
 ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
 
 

@@ -100,15 +100,24 @@ class CountTokensRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def chat_request(self, merge_system: bool = False) -> ChatCompletionRequest:
         """The chat request of the conversation (ValueError naming the field it cannot be)."""
-        return _chat_request(self.chat_fields())
+        return _chat_request(self.chat_fields(merge_system))
 
-    def chat_fields(self) -> dict:
-        """The chat request's fields of the conversation (messages, tools, template)."""
-        messages = _system(self.system)
+    def inline_system(self) -> bool:
+        """Whether system messages stand among the messages (Claude Code's reminders)."""
+        return any(m.role == "system" for m in self.messages)
+
+    def chat_fields(self, merge_system: bool = False) -> dict:
+        """The chat request's fields of the conversation (messages, tools, template).
+        ``merge_system``: the system messages among the messages join the leading one, for
+        a template that takes a system message first only (vLLM's)."""
+        inline = [m for m in self.messages if merge_system and m.role == "system"]
+        messages = _system([*_blocks(self.system), *(b for m in inline
+                                                     for b in _blocks(m.content))])
         for i, msg in enumerate(self.messages):
-            messages += _message(msg, f"messages[{i}]")
+            if not any(msg is m for m in inline):
+                messages += _message(msg, f"messages[{i}]")
         fields: dict[str, Any] = {"model": self.model, "messages": messages,
                                   "chat_template_kwargs": self.chat_template_kwargs}
         if self.tools is not None:
@@ -167,9 +176,9 @@ class MessagesRequest(CountTokensRequest):
                                "service_tier": ("auto", "standard_only"),
                                "context_management": ()}
 
-    def to_chat(self) -> ChatCompletionRequest:
+    def to_chat(self, merge_system: bool = False) -> ChatCompletionRequest:
         """The chat request this one is (ValueError naming the field it cannot be)."""
-        fields = self.chat_fields()
+        fields = self.chat_fields(merge_system)
         fields.update(max_tokens=self.max_tokens, stop=self.stop_sequences,
                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       stream=self.stream, kv_transfer_params=self.kv_transfer_params,
@@ -189,13 +198,17 @@ def _chat_request(fields: dict) -> ChatCompletionRequest:
         raise ValueError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
-def _system(system) -> list[dict]:
-    """The top-level ``system``: one system message of its text blocks, joined."""
-    if system is None:
+def _blocks(content) -> list[ContentBlock]:
+    """A system content as blocks."""
+    if content is None:
         return []
-    text = system if isinstance(system, str) else "".join(
-        b.text for b in system if b.type == "text" and b.text
-        and not b.text.startswith(_BILLING_HEADER))
+    return [ContentBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
+def _system(blocks: list[ContentBlock]) -> list[dict]:
+    """One system message of the text blocks, joined."""
+    text = "".join(b.text for b in blocks if b.type == "text" and b.text
+                   and not b.text.startswith(_BILLING_HEADER))
     return [{"role": "system", "content": text}] if text else []
 
 
@@ -203,7 +216,7 @@ def _message(msg: Message, where: str) -> list[dict]:
     """A message as chat messages: a user's tool results first (each a ``tool`` message),
     then the message itself unless a user's holds nothing else."""
     if msg.role == "system":
-        return _system(msg.content)
+        return _system(_blocks(msg.content))
     if isinstance(msg.content, str):
         return [{"role": msg.role, "content": msg.content}]
     before: list[dict] = []

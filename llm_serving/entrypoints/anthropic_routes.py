@@ -54,6 +54,33 @@ def _checked(req: CountTokensRequest):
                        ", ".join(unknown))
 
 
+# (tokenizer, chat template) -> whether the template refuses a system message after the first
+_SYSTEM_FIRST: dict = {}
+
+
+def _merge_system(request: Request, req: CountTokensRequest) -> bool:
+    """Whether the system messages among ``req``'s messages join the leading one: as vLLM,
+    when the chat template (with tools and without) refuses a conversation of system, user,
+    system, user (Qwen's take a system message first only). Asked once per template."""
+    if not req.inline_system():
+        return False
+    state = server_state(request)
+    tok = state.require_engine().tokenizer
+    key = (id(tok), state.chat_template)
+    if key not in _SYSTEM_FIRST:
+        probe = [{"role": role, "content": "t"} for role in ("system", "user") * 2]
+
+        def refuses(tools) -> bool:
+            try:
+                tok.render_chat_template(probe, add_generation_prompt=False,
+                                         chat_template=state.chat_template, tools=tools)
+            except Exception:   # noqa: BLE001 - whatever the template raises
+                return True
+            return False
+        _SYSTEM_FIRST[key] = refuses(None) or refuses([])
+    return _SYSTEM_FIRST[key]
+
+
 def _usage(usage: Optional[dict]) -> dict:
     """Anthropic's usage of the chat usage: input_tokens leave out the prefix-cached tokens
     (cache_read_input_tokens, with --enable-prompt-tokens-details), as vLLM's."""
@@ -97,7 +124,7 @@ def _arguments(text: str) -> Optional[dict]:
 async def create_message(req: MessagesRequest, request: Request):
     _checked(req)
     try:
-        chat = req.to_chat()
+        chat = req.to_chat(_merge_system(request, req))
     except ValueError as e:
         raise translate_error(e) from None
     answer = await openai_routes.chat_completions(chat, request)
@@ -261,7 +288,7 @@ async def count_tokens(req: CountTokensRequest, request: Request):
     state.check_model(req.model)
     engine = state.require_engine()
     try:
-        chat = req.chat_request()
+        chat = req.chat_request(_merge_system(request, req))
         tools, _ = tool_calls.resolve(chat.tools, chat.tool_choice, True, True)
     except ValueError as e:
         raise translate_error(e) from None
