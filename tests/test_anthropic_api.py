@@ -15,8 +15,9 @@ import openai
 import pytest
 import requests
 
+from conftest import metric
 from llm_serving.entrypoints.anthropic_routes import _events, _message
-from test_http_server import served
+from test_http_server import served, wait_until
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "additionalProperties": False,
@@ -189,6 +190,24 @@ def test_forced_tool_use_and_its_result_sent_back(client, chat_client):
         model="tiny", messages=turn, tools=[WEATHER]).input_tokens == chat.usage.prompt_tokens
 
 
+ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_a_stream_the_client_leaves_is_aborted(server):
+    aborted = 'request_success_total{finished_reason="abort"}'
+    before = metric(server, aborted)
+    r = requests.post(server + "/v1/messages", json={**ASK, **GREEDY, "max_tokens": 1000,
+                                                     "stream": True},
+                      stream=True, timeout=60)
+    lines = r.iter_lines()
+    for _ in range(8):      # message_start, a block started, deltas
+        next(lines)
+    r.close()
+    wait_until(lambda: metric(server, aborted) == before + 1,
+               message="the request ran on after its client left")
+    assert requests.get(server + "/load", timeout=10).json()["server_load"] == 0
+
+
 # Qwen's rule: a system message only first
 SYSTEM_FIRST = (
     "{{- bos_token }}{%- for m in messages %}"
@@ -236,9 +255,6 @@ def test_inline_system_messages_stand_or_join_the_first_as_the_template_takes(
         assert counted["input_tokens"] == answer["usage"]["prompt_tokens"]
     finally:
         next(other, None)
-
-
-ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.mark.parametrize("body, named", [
