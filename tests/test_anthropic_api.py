@@ -190,6 +190,38 @@ def test_forced_tool_use_and_its_result_sent_back(client, chat_client):
         model="tiny", messages=turn, tools=[WEATHER]).input_tokens == chat.usage.prompt_tokens
 
 
+def test_reasoning_is_a_thinking_block(tmp_path_factory, qwen3_model_dir):
+    """--reasoning-parser qwen3 with a template that opens <think> (as Qwen3-2507's do): the
+    chat route's reasoning is a thinking block, streamed as thinking deltas closed by a
+    signature."""
+    template = tmp_path_factory.mktemp("think") / "template.jinja"
+    # ChatML (SYSTEM_FIRST's), its generation prompt opening <think>
+    template.write_text(SYSTEM_FIRST.replace("assistant\\n'", "assistant\\n<think>\\n'"))
+    other = served(tmp_path_factory.mktemp("think-srv"), qwen3_model_dir,
+                   "--chat-template", str(template), "--reasoning-parser", "qwen3")
+    url = next(other)
+    try:
+        kw = dict(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "Why?"}])
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
+            **kw, temperature=0)
+        thought = chat.choices[0].message.model_extra["reasoning"]
+        assert thought and chat.choices[0].message.content is None
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        msg = client.messages.create(**kw, extra_body=GREEDY)
+        (block,) = msg.content
+        assert block.type == "thinking" and block.thinking == thought and block.signature
+        with client.messages.stream(**kw, extra_body=GREEDY) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        deltas = [e.delta for e in events if e.type == "content_block_delta"]
+        assert {d.type for d in deltas} == {"thinking_delta", "signature_delta"}
+        assert deltas[-1].type == "signature_delta"
+        assert "".join(d.thinking for d in deltas[:-1]) == thought
+        assert final.content[0].thinking == thought and final.stop_reason == "max_tokens"
+    finally:
+        next(other, None)
+
+
 ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
 
 
