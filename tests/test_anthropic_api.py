@@ -222,6 +222,29 @@ def test_reasoning_is_a_thinking_block(tmp_path_factory, qwen3_model_dir):
         next(other, None)
 
 
+def test_api_key_as_the_sdk_sends_it(tmp_path_factory, tiny_model_dir):
+    """--api-key: an Anthropic client's api_key (x-api-key) or auth_token (Bearer, vLLM's)
+    open /v1/messages; a wrong one is the SDK's AuthenticationError. x-api-key opens nothing
+    else."""
+    other = served(tmp_path_factory.mktemp("key"), tiny_model_dir, "--api-key", "sesame")
+    url = next(other)
+    try:
+        for auth in ({"api_key": "sesame"}, {"auth_token": "sesame"}):
+            client = anthropic.Anthropic(base_url=url, max_retries=0, **auth)
+            assert client.messages.create(**ASK).type == "message"
+            assert client.messages.count_tokens(model="tiny", messages=ASK["messages"]) \
+                .input_tokens > 0
+        wrong = anthropic.Anthropic(base_url=url, api_key="open", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            wrong.messages.create(**ASK)
+        assert e.value.body["error"]["type"] == "authentication_error"
+        r = requests.post(url + "/v1/chat/completions", headers={"x-api-key": "sesame"},
+                          json={"messages": ASK["messages"], "max_tokens": 1}, timeout=60)
+        assert r.status_code == 401
+    finally:
+        next(other, None)
+
+
 ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
 
 

@@ -160,10 +160,13 @@ def test_generation_routes_are_not_served_on_a_pooling_server(pooling_server):
                        ("/v1/chat/completions",
                         {"model": name, "messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/responses", {"model": name, "input": "hi"}),
+                       ("/v1/messages", {"model": name, "max_tokens": 2, "messages": [
+                           {"role": "user", "content": "hi"}]}),
                        (f"/models/{name}/generate", {"inputs": "hi"})):
         r = requests.post(pooling_server + path, json=body, timeout=60)
         assert r.status_code == 404, (path, r.text)
-        assert "pooling model" in r.json()["error"]["message"]
+        error = r.json()["error"]       # Anthropic's shape on /v1/messages, OpenAI's elsewhere
+        assert "pooling model" in error["message"] and error["type"] == "not_found_error"
     client = openai.OpenAI(base_url=pooling_server + "/v1", api_key="none")
     with pytest.raises(openai.NotFoundError, match="pooling model"):
         client.completions.create(model=name, prompt="hi", max_tokens=2)

@@ -26,24 +26,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from llm_serving.entrypoints import openai_routes, tool_calls
 from llm_serving.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
-from llm_serving.entrypoints.http_common import (SSE_DONE, refuse_unsupported,
+from llm_serving.entrypoints.http_common import (ANTHROPIC_PATH, SSE_DONE, refuse_unsupported,
                                                 server_state, translate_error)
 
 router = APIRouter()
 logger = logging.getLogger("llm_serving.server")
-PATH = "/v1/messages"
+PATH = ANTHROPIC_PATH
 
 
 def is_anthropic(request: Request) -> bool:
     """Whether ``request`` is one of these routes (whose errors have Anthropic's shape)."""
     return request.url.path.removeprefix(request.scope.get("root_path", "")).startswith(PATH)
-
-
-def error(status: int, message: str, kind: str, headers: Optional[dict] = None
-          ) -> JSONResponse:
-    """An error in Anthropic's shape."""
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
-                        status_code=status, headers=headers)
 
 
 def _checked(req: CountTokensRequest):

@@ -46,7 +46,8 @@ from llm_serving.config import EngineArgs
 from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.model_executor.layers.pooler import served_routes
-from llm_serving.entrypoints.http_common import (HTTPError, ServerState, ShuttingDown,
+from llm_serving.entrypoints.http_common import (ANTHROPIC_PATH, HTTPError, ServerState,
+                                                ShuttingDown, anthropic_error_response,
                                                 error_response, logger, translate_error)
 from llm_serving.errors import ConfigError, LLMServingError
 
@@ -105,9 +106,10 @@ class _RequestLimits:
 
 class _ApiKey:
     """ASGI middleware: the OpenAI routes (``/v1/...``, as vLLM guards) and llm-serving's
-    generation routes (``/models/...``) need ``Authorization: Bearer <key>`` (401 otherwise);
-    health, metrics, /tokenize and the info routes stay open, as on vLLM. The key is compared
-    in constant time. Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which carries every
+    generation routes (``/models/...``) need ``Authorization: Bearer <key>`` (401 otherwise),
+    or on Anthropic's Messages API its own header, ``x-api-key: <key>`` (what an Anthropic SDK
+    client sends of its api_key; vLLM reads the Bearer only); health, metrics, /tokenize and
+    the info routes stay open, as on vLLM. The key is compared in constant time. Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which carries every
     streamed chunk through a memory stream and a task group: with it, the server process spent
     5.0-5.2 CPU seconds under W1 all at once (200 streams), without it 3.2-3.8."""
 
@@ -118,14 +120,18 @@ class _ApiKey:
         self.expected = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     def _accepts(self, header: bytes) -> bool:
-        """'Bearer KEY' with one of the keys (the scheme in any case, as vLLM); every key is
-        compared, in constant time, on digests of equal length."""
+        """'Bearer KEY' with one of the keys (the scheme in any case, as vLLM)."""
         scheme, _, token = header.partition(b" ")
+        return self._known(token) and scheme.lower() == b"bearer"
+
+    def _known(self, token: bytes) -> bool:
+        """One of the keys: every key is compared, in constant time, on digests of equal
+        length."""
         given = hashlib.sha256(token).digest()
         found = False
         for key in self.expected:
             found |= hmac.compare_digest(given, key)
-        return found and scheme.lower() == b"bearer"
+        return found
 
     async def __call__(self, scope, receive, send):
         # the route's path: behind --root-path, FastAPI keeps the prefix in scope["path"]
@@ -133,7 +139,14 @@ class _ApiKey:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" \
                 and path.startswith(self.GUARDED):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not self._accepts(given):
+            on_messages = path.startswith(ANTHROPIC_PATH)
+            x_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None) \
+                if on_messages else None
+            if not (self._accepts(given) or (x_key is not None and self._known(x_key))):
+                if on_messages:
+                    return await anthropic_error_response(
+                        401, "missing or wrong API key (x-api-key, or Authorization: Bearer)",
+                        "authentication_error")(scope, receive, send)
                 return await error_response(401, "missing or wrong API key (Authorization: "
                                             "Bearer)", kind="authentication_error")(
                     scope, receive, send)
@@ -156,11 +169,12 @@ class _PoolingRunner:
         if scope["type"] == "http" and engine is not None and engine.limits.pooler is not None:
             path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
             if path.startswith(self.GENERATION):
-                return await error_response(
-                    404, f"this model is a pooling model (runner pooling): {path} is not "
-                    f"served; it serves {served_routes(engine.limits.pooler)}",
-                    kind="not_found_error")(
-                    scope, receive, send)
+                message = (f"this model is a pooling model (runner pooling): {path} is not "
+                           f"served; it serves {served_routes(engine.limits.pooler)}")
+                answer = anthropic_error_response(404, message, "not_found_error") \
+                    if path.startswith(ANTHROPIC_PATH) else \
+                    error_response(404, message, kind="not_found_error")
+                return await answer(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -268,7 +282,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                      headers=None, request: Optional[Request] = None):
         """The route's error: Anthropic's shape on its Messages API, else OpenAI's."""
         if request is not None and anthropic_routes.is_anthropic(request):
-            return anthropic_routes.error(status, message, kind, headers)
+            return anthropic_error_response(status, message, kind, headers)
         return error_response(status, message, param, kind, headers)
 
     @app.exception_handler(HTTPError)

@@ -136,6 +136,13 @@ def error_response(status: int, message: str, param: Optional[str] = None,
                                    "code": status}}, status_code=status, headers=headers)
 
 
+def anthropic_error_response(status: int, message: str, kind: str = "invalid_request_error",
+                             headers: Optional[dict] = None) -> JSONResponse:
+    """An error in the shape of Anthropic's Messages API (ANTHROPIC_PATH)."""
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
+                        status_code=status, headers=headers)
+
+
 def translate_error(e: BaseException) -> HTTPError:
     """Engine and validation errors, as the HTTP error a client should get."""
     if isinstance(e, HTTPError):
@@ -317,6 +324,8 @@ def sse(obj, end: str = "\n\n") -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# Anthropic's Messages API (anthropic_routes): its errors and its key header are its own.
+ANTHROPIC_PATH = "/v1/messages"
 # An SSE comment: clients skip it, proxies with a read timeout see bytes (vLLM's bytes).
 SSE_KEEP_ALIVE = b": keep-alive\n\n"
 
