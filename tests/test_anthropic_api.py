@@ -191,12 +191,15 @@ def test_forced_tool_use_and_its_result_sent_back(client, chat_client):
 
 
 def test_reasoning_is_a_thinking_block(tmp_path_factory, qwen3_model_dir):
-    """--reasoning-parser qwen3 with a template that opens <think> (as Qwen3-2507's do): the
-    chat route's reasoning is a thinking block, streamed as thinking deltas closed by a
-    signature."""
+    """--reasoning-parser qwen3 with a template that opens <think> (unless enable_thinking is
+    false: then it closes it, as Qwen3's): the chat route's reasoning is a thinking block,
+    streamed as thinking deltas closed by a signature; thinking disabled is the template's
+    enable_thinking false, and the text a text block."""
     template = tmp_path_factory.mktemp("think") / "template.jinja"
     # ChatML (SYSTEM_FIRST's), its generation prompt opening <think>
-    template.write_text(SYSTEM_FIRST.replace("assistant\\n'", "assistant\\n<think>\\n'"))
+    template.write_text(SYSTEM_FIRST.replace("assistant\\n'", (
+        "assistant\\n<think>\\n' + ('\\n</think>\\n\\n' if enable_thinking is defined "
+        "and not enable_thinking else '')")))
     other = served(tmp_path_factory.mktemp("think-srv"), qwen3_model_dir,
                    "--chat-template", str(template), "--reasoning-parser", "qwen3")
     url = next(other)
@@ -218,6 +221,15 @@ def test_reasoning_is_a_thinking_block(tmp_path_factory, qwen3_model_dir):
         assert deltas[-1].type == "signature_delta"
         assert "".join(d.thinking for d in deltas[:-1]) == thought
         assert final.content[0].thinking == thought and final.stop_reason == "max_tokens"
+        off = client.messages.create(**kw, thinking={"type": "disabled"}, extra_body=GREEDY)
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
+            **kw, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert [b.type for b in off.content] == ["text"]
+        assert off.content[0].text == plain.choices[0].message.content
+        assert off.usage.input_tokens == plain.usage.prompt_tokens > msg.usage.input_tokens
+        assert client.messages.count_tokens(
+            model="tiny", messages=kw["messages"], thinking={"type": "disabled"}
+        ).input_tokens == plain.usage.prompt_tokens
     finally:
         next(other, None)
 

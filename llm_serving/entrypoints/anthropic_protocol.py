@@ -68,9 +68,12 @@ class AnthropicToolChoice(BaseModel):
     disable_parallel_tool_use: Optional[bool] = None
 
 
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
 class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
-    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
+    effort: Optional[Literal[EFFORTS]] = None
     format: Optional[dict[str, Any]] = None
 
 
@@ -100,18 +103,24 @@ class CountTokensRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
 
-    def chat_request(self, merge_system: bool = False) -> ChatCompletionRequest:
+    def chat_request(self, merge_system: bool = False,
+                     disabled_effort: str = "none") -> ChatCompletionRequest:
         """The chat request of the conversation (ValueError naming the field it cannot be)."""
-        return _chat_request(self.chat_fields(merge_system))
+        return _chat_request(self.chat_fields(merge_system, disabled_effort))
+
+    def thinking_disabled(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "disabled"
 
     def inline_system(self) -> bool:
         """Whether system messages stand among the messages (Claude Code's reminders)."""
         return any(m.role == "system" for m in self.messages)
 
-    def chat_fields(self, merge_system: bool = False) -> dict:
+    def chat_fields(self, merge_system: bool = False, disabled_effort: str = "none") -> dict:
         """The chat request's fields of the conversation (messages, tools, template).
         ``merge_system``: the system messages among the messages join the leading one, for
-        a template that takes a system message first only (vLLM's)."""
+        a template that takes a system message first only; ``disabled_effort``: the
+        reasoning_effort of thinking disabled, "low" for a template that cannot turn
+        thinking off (vLLM's)."""
         inline = [m for m in self.messages if merge_system and m.role == "system"]
         messages = _system([*_blocks(self.system), *(b for m in inline
                                                      for b in _blocks(m.content))])
@@ -136,7 +145,7 @@ class CountTokensRequest(BaseModel):
             raise ValueError("thinking: a thinking budget (type enabled, budget_tokens) is "
                              "not supported by this server; use adaptive or disabled")
         if thinking is not None and thinking.type == "disabled":
-            fields["reasoning_effort"] = "none"
+            fields["reasoning_effort"] = disabled_effort
         out = self.output_config
         if out is not None and out.effort is not None:
             fields["reasoning_effort"] = out.effort
@@ -176,9 +185,10 @@ class MessagesRequest(CountTokensRequest):
                                "service_tier": ("auto", "standard_only"),
                                "context_management": ()}
 
-    def to_chat(self, merge_system: bool = False) -> ChatCompletionRequest:
+    def to_chat(self, merge_system: bool = False,
+                disabled_effort: str = "none") -> ChatCompletionRequest:
         """The chat request this one is (ValueError naming the field it cannot be)."""
-        fields = self.chat_fields(merge_system)
+        fields = self.chat_fields(merge_system, disabled_effort)
         fields.update(max_tokens=self.max_tokens, stop=self.stop_sequences,
                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       stream=self.stream, kv_transfer_params=self.kv_transfer_params,

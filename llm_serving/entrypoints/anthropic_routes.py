@@ -19,15 +19,18 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from llm_serving.entrypoints import openai_routes, tool_calls
-from llm_serving.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
+from llm_serving.entrypoints.anthropic_protocol import (EFFORTS, CountTokensRequest,
+                                                        MessagesRequest)
 from llm_serving.entrypoints.http_common import (ANTHROPIC_PATH, SSE_DONE, refuse_unsupported,
                                                 server_state, translate_error)
+from llm_serving.entrypoints.openai_protocol import with_reasoning_effort
+from llm_serving.entrypoints.openai_routes import template_kwargs
 
 router = APIRouter()
 logger = logging.getLogger("llm_serving.server")
@@ -47,31 +50,54 @@ def _checked(req: CountTokensRequest):
                        ", ".join(unknown))
 
 
-# (tokenizer, chat template) -> whether the template refuses a system message after the first
-_SYSTEM_FIRST: dict = {}
+# (tokenizer, chat template, what is asked) -> what the template answered
+_PROBED: dict = {}
+
+
+def _template_says(request: Request, question: str, probe) -> Any:
+    """What ``probe(render)`` finds of the server's chat template, asked once per template:
+    ``render(messages, **kwargs)`` is the template's text, None when it raises."""
+    state = server_state(request)
+    tok = state.require_engine().tokenizer
+    key = (id(tok), state.chat_template, question)
+    if key not in _PROBED:
+        def render(messages, **kwargs) -> Optional[str]:
+            try:
+                return tok.render_chat_template(messages, chat_template=state.chat_template,
+                                                **kwargs)
+            except Exception:   # noqa: BLE001 - whatever the template raises
+                return None
+        _PROBED[key] = probe(render)
+    return _PROBED[key]
 
 
 def _merge_system(request: Request, req: CountTokensRequest) -> bool:
     """Whether the system messages among ``req``'s messages join the leading one: as vLLM,
     when the chat template (with tools and without) refuses a conversation of system, user,
-    system, user (Qwen's take a system message first only). Asked once per template."""
+    system, user (Qwen's take a system message first only)."""
     if not req.inline_system():
         return False
-    state = server_state(request)
-    tok = state.require_engine().tokenizer
-    key = (id(tok), state.chat_template)
-    if key not in _SYSTEM_FIRST:
-        probe = [{"role": role, "content": "t"} for role in ("system", "user") * 2]
+    turns = [{"role": role, "content": "t"} for role in ("system", "user") * 2]
+    return _template_says(request, "system first", lambda render: any(
+        render(turns, add_generation_prompt=False, tools=tools) is None
+        for tools in (None, [])))
 
-        def refuses(tools) -> bool:
-            try:
-                tok.render_chat_template(probe, add_generation_prompt=False,
-                                         chat_template=state.chat_template, tools=tools)
-            except Exception:   # noqa: BLE001 - whatever the template raises
-                return True
-            return False
-        _SYSTEM_FIRST[key] = refuses(None) or refuses([])
-    return _SYSTEM_FIRST[key]
+
+def _disabled_effort(request: Request, req: CountTokensRequest) -> str:
+    """The reasoning_effort of thinking disabled: "none", unless the template cannot render
+    it or renders it as it renders an effort (it cannot turn thinking off): then "low", as
+    vLLM probes it."""
+    if not req.thinking_disabled():
+        return "none"
+    state = server_state(request)
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def probe(render) -> str:
+        def text(effort):
+            return render(hi, **template_kwargs(state, with_reasoning_effort(None, effort)))
+        none = text("none")
+        return "low" if none is None or any(text(e) == none for e in EFFORTS) else "none"
+    return _template_says(request, "thinking off", probe)
 
 
 def _usage(usage: Optional[dict]) -> dict:
@@ -117,7 +143,7 @@ def _arguments(text: str) -> Optional[dict]:
 async def create_message(req: MessagesRequest, request: Request):
     _checked(req)
     try:
-        chat = req.to_chat(_merge_system(request, req))
+        chat = req.to_chat(_merge_system(request, req), _disabled_effort(request, req))
     except ValueError as e:
         raise translate_error(e) from None
     answer = await openai_routes.chat_completions(chat, request)
@@ -142,7 +168,8 @@ def _message(body: dict) -> dict:
         fn = call["function"]
         args = _arguments(fn["arguments"])
         if args is None:        # cut by max_tokens: not a call to run, its text shown
-            content.append({"type": "text", "text": fn["arguments"]})
+            if fn["arguments"]:
+                content.append({"type": "text", "text": fn["arguments"]})
             continue
         content.append({"type": "tool_use", "id": call["id"], "name": fn["name"],
                         "input": args})
@@ -281,7 +308,7 @@ async def count_tokens(req: CountTokensRequest, request: Request):
     state.check_model(req.model)
     engine = state.require_engine()
     try:
-        chat = req.chat_request(_merge_system(request, req))
+        chat = req.chat_request(_merge_system(request, req), _disabled_effort(request, req))
         tools, _ = tool_calls.resolve(chat.tools, chat.tool_choice, True, True)
     except ValueError as e:
         raise translate_error(e) from None
