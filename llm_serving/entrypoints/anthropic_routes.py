@@ -312,6 +312,8 @@ async def count_tokens(req: CountTokensRequest, request: Request):
         tools, _ = tool_calls.resolve(chat.tools, chat.tool_choice, True, True)
     except ValueError as e:
         raise translate_error(e) from None
+    tools = tool_calls.prompt_tools(tools, chat.tool_choice,
+                                    state.frontend.exclude_tools_when_tool_choice_none)
     _, ids = await asyncio.to_thread(openai_routes.chat_prompt_ids, state, engine, chat, tools)
     return {"input_tokens": len(ids), "context_management": {
         "original_input_tokens": len(ids)}}
