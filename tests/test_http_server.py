@@ -1792,8 +1792,12 @@ def test_connections_are_bounded(tmp_path, tiny_model_dir):
         ok = requests.get(url + "/live", headers={f"X-{i}": "1" for i in range(60)}, timeout=5)
         assert ok.status_code == 200
         # a stream the client stops reading: 8 choices of 1000 tokens, 20 logprobs each (about
-        # 16 MB, more than the socket buffers hold), read by a socket with a small window
+        # 16 MB, more than the socket buffers hold), read by a socket with a small window. A
+        # fast CPU generates them all in under a second, before the write stalls long enough;
+        # so once 300 tokens a choice (some 5 MB) were made, the WorkAgent is held: the
+        # requests are still running when the stalled write times out.
         aborted = metric(url, 'request_success_total{finished_reason="abort"}')
+        generated = metric(url, "generation_tokens_total")
         stream = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                              "n": 8, "max_tokens": 1000, "temperature": 1, "stream": True,
                              "logprobs": True, "top_logprobs": 20,
@@ -1804,6 +1808,15 @@ def test_connections_are_bounded(tmp_path, tiny_model_dir):
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(stream)
                       + stream)
+            wait_until(lambda: metric(url, "generation_tokens_total") >= generated + 8 * 300,
+                       timeout=60, every=0.01)
+            for agent in agents:
+                os.kill(agent, signal.SIGSTOP)
+            try:
+                time.sleep(2)           # the stalled write times out (1 s): the cut comes
+            finally:
+                for agent in agents:
+                    os.kill(agent, signal.SIGCONT)
             wait_until(lambda: metric(url, 'request_success_total{finished_reason="abort"}')
                        == aborted + 8, timeout=60)       # each of its n sequences, as vLLM
             assert metric(url, "num_requests_running") == 0
@@ -1875,7 +1888,7 @@ def test_shutdown_answers_every_request_while_a_model_step_hangs(tmp_path, tiny_
     results, started = {}, []
 
     def one(i, stream):
-        body = dict(model="tiny", prompt="Hello", max_tokens=900, ignore_eos=True,
+        body = dict(model="tiny", prompt="Hello", max_tokens=1000, ignore_eos=True,
                     stream=stream)
         with requests.post(url + "/v1/completions", json=body, stream=stream,
                            timeout=120) as r:
@@ -1893,7 +1906,9 @@ def test_shutdown_answers_every_request_while_a_model_step_hangs(tmp_path, tiny_
         for t in threads:
             t.start()
         wait_until(lambda: set(started) == {0, 2}, 60)
-        time.sleep(0.5)                     # the non-streamed ones are running too
+        # the non-streamed ones are running too (a fast CPU runs the tiny model's 1000 tokens
+        # in under a second: the agent is stopped as soon as all four run)
+        wait_until(lambda: metric(url, "num_requests_running") == 4, 30, every=0.01)
         os.kill(agent, signal.SIGSTOP)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
