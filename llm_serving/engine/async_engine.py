@@ -73,7 +73,8 @@ class RequestStream:
             self._decline_offer(out)
             return
         self._pending.append(out)
-        self._tokens += self._new_tokens(out)
+        # with the default interval of 1 any output makes a read: nothing to count
+        self._tokens += self._new_tokens(out) if self._interval > 1 else 1
         if self._tokens >= self._due or out.finished:
             self._ready.set()
 

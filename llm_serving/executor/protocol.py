@@ -142,7 +142,9 @@ class SamplingBatch:
                     any_banned = True
         if any_banned:
             batch.banned_token_ids = banned
-        if any(p.logprob_token_ids is not None for p in params):
+        # (rows with logprob_token_ids ask for logprobs: the usual step skips the pass)
+        if (batch.num_logprobs >= 0).any() and any(p.logprob_token_ids is not None
+                                                   for p in params):
             batch.logprob_token_ids = [_EMPTY_IDS if p.logprob_token_ids is None else
                                        np.asarray(p.logprob_token_ids, np.int64) for p in params]
         return batch
