@@ -285,8 +285,8 @@ def test_vllm_arguments_without_effect_are_accepted_and_named(tiny_model_dir, ca
                   trust_remote_code=True, disable_log_stats=True)
     warned = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
     assert len(warned) == 1
-    assert all(k in warned[0] for k in ("gpu_memory_utilization", "trust_remote_code",
-                                        "disable_log_stats"))
+    assert all(k in warned[0] for k in ("gpu_memory_utilization", "trust_remote_code"))
+    assert "disable_log_stats" not in warned[0]         # it has one: get_metrics
     out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ConfigError) as e:
@@ -475,3 +475,47 @@ def test_enqueue_then_wait_for_completion_runs_what_was_enqueued(tiny_model_dir,
     assert llm.get_world_size() == 1
     assert (llm.generate("Hello", greedy)[0].outputs[0].token_ids
             == want[0].outputs[0].token_ids)
+
+
+def test_get_metrics_reads_the_engines_counts_as_vllms_classes(tiny_model_dir, tiny_llm):
+    """vLLM's LLM(disable_log_stats=False).get_metrics(): counters, gauges, histograms and the
+    accepted drafts per position (a Vector), which count what the requests did; later calls
+    advance them; without the flag, a ValueError naming it."""
+    from llm_serving import LLM
+    from llm_serving.entrypoints.metrics_reader import Counter, Gauge, Histogram, Vector
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        tiny_llm.get_metrics()
+    llm = LLM(tiny_model_dir, num_blocks=64, disable_log_stats=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                  "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+
+    def read():
+        ms = llm.get_metrics()
+        assert all(m.labels.get("model_name") == tiny_model_dir for m in ms
+                   if m.name.startswith("vllm:") and "model_name" in m.labels)
+        return {(type(m), m.name, m.labels.get("finished_reason")): m for m in ms}
+    outs = llm.generate(["Hello", "Once upon a time there was"],
+                        [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated == 19
+    m = read()
+    assert m[Counter, "vllm:prompt_tokens", None].value == prompt
+    assert m[Counter, "vllm:generation_tokens", None].value == generated
+    assert m[Counter, "vllm:request_success", "length"].value == 2
+    assert m[Counter, "vllm:request_success", "stop"].value == 0
+    assert m[Gauge, "vllm:num_requests_running", None].value == 0
+    e2e = m[Histogram, "vllm:e2e_request_latency_seconds", None]
+    assert e2e.count == 2 and e2e.buckets["+Inf"] == 2 and e2e.sum > 0
+    counts = list(e2e.buckets.values())
+    assert counts == sorted(counts)             # cumulative, in bound order
+    lengths = m[Histogram, "vllm:request_generation_tokens", None]
+    assert (lengths.count, lengths.sum) == (2, generated)
+    accepted = m[Vector, "vllm:spec_decode_num_accepted_tokens_per_pos", None]
+    assert len(accepted.values) == 2
+    assert sum(accepted.values) == m[Counter, "vllm:spec_decode_num_accepted_tokens", None].value
+    llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    m = read()
+    assert m[Counter, "vllm:generation_tokens", None].value == generated + 3
+    assert m[Histogram, "vllm:e2e_request_latency_seconds", None].count == 3

@@ -11,16 +11,19 @@ from tqdm import tqdm
 
 from llm_serving.chat_content_format import CONTENT_FORMATS
 from llm_serving.cli_args import resolve_model
-from llm_serving.config import (VLLM_NO_EFFECT_ARGS, EngineArgs, NoEffect,
-                                drop_no_effect_args)
+from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs, drop_no_effect_args
 from llm_serving.engine.input_processor import NO_TOKENIZER
+from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
+from llm_serving.entrypoints.metrics import ServerMetrics
+from llm_serving.entrypoints.metrics_reader import Metric, snapshot
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
+from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.lora.request import LoRARequest
 from llm_serving.entrypoints.scoring import (cosine, cross_encoder_prompt, pair_indices,
                                              score_texts)
@@ -29,11 +32,10 @@ from llm_serving.outputs import (ClassificationOutput, ClassificationRequestOutp
                                  ScoringOutput, ScoringRequestOutput)
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from llm_serving.spec_decode.config import SpeculativeConfig
 
 
-# LLM(...) also takes vLLM's disable_log_stats, which means nothing offline.
-_LLM_NO_EFFECT = {**VLLM_NO_EFFECT_ARGS,
-                  "disable_log_stats": NoEffect("LLM logs no periodic stats")}
+_LLM_NO_EFFECT = VLLM_NO_EFFECT_ARGS
 
 
 def _no_pooling(method: str) -> ValueError:
@@ -54,7 +56,9 @@ class LLM:
         """``model``: an HF model directory, or ``builtin:tiny-llama`` (as start.py's
         --model: the built-in tiny model, generated on first use)."""
         engine_args = drop_no_effect_args(engine_args, "LLM", _LLM_NO_EFFECT)
-        self._start(EngineArgs.from_kwargs(resolve_model(model), **engine_args))
+        # vLLM's LLM keeps no stats unless asked (its default: True); they feed get_metrics
+        log_stats = not engine_args.pop("disable_log_stats", True)
+        self._start(EngineArgs.from_kwargs(resolve_model(model), **engine_args), log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
@@ -63,8 +67,14 @@ class LLM:
         llm._start(engine_args)
         return llm
 
-    def _start(self, engine_args: EngineArgs) -> None:
+    def _start(self, engine_args: EngineArgs, log_stats: bool = False) -> None:
         self.engine = LLMEngine(engine_args)
+        self._metrics = None
+        if log_stats:
+            spec = SpeculativeConfig.from_value(engine_args.speculative_config)
+            self._metrics = ServerMetrics(
+                engine_args.model, spec.num_speculative_tokens if spec is not None else 0,
+                check_histogram_buckets(engine_args.custom_histogram_buckets))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         self._enqueued: list = []       # enqueue()'s checked requests, for wait_for_completion
@@ -73,6 +83,17 @@ class LLM:
         """vLLM's: the ranks the model runs on (tensor parallel; no data or pipeline
         parallelism here)."""
         return self.engine.config.parallel.tensor_parallel_size
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's metrics now, as ``/metrics`` would serve them (``Counter``,
+        ``Gauge``, ``Histogram`` and ``Vector`` of ``llm_serving.entrypoints.metrics_reader``,
+        vLLM's classes). Needs ``LLM(..., disable_log_stats=False)``, as vLLM's."""
+        if self._metrics is None:
+            raise ValueError("get_metrics: this LLM keeps no stats; create it with "
+                             "disable_log_stats=False (vLLM's LLM too)")
+        limits = EngineLimits.of(self.engine.config, getattr(self.engine.runner, "device", None))
+        self._metrics.update(self.engine.get_stats(), limits.cache, limits.max_loras)
+        return snapshot(self._metrics.registry)
 
     def get_tokenizer(self):
         if self.engine.config.model.skip_tokenizer_init:
