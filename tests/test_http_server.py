@@ -1429,6 +1429,8 @@ _NEW_VLLM_SERIES = [
     'prompt_tokens_by_source_total{source="local_compute"}',
     'prompt_tokens_by_source_total{source="local_cache_hit"}',
     'prompt_tokens_by_source_total{source="external_kv_transfer"}',
+    *(f'prompt_tokens_cached_by_source_total{{source="{tier}"}}'
+      for tier in ("device", "host", "p2p", "disk", "external_unspecified")),
     'request_params_max_tokens_count', 'request_success_total{finished_reason="abort"}']
 
 
@@ -1487,6 +1489,10 @@ def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
     waiting = {s["reason"]: s["value"]
                for s in _samples(text, "vllm:num_requests_waiting_by_reason")}
     assert waiting == {"capacity": 0, "deferred": 0}
+    sleep = {s["sleep_state"]: s["value"] for s in _samples(text, "vllm:engine_sleep_state")}
+    assert sleep == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+    refused = {s["reason"]: s["value"] for s in _samples(text, "vllm:admission_rejections_total")}
+    assert refused == {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
 
     before = {name: metric_value(text, name) for name in _NEW_VLLM_SERIES}
     tag = f"metrics {time.monotonic_ns()}"        # a prompt no earlier test cached
@@ -1532,6 +1538,10 @@ def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
     assert source["local_cache_hit"] == d["prompt_tokens_cached_total"] \
         == d["prefix_cache_hits_total"] > 0
     assert source["external_kv_transfer"] == 0
+    tiers = {k: d[f'prompt_tokens_cached_by_source_total{{source="{k}"}}']
+             for k in ("device", "host", "p2p", "disk", "external_unspecified")}
+    assert tiers == {"device": source["local_cache_hit"], "host": 0, "p2p": 0, "disk": 0,
+                     "external_unspecified": 0}
     assert d["iteration_tokens_total_sum"] == (source["local_compute"]
                                                + d["generation_tokens_total"] - 3)
     assert d["iteration_tokens_total_count"] >= outputs - 3 + 1

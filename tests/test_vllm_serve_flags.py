@@ -23,6 +23,7 @@ from llm_serving.cli import build_parser, server_settings
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.entrypoints.http_common import ServerState, log_arrival
 from llm_serving.errors import ConfigError
+from conftest import metric
 from test_http_server import ROOT, agent_pids, start_server, stop_server, wait_until
 
 ORIGIN = "http://app.example"
@@ -634,8 +635,15 @@ def test_keep_alive_comments_and_the_in_flight_bound_on_the_server(tmp_path, tin
             os.kill(agent, signal.SIGCONT)
         for r in held:
             r.close()
-        wait_until(lambda: requests.post(url + "/v1/completions", timeout=60, json=dict(
-            model="tiny", prompt="Hi", max_tokens=2)).status_code == 200, 30)
+        statuses = []
+        wait_until(lambda: statuses.append(requests.post(url + "/v1/completions", timeout=60,
+                   json=dict(model="tiny", prompt="Hi", max_tokens=2)).status_code)
+                   or statuses[-1] == 200, 30)
+        # vLLM's admission_rejections counts each 503 under its limit
+        refused = {reason: metric(url, f'admission_rejections_total{{reason="{reason}"}}')
+                   for reason in ("max_num_queued_reqs", "max_num_queued_tokens")}
+        assert refused == {"max_num_queued_reqs": 1 + statuses.count(503),
+                           "max_num_queued_tokens": 0}
         with pytest.raises(openai.BadRequestError, match="max_num_queued_reqs") as e:
             client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=4)
         assert e.value.body["param"] == "n"

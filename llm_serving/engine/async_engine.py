@@ -189,6 +189,8 @@ class AsyncLLMEngine:
         self.limits = EngineLimits.of(self.engine.config,
                                       getattr(self.engine.runner, "device", None))
         self.default_sampling_params = dict(self.engine.config.model.default_sampling_params)
+        # requests refused by each admission limit (vLLM's admission_rejections metric)
+        self.admission_rejections = {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Adds handed over but not yet taken, for the queue bound: each count has one writer.
         self._adds_sent = 0                 # event loop thread
@@ -307,6 +309,7 @@ class AsyncLLMEngine:
         if config.max_in_flight is not None:
             in_flight = sum(s.slots for s in self._streams.values())
             if in_flight + new.params.n > config.max_in_flight:
+                self.admission_rejections["max_num_queued_reqs"] += 1
                 raise QueueFullError(config.max_in_flight, (
                     f"the server has {in_flight} sequences in flight, at its bound "
                     f"(max_num_queued_reqs={config.max_in_flight}); try again later or on "
@@ -314,6 +317,7 @@ class AsyncLLMEngine:
         if config.max_prefill_backlog is not None:
             backlog = sum(s.prefill_tokens for s in self._streams.values())
             if backlog >= config.max_prefill_backlog:
+                self.admission_rejections["max_num_queued_tokens"] += 1
                 raise QueueFullError(config.max_prefill_backlog, (
                     f"{backlog} prompt tokens are waiting for their prefill, at the bound "
                     f"(max_num_queued_tokens={config.max_prefill_backlog}); try again later "

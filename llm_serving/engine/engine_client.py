@@ -73,6 +73,8 @@ class EngineClient(Protocol):
     limits: EngineLimits
     # Sampling defaults of OpenAI requests that leave a field out (EngineArgs.generation_config)
     default_sampling_params: dict
+    # Requests refused so far by each admission limit (max_num_queued_reqs, ..._tokens)
+    admission_rejections: dict
 
     @property
     def is_running(self) -> bool:

@@ -83,7 +83,8 @@ class ServerState:
             return
         self._last_stats = stats = read.result()
         if self.metrics is not None:
-            self.metrics.update(stats, engine.limits.cache, engine.limits.max_loras)
+            self.metrics.update(stats, engine.limits.cache, engine.limits.max_loras,
+                                engine.admission_rejections)
 
     def model_names(self) -> set[str]:
         return {self.served_model_name, self.engine_args.model}

@@ -40,6 +40,12 @@ _PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # vLLM's finish reasons: each has its request_success_total series from the start (at 0), so
 # that a query on one reads 0, not "no data". This engine ends a failed request as "abort".
 _FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+# vLLM's tiers of cached prompt tokens (prompt_tokens_cached_by_source), from this engine's
+# sources: its own prefix cache is vLLM's "device", KV loaded from another instance "p2p".
+_CACHED_SOURCES = {"device": "local_cache_hit", "host": None, "p2p": "external_kv_transfer",
+                   "disk": None, "external_unspecified": None}
+# vLLM's admission limits (a request refused with 503 counts under its limit's name).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 # counter name -> EngineStats field
 _VLLM_COUNTERS = {
@@ -138,6 +144,23 @@ class ServerMetrics:
                                for source in PROMPT_TOKEN_SOURCES}
         self.cached_tokens = vllm(Counter, "prompt_tokens_cached", "Prompt tokens not computed: "
                                   "found in the prefix cache or loaded from another instance")
+        cached_by = vllm(Counter, "prompt_tokens_cached_by_source", "Prompt tokens not "
+                         "computed, by tier: device (this engine's prefix cache), p2p (loaded "
+                         "from another instance); host, disk, external_unspecified stay 0",
+                         ["source"])
+        self.cached_sources = {source: cached_by.labels(**labels, source=source)
+                               for source in _CACHED_SOURCES}
+        # labelled by model only, as vLLM's
+        rejected = Counter(V + "admission_rejections", "Requests refused by an admission "
+                           "limit (503), by limit", ["model_name", "reason"], registry=r)
+        self.admission_rejections = {reason: rejected.labels(model_name=model_name,
+                                                             reason=reason)
+                                     for reason in ADMISSION_REASONS}
+        # vLLM's sleep mode state: this engine has no sleep mode, it is always awake
+        sleep = vllm(Gauge, "engine_sleep_state", "Engine sleep state: always awake here (no "
+                     "sleep mode)", ["sleep_state"])
+        for state in ("awake", "weights_offloaded", "discard_all"):
+            sleep.labels(**labels, sleep_state=state).set(state == "awake")
         # Speculative decoding: accepted drafts by their position in the step's drafts.
         self.accepted_per_pos = vllm(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the drafts",
@@ -225,9 +248,11 @@ class ServerMetrics:
                               "another instance", registry=r)
 
     def update(self, s: EngineStats, cache_info: tuple = (),
-               max_loras: Optional[int] = None) -> None:
+               max_loras: Optional[int] = None, admission_rejections: Optional[dict] = None
+               ) -> None:
         """``cache_info``: the engine's ``EngineLimits.cache``; ``max_loras``: its LoRA
-        bound (None without LoRA)."""
+        bound (None without LoRA); ``admission_rejections``: requests refused by each
+        admission limit so far (``AsyncLLMEngine.admission_rejections``)."""
         if cache_info and cache_info != self._cache_info_set:
             self.cache_info.clear()
             self.cache_info.labels(engine="0", **dict(cache_info)).set(1)
@@ -252,6 +277,11 @@ class ServerMetrics:
         self._advance("prompt_tokens", self.prompt_tokens, sum(by_source.values()))
         self._advance("prompt_tokens_cached", self.cached_tokens,
                       by_source["local_cache_hit"] + by_source["external_kv_transfer"])
+        for tier, source in _CACHED_SOURCES.items():
+            if source is not None:
+                self._advance(("cached", tier), self.cached_sources[tier], by_source[source])
+        for reason, value in (admission_rejections or {}).items():
+            self._advance(("admission", reason), self.admission_rejections[reason], value)
         for pos, value in enumerate(s.spec_decode_accepted_per_pos):
             self._advance(("spec_pos", pos), self.accepted_per_pos.labels(
                 **self._labels, position=str(pos)), value)
