@@ -19,7 +19,8 @@ from llm_serving.cli_args import (DEFAULT_CONFIG, STOP_WITH_PARENT_ENV,  # noqa:
                                   serve_config)
 from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
 from llm_serving.logging_config import configure_logging
-from llm_serving.serving_config import load_config
+from llm_serving.cli_argv import vllm_argv
+from llm_serving.serving_config import CONFIG_FILE_SECTIONS, load_config
 
 def server_settings(args) -> tuple:
     """(EngineArgs, served model name, host, port) from the config file and the flags."""
@@ -237,8 +238,18 @@ def remedy(e: Exception) -> Optional[str]:
     return None
 
 
+def parse_args(argv) -> argparse.Namespace:
+    """The command line, vLLM's forms of it included (cli_argv.py)."""
+    parser = build_parser()
+    return parser.parse_args(vllm_argv(list(argv), parser, CONFIG_FILE_SECTIONS))
+
+
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         level = configure_logging(args.log_level, getattr(args, "logging_config", None))
     except ConfigError as e:

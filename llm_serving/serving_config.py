@@ -155,6 +155,9 @@ class ConfigFile(BaseModel):
     kv_transfer: Optional[dict[str, Any]] = None
 
 
+# A config file's sections, as written in it (each a mapping)
+CONFIG_FILE_SECTIONS = frozenset(f.alias or name for name, f in ConfigFile.model_fields.items())
+
 @dataclass
 class ServingConfig:
     engine_kwargs: dict                   # EngineArgs keyword arguments (model included)

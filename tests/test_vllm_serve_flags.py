@@ -19,7 +19,7 @@ import openai
 import pytest
 import requests
 
-from llm_serving.cli import build_parser, server_settings
+from llm_serving.cli import build_parser, parse_args, server_settings
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.entrypoints.http_common import ServerState, log_arrival
 from llm_serving.errors import ConfigError
@@ -498,7 +498,7 @@ def test_the_model_may_come_first_as_in_vllm_serve_model(tiny_model_dir, tmp_pat
 
 
 def _settings_of(*argv):
-    return server_settings(build_parser().parse_args(list(argv)))
+    return server_settings(parse_args(argv))
 
 
 # ---- max_logprobs above vLLM's default 20, and -1 (the vocabulary) ---------------------------
@@ -714,3 +714,63 @@ def test_vllm_execute_model_timeout_variable_sets_the_step_bound(tiny_model_dir,
         with pytest.raises(ConfigError) as e:
             bound()
         assert e.value.key == "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" and repr(bad) in str(e.value)
+
+
+# ---- vLLM's command-line forms: underscores, dotted dict flags, a --config file of flags -----
+
+def test_vllm_command_line_forms_parse_as_vllm_reads_them(tiny_model_dir, tmp_path):
+    """A vllm serve command line as scripts write it: flag names with underscores, a dict flag
+    given key by key (values read as JSON, k/m/g numbers or text; '+' a comma list), and
+    vLLM's --config YAML of flags (a switch's false is its --no- form, a mapping a dict
+    flag's JSON), below the command line's own flags. llm-serving's own config files stay
+    what they were, and a malformed dotted flag is an error naming it."""
+    e = _settings(tiny_model_dir, "--max_num_seqs", "3", "--max-num-batched_tokens=512",
+                  "--speculative-config.method", "ngram",
+                  "--speculative_config.num_speculative_tokens=2",
+                  "--speculative-config.prompt_lookup_max", "3")[0]
+    assert (e.max_num_seqs, e.max_num_batched_tokens) == (3, 512)
+    assert e.speculative_config == {"method": "ngram", "num_speculative_tokens": 2,
+                                    "prompt_lookup_max": 3}
+    args = parse_args(["serve", tiny_model_dir, "--custom-histogram-buckets.request_params_n+",
+                       "1,2,4", "--max-num-queued-tokens", "2k"])
+    assert args.custom_histogram_buckets == {"request_params_n": ["1", "2", "4"]}
+    config = tmp_path / "vllm.yaml"
+    config.write_text("max-num-seqs: 4\nmax_model_len: 512\nenable-prefix-caching: false\n"
+                      "served-model-name: from-file\nenforce-eager: true\nport: 8123\n"
+                      "speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    e, name, _, port = _settings_of("serve", tiny_model_dir, "--config", str(config),
+                                    "--max-num-seqs", "7")
+    assert (e.max_num_seqs, e.max_model_len) == (7, 512)     # the command line wins
+    assert e.enable_prefix_caching is False and e.enforce_eager is True
+    assert e.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert (name, port) == ("from-file", 8123)
+    # llm-serving's config file (its sections) is read as before
+    ours = _settings_of("serve", "--config", str(ROOT / "configs/llama/tiny_llama.yaml"))[0]
+    assert ours.max_num_seqs == 64
+    for bad in (["--speculative-config.", "x"], ["--speculative-config.method"]):
+        with pytest.raises(ConfigError) as err:
+            parse_args(["serve", tiny_model_dir, *bad])
+        assert err.value.key.startswith("--speculative-config.")
+
+
+def test_a_vllm_config_file_and_underscored_flags_start_the_server(tiny_model_dir, tmp_path):
+    """python start.py MODEL --config vllm.yaml --max_num_seqs 2, as `vllm serve` takes it:
+    the file's port and served model name are the server's."""
+    from test_http_server import free_port, wait_ready
+    port = free_port()
+    config = tmp_path / "vllm.yaml"
+    config.write_text(f"port: {port}\nserved_model_name: from-file\nmax-model-len: 256\n"
+                      "num-blocks: 64\n")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "start.py"), tiny_model_dir,
+                             "--config", str(config), "--max_num_seqs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(proc)
+        url = f"http://127.0.0.1:{port}"
+        assert [m["id"] for m in requests.get(url + "/v1/models").json()["data"]] == \
+            ["from-file"]
+        out = requests.post(url + "/v1/completions", json=dict(
+            model="from-file", prompt="Hello", max_tokens=3, ignore_eos=True)).json()
+        assert out["usage"]["completion_tokens"] == 3
+    finally:
+        assert stop_server(proc) == 0
