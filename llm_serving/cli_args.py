@@ -88,7 +88,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + name.replace("_", "-"), *([spec.alias] if spec.alias else []),
                            dest=name, default=None,
                            **({"type": kind, "metavar": name.upper(), "nargs": spec.nargs}
-                              if spec.type else {"action": "store_true"}),
+                              if spec.type else {"action": argparse.BooleanOptionalAction}),
                            help=f"vLLM's flag, taken for its command lines; no effect: "
                            f"{spec.why}" + (f" (only {' or '.join(map(str, spec.allowed))})"
                                             if spec.allowed else ""))

