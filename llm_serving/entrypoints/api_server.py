@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llm_serving
+from llm_serving import vllm_env
 from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
                                   SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
@@ -576,6 +577,7 @@ def run_server(engine_args: EngineArgs, served_model_name: str, host: str, port:
     try:        # uvicorn reads --log-config-file here
         config = uvicorn.Config(app, host=host, port=port,
                                 timeout_graceful_shutdown=ANSWER_ABORTED_S,
+                                timeout_keep_alive=vllm_env.http_keep_alive(),
                                 **frontend.uvicorn_kwargs(), **bounded)
     except ValueError as e:
         if not frontend.log_config_file:

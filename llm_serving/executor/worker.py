@@ -89,8 +89,9 @@ def _configure_logging(rank: int) -> None:
     """Log to stderr (the master's) at the master's --log-level, naming the agent."""
     import logging
     level = os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO").upper()
+    prefix = os.environ.get("VLLM_LOGGING_PREFIX", "").replace("%", "%%")   # as the master's
     logging.basicConfig(level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
-                        format=f"%(asctime)s %(levelname)s %(name)s (WorkAgent {rank}): "
+                        format=f"{prefix}%(asctime)s %(levelname)s %(name)s (WorkAgent {rank}): "
                                "%(message)s")
 
 
