@@ -4,6 +4,9 @@ from setuptools import find_packages, setup
 # the `mooncake_master` command. At run time it needs Debian's libibverbs1, libnl-3-200 and
 # libnl-route-3-200 (installed by .ci/run). On Ascend use mooncake-transfer-engine-npu.
 PD = ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]
+# --otlp-traces-endpoint (llm_serving/tracing.py): the OpenTelemetry SDK and its OTLP span
+# exporters, grpc and http/protobuf (vLLM's otel extra)
+TRACING = ["opentelemetry-sdk>=1.26", "opentelemetry-exporter-otlp>=1.26"]
 
 setup(
     name="llm_serving",
@@ -60,8 +63,10 @@ setup(
             "matplotlib",
             "optuna>=4",
             *PD,
+            *TRACING,
         ],
         "pd": PD,
+        "tracing": TRACING,
         "clients": ["matplotlib"],
         # llm-serving tune: Optuna's TPE sampler and successive-halving pruner, the plot.
         "tune": ["optuna>=4", "matplotlib"],

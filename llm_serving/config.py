@@ -29,6 +29,7 @@ from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving import vllm_env
+from llm_serving.tracing import check_tracing
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
 
 if TYPE_CHECKING:
@@ -365,6 +366,14 @@ class EngineArgs:
         "'{\"time_to_first_token\": [0.1, 0.5, 1]}': request_latency, time_to_first_token, "
         "inter_token_latency, iteration_tokens, request_params_n, request_num_preemptions, "
         "request_tokens (kv_cache_residency is taken and names no histogram here)")
+    otlp_traces_endpoint: Optional[str] = _arg(None,
+        "the OTLP collector each request's OpenTelemetry span is sent to (vLLM's flag), e.g. "
+        "http://collector:4317; grpc, or http/protobuf with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+        "(then the URL ends in /v1/traces); needs pip install 'llm_serving[tracing]'")
+    collect_detailed_traces: Optional[list] = field(default=None, metadata={
+        "help": "model, worker or all (vLLM's flag; needs otlp_traces_endpoint): taken and "
+                "checked as vLLM 0.32 takes it, which adds nothing to the spans either",
+        "cli_nargs": "+"})
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -514,6 +523,8 @@ class EngineArgs:
                               f"({self.max_loras}): a step's adapters must all be loaded")
         self.lora_modules = parse_lora_modules(self.lora_modules)
         check_histogram_buckets(self.custom_histogram_buckets)     # names a bad family now
+        self.collect_detailed_traces = check_tracing(self.otlp_traces_endpoint,
+                                                     self.collect_detailed_traces)
         self.speculative_config = self._with_spec_short_forms()
         spec = SpeculativeConfig.from_value(self.speculative_config)   # names a bad key now
         if spec is not None and self.async_scheduling:
@@ -713,7 +724,8 @@ class EngineArgs:
             lora=self._lora_config(hf),
             speculative=spec,
             histogram_buckets={k: list(v) for k, v in
-                               check_histogram_buckets(self.custom_histogram_buckets).items()})
+                               check_histogram_buckets(self.custom_histogram_buckets).items()},
+            otlp_traces_endpoint=self.otlp_traces_endpoint)
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -1010,6 +1022,7 @@ class EngineConfig:
     speculative: Optional[SpeculativeConfig] = None    # n-gram speculative decoding; None: off
     # --custom-histogram-buckets: family -> bounds (the engine counts two of them itself)
     histogram_buckets: dict = field(default_factory=dict)
+    otlp_traces_endpoint: Optional[str] = None        # OpenTelemetry spans; None: off
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

@@ -56,11 +56,13 @@ class RequestMetrics:
     time_in_queue: Optional[float] = None
     finished_time: Optional[float] = None
     num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
+    num_generation_tokens: int = 0      # the longest sequence's
+    num_output_tokens: int = 0          # every sequence's (n > 1: the answer's usage)
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     n: int = 1                          # sequences asked for
     max_tokens: Optional[int] = None    # as the engine ran it: capped to fit max_model_len
+    finish_reasons: tuple = ()          # each sequence's (abort: ended unfinished)
 
     @property
     def ttft(self) -> Optional[float]:

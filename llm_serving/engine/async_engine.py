@@ -65,6 +65,8 @@ class RequestStream:
         self._length = 0            # the longest sequence's tokens delivered so far
         self.slots = 1              # sequences (n) and prompt tokens before the first
         self.prefill_tokens = 0     # output: what the admission limits count
+        self.traced = None          # tracing on: (NewRequest, trace context headers, the
+                                    # span's request id)
 
     # Called on the event loop by the engine's deliveries.
     def put(self, out: RequestOutput) -> None:
@@ -269,11 +271,15 @@ class AsyncLLMEngine:
         self._check_admission(new)
         return new
 
-    def queue(self, new: NewRequest, kv_transfer_params=_OWN) -> RequestStream:
+    def queue(self, new: NewRequest, kv_transfer_params=_OWN,
+              trace_headers: Optional[dict] = None,
+              trace_id: Optional[str] = None) -> RequestStream:
         """``add_request``'s second half: queue a checked request. ``kv_transfer_params``,
         when given: the producer's offer that replaces the request's own (a first-D request's
         answer, None to compute the prompt here, or one prompt's share of a per-prompt
-        answer), checked here. The request arrives now (an offer's ttl counts from it)."""
+        answer), checked here. The request arrives now (an offer's ttl counts from it).
+        Tracing on: ``trace_headers``, the W3C trace context its span is parented to;
+        ``trace_id``, the request id the span names (default: the engine's)."""
         self.check_health()
         self._check_open()
         if new.request_id in self._streams:
@@ -292,6 +298,8 @@ class AsyncLLMEngine:
         stream = RequestStream(new.request_id, params.output_kind, self.abort, interval,
                                self.decline_kv_offers)
         stream.slots, stream.prefill_tokens = params.n, len(new.prompt_token_ids)
+        if self.engine.tracer is not None:
+            stream.traced = (new, trace_headers, trace_id or new.request_id)
         self._streams[new.request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))
@@ -436,11 +444,24 @@ class AsyncLLMEngine:
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
+                if stream.traced is not None:
+                    self._trace(stream, out)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.fail(error)
+            if stream.traced is not None:
+                self._trace(stream, None, str(error))
+
+    def _trace(self, stream: RequestStream, out: Optional[RequestOutput],
+               error: Optional[str] = None) -> None:
+        """The span of a request that ended (on the event loop, off the step loop)."""
+        try:
+            self.engine.tracer.record(*stream.traced, out, error)
+        except Exception:   # noqa: BLE001 - a span must never fail a request
+            logger.exception("tracing: the span of request %s was not recorded",
+                             stream.request_id)
 
     def _post(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():

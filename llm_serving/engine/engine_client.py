@@ -92,9 +92,13 @@ class EngineClient(Protocol):
                             priority: int = 0, lora_request=None) -> "NewRequest":
         """``add_request`` without queueing: every check, and the tokens (same errors)."""
 
-    def queue(self, new: "NewRequest", kv_transfer_params=...) -> RequestStream:
+    def queue(self, new: "NewRequest", kv_transfer_params=...,
+              trace_headers: Optional[dict] = None,
+              trace_id: Optional[str] = None) -> RequestStream:
         """Queue a request ``check_request`` returned; ``kv_transfer_params``, when given,
-        replace its own (a first-D request's producer answer, checked here)."""
+        replace its own (a first-D request's producer answer, checked here);
+        ``trace_headers``, the W3C trace context its span is parented to, ``trace_id`` the
+        request id the span names (tracing on)."""
 
     def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams],
                  request_id: str, priority: int = 0,

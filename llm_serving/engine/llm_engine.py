@@ -44,6 +44,7 @@ from llm_serving.outputs import RequestOutput
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
+from llm_serving.tracing import RequestTracer
 
 __all__ = ["LLMEngine", "NewRequest", "PromptType"]
 logger = logging.getLogger(__name__)
@@ -121,6 +122,10 @@ class LLMEngine:
         # step: (LoRARequest, done(why: None once read)).
         self._lora_reads: collections.deque = collections.deque()
         self._read_served_loras()
+        # --otlp-traces-endpoint: a span per request, ended by whoever reads its last output
+        # (AsyncLLMEngine on the event loop, LLM after its step); None: tracing off
+        self.tracer = (RequestTracer(config.otlp_traces_endpoint, config.model.path)
+                       if config.otlp_traces_endpoint else None)
 
     def _init_remote_kv(self) -> None:
         """KV transfer (PD disaggregation), when configured: the scheduler-side connector,
@@ -432,9 +437,12 @@ class LLMEngine:
             self.runner.kill()
 
     def shutdown(self) -> None:
-        """Stop WorkAgent processes, if any (the in-process runner needs nothing)."""
+        """Stop WorkAgent processes, if any (the in-process runner needs nothing), and export
+        the spans not sent yet (for a bounded while)."""
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # ---- stats ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

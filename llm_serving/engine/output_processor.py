@@ -444,9 +444,11 @@ def _sequence_metrics(req: RequestState, seq: Sequence) -> RequestMetrics:
         time_in_queue=None if started is None else started - first.arrival_time,
         finished_time=seq.finished_time, num_prompt_tokens=len(first.prompt_token_ids),
         num_generation_tokens=len(seq.output_token_ids),
+        num_output_tokens=len(seq.output_token_ids),
         num_cached_tokens=(first.num_cached_tokens if seq.index == 0
                            else len(first.prompt_token_ids)),
-        num_preemptions=seq.num_preemptions, n=len(req.seqs), max_tokens=first.max_tokens)
+        num_preemptions=seq.num_preemptions, n=len(req.seqs), max_tokens=first.max_tokens,
+        finish_reasons=(seq.finish_reason or "abort",))
 
 
 def _request_metrics(req: RequestState) -> RequestMetrics:
@@ -463,9 +465,11 @@ def _request_metrics(req: RequestState) -> RequestMetrics:
         finished_time=max((s.finished_time or 0.0) for s in req.seqs) or None,
         num_prompt_tokens=len(first.prompt_token_ids),
         num_generation_tokens=max(len(s.output_token_ids) for s in req.seqs),
+        num_output_tokens=sum(len(s.output_token_ids) for s in req.seqs),
         num_cached_tokens=first.num_cached_tokens,
         num_preemptions=sum(s.num_preemptions for s in req.seqs),
-        n=len(req.seqs), max_tokens=first.max_tokens)
+        n=len(req.seqs), max_tokens=first.max_tokens,
+        finish_reasons=tuple(s.finish_reason or "abort" for s in req.seqs))
 
 
 def log_generated(name: str, text: str, token_ids: list, finish_reason: str,

@@ -430,6 +430,8 @@ def _load_engine(state: ServerState) -> None:
         engine = AsyncLLMEngine(state.engine_args)
         if state.frontend.enable_log_outputs:
             engine.log_outputs(state.frontend.max_log_len)
+        if engine.engine.tracer is not None:    # spans name the model as it is served
+            engine.engine.tracer.model = state.served_model_name
         state.engine = engine
     except Exception as e:   # noqa: BLE001 - reported by /ready and every request
         if state.draining:        # stopped while loading: not an error

@@ -12,8 +12,9 @@ from typing import Optional
 import numpy as np
 from fastapi import APIRouter, Request
 
-from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, server_state,
-                                                 stream_or_disconnect, translate_error)
+from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, request_trace,
+                                                 server_state, stream_or_disconnect,
+                                                 translate_error)
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
 from llm_serving.entrypoints.openai_routes import (check_fields, json_answer, merge_streams,
                                                    prompt_ids)
@@ -86,8 +87,9 @@ async def run_pooled(request: Request, engine, rid: str, token_lists: list, para
         raise _named(translate_error(e), field) from None
     streams = []
     try:
+        trace = request_trace(request)
         for new in news:
-            streams.append(engine.queue(new))
+            streams.append(engine.queue(new, trace_headers=trace))
     except Exception as e:
         for s in streams:
             await s.aclose()

@@ -22,6 +22,7 @@ from llm_serving.engine.engine_client import EngineClient
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.errors import (EngineDeadError, LLMServingError, QueueFullError,
                                 ShuttingDownError)
+from llm_serving.tracing import trace_headers
 
 logger = logging.getLogger("llm_serving.server")
 # How long a stats read (/metrics, /load) waits for the engine thread before it answers with
@@ -117,6 +118,15 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+def request_trace(request: Request) -> Optional[dict]:
+    """The W3C trace context headers (traceparent, tracestate) of ``request``, which its
+    engine requests' spans are parented to; None when there are none or nothing is traced
+    (no --otlp-traces-endpoint: not even looked at)."""
+    if server_state(request).engine_args.otlp_traces_endpoint is None:
+        return None
+    return trace_headers(request.headers)
 
 
 def refuse_unsupported(body, refused: dict, prefix: str = "") -> None:

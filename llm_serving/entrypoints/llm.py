@@ -415,6 +415,9 @@ class LLM:
                             results[order[out.request_id]] = out
                             remaining -= 1
                             bar.update(1)
+                            if self.engine.tracer is not None:
+                                self.engine.tracer.record(news[order[out.request_id]], None,
+                                                          out.request_id, out)
                     if interrupt.pending:
                         interrupt.raise_pending()
             finally:

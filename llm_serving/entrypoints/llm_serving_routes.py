@@ -36,7 +36,7 @@ from llm_serving.entrypoints.llm_serving_prompts import llm_serving_prompt
 from llm_serving.entrypoints.http_common import (HTTPError, ServerState,
                                                 llm_serving_finish_reason, log_request,
                                                 log_arrival, new_request_id, output_error,
-                                                refuse_unsupported, renamed, sse,
+                                                refuse_unsupported, renamed, request_trace, sse,
                                                 stream_or_disconnect, translate_error)
 from llm_serving.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
@@ -170,7 +170,7 @@ async def _start(request: Request, model: str, req: GenerateRequest):
     # first D, then P: ask P now that every check here has passed
     kv = await remote_prefill.resolve(request, params.kv_transfer_params)
     try:
-        stream = engine.queue(new, kv)
+        stream = engine.queue(new, kv, request_trace(request))
     except Exception as e:
         raise _own_names(translate_error(e)) from None
     unread_offers.handed_over(request)

@@ -18,7 +18,7 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
                                                 event_stream, log_arrival, log_request,
                                                 openai_finish_reason, output_error,
                                                 refuse_unsupported, renamed, request_ids,
-                                                server_state, sse,
+                                                request_trace, server_state, sse,
                                                 stream_or_disconnect, translate_error)
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
@@ -59,7 +59,8 @@ def check_fields(req) -> None:
 
 
 async def start_requests(request: Request, rid: str, resp_id: str, prompts: list, params,
-                         priority: int, grammar_field: Optional[str] = None, lora=None):
+                         priority: int, grammar_field: Optional[str] = None, lora=None,
+                         one_answer: bool = False):
     """Queue one engine request per prompt (``rid``-i); all or none. ``resp_id``: the
     response's id, which the request log names at arrival as at the end (vLLM's logs name
     the id the client sent in X-Request-Id). ``grammar_field``: the request field
@@ -68,7 +69,9 @@ async def start_requests(request: Request, rid: str, resp_id: str, prompts: list
     prompt is lowered to what is left. Every prompt is checked before any is queued, and a
     first-D request's producer is asked in between (remote_prefill). Each prompt takes its
     own KV offer when a producer answered per prompt (pd_request.offer_of_prompt); the
-    offers of prompts never queued are declined (unread_offers)."""
+    offers of prompts never queued are declined (unread_offers). Traced, a prompt's span
+    names the response's id as vLLM's does: ``resp_id``-i, or ``resp_id`` itself for a
+    ``one_answer`` route (chat, responses)."""
     engine = server_state(request).require_engine()
     bound = engine.limits.max_waiting
     if len(prompts) > bound:
@@ -104,8 +107,10 @@ async def start_requests(request: Request, rid: str, resp_id: str, prompts: list
         raise HTTPError(400, str(e), param=pd.KV_FIELD) from None
     streams = []
     try:
-        for new, offer in zip(news, offers):
-            streams.append(engine.queue(new, offer))
+        trace = request_trace(request)
+        for i, (new, offer) in enumerate(zip(news, offers)):
+            streams.append(engine.queue(new, offer, trace,
+                                        resp_id if one_answer else f"{resp_id}-{i}"))
     except Exception as e:
         unread_offers.handed_over(request, offers[len(streams):])
         for s in streams:
@@ -246,7 +251,7 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
                     new = await engine.check_request(f"{rid}-{k}-{len(streams)}",
                                                      {"prompt_token_ids": beam.tokens}, step,
                                                      priority, lora)
-                    streams.append(engine.queue(new))
+                    streams.append(engine.queue(new, trace_headers=request_trace(request)))
         except Exception as e:
             for stream in streams:
                 await stream.aclose()
@@ -652,7 +657,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     prompt = {"prompt": text if req.truncate_prompt_tokens is None else None,
               "prompt_token_ids": ids}
     streams = None if beam else await start_requests(request, rid, resp_id, [prompt], params,
-                                                     req.priority, grammar_field, lora)
+                                                     req.priority, grammar_field, lora,
+                                                     one_answer=True)
     created, model = int(time.time()), state.model_name(lora)
     t0 = time.perf_counter()
 

@@ -150,7 +150,7 @@ async def create_response(req: ResponsesRequest, request: Request):
         return chat_logprobs(entries, top or 0, as_ids)["content"]
     streams = await start_requests(request, engine_request_id(resp_id), resp_id,
                                    [{"prompt": text, "prompt_token_ids": ids}], params,
-                                   req.priority, grammar_field, lora)
+                                   req.priority, grammar_field, lora, one_answer=True)
     created = int(time.time())
     t0 = time.perf_counter()
 
