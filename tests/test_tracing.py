@@ -184,6 +184,13 @@ def test_offline_llm_traces_its_requests(tiny_model_dir, receiver, monkeypatch):
     try:
         outs = llm.generate(["Hello", "Goodbye"], SamplingParams(max_tokens=3, temperature=0,
                                                                    ignore_eos=True))
+        # vLLM's request loop through llm.llm_engine: a request that ends, one aborted
+        loop = llm.llm_engine
+        loop.add_request("looped", "Hello", SamplingParams(max_tokens=2, ignore_eos=True))
+        loop.add_request("dropped", "Hello", SamplingParams(max_tokens=2))
+        loop.abort_request("dropped")
+        while loop.has_unfinished_requests():
+            loop.step()
     finally:
         llm.engine.shutdown()           # exports what is left
     for out in outs:
@@ -193,6 +200,10 @@ def test_offline_llm_traces_its_requests(tiny_model_dir, receiver, monkeypatch):
         assert a["gen_ai.usage.completion_tokens"] == len(out.outputs[0].token_ids) == 3
         assert a["gen_ai.response.model"] == tiny_model_dir
         assert span["status"] != ERROR_STATUS
+    for rid, tokens, reasons in (("looped", 2, ["length"]), ("dropped", 0, ["abort"])):
+        a = span_of(receiver, rid)["attributes"]
+        assert (a["gen_ai.usage.completion_tokens"], a["gen_ai.response.finish_reasons"]) == (
+            tokens, reasons)
     # a request that failed (it waited longer than its queue_timeout): the span says why
     llm = LLM(tiny_model_dir, queue_timeout=1e-9, **traced)
     try:

@@ -65,6 +65,7 @@ class VllmLLMEngine:
         self._engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = VllmModelConfig(engine)
+        self._traced: dict = {}     # tracing on: the requests added here, by id, until they end
 
     def get_tokenizer(self):
         return self._engine.tokenizer
@@ -74,16 +75,29 @@ class VllmLLMEngine:
                     arrival_time: Optional[float] = None, lora_request=None,
                     priority: int = 0) -> str:
         """vLLM's argument order: the id first. Outputs come from step()."""
-        return self._engine.add_request(prompt, params, request_id=str(request_id),
-                                        priority=priority, arrival_time=arrival_time,
-                                        lora_request=lora_request)
+        new = self._engine.process_request(prompt, params, str(request_id), priority,
+                                           arrival_time, lora_request)
+        self._engine.add_processed(new)
+        if self._engine.tracer is not None:
+            self._traced[new.request_id] = new
+        return new.request_id
 
     def abort_request(self, request_ids) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self._engine.abort_request(rid)
+            self._trace(self._engine.abort_request(rid))
 
     def step(self) -> list[RequestOutput]:
-        return self._engine.step()
+        outs = self._engine.step()
+        if self._traced:
+            for out in outs:
+                self._trace(out)
+        return outs
+
+    def _trace(self, out: Optional[RequestOutput]) -> None:
+        """The span of a request added here that ended (--otlp-traces-endpoint)."""
+        if out is not None and out.finished and out.request_id in self._traced:
+            new = self._traced.pop(out.request_id)
+            self._engine.tracer.record(new, None, new.request_id, out)
 
     def has_unfinished_requests(self) -> bool:
         return self._engine.has_unfinished_requests()
