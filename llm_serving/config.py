@@ -27,6 +27,7 @@ from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_poo
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.histogram_buckets import check_histogram_buckets
+from llm_serving.reasoning_config import PARSER_MARKERS, ReasoningConfig
 from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving import vllm_env
 from llm_serving.tracing import check_tracing
@@ -66,7 +67,7 @@ class NoEffect:
 POOLING_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                          "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "InternLMForCausalLM")
 # --reasoning-parser's names (entrypoints/reasoning.py splits the answers)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = tuple(PARSER_MARKERS)
 LOCAL_ONLY = "the model and tokenizer load from local directories; nothing is downloaded"
 CPU_GRAPHS = ("decode steps are replayed from CPU graph captures up to max_capture_batch "
               "(off with enforce_eager)")
@@ -338,6 +339,11 @@ class EngineArgs:
         "disable_any_whitespace, disable_additional_properties (both need backend guidance), "
         "reasoning_parser (as --reasoning-parser), enable_in_reasoning (the grammar holds "
         "while the model thinks too); docs/openai.md")
+    reasoning_config: Optional[dict] = _arg(None,
+        "where the reasoning starts and what is forced to end it once a request's "
+        "thinking_token_budget is spent, vLLM's keys (on the CLI as JSON): reasoning_parser "
+        "(default: --reasoning-parser's, which alone turns budgets on), reasoning_start_str, "
+        "reasoning_end_str (default: the parser's <think> and </think>); docs/openai.md")
     enable_lora: bool = _arg(False,
         "serve PEFT LoRA adapters on the base model (vLLM's flag; docs/lora.md)")
     lora_modules: Optional[list] = field(default=None, metadata={
@@ -402,6 +408,8 @@ class EngineArgs:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ConfigError("reasoning_parser", f"expected one of "
                               f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        reasoning = ReasoningConfig.resolve(self.reasoning_config, self.reasoning_parser)
+        self.reasoning_config = dataclasses.asdict(reasoning) if reasoning else None
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ConfigError("hf_overrides", "expected a mapping of config.json keys to "
                               f"values, got {type(self.hf_overrides).__name__} (a function, "
@@ -686,6 +694,8 @@ class EngineArgs:
                 max_logprobs=max_logprobs, pooler=pooler,
                 structured_outputs=StructuredOutputsConfig(**self.structured_outputs_config),
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                reasoning=(ReasoningConfig(**self.reasoning_config)
+                           if self.reasoning_config else None),
                 default_sampling_params=generation_defaults(
                     self.model, self.generation_config, self.override_generation_config,
                     max_len)),
@@ -927,6 +937,8 @@ class ModelSettings:
     pooler: Optional[PoolerSettings] = None   # a pooling runner's (None: generate)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     skip_tokenizer_init: bool = False     # token ids in and out only (vLLM's)
+    # where reasoning starts and ends, for thinking_token_budget (None: budgets off)
+    reasoning: Optional[ReasoningConfig] = None
 
     @property
     def vocab_size(self) -> int:

@@ -28,6 +28,22 @@ def config_mapping(key: str, value) -> dict:
     return value
 
 
+def config_fields(key: str, value, cls) -> dict:
+    """``config_mapping``'s mapping, its keys the fields of dataclass ``cls``, each value of
+    its field's default's type; ConfigError naming ``key.<field>`` otherwise."""
+    value = config_mapping(key, value)
+    known = cls.__dataclass_fields__
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", "unknown key (vLLM's are "
+                          + ", ".join(known) + ")")
+    for k, v in value.items():
+        kind = type(known[k].default)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise ConfigError(f"{key}.{k}", f"expected a {kind.__name__}, got {v!r}")
+    return value
+
+
 class ModelLoadError(LLMServingError):
     """A model directory or checkpoint cannot be used (missing files, unsupported architecture)."""
 

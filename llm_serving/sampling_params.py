@@ -188,8 +188,11 @@ class SamplingParams:
         still enter the cache).
     repetition_detection: end the output once it repeats a pattern
         (RepetitionDetectionParams; finish_reason "repetition").
-    watermarking, flat_logprobs, thinking_token_budget, prompt_logprob_token_ids,
-        prompt_logprob_start, routed_experts_prompt_start, trace_decode_token_ids: vLLM's,
+    thinking_token_budget: the most tokens the model may think (vLLM's): once its reasoning
+        (from the reasoning config's start text, in the prompt or the output) has this many
+        tokens, the end text is forced token by token and the output goes on; -1 or None:
+        no limit. Needs a reasoning config (reasoning_parser or reasoning_config).
+    watermarking, flat_logprobs, prompt_logprob_token_ids, prompt_logprob_start, routed_experts_prompt_start, trace_decode_token_ids: vLLM's,
         refused (ValueError naming them) when set to anything but "off"; skip_clone is a
         copying hint with nothing to do here.
     """
@@ -340,11 +343,14 @@ class SamplingParams:
         if self.repetition_detection is not None \
                 and self.repetition_detection.max_pattern_size == 0:
             self.repetition_detection = None
-        if self.thinking_token_budget == -1:         # vLLM's "unlimited": unset
+        budget = self.thinking_token_budget
+        if budget is not None and (not is_int(budget) or budget < -1):
+            raise ValueError("thinking_token_budget must be a non-negative integer or -1 for "
+                             f"unlimited, got {budget!r}")
+        if budget == -1:         # vLLM's "unlimited": unset
             self.thinking_token_budget = None
         refused = {"watermarking": self.watermarking not in (None, False),
                    "flat_logprobs": bool(self.flat_logprobs),
-                   "thinking_token_budget": self.thinking_token_budget is not None,
                    "prompt_logprob_token_ids": self.prompt_logprob_token_ids is not None,
                    "prompt_logprob_start": self.prompt_logprob_start is not None,
                    "routed_experts_prompt_start": self.routed_experts_prompt_start != 0,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from llm_serving.errors import ConfigError, config_mapping
+from llm_serving.errors import ConfigError, config_fields
 
 KEY = "structured_outputs_config"
 # vLLM's backends; only llguidance's runs here
@@ -49,17 +49,7 @@ class StructuredOutputsConfig:
         """The defaults (None), a mapping of vLLM's keys, or that mapping as JSON."""
         if value is None or isinstance(value, cls):
             return value or cls()
-        value = config_mapping(KEY, value)
-        known = cls.__dataclass_fields__
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ConfigError(f"{KEY}.{unknown[0]}", "unknown key (vLLM's are "
-                              + ", ".join(known) + ")")
-        for k, v in value.items():
-            kind = type(known[k].default)
-            if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-                raise ConfigError(f"{KEY}.{k}", f"expected a {kind.__name__}, got {v!r}")
-        config = cls(**value)
+        config = cls(**config_fields(KEY, value, cls))
         if config.backend not in BACKENDS:
             why = ("is vLLM's, not available here: grammars run on llguidance, vLLM's "
                    "guidance backend" if config.backend in VLLM_BACKENDS else "is not a backend")

@@ -454,7 +454,8 @@ _COMMON_REFUSED = {
     "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
-    "guided_decoding_backend": "xgrammar", "watermarking": True, "thinking_token_budget": 8,
+    "guided_decoding_backend": "xgrammar", "watermarking": True,
+    "thinking_token_budget": 8,     # this server has no reasoning config (as vLLM refuses)
 }
 COMPLETIONS = {
     "honoured": {**_COMMON_HONOURED, "prompt": "Hello", "echo": True, "logprobs": 2,

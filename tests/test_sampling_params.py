@@ -154,7 +154,8 @@ def test_every_vllm_0_32_keyword_is_taken_at_its_default():
 
 @pytest.mark.parametrize("name, value, named", [
     ("watermarking", True, "watermarking"), ("flat_logprobs", True, "flat_logprobs"),
-    ("thinking_token_budget", 8, "thinking_token_budget"),
+    ("thinking_token_budget", -2, "thinking_token_budget"),
+    ("thinking_token_budget", 1.5, "thinking_token_budget"),
     ("prompt_logprob_token_ids", [[1, 2]], "prompt_logprob_token_ids"),
     ("prompt_logprob_start", 2, "prompt_logprob_start"),
     ("routed_experts_prompt_start", 3, "routed_experts_prompt_start"),

@@ -18,6 +18,10 @@ Where each part runs:
   is not masked while the model thinks: its matcher is made at the token after the end of
   the reasoning (engine/reasoning_end.py), as vLLM's structured output does.
 
+A request with ``thinking_token_budget`` (engine/thinking_budget.py) gets a mask row that
+allows one token at the steps where its budget is spent, the end of its reasoning forced;
+the other steps it costs nothing.
+
 Under async scheduling a grammar row's mask needs the token the running step is sampling:
 ``apply`` then leaves a placeholder and the engine sends ``deferred_bitmask()`` to the runner
 once that step is processed, while the new step's forward runs (``mask_deferred``).
@@ -32,6 +36,8 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
+from llm_serving.engine.thinking_budget import ThinkingBudget
+from llm_serving.reasoning_config import ReasoningConfig
 from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving.executor.protocol import SamplingBatch
 from llm_serving.sampling_params import SamplingParams, StructuredOutputsParams
@@ -78,8 +84,12 @@ def compile_grammar(so: StructuredOutputsParams,
 
 class Constraints:
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int,
-                 config: StructuredOutputsConfig = StructuredOutputsConfig()):
+                 config: StructuredOutputsConfig = StructuredOutputsConfig(),
+                 reasoning: Optional[ReasoningConfig] = None):
         self.tokenizer = tokenizer
+        # the reasoning texts' token ids, for thinking_token_budget (None: budgets refused)
+        self.reasoning_markers = reasoning.token_ids(tokenizer) if reasoning else None
+        self._budgets: dict[int, tuple] = {}     # id(seq) -> (seq, ThinkingBudget)
         self.config = config
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
@@ -94,6 +104,10 @@ class Constraints:
     # ---- per request (any thread) ---------------------------------------------------------
     def prepare(self, params: SamplingParams) -> None:
         v = self.vocab_size
+        if params.thinking_token_budget is not None and self.reasoning_markers is None:
+            raise ValueError("thinking_token_budget: set, but no reasoning config is "
+                             "configured; start the server with --reasoning-parser and/or "
+                             "--reasoning-config to use it (as vLLM)")
         if params.logit_bias and max(params.logit_bias) >= v:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the "
                              f"vocabulary [0, {v})")
@@ -190,6 +204,12 @@ class Constraints:
             in_flight = seq.tokens_in_flight > 0
             masked = p.grammar is not None or p.allowed_token_ids is not None
             late |= in_flight and p.grammar is not None
+            if p.thinking_token_budget is not None:
+                budget = self._budget(seq)
+                if in_flight and budget.may_force(seq.tokens_in_flight):
+                    masked = late = True
+                elif not in_flight and budget.forced() is not None:
+                    masked = True
             if p.bad_words_token_ids:
                 if in_flight and any(len(w) > 1 for w in p.bad_words_token_ids):
                     # Its bans depend on the token in flight: they go into its mask row.
@@ -256,7 +276,23 @@ class Constraints:
                 if banned.size:
                     np.bitwise_and.at(mask[i], banned // 32,
                                       ~np.left_shift(1, banned % 32).astype(np.int32))
+            if p.thinking_token_budget is not None:
+                forced = self._budget(seq).forced()
+                if forced is not None:      # the end of the reasoning, whatever else says
+                    mask[i] = 0
+                    mask[i, forced // 32] = np.left_shift(1, forced % 32).astype(np.int32)
         return mask
+
+    def _budget(self, seq: "Sequence") -> ThinkingBudget:
+        """The sequence's thinking budget state, advanced over its new output tokens."""
+        entry = self._budgets.get(id(seq))
+        out = seq.output_token_ids
+        if entry is None or entry[0] is not seq or entry[1].seen > len(out):
+            entry = (seq, ThinkingBudget(self.reasoning_markers,
+                                         seq.params.thinking_token_budget, seq.prompt_token_ids))
+            self._budgets[id(seq)] = entry
+        entry[1].advance(out)
+        return entry[1]
 
     def _matcher(self, seq: "Sequence"):
         """The sequence's matcher, advanced over its new output tokens (every token sampled
@@ -305,10 +341,11 @@ class Constraints:
             logger.warning("request %s: %s", seq.request_id, seq.grammar_error)
 
     def release(self) -> None:
-        """Drop the matchers of finished sequences (finished, aborted, timed out)."""
-        if self._matchers:
-            for k in [k for k, e in self._matchers.items() if e[0].status.finished]:
-                del self._matchers[k]
+        """Drop the matchers and budgets of finished sequences (finished, aborted, timed out)."""
+        for held in (self._matchers, self._budgets):
+            if held:
+                for k in [k for k, e in held.items() if e[0].status.finished]:
+                    del held[k]
 
 
 def _bias_arrays(p: SamplingParams):

@@ -120,7 +120,8 @@ class InputProcessor:
                 raise ValueError("lora_request: LoRA adapters are served with "
                                  "enable_lora=True (--enable-lora)")
             self.loras.check(lora_request)
-        if self.constraints is not None and (params.constrained or params.logit_bias):
+        if self.constraints is not None and (params.constrained or params.logit_bias
+                                             or params.thinking_token_budget is not None):
             self.constraints.prepare(params)
         text, ids = self._tokenize(prompt)
         if min(ids) < 0 or max(ids) >= self.vocab_size:

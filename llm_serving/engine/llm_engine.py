@@ -105,7 +105,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    proposer=_proposer(config))
         self.constraints = Constraints(self.tokenizer, config.model.vocab_size,
-                                       config.model.structured_outputs)
+                                       config.model.structured_outputs, config.model.reasoning)
         self.input_processor = InputProcessor(config, self.tokenizer, self.constraints,
                                               self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,

@@ -32,7 +32,6 @@ _REFUSED_COMMON = {
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
     "prediction": (), "prompt_cache_key": (), "watermarking": (False,),
-    "thinking_token_budget": (-1,),
 }
 _REFUSED_CHAT = {
     "audio": (), "modalities": (["text"],), "function_call": (), "functions": (),
@@ -138,6 +137,7 @@ class _SamplingFields(BaseModel):
     prediction: Any = None
     prompt_cache_key: Any = None
     watermarking: Any = None
+    # vLLM's: the most tokens the model may think (-1: no limit; SamplingParams checks it)
     thinking_token_budget: Any = None
     safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
 
@@ -213,6 +213,9 @@ class _SamplingFields(BaseModel):
         for name in _NOT_WITH_BEAM_SEARCH:
             if getattr(self, name, None) not in (None, False, 0, [], {}):
                 raise ValueError(f"{name}: not supported with beam search (use_beam_search)")
+        if self.thinking_token_budget not in (None, -1):
+            raise ValueError("thinking_token_budget: not supported with beam search "
+                             "(use_beam_search)")
         if self.structured() is not None:
             raise ValueError(f"{self.structured_field()}: not supported with beam search "
                              "(use_beam_search)")
@@ -250,7 +253,8 @@ class _SamplingFields(BaseModel):
             bad_words=self.bad_words, structured_outputs=structured,
             kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA,
             stream_interval=self.stream_interval,
-            repetition_detection=self.repetition_detection)
+            repetition_detection=self.repetition_detection,
+            thinking_token_budget=self.thinking_token_budget)
 
 
 class CompletionRequest(_SamplingFields):

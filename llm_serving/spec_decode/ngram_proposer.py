@@ -74,8 +74,8 @@ class NgramProposer:
 
 def takes_drafts(seq: Sequence) -> bool:
     """Whether a decoding sequence's request can be verified with drafts: not under a token
-    mask that follows its own tokens (a grammar, allowed_token_ids, bad_words), which would
-    need each draft's matcher state."""
+    mask that follows its own tokens (a grammar, allowed_token_ids, bad_words, a thinking
+    budget), which would need each draft's matcher state."""
     p = seq.params
     return (p.grammar is None and p.structured_outputs is None and p.allowed_token_ids is None
-            and not p.bad_words_token_ids)
+            and not p.bad_words_token_ids and p.thinking_token_budget is None)
