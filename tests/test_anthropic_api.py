@@ -338,7 +338,7 @@ def test_inline_system_messages_stand_or_join_the_first_as_the_template_takes(
     ({"max_tokens": None}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1000}}, "thinking.budget_tokens"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search",
                  "input_schema": {}}]}, "tools[0].type"),

@@ -3,10 +3,11 @@
 tokens, the reasoning config's end text is forced token by token and the output goes on,
 parsed as content by --reasoning-parser. Checked against transformers' greedy tokens with the
 end text put in by hand, offline (LLM.chat, LLM.generate, with n-gram speculative decoding)
-and on the real server (async scheduling) with the openai client; the
+and on the real server (async scheduling) with the openai and anthropic clients; the
 --reasoning-config values refused by name."""
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 import requests
@@ -125,7 +126,7 @@ def server(tmp_path_factory, qwen3_model_dir, template):
     yield from served(tmp_path_factory.mktemp("budget"), qwen3_model_dir,
                       "--reasoning-parser", "qwen3", "--chat-template", template,
                       "--reasoning-config", '{"reasoning_end_str": "Time is up.\\n</think>"}',
-                      "--max-model-len", "2048")
+                      "--anthropic-disabled-thinking-effort", "low", "--max-model-len", "2048")
 
 
 def _split(chunks):
@@ -174,3 +175,42 @@ def test_server_chat_and_completions(server, hf):
     body = {"model": "tiny", "messages": ASK, "thinking_token_budget": -2}
     bad = requests.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
+
+
+def _blocks(message):
+    """A message's blocks as (type, text) (a thinking block's signature is its own)."""
+    return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
+
+
+def test_server_anthropic_budget_tokens(server, hf):
+    """/v1/messages thinking enabled: budget_tokens is the chat route's thinking_token_budget
+    (a thinking block of the reasoning, then a text block of the content), streamed the same;
+    budget_tokens below 1024, missing, or not below max_tokens is a 400 naming it, as vLLM's;
+    thinking disabled is reasoning_effort low under --anthropic-disabled-thinking-effort low
+    (the template still opens <think>: a thinking block)."""
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0)
+    chat = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="tiny", max_tokens=1040, messages=ASK)
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    ref = chat.chat.completions.create(**kw, temperature=0, extra_body={
+        "thinking_token_budget": 1024, "return_token_ids": True})
+    ids = ref.choices[0].model_extra["token_ids"]
+    assert ids[1023:1030] == _ids(hf[0], TIME_UP)
+    msg = client.messages.create(**kw, thinking=thinking, extra_body={"temperature": 0})
+    assert _blocks(msg) == [("thinking", ref.choices[0].message.model_extra["reasoning"]),
+                            ("text", ref.choices[0].message.content)]
+    with client.messages.stream(**kw, thinking=thinking, extra_body={"temperature": 0}) as s:
+        assert _blocks(s.get_final_message()) == _blocks(msg)
+
+    for budget, named in ((1000, "thinking.budget_tokens"), (1040, "thinking.budget_tokens"),
+                          (None, "thinking.budget_tokens")):
+        body = {**kw, "thinking": {"type": "enabled", "budget_tokens": budget}}
+        if budget is None:
+            del body["thinking"]["budget_tokens"]
+        r = requests.post(server + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(named), r.text
+
+    short = dict(model="tiny", max_tokens=8, messages=ASK, extra_body={"temperature": 0})
+    off = client.messages.create(**short, thinking={"type": "disabled"})
+    assert _blocks(off) == _blocks(client.messages.create(**short))
+    assert [b.type for b in off.content] == ["thinking"]

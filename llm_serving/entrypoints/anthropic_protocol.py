@@ -7,8 +7,11 @@ message; a message's text blocks are its content, its ``thinking`` blocks the as
 reasoning, its ``tool_use`` blocks tool calls (``input`` as JSON arguments) and a user's
 ``tool_result`` blocks each a ``tool`` message before it; ``tools`` are functions (their
 ``input_schema`` the parameters), ``tool_choice`` any / tool / auto / none is required /
-named / auto / none; ``stop_sequences`` are ``stop``. What is not text (images, documents,
-tool references) is refused by name, as every field we cannot honour.
+named / auto / none; ``stop_sequences`` are ``stop``; ``thinking`` enabled is its
+``budget_tokens`` as ``thinking_token_budget`` (at least 1024 and below ``max_tokens``),
+disabled a ``reasoning_effort`` (none, or ``--anthropic-disabled-thinking-effort``'s). What
+is not text (images, documents, tool references) is refused by name, as every field we cannot
+honour.
 """
 from __future__ import annotations
 
@@ -142,8 +145,9 @@ class CountTokensRequest(BaseModel):
                 raise ValueError("tool_choice.name: required when type is 'tool'")
         thinking = self.thinking
         if thinking is not None and thinking.type == "enabled":
-            raise ValueError("thinking: a thinking budget (type enabled, budget_tokens) is "
-                             "not supported by this server; use adaptive or disabled")
+            if thinking.budget_tokens is None:
+                raise ValueError("thinking.budget_tokens: required with type 'enabled'")
+            fields["thinking_token_budget"] = thinking.budget_tokens
         if thinking is not None and thinking.type == "disabled":
             fields["reasoning_effort"] = disabled_effort
         out = self.output_config
@@ -189,6 +193,12 @@ class MessagesRequest(CountTokensRequest):
                 disabled_effort: str = "none") -> ChatCompletionRequest:
         """The chat request this one is (ValueError naming the field it cannot be)."""
         fields = self.chat_fields(merge_system, disabled_effort)
+        budget = fields.get("thinking_token_budget")
+        # as vLLM, not on a PD prefill leg (max_tokens 1; its decode leg is checked)
+        prefill_leg = bool((self.kv_transfer_params or {}).get("do_remote_decode"))
+        if budget is not None and budget >= self.max_tokens and not prefill_leg:
+            raise ValueError(f"thinking.budget_tokens: must be less than max_tokens "
+                             f"({budget} >= {self.max_tokens}), as vLLM checks")
         fields.update(max_tokens=self.max_tokens, stop=self.stop_sequences,
                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       stream=self.stream, kv_transfer_params=self.kv_transfer_params,

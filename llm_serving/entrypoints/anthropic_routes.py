@@ -90,6 +90,8 @@ def _disabled_effort(request: Request, req: CountTokensRequest) -> str:
     if not req.thinking_disabled():
         return "none"
     state = server_state(request)
+    if state.frontend.anthropic_disabled_thinking_effort != "auto":
+        return state.frontend.anthropic_disabled_thinking_effort
     hi = [{"role": "user", "content": "Hi"}]
 
     def probe(render) -> str:

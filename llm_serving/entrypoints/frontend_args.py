@@ -131,6 +131,12 @@ class FrontendArgs:
         "joined with newlines), openai (a list of {\"type\": \"text\", \"text\": ...} parts, a "
         "string as one), or auto: openai when the template loops over a message's content, "
         "else string (vLLM's detection)", choices=CONTENT_FORMATS)
+    anthropic_disabled_thinking_effort: str = _arg(
+        "auto", "/v1/messages: the reasoning_effort of thinking {\"type\": \"disabled\"}: "
+        "none (the template's enable_thinking false), an effort (low, medium, high, xhigh, "
+        "max) for a model that cannot stop thinking, or auto: low when the chat template "
+        "cannot render none or renders it as an effort, else none (vLLM's)",
+        choices=("auto", "none", "low", "medium", "high", "xhigh", "max"))
 
     def __post_init__(self):
         self.allowed_origins = [] if self.allowed_origins is None else self.allowed_origins
