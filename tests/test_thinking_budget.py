@@ -35,16 +35,14 @@ def template(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def hf(qwen3_model_dir):
-    """transformers' tokenizer and model, the prompt ids of ASK, and ``forced(prompt_ids,
-    free, forced, total)``: ``free`` greedy tokens, then the ``forced`` ids, then greedy
-    tokens up to ``total`` in all."""
+def _reference(model_dir):
+    """transformers' tokenizer, the prompt ids of ASK, and ``forced(prompt_ids, free, forced,
+    total)``: ``free`` greedy tokens, then the ``forced`` ids, then greedy tokens up to
+    ``total`` in all."""
     import torch
     import transformers
-    tok = transformers.AutoTokenizer.from_pretrained(qwen3_model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(qwen3_model_dir,
-                                                              dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     text = tok.apply_chat_template(ASK, chat_template=TEMPLATE, add_generation_prompt=True,
                                    tokenize=False)
     prompt = tok(text, add_special_tokens=False).input_ids
@@ -61,6 +59,12 @@ def hf(qwen3_model_dir):
         out = greedy(ids, free) + list(end)
         return (out + greedy(ids + out, total - len(out)))[:total]
     return tok, prompt, forced
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_model_dir):
+    """The tiny Qwen3's reference (_reference): <think> and </think> are one token each."""
+    return _reference(qwen3_model_dir)
 
 
 def _ids(tok, text):
@@ -96,6 +100,21 @@ def test_offline_an_end_text_of_many_tokens_and_speculative_decoding(qwen3_model
     out = llm.chat(ASK, params)[0].outputs[0]
     assert list(out.token_ids) == forced(prompt, 2, _ids(tok, TIME_UP), 16)
     assert TIME_UP in out.text
+
+
+def test_offline_texts_of_many_tokens(tiny_model_dir, template):
+    """A tokenizer that spells <think> and </think> in several tokens (the tiny Llama's), set
+    by reasoning_config without a parser: the start text is found in the prompt and its
+    tokens after it count, the end text is forced token by token."""
+    tok, prompt, forced = _reference(tiny_model_dir)
+    end = _ids(tok, "</think>")
+    assert len(_ids(tok, "<think>")) > 1 and len(end) > 1
+    llm = LLM(tiny_model_dir, chat_template=template, num_blocks=64, reasoning_config={
+        "reasoning_start_str": "<think>", "reasoning_end_str": "</think>"})
+    for budget in (1, 2, 5):
+        params = SamplingParams(max_tokens=14, temperature=0, thinking_token_budget=budget)
+        ids = list(llm.chat(ASK, params)[0].outputs[0].token_ids)
+        assert ids == forced(prompt, budget - 1, end, 14), budget
 
 
 def test_offline_a_budget_without_reasoning_config_is_refused(tiny_llm):
