@@ -184,6 +184,13 @@ class EngineArgs:
         "most sequences per step (llm-serving's decode_batch_size)")
     max_num_batched_tokens: Optional[int] = _arg(None,
         "token budget per step (default 2048 with chunked prefill)")
+    max_num_scheduled_tokens: Optional[int] = field(default=None, metadata={
+        "help": "the most tokens the scheduler issues in a step, below max_num_batched_tokens "
+                "(vLLM's flag; default: max_num_batched_tokens; '1k' is 1000)",
+        "cli_type": "human_readable_int"})
+    max_num_active_seqs: Optional[int] = _arg(None,
+        "the most sequences admitted to run at once, below max_num_seqs, which still sizes "
+        "the step buffers and the CPU graph captures (vLLM's flag; default: max_num_seqs)")
     max_model_len: Optional[int] = _arg(None,
         "longest prompt + output (default: the model's, capped by the KV pool)")
     block_size: int = _arg(16,
@@ -429,6 +436,11 @@ class EngineArgs:
                               "llama3_json) to read the model's tool calls")
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, True)
+        positive("max_num_scheduled_tokens", self.max_num_scheduled_tokens, True)
+        positive("max_num_active_seqs", self.max_num_active_seqs, True)
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise ConfigError("max_num_active_seqs", f"{self.max_num_active_seqs} cannot be "
+                              f"greater than max_num_seqs ({self.max_num_seqs})")
         positive("max_model_len", self.max_model_len, True)
         positive("block_size", self.block_size)
         positive("stream_interval", self.stream_interval)
@@ -662,6 +674,14 @@ class EngineArgs:
             raise ConfigError("max_num_batched_tokens",
                               f"{budget} is smaller than max_model_len ({max_len}); without "
                               "chunked prefill a whole prompt must fit in one step")
+        scheduled = self.max_num_scheduled_tokens or budget
+        if scheduled > budget:
+            raise ConfigError("max_num_scheduled_tokens", f"{scheduled} is more than "
+                              f"max_num_batched_tokens ({budget}), which sizes the step buffers")
+        if not self.enable_chunked_prefill and scheduled < max_len:
+            raise ConfigError("max_num_scheduled_tokens",
+                              f"{scheduled} is smaller than max_model_len ({max_len}); without "
+                              "chunked prefill a whole prompt must fit in one step")
         if on_cpu and self.dtype == "float16":
             raise ConfigError("dtype", "float16 is not supported on CPU (use auto or float32, "
                               "or bfloat16 for bf16 linear weights)")
@@ -706,6 +726,8 @@ class EngineArgs:
                 enable_prefix_caching=prefix_caching, watermark=self.watermark),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                max_num_scheduled_tokens=scheduled,
+                max_num_active_seqs=self.max_num_active_seqs or self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy, preemption_mode=self.preemption_mode,
                 max_waiting=self.max_waiting_requests, queue_timeout=self.queue_timeout,
@@ -974,6 +996,10 @@ class SchedulerConfig:
     max_prefill_backlog: Optional[int] = None   # prompt tokens of requests before their token
     long_prefill_cap: int = 0      # most prompt tokens per step for one of several prefills
     max_loras: int = 0             # most LoRA adapters among the running sequences (0: off)
+    # vLLM's caps below the two above (None: the same): tokens issued per step, sequences
+    # admitted into running (max_num_seqs still sizes the buffers and captures)
+    max_num_scheduled_tokens: Optional[int] = None
+    max_num_active_seqs: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ SETTINGS = {
     "preempt-swap+prefix": dict(num_blocks=40, block_size=8, max_num_seqs=64,
                                 preemption_mode="swap", swap_space=0.01,
                                 enable_prefix_caching=True),
+    # vLLM's caps below the buffers: 24 tokens and 5 sequences a step of 256 and 64
+    "scheduled-tokens+active-seqs caps": dict(max_num_batched_tokens=256, max_num_seqs=64,
+                                              max_num_scheduled_tokens=24,
+                                              max_num_active_seqs=5, async_scheduling=True),
 }
 # Async scheduling (step N+1 planned while step N runs) must not change outputs either.
 for _name in ("default", "prefix-caching", "chunk-smaller-than-block", "preempt-recompute",
@@ -333,3 +337,27 @@ def test_n_children_of_a_parent_swapped_out_before_their_fork_see_its_prompt(tin
     stats = llm.engine.get_stats()
     assert stats.num_swap_preemptions > 0
     assert stats.kv_cache_usage == 0.0 and stats.cpu_cache_usage == 0.0
+
+
+def test_scheduler_caps_are_checked_and_an_n_above_the_active_cap_is_refused(tiny_model_dir):
+    """vLLM's checks of max_num_scheduled_tokens and max_num_active_seqs name the key; a
+    request whose n sequences could never all run under max_num_active_seqs is refused
+    naming it, rather than waiting forever."""
+    from llm_serving.errors import ConfigError
+    bad = [(dict(max_num_active_seqs=9, max_num_seqs=8), "max_num_active_seqs"),
+           (dict(max_num_active_seqs=0), "max_num_active_seqs"),
+           (dict(max_num_scheduled_tokens=0), "max_num_scheduled_tokens"),
+           (dict(max_num_scheduled_tokens=600, max_num_batched_tokens=512),
+            "max_num_scheduled_tokens"),
+           (dict(max_num_scheduled_tokens=64, enable_chunked_prefill=False,
+                 max_num_batched_tokens=4096), "max_num_scheduled_tokens")]
+    for kwargs, key in bad:
+        with pytest.raises(ConfigError) as e:
+            EngineArgs(model=tiny_model_dir, **kwargs).create_engine_config()
+        assert e.value.key == key, kwargs
+    llm = LLM(tiny_model_dir, max_num_seqs=8, max_num_active_seqs=2,
+              max_num_scheduled_tokens=100)
+    with pytest.raises(ValueError, match=r"n: 3 is more than max_num_active_seqs \(2\)"):
+        llm.generate("Hello", SamplingParams(n=3, max_tokens=2))
+    outs = llm.generate(["Hello", "Tell me"], SamplingParams(n=2, max_tokens=3, seed=1))
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [3] * 4

@@ -43,7 +43,8 @@ class Sim:
         self.sch = Scheduler(SchedulerConfig(
             cfg["max_num_seqs"], cfg["budget"], cfg["chunked"], cfg["policy"],
             cfg["preemption_mode"], cfg["max_waiting"], cfg["queue_timeout"],
-            async_scheduling=False, long_prefill_cap=cfg.get("long_prefill_cap", 0)),
+            async_scheduling=False, long_prefill_cap=cfg.get("long_prefill_cap", 0),
+            max_num_scheduled_tokens=cfg.get("scheduled"), max_num_active_seqs=cfg.get("active")),
             self.bm, clock=lambda: self.clock)
         self.kv = np.full((cfg["num_blocks"], bs), -1, np.int64)
         self.host = np.full((max(cfg["num_cpu_blocks"], 1), bs), -1, np.int64)
@@ -97,8 +98,9 @@ class Sim:
             assert seq.first_scheduled_time is None
             self.finish_group(int(seq.request_id), SequenceStatus.FINISHED_TIMEOUT)
         # The step plan respects the budget, the cap, and each sequence's tokens.
-        assert out.total_tokens <= cfg["budget"]
-        assert len(self.sch.running) + self.sch.num_reserved <= cfg["max_num_seqs"]
+        assert out.total_tokens <= (cfg.get("scheduled") or cfg["budget"])
+        assert len(self.sch.running) + self.sch.num_reserved <= (cfg.get("active")
+                                                                 or cfg["max_num_seqs"])
         assert len(set(map(id, out.seqs))) == len(out.seqs)
         for seq, n in zip(out.seqs, out.num_tokens):
             assert seq.status is SequenceStatus.RUNNING
@@ -182,6 +184,9 @@ config = st.fixed_dictionaries({
     "max_waiting": st.integers(1, 40),
     "queue_timeout": st.sampled_from([None, 5.0, 30.0]),
     "long_prefill_cap": st.sampled_from([0, 0, 1, 3, 8]),
+    # vLLM's max_num_scheduled_tokens and max_num_active_seqs (None: off)
+    "scheduled": st.one_of(st.none(), st.integers(1, 40)),
+    "active": st.one_of(st.none(), st.integers(1, 8)),
 })
 
 
@@ -193,7 +198,13 @@ def test_random_load_keeps_invariants_and_every_request_ends(cfg, stem_list, req
     if not cfg["chunked"]:
         cfg["budget"] = max(cfg["budget"], capacity)   # a whole prompt fits in one step
         cfg["long_prefill_cap"] = 0                    # a cap needs chunked prefill
+        cfg["scheduled"] = None
+    if cfg["scheduled"] is not None:       # the config refuses more than the budget
+        cfg["scheduled"] = min(cfg["scheduled"], cfg["budget"])
+    if cfg["active"] is not None:          # ... and more than max_num_seqs
+        cfg["active"] = min(cfg["active"], cfg["max_num_seqs"])
     for r in reqs:
+        r["n"] = min(r["n"], cfg["active"] or r["n"])   # a larger n is refused at once
         r["prompt"] = (stem_list[r["stem"]] + r["tail"]) or [1]
     sim = Sim(cfg, reqs, seed)
     sim.run()
@@ -298,3 +309,34 @@ def test_prefix_cache_reuses_full_blocks_and_checks_tokens():
     bm.cache[c.block_hashes[0]] = forged
     bm.block_hash[forged] = c.block_hashes[0]
     assert bm.match_prefix(c) == []
+
+
+def test_scheduled_tokens_and_active_seqs_cap_each_step_below_the_buffers():
+    """vLLM's max_num_scheduled_tokens and max_num_active_seqs: with a budget of 64 tokens
+    and 8 sequences, a step issues at most 10 tokens and runs at most 2 sequences; the
+    others wait (no preemption) and every request still finishes."""
+    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, chunked=True,
+               prefix_caching=False, preemption_mode="recompute", num_cpu_blocks=0,
+               policy="fcfs", watermark=0.0, max_waiting=10, queue_timeout=None,
+               scheduled=10, active=2)
+    reqs = [dict(arrival=0, prompt=list(range(1, 13)), max_tokens=4, n=1, priority=0,
+                 abort_at=None) for _ in range(4)] + [
+            dict(arrival=0, prompt=[5, 6, 7], max_tokens=3, n=2, priority=0, abort_at=None)]
+    sim = Sim(cfg, reqs, 0)
+    for i, r in enumerate(reqs):
+        sim.add(i, r)
+    plans, schedule = [], sim.sch.schedule
+    sim.sch.schedule = lambda: plans.append(schedule()) or plans[-1]
+    most_running = 0
+    while sim.sch.has_unfinished():
+        sim.step()          # asserts each step's tokens <= 10 and running <= 2
+        most_running = max(most_running, len(sim.sch.running) + sim.sch.num_reserved)
+    assert plans[0].num_tokens == [10]     # the first prompt's chunk: the step's 10 tokens
+    assert max(p.total_tokens for p in plans) == 10
+    assert most_running == 2 and not sim.sch.num_preemptions
+    assert sorted(sim.ended.values()) == ["done"] * 5
+    uncapped = Sim({**cfg, "scheduled": None, "active": None}, reqs, 0)
+    for i, r in enumerate(reqs):
+        uncapped.add(i, r)
+    out = uncapped.sch.schedule()
+    assert out.total_tokens == 12 * 4 + 3 and len(uncapped.sch.running) == 5

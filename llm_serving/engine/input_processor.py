@@ -64,6 +64,10 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         self.max_logprobs = config.model.max_logprobs
         self.max_num_seqs = config.scheduler.max_num_seqs
+        # the cap on running sequences a request's n must fit under, and its name
+        active = config.scheduler.max_num_active_seqs
+        self.seq_cap = ((active, "max_num_active_seqs") if active and active < self.max_num_seqs
+                        else (self.max_num_seqs, "max_num_seqs"))
         self.policy = config.scheduler.policy
         self.kv_transfer = config.kv_transfer
         if self.kv_transfer is not None:
@@ -98,9 +102,10 @@ class InputProcessor:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         if priority != 0 and self.policy != "priority":
             raise ValueError("priority is only used with scheduling_policy='priority'")
-        if params.n > self.max_num_seqs:
-            raise ValueError(f"n: {params.n} is more than max_num_seqs ({self.max_num_seqs}), "
-                             "the most sequences a step runs")
+        cap, name = self.seq_cap
+        if params.n > cap:
+            raise ValueError(f"n: {params.n} is more than {name} ({cap}), the most sequences "
+                             "that run at once")
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked is not None and asked > self.max_logprobs:

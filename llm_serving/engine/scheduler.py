@@ -1,4 +1,5 @@
-"""Plans each step under a token budget and a sequence cap.
+"""Plans each step under a token budget and a sequence cap (max_num_batched_tokens and
+max_num_seqs, or vLLM's lower max_num_scheduled_tokens and max_num_active_seqs).
 
 One step, in order:
 1. Requests that waited longer than ``queue_timeout`` without starting are failed.
@@ -73,7 +74,11 @@ class Scheduler:
         self.proposer = proposer
         self.stats = block_manager.stats        # the one set of counters (engine/metrics.py)
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # vLLM's max_num_scheduled_tokens and max_num_active_seqs: what a step may issue and
+        # how many sequences may run, at most the buffers' sizes above
+        self.max_num_batched_tokens = (config.max_num_scheduled_tokens
+                                       or config.max_num_batched_tokens)
+        self.max_num_active_seqs = config.max_num_active_seqs or config.max_num_seqs
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.policy = config.policy
         self.preemption_mode = config.preemption_mode
@@ -119,7 +124,7 @@ class Scheduler:
         """Room in the batch for ``seq`` and its pending n > 1 children (running sequences
         and the children reserved for them take slots)."""
         taken = len(self.running) + self.num_reserved
-        return taken + 1 + len(seq.pending_children) <= self.max_num_seqs
+        return taken + 1 + len(seq.pending_children) <= self.max_num_active_seqs
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` may run beside the running sequences: no adapter, or one of
