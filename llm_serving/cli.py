@@ -64,6 +64,9 @@ def serve(args) -> None:
     from llm_serving.entrypoints.frontend_args import FrontendArgs
     cfg, engine_args, name, host, port = _settings(args)
     frontend = FrontendArgs.from_args(args)     # a bad TLS file or root path: before loading
+    if frontend.enable_per_request_metrics and args.disable_log_stats:    # vLLM's check
+        raise ConfigError("--enable-per-request-metrics", "requires engine statistics "
+                          "logging; remove --disable-log-stats to enable per-request metrics")
     # Resolved once here (the model's config.json read, the KV pool sized), so a missing
     # model or an impossible setting fails before anything starts. The engine resolves them
     # again: give it the sizes decided here (the same values, and no second warning).

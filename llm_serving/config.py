@@ -32,6 +32,7 @@ from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving import vllm_env
 from llm_serving.tracing import check_tracing
 from llm_serving.spec_decode.config import SpeculativeConfig, max_sample_rows
+from llm_serving.spec_decode.request_metrics import LEVELS as SPEC_METRICS_LEVELS
 
 if TYPE_CHECKING:
     from llm_serving.model_executor.loader import ModelConfig
@@ -387,6 +388,11 @@ class EngineArgs:
         "help": "model, worker or all (vLLM's flag; needs otlp_traces_endpoint): taken and "
                 "checked as vLLM 0.32 takes it, which adds nothing to the spans either",
         "cli_nargs": "+"})
+    per_request_spec_decode_metrics: str = _arg("none",
+        "with speculative_config: answers of one prompt and n 1 carry metrics."
+        "speculative_decoding, the request's draft acceptance (vLLM's flag): summary (mean "
+        "acceptance length, draft acceptance rate, the accepted-drafts histogram) or detailed "
+        "(also each verify step's counts); none: off")
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -547,6 +553,13 @@ class EngineArgs:
                                                      self.collect_detailed_traces)
         self.speculative_config = self._with_spec_short_forms()
         spec = SpeculativeConfig.from_value(self.speculative_config)   # names a bad key now
+        if self.per_request_spec_decode_metrics not in SPEC_METRICS_LEVELS:
+            raise ConfigError("per_request_spec_decode_metrics", "expected one of "
+                              f"{', '.join(SPEC_METRICS_LEVELS)}, got "
+                              f"{self.per_request_spec_decode_metrics!r}")
+        if spec is None and self.per_request_spec_decode_metrics != "none":
+            raise ConfigError("per_request_spec_decode_metrics", "requires speculative "
+                              "decoding to be enabled (via speculative_config), as vLLM")
         if spec is not None and self.async_scheduling:
             raise ConfigError("async_scheduling", "cannot be combined with speculative_config "
                               "(method ngram): drafts are proposed from the tokens the last "
@@ -757,7 +770,8 @@ class EngineArgs:
             speculative=spec,
             histogram_buckets={k: list(v) for k, v in
                                check_histogram_buckets(self.custom_histogram_buckets).items()},
-            otlp_traces_endpoint=self.otlp_traces_endpoint)
+            otlp_traces_endpoint=self.otlp_traces_endpoint,
+            per_request_spec_decode_metrics=self.per_request_spec_decode_metrics)
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -1061,6 +1075,7 @@ class EngineConfig:
     # --custom-histogram-buckets: family -> bounds (the engine counts two of them itself)
     histogram_buckets: dict = field(default_factory=dict)
     otlp_traces_endpoint: Optional[str] = None        # OpenTelemetry spans; None: off
+    per_request_spec_decode_metrics: str = "none"     # spec_decode/request_metrics.py
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

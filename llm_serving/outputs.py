@@ -40,6 +40,9 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    # --per-request-spec-decode-metrics: the sequence's draft acceptance, once it ended
+    # (spec_decode/request_metrics.py's SpecDecodeRequestMetrics); None otherwise
+    spec_decode_metrics: Optional[object] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

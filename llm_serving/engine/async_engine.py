@@ -171,7 +171,8 @@ def _merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
             index=final.index, text="".join(p.text for p in parts),
             token_ids=[t for p in parts for t in p.token_ids],
             cumulative_logprob=final.cumulative_logprob, logprobs=logprobs,
-            finish_reason=final.finish_reason, stop_reason=final.stop_reason))
+            finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+            spec_decode_metrics=final.spec_decode_metrics))
     prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None),
                            None)          # delta outputs carry them once, in the first
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged,

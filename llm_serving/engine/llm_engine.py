@@ -110,6 +110,10 @@ class LLMEngine:
                                               self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
                                                 self.max_model_len, config.model.pooler)
+        if config.speculative is not None and config.per_request_spec_decode_metrics != "none":
+            self.output_processor.spec_metrics = (
+                config.speculative.num_speculative_tokens,
+                config.per_request_spec_decode_metrics == "detailed")
         self.dumper = LogitsDumper(config.dump) if config.dump else None
         self.async_scheduling = config.scheduler.async_scheduling
         # a pooling runner's pooling type (LAST, MEAN, CLS); None: a generate runner

@@ -26,6 +26,7 @@ from llm_serving.model_executor.layers.pooler import (PoolerSettings, finish_cla
                                                       finish_embedding)
 from llm_serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llm_serving.pooling_params import PoolingParams
+from llm_serving.spec_decode.request_metrics import SpecDecodeRequestMetrics
 from llm_serving.sampling_params import RequestOutputKind
 from llm_serving.tokenizer import Tokenizer
 
@@ -98,6 +99,9 @@ class OutputProcessor:
         # max_log_len characters (token ids at debug)
         self.log_outputs = False
         self.max_log_len: Optional[int] = None
+        # --per-request-spec-decode-metrics: (drafts per step, detailed) to count each
+        # sequence's acceptance with; None: not counted
+        self.spec_metrics: Optional[tuple] = None
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, new: NewRequest, arrival_order: int) -> Sequence:
@@ -117,6 +121,8 @@ class OutputProcessor:
             if new.lora is not None:
                 seq.lora_id, seq.lora_path = new.lora.lora_int_id, new.lora.lora_path
                 seq.lora_name = new.lora.lora_name
+            if self.spec_metrics is not None:
+                seq.spec_metrics = SpecDecodeRequestMetrics(*self.spec_metrics)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
                 stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,
@@ -403,7 +409,8 @@ class OutputProcessor:
                 index=s.index, text=text[c0:], token_ids=s.output_token_ids[t0:known],
                 cumulative_logprob=s.cumulative_logprob if want_lp else None,
                 logprobs=s.output_logprobs[t0:] if want_lp else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                spec_decode_metrics=s.spec_metrics if s.finish_reason is not None else None))
         first = req.seqs[0]
         prompt_lp = first.prompt_logprobs
         if prompt_lp is not None and (len(prompt_lp) < len(first.prompt_token_ids)

@@ -255,6 +255,8 @@ class Scheduler:
             per_pos.extend([0] * (accepted - len(per_pos)))
         for pos in range(accepted):
             per_pos[pos] += 1
+        if seq.spec_metrics is not None:
+            seq.spec_metrics.observe(len(seq.draft_token_ids), accepted)
         seq.draft_token_ids = []
         if seq.status is not SequenceStatus.RUNNING:
             return

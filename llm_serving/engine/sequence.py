@@ -70,6 +70,8 @@ class Sequence:
         # known token in the running step (their KV slots are held; verified when the step's
         # tokens come back), and the proposer's token buffer (array, tokens in it).
         self.draft_token_ids: list[int] = []
+        # --per-request-spec-decode-metrics: its drafts' acceptance (None: not counted)
+        self.spec_metrics = None
         self.spec_context: tuple = (None, 0)
         # n > 1: sequences forked from this one once its prompt is computed.
         self.pending_children: list[Sequence] = []

@@ -111,6 +111,11 @@ class FrontendArgs:
     enable_prompt_tokens_details: bool = _arg(
         False, "usage carries prompt_tokens_details.cached_tokens: the prompt tokens the "
         "prefix cache served")
+    enable_per_request_metrics: bool = _arg(
+        False, "an answer of /v1/completions or /v1/chat/completions of one prompt and n 1 "
+        "carries vLLM's metrics object: time_to_first_token_ms, queue_time_ms, "
+        "generation_time_ms, mean_itl_ms and tokens_per_second (a stream: on its final usage "
+        "chunk, so with stream_options include_usage)")
     enable_force_include_usage: bool = _arg(
         False, "every stream carries usage, as if each request asked stream_options: "
         "{include_usage: true, continuous_usage_stats: true}")

@@ -20,6 +20,7 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
                                                 refuse_unsupported, renamed, request_ids,
                                                 request_trace, server_state, sse,
                                                 stream_or_disconnect, translate_error)
+from llm_serving.entrypoints.per_request_metrics import per_request_metrics
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
 from llm_serving.entrypoints import reasoning, remote_prefill, tool_calls, unread_offers
@@ -166,13 +167,15 @@ async def merge_streams(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 async def collect_choices(request: Request, streams, n: int, echo: Optional["_Echo"] = None,
                           extra: Optional[dict] = None, grammar_field: Optional[str] = None,
-                          cached: Optional[dict] = None, watch=None) -> tuple[dict, int]:
+                          cached: Optional[dict] = None, watch=None,
+                          timings: Optional[list] = None) -> tuple[dict, int]:
     """The whole of every completion, for non-streaming answers: choice index (prompt * n +
     completion) -> {"text", "ids" (count), "token_ids", "lp" (logprob entries), "finish"}, and
     the prompt
     tokens; ``cached`` gets each prompt's prefix-cached tokens; ``echo`` sees every output;
     ``extra`` gets the top-level fields the engine returned (a producer's
-    ``kv_transfer_params``); ``watch`` is called with each completion output as it comes.
+    ``kv_transfer_params``); ``watch`` is called with each completion output as it comes;
+    ``timings`` gets each request's ``_final_metrics`` as it ends.
     A client that leaves first aborts the requests (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
@@ -187,6 +190,8 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
             echo.see(i, out)
         if out.kv_transfer_params is not None:
             offers[i] = out.kv_transfer_params
+        if timings is not None and out.metrics is not None:
+            timings.append(_final_metrics(out))
         for c in out.outputs:
             if watch is not None:
                 watch(c)
@@ -303,6 +308,36 @@ def _stream_usage(state: ServerState, req) -> tuple[bool, bool]:
     if state.frontend.enable_force_include_usage:
         return True, True
     return req.stream_usage()
+
+
+def _without_nulls(d: dict) -> dict:
+    return {k: _without_nulls(v) if isinstance(v, dict) else v for k, v in d.items()
+            if v is not None}
+
+
+def _final_metrics(out: RequestOutput) -> tuple:
+    """A finished n = 1 request's timings and its sequence's draft acceptance (or None)."""
+    return out.metrics, out.outputs[0].spec_decode_metrics if out.outputs else None
+
+
+def _metrics(state: ServerState, timings: list, num_tokens: int, stream: bool = False) -> dict:
+    """vLLM's ``metrics`` field of an answer: the timings (--enable-per-request-metrics) and
+    the draft acceptance (--per-request-spec-decode-metrics) of one prompt's one sequence
+    (``timings`` holds its ``_final_metrics`` once it ended), else null, as vLLM: the
+    timings of n > 1 or of several prompts are no one stream's. A stream's final usage chunk
+    leaves out what is null."""
+    timed = state.frontend.enable_per_request_metrics
+    if not timed and state.engine_args.per_request_spec_decode_metrics == "none":
+        return {}
+    metrics = None
+    if len(timings) == 1:
+        (timing, spec), = timings
+        if timed or spec is not None:
+            metrics = per_request_metrics(timing if timed else None, num_tokens)
+            metrics["speculative_decoding"] = spec.to_dict() if spec is not None else None
+    if stream:
+        return {} if metrics is None else {"metrics": _without_nulls(metrics)}
+    return {"metrics": metrics}
 
 
 def _cached(state: ServerState, cached: dict) -> Optional[int]:
@@ -469,9 +504,12 @@ async def completions(req: CompletionRequest, request: Request):
 
         async def gen():
             prompt_tokens, offsets, choice_tokens, cached = {}, {}, {}, {}
+            timings = []
             try:
                 async for i, out in merge_streams(streams):
                     prompt_tokens[i] = len(out.prompt_token_ids)
+                    if out.metrics is not None and n == 1:
+                        timings.append(_final_metrics(out))
                     if out.num_cached_tokens is not None:
                         cached[i] = out.num_cached_tokens
                     if out.error:
@@ -516,7 +554,9 @@ async def completions(req: CompletionRequest, request: Request):
                                 "model": model, "choices": [],
                                 "usage": _usage(sum(prompt_tokens.values()),
                                                 sum(choice_tokens.values()),
-                                                _cached(state, cached))})
+                                                _cached(state, cached)),
+                                **_metrics(state, timings, sum(choice_tokens.values()),
+                                           stream=True)})
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
@@ -527,12 +567,14 @@ async def completions(req: CompletionRequest, request: Request):
 
     extra: dict = {}
     cached: dict = {}
+    timings: list = []
     if beam:
         choices, prompt_tokens = await beam_search_choices(request, rid, resp_id, prompts, beam,
                                                            req.priority, lora)
     else:
         choices, prompt_tokens = await collect_choices(request, streams, n, echo, extra,
-                                                       grammar_field, cached)
+                                                       grammar_field, cached,
+                                                       timings=timings if n == 1 else None)
 
     def build() -> dict:
         for idx, ch in choices.items():
@@ -556,6 +598,7 @@ async def completions(req: CompletionRequest, request: Request):
                             for idx, ch in choices.items()],
                 "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()),
                                 _cached(state, cached)),
+                **_metrics(state, timings, sum(ch["ids"] for ch in choices.values())),
                 **extra}
         log_request(resp_id, body["usage"]["prompt_tokens"],
                     body["usage"]["completion_tokens"], t0)
@@ -694,9 +737,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
         async def gen():
             prompt_tokens = len(ids)
-            started, calls = set(), {}
+            started, calls, timings = set(), {}, []
             try:
                 async for _, out in merge_streams(streams):
+                    if out.metrics is not None and req.n == 1:
+                        timings.append(_final_metrics(out))
                     if out.num_cached_tokens is not None:
                         cached[0] = out.num_cached_tokens
                     if out.error:
@@ -760,7 +805,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 "created": created, "model": model, "choices": [],
                                 "usage": _usage(prompt_tokens, sum(choice_tokens.values()),
                                                 _cached(state, cached),
-                                                reasoning_count(thoughts))})
+                                                reasoning_count(thoughts)),
+                                **_metrics(state, timings, sum(choice_tokens.values()),
+                                           stream=True)})
                 yield SSE_DONE
             except HTTPError as e:
                 yield _sse_error(e)
@@ -772,13 +819,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     extra: dict = {"prompt_text": text} if req.return_prompt_text else {}
     if req.return_token_ids:
         extra["prompt_token_ids"] = ids
-    cached = {}
+    cached, timings = {}, []
     if beam:
         choices, _ = await beam_search_choices(request, rid, resp_id, [prompt], beam,
                                                req.priority, lora)
     else:
         choices, _ = await collect_choices(request, streams, req.n, extra=extra,
-                                           grammar_field=grammar_field, cached=cached)
+                                           grammar_field=grammar_field, cached=cached,
+                                           timings=timings if req.n == 1 else None)
     completion_tokens = sum(ch["ids"] for ch in choices.values())
     log_request(resp_id, len(ids), completion_tokens, t0)
     thought_count = None
@@ -806,6 +854,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 "model": model, "choices": out,
                 "usage": _usage(len(ids), completion_tokens, _cached(state, cached),
                                 thought_count),
+                **_metrics(state, timings, completion_tokens),
                 **extra}
     return await json_answer(build)
 
