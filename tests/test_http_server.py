@@ -1431,7 +1431,8 @@ _NEW_VLLM_SERIES = [
     'prompt_tokens_by_source_total{source="external_kv_transfer"}',
     *(f'prompt_tokens_cached_by_source_total{{source="{tier}"}}'
       for tier in ("device", "host", "p2p", "disk", "external_unspecified")),
-    'request_params_max_tokens_count', 'request_success_total{finished_reason="abort"}']
+    'request_params_max_tokens_count', 'request_success_total{finished_reason="abort"}',
+    "external_prefix_cache_queries_total", "external_prefix_cache_hits_total"]
 
 
 _N_SERIES = ['request_success_total{finished_reason="length"}', "generation_tokens_total",
@@ -1538,6 +1539,8 @@ def test_vllm_metrics_of_request_phases_steps_and_parameters(server, client):
     assert source["local_cache_hit"] == d["prompt_tokens_cached_total"] \
         == d["prefix_cache_hits_total"] > 0
     assert source["external_kv_transfer"] == 0
+    # no KV connector: nothing looked up through one (vLLM's series at 0)
+    assert d["external_prefix_cache_queries_total"] == d["external_prefix_cache_hits_total"] == 0
     tiers = {k: d[f'prompt_tokens_cached_by_source_total{{source="{k}"}}']
              for k in ("device", "host", "p2p", "disk", "external_unspecified")}
     assert tiers == {"device": source["local_cache_hit"], "host": 0, "p2p": 0, "disk": 0,

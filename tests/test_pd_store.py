@@ -96,16 +96,19 @@ def test_a_second_instance_skips_the_prefill_another_one_did(pool, tiny_llm):
              'prompt_tokens_by_source_total{source="local_compute"}',
              'prompt_tokens_by_source_total{source="external_kv_transfer"}',
              "prompt_tokens_cached_total",
-             'prompt_tokens_cached_by_source_total{source="p2p"}')
+             'prompt_tokens_cached_by_source_total{source="p2p"}',
+             "external_prefix_cache_queries_total", "external_prefix_cache_hits_total")
     before = [metric(pool["B"], name) for name in names]
     b = complete(pool["B"], PROMPT)
     assert b["choices"][0]["text"] == ref.outputs[0].text
-    prompt, loaded, computed, external, cached, p2p = (
+    prompt, loaded, computed, external, cached, p2p, queried, hit = (
         metric(pool["B"], name) - b0 for name, b0 in zip(names, before))
     assert loaded == 16 * ((n_prompt - 1) // 16) > 0      # every full block but the last token's
     assert computed == n_prompt - loaded                     # only the rest was computed
     assert prompt == n_prompt and external == cached == loaded   # as vLLM's /metrics has it
     assert p2p == loaded                # vLLM's tier of KV from another instance
+    # vLLM's connector lookup: the prompt's tokens not cached here, and those loaded
+    assert (queried, hit) == (n_prompt, loaded)
     assert metric(pool["B"], 'kv_transfers_total{outcome="done"}') >= 1
     assert metric(pool["B"], "kv_transfer_bytes_total") > 0
     assert metric(pool["A"], "kv_cache_usage_perc") == 0

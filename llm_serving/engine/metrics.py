@@ -96,6 +96,10 @@ class EngineStats:
     kv_transfers_offered: int = 0
     kv_transfer_bytes: int = 0
     kv_remote_prefill_tokens: int = 0
+    # vLLM's external prefix cache: with a KV connector, each admitted request's prompt tokens
+    # not found locally (queries) and those the connector loads (hits); not a preempted one's
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     kv_blocks_held: int = 0
     kv_loads_in_flight: int = 0
     # Speculative decoding (vLLM's spec_decode_*): decodes verified with drafts, their draft

@@ -299,6 +299,7 @@ class Scheduler:
                     return False
                 self.waiting.pop(i)
                 bm.admit(seq, matched, ext, out.copies)
+                self._count_external_lookup(seq, len(matched) * bm.block_size, ext)
                 self.remote.start_load(seq, ext)
                 return True
         if not self._has_slots_for(seq):
@@ -312,8 +313,17 @@ class Scheduler:
             return False
         self.waiting.pop(i)
         bm.admit(seq, matched, n, out.copies)
+        if self.remote is not None:
+            self._count_external_lookup(seq, len(matched) * bm.block_size, 0)
         self._start(seq, n, now, out)
         return True
+
+    def _count_external_lookup(self, seq: Sequence, local: int, loaded: int) -> None:
+        """vLLM's external prefix cache counters, as its scheduler records a KV connector's
+        lookup at admission: the prompt tokens not found locally, and those loaded."""
+        if seq.num_preemptions == 0:
+            self.stats.external_prefix_cache_queries += seq.num_tokens - local
+            self.stats.external_prefix_cache_hits += loaded
 
     def _start(self, seq: Sequence, n: int, now: float, out: SchedulerOutput) -> None:
         """An admitted waiting sequence runs ``n`` tokens this step."""

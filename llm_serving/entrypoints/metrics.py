@@ -57,6 +57,10 @@ _VLLM_COUNTERS = {
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
                                         "Draft tokens accepted"),
+    "external_prefix_cache_queries": ("external_prefix_cache_queries", "Prompt tokens not "
+                                      "found locally, looked up through the KV connector"),
+    "external_prefix_cache_hits": ("external_prefix_cache_hits", "Prompt tokens loaded "
+                                   "through the KV connector (from another instance)"),
 }
 _COUNTERS = {
     "request_aborted": ("num_aborted_requests", "Requests aborted"),
