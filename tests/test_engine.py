@@ -357,6 +357,10 @@ def test_scheduler_caps_are_checked_and_an_n_above_the_active_cap_is_refused(tin
         assert e.value.key == key, kwargs
     llm = LLM(tiny_model_dir, max_num_seqs=8, max_num_active_seqs=2,
               max_num_scheduled_tokens=100)
+    # what llm-serving's /serving/get_serverd_model_info reports: the caps, not the buffers
+    from llm_serving.engine.engine_client import EngineLimits
+    limits = EngineLimits.of(llm.engine.config)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (2, 100)
     with pytest.raises(ValueError, match=r"n: 3 is more than max_num_active_seqs \(2\)"):
         llm.generate("Hello", SamplingParams(n=3, max_tokens=2))
     outs = llm.generate(["Hello", "Tell me"], SamplingParams(n=2, max_tokens=3, seed=1))

@@ -23,8 +23,8 @@ PromptType = Union[str, dict]
 class EngineLimits:
     """The bounds a route checks or reports (from the resolved EngineConfig)."""
     max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_seqs: int               # sequences that may run at once (max_num_active_seqs)
+    max_num_batched_tokens: int     # tokens a step may run (max_num_scheduled_tokens)
     max_waiting: int
     vocab_size: int
     device: str                 # "cpu", "ascend", or "auto" when the master cannot tell
@@ -47,8 +47,9 @@ class EngineLimits:
                  ("enable_prefix_caching", c.enable_prefix_caching),
                  ("cache_dtype", config.model.kv_cache_dtype),
                  ("kv_cache_size_tokens", c.num_blocks * c.block_size))
-        return cls(config.model.max_model_len, config.scheduler.max_num_seqs,
-                   config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
+        s = config.scheduler
+        return cls(config.model.max_model_len, s.max_num_active_seqs or s.max_num_seqs,
+                   s.max_num_scheduled_tokens or s.max_num_batched_tokens, s.max_waiting,
                    config.model.vocab_size, device,
                    config.model.weight_dtype, tuple((k, str(v)) for k, v in cache),
                    config.model.pooler,
