@@ -739,8 +739,8 @@ class EngineArgs:
                 enable_prefix_caching=prefix_caching, watermark=self.watermark),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
-                max_num_scheduled_tokens=scheduled,
-                max_num_active_seqs=self.max_num_active_seqs or self.max_num_seqs,
+                max_num_scheduled_tokens=self.max_num_scheduled_tokens,
+                max_num_active_seqs=self.max_num_active_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy, preemption_mode=self.preemption_mode,
                 max_waiting=self.max_waiting_requests, queue_timeout=self.queue_timeout,
@@ -1014,6 +1014,16 @@ class SchedulerConfig:
     # admitted into running (max_num_seqs still sizes the buffers and captures)
     max_num_scheduled_tokens: Optional[int] = None
     max_num_active_seqs: Optional[int] = None
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens the scheduler issues in a step."""
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
+
+    @property
+    def running_seqs(self) -> int:
+        """The most sequences that run at once."""
+        return self.max_num_active_seqs or self.max_num_seqs
 
 
 @dataclass(frozen=True)

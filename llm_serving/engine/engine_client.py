@@ -48,8 +48,7 @@ class EngineLimits:
                  ("cache_dtype", config.model.kv_cache_dtype),
                  ("kv_cache_size_tokens", c.num_blocks * c.block_size))
         s = config.scheduler
-        return cls(config.model.max_model_len, s.max_num_active_seqs or s.max_num_seqs,
-                   s.max_num_scheduled_tokens or s.max_num_batched_tokens, s.max_waiting,
+        return cls(config.model.max_model_len, s.running_seqs, s.step_tokens, s.max_waiting,
                    config.model.vocab_size, device,
                    config.model.weight_dtype, tuple((k, str(v)) for k, v in cache),
                    config.model.pooler,

@@ -63,11 +63,10 @@ class InputProcessor:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         self.max_logprobs = config.model.max_logprobs
-        self.max_num_seqs = config.scheduler.max_num_seqs
         # the cap on running sequences a request's n must fit under, and its name
-        active = config.scheduler.max_num_active_seqs
-        self.seq_cap = ((active, "max_num_active_seqs") if active and active < self.max_num_seqs
-                        else (self.max_num_seqs, "max_num_seqs"))
+        s = config.scheduler
+        self.seq_cap = (s.running_seqs, "max_num_active_seqs" if s.max_num_active_seqs
+                        else "max_num_seqs")
         self.policy = config.scheduler.policy
         self.kv_transfer = config.kv_transfer
         if self.kv_transfer is not None:

@@ -73,12 +73,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.proposer = proposer
         self.stats = block_manager.stats        # the one set of counters (engine/metrics.py)
-        self.max_num_seqs = config.max_num_seqs
-        # vLLM's max_num_scheduled_tokens and max_num_active_seqs: what a step may issue and
-        # how many sequences may run, at most the buffers' sizes above
-        self.max_num_batched_tokens = (config.max_num_scheduled_tokens
-                                       or config.max_num_batched_tokens)
-        self.max_num_active_seqs = config.max_num_active_seqs or config.max_num_seqs
+        # what a step may issue and how many sequences may run: vLLM's
+        # max_num_scheduled_tokens and max_num_active_seqs where set, else the buffers' sizes
+        self.max_num_batched_tokens = config.step_tokens
+        self.max_num_active_seqs = config.running_seqs
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.policy = config.policy
         self.preemption_mode = config.preemption_mode
