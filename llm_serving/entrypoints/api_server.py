@@ -44,7 +44,6 @@ from llm_serving import vllm_env
 from llm_serving.cli_args import (REQUEST_READ_TIMEOUT_S, RESPONSE_WRITE_TIMEOUT_S,
                                   SHUTDOWN_TIMEOUT_S)
 from llm_serving.config import EngineArgs
-from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.entrypoints.frontend_args import FrontendArgs
 from llm_serving.model_executor.layers.pooler import served_routes
 from llm_serving.entrypoints.http_common import (ANTHROPIC_PATH, HTTPError, ServerState,
@@ -233,7 +232,6 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                                          remote_prefill, responses_routes, sagemaker_routes,
                                          score_routes, unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
-    from llm_serving.spec_decode.config import SpeculativeConfig
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -268,10 +266,7 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                   **docs)
     app.root_path = front.root_path or ""       # behind a path-based proxy (vLLM's way)
     app.state.server = state
-    spec = SpeculativeConfig.from_value(state.engine_args.speculative_config)
-    state.metrics = ServerMetrics(
-        state.served_model_name, spec.num_speculative_tokens if spec is not None else 0,
-        check_histogram_buckets(state.engine_args.custom_histogram_buckets))
+    state.metrics = ServerMetrics.for_engine(state.served_model_name, state.engine_args)
 
     def log_stack(request: Request, e: Exception) -> None:
         """--log-error-stack (vLLM's): the stack of an error answered to a request."""

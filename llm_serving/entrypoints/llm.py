@@ -23,7 +23,6 @@ from llm_serving.entrypoints.metrics import ServerMetrics
 from llm_serving.entrypoints.metrics_reader import Metric, snapshot
 from llm_serving.entrypoints.vllm_engine import VllmLLMEngine
 from llm_serving.errors import QueueFullError
-from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.lora.request import LoRARequest
 from llm_serving.entrypoints.scoring import (cosine, cross_encoder_prompt, pair_indices,
                                              score_texts)
@@ -32,7 +31,6 @@ from llm_serving.outputs import (ClassificationOutput, ClassificationRequestOutp
                                  ScoringOutput, ScoringRequestOutput)
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from llm_serving.spec_decode.config import SpeculativeConfig
 
 
 
@@ -69,10 +67,7 @@ class LLM:
         self.engine = LLMEngine(engine_args)
         self._metrics = None
         if log_stats:
-            spec = SpeculativeConfig.from_value(engine_args.speculative_config)
-            self._metrics = ServerMetrics(
-                engine_args.model, spec.num_speculative_tokens if spec is not None else 0,
-                check_histogram_buckets(engine_args.custom_histogram_buckets))
+            self._metrics = ServerMetrics.for_engine(engine_args.model, engine_args)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         self._enqueued: list = []       # enqueue()'s checked requests, for wait_for_completion

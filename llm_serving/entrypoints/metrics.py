@@ -20,6 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from llm_serving.histogram_buckets import check_histogram_buckets
+from llm_serving.spec_decode.config import SpeculativeConfig
 from llm_serving.engine.metrics import (INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS,
                                         PROMPT_TOKEN_SOURCES, EngineStats, StepHistogram,
                                         histogram_bounds)
@@ -250,6 +252,14 @@ class ServerMetrics:
                                     "flight (deferred release)", registry=r)
         self.kv_loads = Gauge(P + "kv_loads_in_flight", "Requests waiting for their KV from "
                               "another instance", registry=r)
+
+    @classmethod
+    def for_engine(cls, model_name: str, engine_args) -> "ServerMetrics":
+        """The metrics of an engine of ``engine_args`` (its drafts per step, its
+        --custom-histogram-buckets), labelled ``model_name``."""
+        spec = SpeculativeConfig.from_value(engine_args.speculative_config)
+        return cls(model_name, spec.num_speculative_tokens if spec is not None else 0,
+                   check_histogram_buckets(engine_args.custom_histogram_buckets))
 
     def update(self, s: EngineStats, cache_info: tuple = (),
                max_loras: Optional[int] = None, admission_rejections: Optional[dict] = None
