@@ -125,8 +125,7 @@ def _merge_dotted(argv: list[str]) -> list[str]:
             raise ConfigError(name, "expected --flag.key[.key...] (vLLM's dotted form)")
         node = merged.setdefault(flag, {})
         for key in keys[:-1]:
-            child = node.get(key)
-            node = node.setdefault(key, {}) if not isinstance(child, dict) else child
+            node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(name, f"{key} is given both as a value and as keys")
         node[keys[-1]] = parsed

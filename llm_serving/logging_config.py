@@ -64,7 +64,7 @@ def configure_logging(log_level: Optional[str], config: Optional[dict]) -> str:
                 "pylogging_config_file") else "VLLM_LOGGING_CONFIG_PATH", f"{path}: {e}") from None
         return level
     handler = logging.StreamHandler()
-    prefix = vllm_env.logging_prefix().replace("%", "%%")     # vLLM's VLLM_LOGGING_PREFIX
+    prefix = vllm_env.logging_prefix()
     handler.setFormatter(JsonFormatter(JSON_FORMAT) if formatter == "json" else
                          logging.Formatter(prefix + TEXT_FORMAT))
     logging.basicConfig(level=getattr(logging, level), handlers=[handler])

@@ -73,7 +73,8 @@ def logging_config_path() -> Optional[str]:
 
 
 def logging_prefix() -> str:
-    return os.environ.get("VLLM_LOGGING_PREFIX", "")
+    """VLLM_LOGGING_PREFIX as the literal start of a logging format."""
+    return os.environ.get("VLLM_LOGGING_PREFIX", "").replace("%", "%%")
 
 
 def log_stats_interval() -> float:

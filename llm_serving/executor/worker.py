@@ -89,7 +89,8 @@ def _configure_logging(rank: int) -> None:
     """Log to stderr (the master's) at the master's --log-level, naming the agent."""
     import logging
     level = os.environ.get("LLM_SERVING_LOG_LEVEL", "INFO").upper()
-    prefix = os.environ.get("VLLM_LOGGING_PREFIX", "").replace("%", "%%")   # as the master's
+    from llm_serving.vllm_env import logging_prefix
+    prefix = logging_prefix()       # VLLM_LOGGING_PREFIX, as the master's lines
     logging.basicConfig(level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
                         format=f"{prefix}%(asctime)s %(levelname)s %(name)s (WorkAgent {rank}): "
                                "%(message)s")
