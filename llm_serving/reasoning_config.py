@@ -21,8 +21,10 @@ from typing import Optional, Union
 from llm_serving.errors import ConfigError, config_fields
 
 KEY = "reasoning_config"
-# --reasoning-parser's names and each one's (start, end) markers
-PARSER_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
+# --reasoning-parser's names and each one's (start, end) markers (entrypoints/reasoning.py
+# splits answers at them)
+THINK_START, THINK_END = "<think>", "</think>"
+PARSER_MARKERS = {"deepseek_r1": (THINK_START, THINK_END), "qwen3": (THINK_START, THINK_END)}
 
 
 @dataclass(frozen=True)

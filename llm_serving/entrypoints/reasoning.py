@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
+from llm_serving.reasoning_config import THINK_END, THINK_START
 
-THINK_START = "<think>"
-THINK_END = "</think>"
 TOOL_CALL_START = "<tool_call>"
 
 
