@@ -164,8 +164,9 @@ class SamplingParams:
     max_tokens: most tokens to generate; None = up to the model's length (the engine resolves it).
     min_tokens: EOS and stop_token_ids are banned until this many tokens were generated.
     logprobs: number of top alternatives to return per generated token; 0 = only the chosen
-        token's log-probability (0..20).
-    prompt_logprobs: same for prompt tokens (0..20).
+        token's log-probability; -1 = the whole vocabulary (vLLM's). The engine's
+        max_logprobs caps it (default 20).
+    prompt_logprobs: same for prompt tokens.
     logprob_token_ids: report the log-probabilities of these token ids (and of the chosen
         token) at every generated position, in place of the top ``logprobs`` (vLLM's; at
         most the engine's max_logprobs ids).
@@ -468,8 +469,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                need(value >= 0, f"{name} must be >= 0 or None (the engine's max_logprobs "
-                     f"caps it), got {value}")
+                need(value >= -1, f"{name} must be >= 0, -1 (the whole vocabulary) or None "
+                     f"(the engine's max_logprobs caps it), got {value}")
         need("" not in self.stop, "stop must not contain an empty string")
         need(self.detokenize or not self.stop,
              "stop: stop strings are matched on the text, so they need detokenize=True")

@@ -6,6 +6,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llm_serving import SamplingParams
@@ -451,6 +452,25 @@ def test_lora_request_none_is_taken_as_vllm_takes_it(tiny_llm):
         with pytest.raises(ValueError, match="lora_request: LoRA adapters are served with "
                                              "enable_lora"):
             call()
+
+
+def test_minus_one_logprobs_are_the_whole_vocabulary_under_max_logprobs_minus_one(
+        tiny_model_dir, tiny_llm):
+    """vLLM's -1: every token's logprob, generated and prompt; a server whose max_logprobs is
+    not -1 refuses it naming max_logprobs."""
+    from llm_serving import LLM
+    with pytest.raises(ValueError, match=r"prompt_logprobs: .*-1.*max_logprobs \(20\)"):
+        tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+    llm = LLM(tiny_model_dir, max_logprobs=-1, num_blocks=16, max_num_seqs=2)
+    vocab = llm.get_tokenizer().vocab_size
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(
+        temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert out.prompt_logprobs[0] is None and len(entries) == 3 + 2
+    for entry in entries:       # all of them: the probabilities sum to one
+        assert len(entry) >= vocab
+        lp = np.array([v.logprob for v in entry.values()])
+        np.testing.assert_allclose(np.logaddexp.reduce(lp), 0.0, atol=1e-4)
 
 
 def test_enqueue_then_wait_for_completion_runs_what_was_enqueued(tiny_model_dir, tiny_llm):

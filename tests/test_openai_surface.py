@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import requests
@@ -65,6 +66,64 @@ def _token_texts(client, **kw) -> list[str]:
 def _text_of(server, ids) -> list[str]:
     return [requests.post(server[0] + "/detokenize", json={"tokens": [t]}).json()["prompt"]
             for t in ids]
+
+
+# ---- prompt_logprobs (vLLM's field) ------------------------------------------------------
+
+def _check_prompt_logprobs_json(pl, prompt, ref, k):
+    """vLLM's JSON: null, then per token id (a string) -> {logprob, rank, decoded_token},
+    the prompt's token first and the top k after it; the numbers HF's log_softmax."""
+    assert len(pl) == len(prompt) and pl[0] is None
+    for i in range(1, len(prompt)):
+        row, tok, entry = ref[i - 1], prompt[i], pl[i]
+        assert list(entry)[0] == str(tok)
+        rank = entry[str(tok)]["rank"]          # 1 + how many are more likely (ties: either)
+        assert np.count_nonzero(row > row[tok] + 1e-4) < rank <= np.count_nonzero(
+            row >= row[tok] - 1e-4)
+        top = np.argsort(-row)[:k]
+        assert set(entry) == {str(tok), *map(str, top)}
+        got = [entry[str(t)]["logprob"] for t in [tok, *top]]
+        np.testing.assert_allclose(got, row[[tok, *top]], atol=1e-4, rtol=0)
+        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+
+
+def test_prompt_logprobs_come_back_as_vllms_field_with_hfs_numbers(server, tiny_hf_logprobs):
+    prompts, ref = tiny_hf_logprobs
+    prompt, ref = prompts[2], ref[2]            # 30 token ids: no BOS added
+    url = server[0] + "/v1"
+    r = requests.post(url + "/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "n": 2, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:          # each choice carries its prompt's
+        _check_prompt_logprobs_json(choice["prompt_logprobs"], prompt, ref, 3)
+    # echo with logprobs scores the prompt with logprobs' top ones (vLLM's)
+    r = requests.post(url + "/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2})
+    _check_prompt_logprobs_json(r.json()["choices"][0]["prompt_logprobs"], prompt, ref, 2)
+    plain = requests.post(url + "/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    # chat: the answer's, over the templated prompt; echo alone asks for 0 alternatives
+    for extra, k in (({"prompt_logprobs": 2}, 2), ({"echo": True}, 0)):
+        r = requests.post(url + "/chat/completions", json={
+            "model": "tiny", "messages": MSG, "max_tokens": 2, **extra})
+        body = r.json()
+        pl = body["prompt_logprobs"]
+        assert len(pl) == body["usage"]["prompt_tokens"] and pl[0] is None
+        assert all(len(entry) in (k, k + 1) for entry in pl[1:])
+    # a stream takes only 0 (and shows none), as vLLM; more is refused by name
+    r = requests.post(url + "/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 0,
+        "stream": True})
+    assert r.status_code == 200 and "prompt_logprobs" not in r.text
+    for body, why in (({"prompt_logprobs": 1, "stream": True}, "stream"),
+                      ({"prompt_logprobs": -1}, "max_logprobs (20)"),
+                      ({"prompt_logprobs": 21}, "max_logprobs (20)"),
+                      ({"prompt_logprobs": -2}, "-1")):
+        r = requests.post(url + "/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        assert why in r.json()["error"]["message"]
 
 
 # ---- logit_bias, allowed_token_ids, bad_words --------------------------------------------
@@ -447,11 +506,12 @@ _COMMON_HONOURED = {
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
     "stream_interval": 3, "watermarking": False, "truncate_prompt_tokens": 3,
     "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
+    "prompt_logprobs": 1,
 }
 _COMMON_REFUSED = {
     "logits_processors": ["x"],
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
-    "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1", "prompt_logprobs": 1,
+    "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1",
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
     "guided_decoding_backend": "xgrammar", "watermarking": True,
@@ -713,10 +773,17 @@ def test_batch_chat_answers_each_conversation_as_one_choice(server):
     for body, field in (({"stream": True}, "stream"), ({"n": 2}, "n"),
                         ({"tools": [WEATHER]}, "tools"),
                         ({"use_beam_search": True}, "use_beam_search"),
-                        ({"messages": [MSG, []]}, "messages")):
+                        ({"messages": [MSG, []]}, "messages"),
+                        ({"prompt_logprobs": 1}, "prompt_logprobs")):
         r = requests.post(url + "/v1/chat/completions/batch",
                           json={**common, "messages": talks, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # one conversation's prompt fields are not the batch's (vLLM's batch answer has none)
+    echoed = requests.post(url + "/v1/chat/completions/batch", json={
+        **common, "messages": talks, "echo": True, "return_token_ids": True,
+        "ignore_eos": True}).json()
+    assert "prompt_logprobs" not in echoed and "prompt_token_ids" not in echoed
+    assert [len(c["token_ids"]) for c in echoed["choices"]] == [5, 5]
 
 
 def test_chat_return_token_ids_gives_the_prompt_and_output_ids(server, tiny_model_dir):

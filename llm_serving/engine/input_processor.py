@@ -107,9 +107,15 @@ class InputProcessor:
                              "that run at once")
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
+            whole = asked == -1                     # vLLM's: the whole vocabulary
+            if whole:
+                asked = self.vocab_size
             if asked is not None and asked > self.max_logprobs:
-                raise ValueError(f"{name}: {asked} asked for, more than this server's "
-                                 f"max_logprobs ({self.max_logprobs})")
+                raise ValueError(f"{name}: {asked} asked for{' (-1: the vocabulary)' * whole}, "
+                                 f"more than this server's max_logprobs ({self.max_logprobs})")
+            if whole:
+                params = params.clone()
+                setattr(params, name, asked)
         if params.logprob_token_ids is not None:
             ids = params.logprob_token_ids
             if len(ids) > self.max_logprobs:

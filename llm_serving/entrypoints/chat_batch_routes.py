@@ -21,6 +21,10 @@ async def batch_chat_completions(req: BatchChatCompletionRequest, request: Reque
     state = server_state(request)
     state.check_model(req.model)
     check_fields(req)
+    if req.prompt_logprobs is not None:     # vLLM's batch answer has no place for them
+        raise HTTPError(400, "prompt_logprobs: not answered by the batch route (its answer "
+                        "is one choice per conversation; ask /v1/chat/completions)",
+                        param="prompt_logprobs")
     bound = state.require_engine().limits.max_waiting
     if len(req.messages) > bound:
         raise HTTPError(400, f"messages: {len(req.messages)} conversations in one request "
@@ -43,5 +47,7 @@ async def batch_chat_completions(req: BatchChatCompletionRequest, request: Reque
             usage["prompt_tokens_details"] = {"cached_tokens": sum(
                 a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)}
         choices = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+        for key in ("prompt_logprobs", "prompt_token_ids"):     # the first conversation's
+            first.pop(key, None)                                # alone (echo, return_token_ids)
         return {**first, "id": resp_id, "choices": choices, "usage": usage}
     return await json_answer(build)

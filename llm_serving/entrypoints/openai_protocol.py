@@ -20,7 +20,8 @@ from llm_serving.sampling_params import (MAX_STOPS, BeamSearchParams, RequestOut
 _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "min_p",
                          "presence_penalty", "frequency_penalty", "repetition_penalty",
                          "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
-                         "logprob_token_ids", "logprobs", "top_logprobs", "echo",
+                         "logprob_token_ids", "logprobs", "top_logprobs", "prompt_logprobs",
+                         "echo",
                          "kv_transfer_params", "tools")
 
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
@@ -28,7 +29,7 @@ _REFUSED_COMMON = {
     "logits_processors": (),
     "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
     "cache_salt": (), "vllm_xargs": (), "request_id": (),
-    "prompt_logprobs": (), "mm_processor_kwargs": (), "guided_decoding_backend": (
+    "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
     "prediction": (), "prompt_cache_key": (), "watermarking": (False,),
@@ -129,7 +130,10 @@ class _SamplingFields(BaseModel):
     cache_salt: Any = None
     vllm_xargs: Any = None
     request_id: Any = None
-    prompt_logprobs: Any = None
+    # vLLM's: each prompt token's logprob and the top ones (-1: the whole vocabulary; the
+    # engine checks max_logprobs), returned as the choice's (chat: the answer's)
+    # prompt_logprobs. A stream takes only 0, and shows none (as vLLM).
+    prompt_logprobs: Optional[int] = Field(None, ge=-1)
     mm_processor_kwargs: Any = None
     store: Any = None
     metadata: Any = None
@@ -154,6 +158,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options: only with stream true")
         if self.logprob_token_ids and self.logprobs in (None, False):
             raise ValueError("logprob_token_ids: needs logprobs set (as vLLM)")
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs: not available when stream is true (as vLLM)")
 
     def unknown_fields(self) -> list[str]:
         nested = self.stream_options.model_extra if self.stream_options else None
@@ -261,7 +267,8 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     # 0 only with echo (checked by the route); null is the default, as vLLM (not "no limit").
     max_tokens: Optional[int] = Field(16, ge=0)
-    logprobs: Optional[int] = Field(None, ge=0)      # the engine checks max_logprobs
+    # -1: the whole vocabulary (vLLM's); the engine checks max_logprobs
+    logprobs: Optional[int] = Field(None, ge=-1)
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=1)
     suffix: Optional[str] = None
@@ -387,7 +394,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0)  # the engine checks max_logprobs
+    top_logprobs: Optional[int] = Field(None, ge=-1)  # as completions' logprobs
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None

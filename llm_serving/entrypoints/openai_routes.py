@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import logging
 import time
 from typing import AsyncIterator, Optional
@@ -175,11 +176,13 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
     tokens; ``cached`` gets each prompt's prefix-cached tokens; ``echo`` sees every output;
     ``extra`` gets the top-level fields the engine returned (a producer's
     ``kv_transfer_params``); ``watch`` is called with each completion output as it comes;
-    ``timings`` gets each request's ``_final_metrics`` as it ends.
+    ``timings`` gets each request's ``_final_metrics`` as it ends. A choice's "prompt_lp" is
+    its prompt's prompt logprobs (None unless asked for).
     A client that leaves first aborts the requests (HTTPError 499)."""
     choices: dict[int, dict] = {}
     prompt_tokens: dict[int, int] = {}
     offers: dict[int, dict] = {}
+    scored: dict[int, list] = {}        # prompt index -> its prompt logprobs (in one output)
     async for i, out in stream_or_disconnect(request, merge_streams(streams)):
         if out.error:
             raise grammar_named(output_error(out.error), grammar_field)
@@ -190,6 +193,8 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
             echo.see(i, out)
         if out.kv_transfer_params is not None:
             offers[i] = out.kv_transfer_params
+        if out.prompt_logprobs is not None:
+            scored[i] = out.prompt_logprobs
         if timings is not None and out.metrics is not None:
             timings.append(_final_metrics(out))
         for c in out.outputs:
@@ -211,8 +216,9 @@ async def collect_choices(request: Request, streams, n: int, echo: Optional["_Ec
         extra[pd.KV_FIELD] = (offers[0] if len(streams) == 1 else
                               pd.per_prompt_offers([offers.get(i)
                                                     for i in range(len(streams))]))
-    for ch in choices.values():
+    for idx, ch in choices.items():
         ch["text"] = "".join(ch["text"])
+        ch["prompt_lp"] = scored.get(idx // n)
     return dict(sorted(choices.items())), sum(prompt_tokens.values())
 
 
@@ -381,6 +387,19 @@ def _completion_logprobs(entries, text_offset: int, k: int, prompt: Optional[dic
     return out
 
 
+def prompt_logprobs_json(scored: Optional[list]) -> dict:
+    """vLLM's ``prompt_logprobs`` field of an answer (nothing when not asked for): per prompt
+    token null (the first) or token id -> {logprob, rank, decoded_token}, the prompt's token
+    first; -inf as -9999.0, as vLLM (JSON has no infinity)."""
+    if scored is None:
+        return {}
+    return {"prompt_logprobs": [
+        None if entry is None else
+        {str(t): {"logprob": -9999.0 if v.logprob == -math.inf else v.logprob,
+                  "rank": v.rank, "decoded_token": v.decoded_token} for t, v in entry.items()}
+        for entry in scored]}
+
+
 def _with_chosen(entry: dict, k: int, as_ids: bool = False) -> dict:
     """Legacy completions' top_logprobs at a position (OpenAI's and vLLM's): the chosen token
     and the k most likely, text -> logprob (so logprobs=0 gives the chosen token alone)."""
@@ -478,20 +497,25 @@ async def completions(req: CompletionRequest, request: Request):
         if getattr(req, field):
             check_tokenizer(state.require_engine(), field)
     as_ids = _as_ids(state, req)
-    echo = (_Echo(state.require_engine().tokenizer, req.logprobs, as_ids) if req.echo
-            else None)
+    # -1: the whole vocabulary (vLLM's); the engine checks it against max_logprobs
+    logprobs = state.require_engine().limits.vocab_size if req.logprobs == -1 else req.logprobs
+    echo = _Echo(state.require_engine().tokenizer, logprobs, as_ids) if req.echo else None
+    # vLLM's: echo scores the prompt with logprobs' top ones unless prompt_logprobs says; a
+    # stream shows no prompt logprobs but echo's
+    prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None and not \
+        req.stream else req.logprobs if req.echo else None
     try:
         defaults = state.require_engine().default_sampling_params
         beam = (req.beam_search_params(req.max_tokens, defaults) if req.use_beam_search
                 else None)
         params = beam or req.sampling_params(
             1 if echo_only else req.max_tokens, None if echo_only else req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo else None, defaults=defaults)
+            prompt_logprobs=prompt_logprobs, defaults=defaults)
     except ValueError as e:
         raise translate_error(e) from None
     rid, resp_id = request_ids(request, "cmpl")
     # the alternatives top_logprobs shows: logprob_token_ids all (vLLM's), else logprobs
-    shown = len(req.logprob_token_ids) if req.logprob_token_ids else req.logprobs
+    shown = len(req.logprob_token_ids) if req.logprob_token_ids else logprobs
     grammar_field = req.structured_field()
     streams = None if beam else await start_requests(request, rid, resp_id, prompts, params,
                                                      req.priority, grammar_field, lora)
@@ -594,7 +618,8 @@ async def completions(req: CompletionRequest, request: Request):
                              "stop_reason": ch["stop_reason"],
                              **({"token_ids": [] if echo_only else ch["token_ids"],
                                  "prompt_token_ids": list(ch["prompt_ids"])}
-                                if req.return_token_ids else {})}
+                                if req.return_token_ids else {}),
+                             **prompt_logprobs_json(ch.get("prompt_lp"))}
                             for idx, ch in choices.items()],
                 "usage": _usage(prompt_tokens, sum(ch["ids"] for ch in choices.values()),
                                 _cached(state, cached)),
@@ -656,7 +681,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     try:
         beam = (req.beam_search_params(max_tokens, engine.default_sampling_params)
                 if req.use_beam_search else None)
+        # vLLM's: echo scores the prompt with top_logprobs' top ones unless
+        # prompt_logprobs says; a stream shows none
+        prompt_logprobs = None if req.stream else req.prompt_logprobs if \
+            req.prompt_logprobs is not None else (req.top_logprobs or 0) if req.echo else None
         params = beam or req.sampling_params(max_tokens, top if req.logprobs else None,
+                                             prompt_logprobs=prompt_logprobs,
                                              structured=forced or structured,
                                              defaults=engine.default_sampling_params)
     except ValueError as e:
@@ -854,6 +884,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 "model": model, "choices": out,
                 "usage": _usage(len(ids), completion_tokens, _cached(state, cached),
                                 thought_count),
+                **prompt_logprobs_json(next(iter(choices.values())).get("prompt_lp")),
                 **_metrics(state, timings, completion_tokens),
                 **extra}
     return await json_answer(build)
