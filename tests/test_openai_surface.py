@@ -506,12 +506,12 @@ _COMMON_HONOURED = {
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
     "stream_interval": 3, "watermarking": False, "truncate_prompt_tokens": 3,
     "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
-    "prompt_logprobs": 1,
+    "prompt_logprobs": 1, "request_id": "r1",
 }
 _COMMON_REFUSED = {
     "logits_processors": ["x"],
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
-    "cache_salt": "s", "vllm_xargs": {"a": 1}, "request_id": "r1",
+    "cache_salt": "s", "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
     "guided_decoding_backend": "xgrammar", "watermarking": True,
@@ -955,6 +955,16 @@ def test_x_request_id_names_the_response(server):
     r = requests.post(server[0] + "/v1/completions", headers={"X-Request-Id": "x" * 300},
                       json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    # vLLM's request_id field names it when no header does; the header wins
+    def ids(path, body, **headers):
+        return requests.post(server[0] + path, headers=headers, json={
+            **body, "max_tokens": 2, "request_id": "mine-7"}).json()["id"]
+    assert ids("/v1/completions", {"prompt": "Hi"}) == "cmpl-mine-7"
+    assert ids("/v1/chat/completions", {"messages": MSG}) == "chatcmpl-mine-7"
+    assert ids("/v1/completions", {"prompt": "Hi"}, **{"X-Request-Id": "h"}) == "cmpl-h"
+    r = requests.post(server[0] + "/v1/completions",
+                      json={"prompt": "Hi", "max_tokens": 2, "request_id": "x" * 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
 def test_any_role_reaches_the_chat_template(server, client):

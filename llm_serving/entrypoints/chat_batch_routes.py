@@ -37,7 +37,7 @@ async def batch_chat_completions(req: BatchChatCompletionRequest, request: Reque
     finally:
         for t in tasks:          # one failed: the others' requests are aborted
             t.cancel()
-    _, resp_id = request_ids(request, "chatcmpl")
+    _, resp_id = request_ids(request, "chatcmpl", req.request_id)
 
     def build() -> dict:
         first = answers[0]

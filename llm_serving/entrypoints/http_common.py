@@ -222,26 +222,31 @@ def new_request_id(prefix: str) -> str:
 MAX_REQUEST_ID_CHARS = 256
 
 
-def response_id(request: Request, prefix: str, default: str) -> str:
+def response_id(request: Request, prefix: str, default: str,
+                chosen: Optional[str] = None) -> str:
     """The id a response carries: ``<prefix>-<X-Request-Id>`` when the client sent that header
-    (vLLM's, for tracing a request through), else ``default``. The engine keeps its own
-    unique id, so two requests sent with the same header do not collide."""
-    given = request.headers.get("x-request-id")
+    (vLLM's, for tracing a request through), else ``<prefix>-<chosen>`` when the body named
+    one (vLLM's ``request_id`` field), else ``default``. The engine keeps its own unique id,
+    so two requests sent with the same id do not collide."""
+    name, given = "X-Request-Id", request.headers.get("x-request-id")
+    if not given:
+        name, given = "request_id", chosen
     if not given:
         return default
     if len(given) > MAX_REQUEST_ID_CHARS:
-        raise HTTPError(400, f"X-Request-Id: at most {MAX_REQUEST_ID_CHARS} characters, got "
-                        f"{len(given)}", param="X-Request-Id")
+        raise HTTPError(400, f"{name}: at most {MAX_REQUEST_ID_CHARS} characters, got "
+                        f"{len(given)}", param=name)
     return f"{prefix}-{given}"
 
 
-def request_ids(request: Request, prefix: str) -> tuple[str, str]:
+def request_ids(request: Request, prefix: str,
+                chosen: Optional[str] = None) -> tuple[str, str]:
     """(the engine's request id, the response's): both ``<prefix>-<hex>``; with the client's
-    X-Request-Id, the response's is ``response_id``'s and the engine's that with a unique
-    suffix, so two requests sent with the same header do not collide and a log line naming
-    either id names the client's."""
+    X-Request-Id or ``chosen`` id, the response's is ``response_id``'s and the engine's that
+    with a unique suffix, so two requests sent with the same id do not collide and a log line
+    naming either id names the client's."""
     own = new_request_id(prefix)
-    resp_id = response_id(request, prefix, own)
+    resp_id = response_id(request, prefix, own, chosen)
     return (own if resp_id == own else engine_request_id(resp_id)), resp_id
 
 

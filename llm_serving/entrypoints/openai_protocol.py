@@ -28,7 +28,7 @@ _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "mi
 _REFUSED_COMMON = {
     "logits_processors": (),
     "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
-    "cache_salt": (), "vllm_xargs": (), "request_id": (),
+    "cache_salt": (), "vllm_xargs": (),
     "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
@@ -129,7 +129,8 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: Optional[dict[str, Any]] = None
     cache_salt: Any = None
     vllm_xargs: Any = None
-    request_id: Any = None
+    # vLLM's: the response's id after its prefix (an X-Request-Id header wins)
+    request_id: Optional[str] = None
     # vLLM's: each prompt token's logprob and the top ones (-1: the whole vocabulary; the
     # engine checks max_logprobs), returned as the choice's (chat: the answer's)
     # prompt_logprobs. A stream takes only 0, and shows none (as vLLM).

@@ -513,7 +513,7 @@ async def completions(req: CompletionRequest, request: Request):
             prompt_logprobs=prompt_logprobs, defaults=defaults)
     except ValueError as e:
         raise translate_error(e) from None
-    rid, resp_id = request_ids(request, "cmpl")
+    rid, resp_id = request_ids(request, "cmpl", req.request_id)
     # the alternatives top_logprobs shows: logprob_token_ids all (vLLM's), else logprobs
     shown = len(req.logprob_token_ids) if req.logprob_token_ids else logprobs
     grammar_field = req.structured_field()
@@ -722,7 +722,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 return ({"role": role, "content": content, "tool_calls": calls},
                         "tool_calls" if is_call else None)
         return {"role": role, "content": text}, None
-    rid, resp_id = request_ids(request, "chatcmpl")
+    rid, resp_id = request_ids(request, "chatcmpl", req.request_id)
     # vLLM's echo: a last assistant message (begun by the caller) comes before the reply.
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
