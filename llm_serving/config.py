@@ -12,6 +12,7 @@ transfer. Each component takes the part it needs; the WorkAgent gets the whole c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -851,6 +852,29 @@ class EngineArgs:
         return resolve_pooler(self.pooler_config, os.path.expanduser(self.model),
                               hf.hidden_size, raw, ConfigError, task, hf.num_labels)
 
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's arguments of ``AsyncLLMEngine.from_engine_args``: EngineArgs and vLLM's one
+    more."""
+    enable_log_requests: bool = _arg(False,
+        "log each request's arrival and abort at INFO (\"Added request <id>.\", as vLLM)")
+
+
+def _takes_no_effect_args(cls) -> None:
+    """``cls(...)`` takes vLLM's no-effect arguments as ``LLM(...)`` does (one warning), so a
+    vLLM script's ``EngineArgs(model=..., gpu_memory_utilization=0.9)`` runs."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **drop_no_effect_args(kwargs, cls.__name__))
+    cls.__init__ = __init__
+
+
+_takes_no_effect_args(EngineArgs)
+_takes_no_effect_args(AsyncEngineArgs)
 
 # generation_config.json's keys that set a request's sampling defaults (vLLM's set) -> the
 # SamplingParams field each sets (which checks the value).

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from llm_serving import SamplingParams
-from llm_serving.config import EngineArgs
+from llm_serving.config import VLLM_NO_EFFECT_ARGS, EngineArgs
 from llm_serving.engine.async_engine import AsyncLLMEngine
 from llm_serving.errors import QueueFullError
 from llm_serving.sampling_params import RequestOutputKind
@@ -282,3 +282,37 @@ def test_the_prefill_backlog_bound_refuses_while_prompts_wait(tiny_model_dir):
         eng.shutdown()
     assert len(outs[-1].outputs[0].token_ids) == 2 or sum(
         len(o.outputs[0].token_ids) for o in outs) == 2
+
+
+def test_vllm_async_engine_args_build_the_engine_and_log_requests(tiny_model_dir, caplog):
+    """A vLLM script's ``AsyncLLMEngine.from_engine_args(AsyncEngineArgs(...))``: vLLM's
+    no-effect arguments are taken with one warning (a TypeError before), and
+    enable_log_requests logs each arrival and abort as vLLM's engine does."""
+    import logging
+    from llm_serving import AsyncEngineArgs
+    with caplog.at_level(logging.WARNING, logger="llm_serving.config"):
+        args = AsyncEngineArgs(model=tiny_model_dir, num_blocks=64, enable_log_requests=True,
+                               gpu_memory_utilization=0.9, trust_remote_code=True)
+    assert [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()] == [
+        "AsyncEngineArgs: these vLLM arguments have no effect here: gpu_memory_utilization "
+        f"({VLLM_NO_EFFECT_ARGS['gpu_memory_utilization'].why}); trust_remote_code "
+        f"({VLLM_NO_EFFECT_ARGS['trust_remote_code'].why})"]
+    with pytest.raises(TypeError, match="frobnicate"):      # an unknown one is still refused
+        EngineArgs(model=tiny_model_dir, frobnicate=1)
+    eng = AsyncLLMEngine.from_engine_args(args)
+
+    async def main():
+        _, ids, _ = await collect(eng, "kept", PROMPTS[0], delta(max_tokens=3, ignore_eos=True))
+        async for _ in eng.generate(PROMPTS[1], delta(max_tokens=50, ignore_eos=True), "left"):
+            break                       # the caller leaves after its first output: aborted
+        await asyncio.sleep(0.5)
+        return ids
+    try:
+        with caplog.at_level(logging.INFO, logger="llm_serving.engine.async_engine"):
+            ids = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    logged = [r.getMessage() for r in caplog.records if r.name.endswith("async_engine")]
+    assert len(ids) == 3
+    assert ["Added request kept.", "Added request left.", "Aborted request left."] == [
+        m for m in logged if m.split()[0] in ("Added", "Aborted")]

@@ -192,6 +192,8 @@ class AsyncLLMEngine:
         self.limits = EngineLimits.of(self.engine.config,
                                       getattr(self.engine.runner, "device", None))
         self.default_sampling_params = dict(self.engine.config.model.default_sampling_params)
+        # vLLM's AsyncEngineArgs.enable_log_requests: each arrival and abort, at INFO
+        self.log_requests = bool(getattr(args, "enable_log_requests", False))
         # requests refused by each admission limit (vLLM's admission_rejections metric)
         self.admission_rejections = {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -212,6 +214,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        """vLLM's; ``args`` may be an AsyncEngineArgs (enable_log_requests)."""
         return cls(args)
 
     # ---- caller side (event loop) ---------------------------------------------------------
@@ -304,6 +307,8 @@ class AsyncLLMEngine:
         self._streams[new.request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", new))
+        if self.log_requests:
+            logger.info("Added request %s.", new.request_id)
         self._wake.set()
         return stream
 
@@ -361,6 +366,8 @@ class AsyncLLMEngine:
         if stream is not None and not stream.finished:
             self._commands.put(("abort", request_id))
             self._wake.set()
+            if self.log_requests:
+                logger.info("Aborted request %s.", request_id)
 
     def decline_kv_offers(self, offers: list) -> None:
         """PD consumer: requests refused before they were queued will not read these offers
