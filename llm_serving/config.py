@@ -380,7 +380,7 @@ class EngineArgs:
         "/metrics histogram bounds by vLLM's bucket family (on the CLI as JSON), e.g. "
         "'{\"time_to_first_token\": [0.1, 0.5, 1]}': request_latency, time_to_first_token, "
         "inter_token_latency, iteration_tokens, request_params_n, request_num_preemptions, "
-        "request_tokens (kv_cache_residency is taken and names no histogram here)")
+        "request_tokens, kv_cache_residency (kv_cache_metrics' three)")
     otlp_traces_endpoint: Optional[str] = _arg(None,
         "the OTLP collector each request's OpenTelemetry span is sent to (vLLM's flag), e.g. "
         "http://collector:4317; grpc, or http/protobuf with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
@@ -394,6 +394,12 @@ class EngineArgs:
         "speculative_decoding, the request's draft acceptance (vLLM's flag): summary (mean "
         "acceptance length, draft acceptance rate, the accepted-drafts histogram) or detailed "
         "(also each verify step's counts); none: off")
+    kv_cache_metrics: bool = _arg(False,
+        "vLLM's KV cache residency histograms on /metrics (kv_block_lifetime_seconds, "
+        "kv_block_idle_before_evict_seconds, kv_block_reuse_gap_seconds), from a sample of the "
+        "blocks (kv_cache_metrics_sample); recorded with prefix caching, as vLLM")
+    kv_cache_metrics_sample: float = _arg(0.01,
+        "the fraction of KV blocks kv_cache_metrics follows, in (0, 1] (vLLM's flag)")
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -488,13 +494,16 @@ class EngineArgs:
             raise ConfigError("max_logprobs", "expected an integer >= 0, or -1 for the "
                               f"vocabulary size, got {self.max_logprobs!r}")
 
-        def number(key, value, low, allow_none=False, low_inclusive=True, high=None):
+        def number(key, value, low, allow_none=False, low_inclusive=True, high=None,
+                   high_inclusive=False):
             if value is None and allow_none:
                 return
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                value >= low if low_inclusive else value > low) and (high is None or value < high)
+                value >= low if low_inclusive else value > low) and (
+                high is None or (value <= high if high_inclusive else value < high))
             if not ok:
-                rng = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high else "")
+                rng = f"{'>=' if low_inclusive else '>'} {low}" + (
+                    f" and {'<=' if high_inclusive else '<'} {high}" if high else "")
                 raise ConfigError(key, f"expected a number {rng}, got {value!r}")
         number("swap_space", self.swap_space, 0)
         number("queue_timeout", self.queue_timeout, 0, allow_none=True, low_inclusive=False)
@@ -568,9 +577,11 @@ class EngineArgs:
         if spec is not None and self.dump_logits:
             raise ConfigError("dump_logits", "cannot be combined with speculative_config "
                               "(the dump's rows are one per sequence and step)")
+        number("kv_cache_metrics_sample", self.kv_cache_metrics_sample, 0, low_inclusive=False,
+               high=1, high_inclusive=True)
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream", "enforce_eager", "enable_lora",
-                    "skip_tokenizer_init"):
+                    "skip_tokenizer_init", "kv_cache_metrics"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -772,7 +783,9 @@ class EngineArgs:
             histogram_buckets={k: list(v) for k, v in
                                check_histogram_buckets(self.custom_histogram_buckets).items()},
             otlp_traces_endpoint=self.otlp_traces_endpoint,
-            per_request_spec_decode_metrics=self.per_request_spec_decode_metrics)
+            per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
+            kv_cache_metrics_sample=(self.kv_cache_metrics_sample if self.kv_cache_metrics
+                                     else None))
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -1110,6 +1123,9 @@ class EngineConfig:
     histogram_buckets: dict = field(default_factory=dict)
     otlp_traces_endpoint: Optional[str] = None        # OpenTelemetry spans; None: off
     per_request_spec_decode_metrics: str = "none"     # spec_decode/request_metrics.py
+    # --kv-cache-metrics: the fraction of blocks followed (engine/kv_cache_residency.py);
+    # None: off
+    kv_cache_metrics_sample: Optional[float] = None
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

@@ -8,7 +8,7 @@ import math
 from llm_serving.errors import ConfigError
 
 # vLLM's --custom-histogram-buckets families (vllm/v1/metrics/buckets.py); kv_cache_residency
-# is taken, and names no histogram here.
+# is --kv-cache-metrics' three histograms.
 HISTOGRAM_FAMILIES = ("request_latency", "time_to_first_token", "inter_token_latency",
                       "iteration_tokens", "request_params_n", "request_num_preemptions",
                       "request_tokens", "kv_cache_residency")

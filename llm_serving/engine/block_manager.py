@@ -29,6 +29,7 @@ from collections import OrderedDict, deque
 from typing import Optional
 
 from llm_serving.config import CacheConfig
+from llm_serving.engine.kv_cache_residency import KVResidency
 from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.sequence import Sequence
 
@@ -44,8 +45,11 @@ def _root(seq: Sequence) -> tuple[int, Optional[int]]:
 
 
 class BlockManager:
-    def __init__(self, config: CacheConfig, stats: Optional[EngineStats] = None):
+    def __init__(self, config: CacheConfig, stats: Optional[EngineStats] = None,
+                 residency: Optional[KVResidency] = None):
+        """``residency``: --kv-cache-metrics' sampling of the blocks (None: off)."""
         self.stats = stats if stats is not None else EngineStats()
+        self.residency = residency
         self.num_blocks = num_blocks = config.num_blocks
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -94,6 +98,8 @@ class BlockManager:
             block, _ = self.free_cached.popitem(last=False)
             self._evict(block)
         self.ref_counts[block] = 1
+        if self.residency is not None:
+            self.residency.taken(block)
         return block
 
     def _evict(self, block: int) -> None:
@@ -117,6 +123,8 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             del self.free_cached[block]
         self.ref_counts[block] += 1
+        if self.residency is not None:
+            self.residency.hit(block)
 
     # ---- sizes ----------------------------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:
@@ -333,6 +341,8 @@ class BlockManager:
         self.block_hash, self.block_tokens = [None] * n, [None] * n
         self.block_uid, self.block_parent_uid = [None] * n, [None] * n
         self.cpu_free = deque(range(self.num_cpu_blocks))
+        if self.residency is not None:
+            self.residency.reset()
 
     # ---- checks (used by tests) -----------------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:

@@ -33,7 +33,8 @@ from llm_serving.engine.constraints import Constraints
 from llm_serving.engine.input_builder import block_pairs, build_step_input, lora_paths_array
 from llm_serving.engine.input_processor import InputProcessor, NewRequest, PromptType
 from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
-from llm_serving.engine.metrics import EngineStats
+from llm_serving.engine.kv_cache_residency import KVResidency
+from llm_serving.engine.metrics import KV_RESIDENCY_HISTOGRAMS, EngineStats
 from llm_serving.engine.output_processor import OutputProcessor, StepInFlight
 from llm_serving.engine.remote_kv import build_remote_kv
 from llm_serving.engine.scheduler import Scheduler
@@ -100,8 +101,12 @@ class LLMEngine:
         # Set when stopping: a replacement WorkAgent still loading or warming up is given up.
         self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
-        self.block_manager = BlockManager(config.cache, EngineStats.with_buckets(
-            config.histogram_buckets))      # the one set of counters
+        stats = EngineStats.with_buckets(     # the one set of counters
+            config.histogram_buckets, kv_residency=config.kv_cache_metrics_sample is not None)
+        self.block_manager = BlockManager(config.cache, stats, residency=(
+            KVResidency(config.kv_cache_metrics_sample, stats,
+                        evictions=config.cache.enable_prefix_caching)
+            if config.kv_cache_metrics_sample is not None else None))
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    proposer=_proposer(config))
         self.constraints = Constraints(self.tokenizer, config.model.vocab_size,
@@ -463,6 +468,9 @@ class LLMEngine:
         snap.multistream_steps = dict(st.multistream_steps)
         snap.spec_decode_accepted_per_pos = list(st.spec_decode_accepted_per_pos)
         snap.iteration_tokens = st.iteration_tokens.copy()
+        for name in KV_RESIDENCY_HISTOGRAMS:
+            if getattr(st, name) is not None:
+                setattr(snap, name, getattr(st, name).copy())
         snap.inter_token_latency = st.inter_token_latency.copy()
         snap.num_running = len(sch.running)
         snap.num_waiting = len(sch.waiting) + sum(len(s.pending_children) for s in sch.waiting)

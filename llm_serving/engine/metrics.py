@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import copy
 from dataclasses import dataclass, field
+from typing import Optional
 
 from llm_serving.outputs import RequestMetrics
 
@@ -23,9 +24,14 @@ from llm_serving.outputs import RequestMetrics
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+KV_CACHE_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10,
+                              20, 30, 60, 120, 300, 600, 1200, 1800)
 # Where a prompt's tokens came from (vLLM's ``PromptTokenStats`` sources): computed here,
 # found in the prefix cache, loaded from another instance.
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# The EngineStats histograms of --kv-cache-metrics (vLLM's names, less "_seconds").
+KV_RESIDENCY_HISTOGRAMS = ("kv_block_lifetime", "kv_block_idle_before_evict",
+                           "kv_block_reuse_gap")
 
 
 def histogram_bounds(buckets: dict, family: str, default: tuple) -> tuple:
@@ -116,6 +122,11 @@ class EngineStats:
         default_factory=lambda: StepHistogram(ITERATION_TOKENS_BUCKETS))
     inter_token_latency: StepHistogram = field(
         default_factory=lambda: StepHistogram(INTER_TOKEN_LATENCY_BUCKETS))
+    # --kv-cache-metrics (engine/kv_cache_residency.py; None: off): the sampled blocks'
+    # lifetimes, idle times before eviction and gaps between prefix-cache hits.
+    kv_block_lifetime: Optional[StepHistogram] = None
+    kv_block_idle_before_evict: Optional[StepHistogram] = None
+    kv_block_reuse_gap: Optional[StepHistogram] = None
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
     # ... and each of their sequences as a request of its own (vLLM's metrics count each of a
@@ -123,12 +134,18 @@ class EngineStats:
     finished_sequences: list[RequestMetrics] = field(default_factory=list)
 
     @classmethod
-    def with_buckets(cls, buckets: dict) -> "EngineStats":
-        """Counters whose step histograms have --custom-histogram-buckets' bounds."""
-        return cls(iteration_tokens=StepHistogram(histogram_bounds(
-                       buckets, "iteration_tokens", ITERATION_TOKENS_BUCKETS)),
-                   inter_token_latency=StepHistogram(histogram_bounds(
-                       buckets, "inter_token_latency", INTER_TOKEN_LATENCY_BUCKETS)))
+    def with_buckets(cls, buckets: dict, kv_residency: bool = False) -> "EngineStats":
+        """Counters whose step histograms have --custom-histogram-buckets' bounds; with
+        ``kv_residency`` (--kv-cache-metrics), the KV block residency histograms too."""
+        stats = cls(iteration_tokens=StepHistogram(histogram_bounds(
+                        buckets, "iteration_tokens", ITERATION_TOKENS_BUCKETS)),
+                    inter_token_latency=StepHistogram(histogram_bounds(
+                        buckets, "inter_token_latency", INTER_TOKEN_LATENCY_BUCKETS)))
+        if kv_residency:
+            bounds = histogram_bounds(buckets, "kv_cache_residency", KV_CACHE_RESIDENCY_BUCKETS)
+            for name in KV_RESIDENCY_HISTOGRAMS:
+                setattr(stats, name, StepHistogram(bounds))
+        return stats
 
     def saved(self) -> dict:
         """Every counter and gauge now, for ``restore``."""

@@ -8,7 +8,8 @@ under ``llm_serving:``.
 They are refreshed from ``EngineStats`` at each scrape: gauges are set, counters advance by
 what the engine counted since the previous scrape, the per-request histograms take the
 requests that finished since then, and the per-step ones (tokens per step, inter-token
-latency), which the engine counts into buckets itself, advance by its counts.
+latency, and the KV block residency of --kv-cache-metrics), which the engine counts into
+buckets itself, advance by its counts.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from prometheus_client.utils import floatToGoString
 from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.spec_decode.config import SpeculativeConfig
 from llm_serving.engine.metrics import (INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS,
-                                        PROMPT_TOKEN_SOURCES, EngineStats, StepHistogram,
-                                        histogram_bounds)
+                                        KV_CACHE_RESIDENCY_BUCKETS, PROMPT_TOKEN_SOURCES,
+                                        EngineStats, StepHistogram, histogram_bounds)
 
 P = "llm_serving:"
 V = "vllm:"
@@ -63,6 +64,17 @@ _VLLM_COUNTERS = {
                                       "found locally, looked up through the KV connector"),
     "external_prefix_cache_hits": ("external_prefix_cache_hits", "Prompt tokens loaded "
                                    "through the KV connector (from another instance)"),
+}
+# --kv-cache-metrics' histograms: EngineStats field -> (vLLM's name, what it is)
+_KV_RESIDENCY = {
+    "kv_block_lifetime": ("kv_block_lifetime_seconds", "KV cache block lifetime from "
+                          "allocation to eviction (sampled: --kv-cache-metrics-sample)"),
+    "kv_block_idle_before_evict": ("kv_block_idle_before_evict_seconds", "Idle time before "
+                                   "a KV cache block's eviction (sampled: "
+                                   "--kv-cache-metrics-sample)"),
+    "kv_block_reuse_gap": ("kv_block_reuse_gap_seconds", "Time between a KV cache block's "
+                           "consecutive prefix-cache hits, its last four (sampled: "
+                           "--kv-cache-metrics-sample)"),
 }
 _COUNTERS = {
     "request_aborted": ("num_aborted_requests", "Requests aborted"),
@@ -110,10 +122,12 @@ class _EngineHistogram:
 
 class ServerMetrics:
     def __init__(self, model_name: str, num_speculative_tokens: int = 0,
-                 buckets: Optional[dict] = None):
+                 buckets: Optional[dict] = None, kv_cache_metrics: bool = False):
         """``num_speculative_tokens``: the draft positions (speculative_config's k, 0 when
         off), whose accepted-token series exist from the start at 0, as vLLM's; ``buckets``:
-        --custom-histogram-buckets (family -> bounds), over the defaults below."""
+        --custom-histogram-buckets (family -> bounds), over the defaults below;
+        ``kv_cache_metrics``: --kv-cache-metrics' histograms are registered (only then, as
+        vLLM)."""
         r = self.registry = CollectorRegistry()
         buckets = buckets or {}
 
@@ -231,6 +245,10 @@ class ServerMetrics:
         self.itl = _EngineHistogram(
             V + "inter_token_latency_seconds", "Time between a sequence's tokens",
             labels, bounds("inter_token_latency", INTER_TOKEN_LATENCY_BUCKETS), r)
+        residency = bounds("kv_cache_residency", KV_CACHE_RESIDENCY_BUCKETS)
+        self.kv_residency = {field: _EngineHistogram(V + name, doc, labels, residency, r)
+                             for field, (name, doc) in _KV_RESIDENCY.items()
+                             } if kv_cache_metrics else {}
         # This server's own.
         self.swapped = Gauge(P + "num_requests_swapped", "Sequences swapped out", registry=r)
         self.cpu_usage = Gauge(P + "cpu_cache_usage_perc", "Host swap blocks in use (0..1)",
@@ -259,7 +277,8 @@ class ServerMetrics:
         --custom-histogram-buckets), labelled ``model_name``."""
         spec = SpeculativeConfig.from_value(engine_args.speculative_config)
         return cls(model_name, spec.num_speculative_tokens if spec is not None else 0,
-                   check_histogram_buckets(engine_args.custom_histogram_buckets))
+                   check_histogram_buckets(engine_args.custom_histogram_buckets),
+                   engine_args.kv_cache_metrics)
 
     def update(self, s: EngineStats, cache_info: tuple = (),
                max_loras: Optional[int] = None, admission_rejections: Optional[dict] = None
@@ -312,6 +331,8 @@ class ServerMetrics:
         self.kv_loads.set(s.kv_loads_in_flight)
         self.iteration_tokens.advance(s.iteration_tokens)
         self.itl.advance(s.inter_token_latency)
+        for field, histogram in self.kv_residency.items():
+            histogram.advance(getattr(s, field))
         for m in s.finished_requests:       # once per request, as vLLM
             self.params_n.observe(m.n)
             self.max_generation.observe(m.num_generation_tokens)
