@@ -400,6 +400,10 @@ class EngineArgs:
         "blocks (kv_cache_metrics_sample); recorded with prefix caching, as vLLM")
     kv_cache_metrics_sample: float = _arg(0.01,
         "the fraction of KV blocks kv_cache_metrics follows, in (0, 1] (vLLM's flag)")
+    enable_mfu_metrics: bool = _arg(False,
+        "vLLM's Model FLOPs Utilization counters on /metrics (estimated_flops_per_gpu, "
+        "estimated_read_bytes_per_gpu, estimated_write_bytes_per_gpu: per tensor-parallel "
+        "rank) and the stats log's MFU line, estimated from the model's shape each step")
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -581,7 +585,7 @@ class EngineArgs:
                high=1, high_inclusive=True)
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream", "enforce_eager", "enable_lora",
-                    "skip_tokenizer_init", "kv_cache_metrics"):
+                    "skip_tokenizer_init", "kv_cache_metrics", "enable_mfu_metrics"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -785,7 +789,8 @@ class EngineArgs:
             otlp_traces_endpoint=self.otlp_traces_endpoint,
             per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
             kv_cache_metrics_sample=(self.kv_cache_metrics_sample if self.kv_cache_metrics
-                                     else None))
+                                     else None),
+            enable_mfu_metrics=self.enable_mfu_metrics)
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -1126,6 +1131,7 @@ class EngineConfig:
     # --kv-cache-metrics: the fraction of blocks followed (engine/kv_cache_residency.py);
     # None: off
     kv_cache_metrics_sample: Optional[float] = None
+    enable_mfu_metrics: bool = False                  # engine/mfu.py
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

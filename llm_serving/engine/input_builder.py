@@ -37,6 +37,7 @@ class BuiltStep:
     prompt_logprobs: list[tuple[Sequence, int, int]] = field(default_factory=list)
     num_prefill_tokens: int = 0             # tokens that are not plain decodes
     num_tokens: int = 0                     # every token the step runs through the model
+    prompt_lens: Optional[np.ndarray] = None   # each row's prompt length
     # Speculative decoding (None/empty when no sequence has drafts): each sampled sequence's
     # first sampled row, and every sampled row's sequence.
     first_rows: Optional[list[int]] = None
@@ -99,7 +100,7 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     decodes = (n - drafts == 1) & (starts == totals - 1) & (totals > prompt_lens)
     built = BuiltStep(None, sampled,
                       num_prefill_tokens=int(qsl[-1]) - int(n[decodes].sum()),
-                      num_tokens=int(qsl[-1]))
+                      num_tokens=int(qsl[-1]), prompt_lens=prompt_lens)
     spec_fields = _spec_rows(built, sample_rows) if spec else {}
     built.step = StepInput(
         ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),

@@ -35,6 +35,7 @@ from llm_serving.engine.input_processor import InputProcessor, NewRequest, Promp
 from llm_serving.engine.logits_dump import WARM_UP_ID, LogitsDumper
 from llm_serving.engine.kv_cache_residency import KVResidency
 from llm_serving.engine.metrics import KV_RESIDENCY_HISTOGRAMS, EngineStats
+from llm_serving.engine.mfu import MfuEstimator, ModelShape
 from llm_serving.engine.output_processor import OutputProcessor, StepInFlight
 from llm_serving.engine.remote_kv import build_remote_kv
 from llm_serving.engine.scheduler import Scheduler
@@ -107,6 +108,9 @@ class LLMEngine:
             KVResidency(config.kv_cache_metrics_sample, stats,
                         evictions=config.cache.enable_prefix_caching)
             if config.kv_cache_metrics_sample is not None else None))
+        # --enable-mfu-metrics: each step's FLOPs and bytes estimated (None: off)
+        self.mfu = MfuEstimator(ModelShape.of(config), stats) if config.enable_mfu_metrics \
+            else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    proposer=_proposer(config))
         self.constraints = Constraints(self.tokenizer, config.model.vocab_size,
@@ -231,6 +235,8 @@ class LLMEngine:
             built.step.kv_meta = kv_meta
         self.stats.num_prefill_tokens += built.num_prefill_tokens
         self.stats.iteration_tokens.observe(built.num_tokens)
+        if self.mfu is not None:
+            self.mfu.observe(built.step.query_start_loc, built.step.seq_lens, built.prompt_lens)
         if self.multi_stream is not None:      # decided here, once, for every rank
             built.step.ms_split, reason = step_split(built.step.query_start_loc,
                                                      self.multi_stream)

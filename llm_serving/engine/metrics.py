@@ -127,6 +127,11 @@ class EngineStats:
     kv_block_lifetime: Optional[StepHistogram] = None
     kv_block_idle_before_evict: Optional[StepHistogram] = None
     kv_block_reuse_gap: Optional[StepHistogram] = None
+    # --enable-mfu-metrics (engine/mfu.py): the FLOPs, bytes read and bytes written estimated
+    # for one device (a tensor-parallel rank) over the steps run (0 when off).
+    estimated_flops: int = 0
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
     # Requests finished since the previous snapshot (TTFT, TPOT and queue time are on each).
     finished_requests: list[RequestMetrics] = field(default_factory=list)
     # ... and each of their sequences as a request of its own (vLLM's metrics count each of a

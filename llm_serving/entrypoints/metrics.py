@@ -64,6 +64,15 @@ _VLLM_COUNTERS = {
                                       "found locally, looked up through the KV connector"),
     "external_prefix_cache_hits": ("external_prefix_cache_hits", "Prompt tokens loaded "
                                    "through the KV connector (from another instance)"),
+    # --enable-mfu-metrics (engine/mfu.py; 0 without it, as vLLM's): per device, which here
+    # is a tensor-parallel rank (its CPU cores)
+    "estimated_flops_per_gpu": ("estimated_flops", "Estimated number of floating point "
+                                "operations per device (for Model Flops Utilization)"),
+    "estimated_read_bytes_per_gpu": ("estimated_read_bytes", "Estimated number of bytes read "
+                                     "from memory per device (for Model Flops Utilization)"),
+    "estimated_write_bytes_per_gpu": ("estimated_write_bytes", "Estimated number of bytes "
+                                      "written to memory per device (for Model Flops "
+                                      "Utilization)"),
 }
 # --kv-cache-metrics' histograms: EngineStats field -> (vLLM's name, what it is)
 _KV_RESIDENCY = {
