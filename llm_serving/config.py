@@ -139,6 +139,18 @@ VLLM_NO_EFFECT_ARGS = {
     "show_hidden_metrics_for_version": NoEffect("no metric is hidden here", str),
     "enable_sleep_mode": NoEffect("there is no sleep mode here (nor in vLLM-CPU)", None,
                                   (False,)),
+    "additional_config": NoEffect(
+        "a platform plugin's settings (vllm-ascend's); vLLM-CPU reads none either, and this "
+        "engine's kernels and scheduling follow its own arguments", dict),
+    "attention_backend": NoEffect("the attention backend follows the device: the CPU kernel "
+                                  "or MindSpore's fused Ascend ops", str, ("CPU_ATTN",)),
+    "disable_hybrid_kv_cache_manager": NoEffect(
+        "the models served here have one kind of attention layer; the KV cache manager is "
+        "not hybrid"),
+    "kv_sharing_fast_prefill": NoEffect("the models served here share no KV cache across "
+                                        "layers"),
+    "model_loader_extra_config": NoEffect(
+        "the weights load with this engine's loader (memory-mapped safetensors)", dict),
 }
 DEVICES = ("auto", "cpu", "ascend", "npu")
 # Largest decode batch replayed from a capture (cpu_graph.py), by default: measured on W1 and

