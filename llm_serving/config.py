@@ -245,6 +245,14 @@ class EngineArgs:
         "the most prompt tokens one request prefills per step while others are in the step, "
         "so a long prompt shares the budget with the prefills queued behind it (vLLM's flag;"
         " 0: no cap)")
+    long_prefill_token_threshold_adaptive: bool = _arg(False,
+        "raise long_prefill_token_threshold to the budget's fair share, "
+        "max_num_batched_tokens / the requests waiting and running, when that is more "
+        "(vLLM 0.32's flag)")
+    scheduler_reserve_full_isl: bool = _arg(True,
+        "admit a waiting prompt only when the KV pool can hold all of it, not just its "
+        "first chunk, so chunked prefills are not over-admitted into preemptions (vLLM "
+        "0.32's default; --no-scheduler-reserve-full-isl: the first chunk)")
     watermark: float = _arg(0.01,
         "fraction of KV blocks admission keeps free")
     distributed_executor_backend: Optional[str] = _arg(None,
@@ -775,6 +783,8 @@ class EngineArgs:
                 max_in_flight=self.max_num_queued_reqs,
                 max_prefill_backlog=self.max_num_queued_tokens,
                 long_prefill_cap=self.long_prefill_token_threshold,
+                long_prefill_adaptive=self.long_prefill_token_threshold_adaptive,
+                reserve_full_prompt=self.scheduler_reserve_full_isl,
                 max_loras=self.max_loras if self.enable_lora else 0,
                 async_scheduling=(self.async_scheduling if self.async_scheduling is not None
                                   else mp and self.speculative_config is None),
@@ -1063,6 +1073,8 @@ class SchedulerConfig:
     max_in_flight: Optional[int] = None         # requests (n counts n) admitted at once
     max_prefill_backlog: Optional[int] = None   # prompt tokens of requests before their token
     long_prefill_cap: int = 0      # most prompt tokens per step for one of several prefills
+    long_prefill_adaptive: bool = False     # the cap at least the budget's fair share
+    reserve_full_prompt: bool = True        # admission: the whole prompt must fit
     max_loras: int = 0             # most LoRA adapters among the running sequences (0: off)
     # vLLM's caps below the two above (None: the same): tokens issued per step, sequences
     # admitted into running (max_num_seqs still sizes the buffers and captures)

@@ -44,6 +44,8 @@ class Sim:
             cfg["max_num_seqs"], cfg["budget"], cfg["chunked"], cfg["policy"],
             cfg["preemption_mode"], cfg["max_waiting"], cfg["queue_timeout"],
             async_scheduling=False, long_prefill_cap=cfg.get("long_prefill_cap", 0),
+            long_prefill_adaptive=cfg.get("adaptive", False),
+            reserve_full_prompt=cfg.get("full_isl", True),
             max_num_scheduled_tokens=cfg.get("scheduled"), max_num_active_seqs=cfg.get("active")),
             self.bm, clock=lambda: self.clock)
         self.kv = np.full((cfg["num_blocks"], bs), -1, np.int64)
@@ -92,8 +94,12 @@ class Sim:
         sch = self.sch
         queued = len(sch.running) + len(sch.waiting) + len(sch.swapped)
         out = self.sch.schedule()
-        # the only request (after this step's timeouts) is not capped
-        cap = cfg.get("long_prefill_cap", 0) if queued - len(out.timed_out) >= 2 else 0
+        # the only request (after this step's timeouts) is not capped; adaptive: the cap is at
+        # least the step's budget shared among the queued requests
+        queued -= len(out.timed_out)
+        cap = cfg.get("long_prefill_cap", 0) if queued >= 2 else 0
+        if cap and cfg.get("adaptive"):
+            cap = max(cap, (cfg.get("scheduled") or cfg["budget"]) // queued)
         for seq in out.timed_out:
             assert seq.first_scheduled_time is None
             self.finish_group(int(seq.request_id), SequenceStatus.FINISHED_TIMEOUT)
@@ -184,6 +190,8 @@ config = st.fixed_dictionaries({
     "max_waiting": st.integers(1, 40),
     "queue_timeout": st.sampled_from([None, 5.0, 30.0]),
     "long_prefill_cap": st.sampled_from([0, 0, 1, 3, 8]),
+    "adaptive": st.booleans(),          # vLLM's long_prefill_token_threshold_adaptive
+    "full_isl": st.booleans(),          # vLLM's scheduler_reserve_full_isl
     # vLLM's max_num_scheduled_tokens and max_num_active_seqs (None: off)
     "scheduled": st.one_of(st.none(), st.integers(1, 40)),
     "active": st.one_of(st.none(), st.integers(1, 8)),
@@ -258,6 +266,52 @@ def test_long_prefill_threshold_lets_short_prompts_in_beside_a_long_one():
         without.add(i, r)
     assert without.sch.schedule().num_tokens == [32]   # the long prompt took the budget
 
+
+
+def test_adaptive_long_prefill_threshold_is_at_least_the_budgets_fair_share():
+    """vLLM 0.32's long_prefill_token_threshold_adaptive: with a threshold of 4, three long
+    prompts queued and a budget of 32, each prefills 32 // 3 = 10 tokens a step, not 4."""
+    cfg = dict(num_blocks=64, block_size=4, max_num_seqs=4, budget=32, chunked=True,
+               prefix_caching=False, preemption_mode="recompute", num_cpu_blocks=0,
+               policy="fcfs", watermark=0.0, max_waiting=10, queue_timeout=None,
+               long_prefill_cap=4)
+    reqs = [dict(arrival=0, prompt=list(range(1, 41)), max_tokens=2, n=1, priority=0,
+                 abort_at=None) for _ in range(3)]
+    for adaptive, chunks in ((True, [10, 10, 10]), (False, [4, 4, 4])):
+        sim = Sim({**cfg, "adaptive": adaptive}, reqs, 0)
+        for i, r in enumerate(reqs):
+            sim.add(i, r)
+        assert sim.sch.schedule().num_tokens == chunks
+
+
+def test_full_prompt_reservation_admits_a_chunked_prompt_only_when_all_of_it_fits():
+    """vLLM 0.32's scheduler_reserve_full_isl (on by default): in a pool of 8 blocks of 4,
+    a 28-token prompt waits while an 8-token request decodes in 3 blocks (its first 7-token
+    chunk would fit, the whole prompt would not), and starts once that one is done: no
+    preemption. Admitted on its first chunk instead, it is preempted and prefilled again."""
+    cfg = dict(num_blocks=8, block_size=4, max_num_seqs=4, budget=8, chunked=True,
+               prefix_caching=False, preemption_mode="recompute", num_cpu_blocks=0,
+               policy="fcfs", watermark=0.0, max_waiting=10, queue_timeout=None)
+    reqs = [dict(arrival=0, prompt=list(range(1, 9)), max_tokens=4, n=1, priority=0,
+                 abort_at=None),
+            dict(arrival=0, prompt=list(range(1, 29)), max_tokens=2, n=1, priority=0,
+                 abort_at=None)]
+    for full_isl, preempted in ((True, False), (False, True)):
+        sim = Sim({**cfg, "full_isl": full_isl}, reqs, 0)
+        started = {}
+        for i, r in enumerate(reqs):
+            sim.add(i, r)
+        steps = 0
+        while sim.sch.has_unfinished():
+            sim.step()
+            steps += 1
+            for i, seqs in sim.groups.items():
+                if seqs[0].first_scheduled_time is not None:
+                    started.setdefault(i, steps)
+        assert sorted(sim.ended.values()) == ["done", "done"]
+        assert bool(sim.sch.num_preemptions) is preempted
+        if full_isl:        # the long prompt started after the short request's 4 tokens
+            assert started[1] > started[0] + 3
 
 def test_full_waiting_queue_refuses_new_requests_at_once():
     cfg = dict(num_blocks=8, block_size=4, max_num_seqs=1, budget=64, chunked=True,

@@ -16,7 +16,10 @@ One step, in order:
 
 With ``long_prefill_cap`` (vLLM's long_prefill_token_threshold), a prefill chunk is at most
 that many tokens while other requests are in the queues, so one long prompt does not take
-the whole budget from the prompts behind it.
+the whole budget from the prompts behind it; ``long_prefill_adaptive`` raises it to the
+budget's fair share among them. With ``reserve_full_prompt`` (vLLM 0.32's
+scheduler_reserve_full_isl, on by default), a waiting sequence is admitted only when its
+whole prompt fits in the free blocks, though only its first chunk takes blocks now.
 
 With LoRA (``max_loras``), the running sequences use at most that many adapters: a waiting
 sequence of another adapter is passed over (the next one that may run is admitted, as vLLM
@@ -83,6 +86,8 @@ class Scheduler:
         self.max_waiting = config.max_waiting
         self.queue_timeout = config.queue_timeout
         self.long_prefill_cap = config.long_prefill_cap
+        self.long_prefill_adaptive = config.long_prefill_adaptive
+        self.reserve_full_prompt = config.reserve_full_prompt
         self.max_loras = config.max_loras
         self.clock = clock
         self._rank = ((lambda s: s.order_key) if self.policy == "priority"
@@ -183,8 +188,10 @@ class Scheduler:
             self._preempt_for_priority(out, budget)
         out_of_memory = False
         # No cap for the only request: there is nobody to starve (as vLLM).
-        cap = (self.long_prefill_cap if self.long_prefill_cap
-               and len(self.running) + len(self.waiting) + len(self.swapped) > 1 else budget)
+        queued = len(self.running) + len(self.waiting) + len(self.swapped)
+        cap = self.long_prefill_cap if self.long_prefill_cap and queued > 1 else budget
+        if cap < budget and self.long_prefill_adaptive:
+            cap = max(cap, budget // queued)
 
         # speculative decoding: the most drafts a sequence gets at this batch size
         drafts = self.proposer.drafts_for_batch(len(self.running)) if self.proposer else 0
@@ -293,7 +300,7 @@ class Scheduler:
             if ext is None:     # the connector is still looking it up (off this thread)
                 return False
             if ext > 0:     # blocks for the remote tokens; no batch slot, no token budget
-                if not bm.can_admit(seq, matched, ext, keep_watermark=bool(self.running)):
+                if not self._fits(seq, matched, ext):
                     return False
                 self.waiting.pop(i)
                 bm.admit(seq, matched, ext, out.copies)
@@ -307,7 +314,7 @@ class Scheduler:
             if not self.enable_chunked_prefill:
                 return False
             n = budget
-        if not bm.can_admit(seq, matched, n, keep_watermark=bool(self.running)):
+        if not self._fits(seq, matched, n):
             return False
         self.waiting.pop(i)
         bm.admit(seq, matched, n, out.copies)
@@ -315,6 +322,15 @@ class Scheduler:
             self._count_external_lookup(seq, len(matched) * bm.block_size, 0)
         self._start(seq, n, now, out)
         return True
+
+    def _fits(self, seq: Sequence, matched: list[int], n: int) -> bool:
+        """Whether the pool can take waiting ``seq`` with ``n`` new tokens after its cached
+        ``matched`` blocks (keeping the watermark while others run); with
+        ``reserve_full_prompt``, the whole of what it has left to compute must fit."""
+        bm = self.block_manager
+        if self.reserve_full_prompt:
+            n = max(n, seq.num_tokens - len(matched) * bm.block_size)
+        return bm.can_admit(seq, matched, n, keep_watermark=bool(self.running))
 
     def _count_external_lookup(self, seq: Sequence, local: int, loaded: int) -> None:
         """vLLM's external prefix cache counters, as its scheduler records a KV connector's
@@ -372,8 +388,7 @@ class Scheduler:
                 return
             matched = bm.match_prefix(head)
             n = min(head.num_tokens - len(matched) * bm.block_size, budget)
-            fits = self._has_slots_for(head) and bm.can_admit(head, matched, n)
-            if fits:
+            if self._has_slots_for(head) and self._fits(head, matched, n):
                 return
             self._preempt(worst, out)
 
