@@ -502,8 +502,9 @@ async def completions(req: CompletionRequest, request: Request):
     echo = _Echo(state.require_engine().tokenizer, logprobs, as_ids) if req.echo else None
     # vLLM's: echo scores the prompt with logprobs' top ones unless prompt_logprobs says; a
     # stream shows no prompt logprobs but echo's
-    prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None and not \
-        req.stream else req.logprobs if req.echo else None
+    prompt_logprobs = req.logprobs if req.echo else None
+    if req.prompt_logprobs is not None and not req.stream:
+        prompt_logprobs = req.prompt_logprobs
     try:
         defaults = state.require_engine().default_sampling_params
         beam = (req.beam_search_params(req.max_tokens, defaults) if req.use_beam_search
@@ -683,8 +684,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 if req.use_beam_search else None)
         # vLLM's: echo scores the prompt with top_logprobs' top ones unless
         # prompt_logprobs says; a stream shows none
-        prompt_logprobs = None if req.stream else req.prompt_logprobs if \
-            req.prompt_logprobs is not None else (req.top_logprobs or 0) if req.echo else None
+        prompt_logprobs = (None if req.stream else req.prompt_logprobs
+                           if req.prompt_logprobs is not None else
+                           (req.top_logprobs or 0) if req.echo else None)
         params = beam or req.sampling_params(max_tokens, top if req.logprobs else None,
                                              prompt_logprobs=prompt_logprobs,
                                              structured=forced or structured,
