@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
+from llm_serving import structural_tag
+
 # Below this temperature a request is decoded greedily (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs: the largest `logprobs` / `prompt_logprobs` a request may ask for.
@@ -39,26 +41,48 @@ MAX_BAD_WORDS = 100
 MAX_BAD_WORD_CHARS = 4096  # all of a request's bad words together
 
 
+# StructuredOutputsParams' kinds of constraint (one per request)
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one of:
 
     json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
     expression; choice: one of these strings; grammar: a Lark / EBNF grammar (llguidance's
-    dialect, which also reads GBNF).
+    dialect, which also reads GBNF); structural_tag: free text with JSON between begin and
+    end strings after triggers (vLLM's structures + triggers form, JSON text or dict;
+    structural_tag.py).
+
+    whitespace_pattern: with json, json_object or structural_tag, a regular expression for
+    the whitespace allowed between JSON tokens (instead of the engine's default).
     """
     json: Optional[Union[str, Dict[str, Any]]] = None
     regex: Optional[str] = None
     choice: Optional[List[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    whitespace_pattern: Optional[str] = None
+    structural_tag: Optional[Union[str, Dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, regex, choice, "
-                             f"grammar, json_object (got {given or 'none'})")
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)} "
+                             f"(got {given or 'none'})")
+        if self.structural_tag is not None:
+            try:
+                self.structural_tag = structural_tag.parse(self.structural_tag)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag: {e}") from None
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str):
+                raise ValueError("structured_outputs.whitespace_pattern: a regular expression "
+                                 "(a string)")
+            if given[0] not in ("json", "json_object", "structural_tag"):
+                raise ValueError(f"structured_outputs.whitespace_pattern: applies to JSON "
+                                 f"(json, json_object, structural_tag), not {given[0]}")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)

@@ -506,11 +506,12 @@ _COMMON_HONOURED = {
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "llguidance",
     "stream_interval": 3, "watermarking": False, "truncate_prompt_tokens": 3,
     "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
-    "prompt_logprobs": 1, "request_id": "r1",
+    "prompt_logprobs": 1, "request_id": "r1", "structural_tag": json.dumps({
+        "triggers": ["<f="], "structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"}]}),
 }
 _COMMON_REFUSED = {
     "logits_processors": ["x"],
-    "guided_whitespace_pattern": " ", "structural_tag": "{}", "kv_transfer_params": {},
+    "kv_transfer_params": {},
     "cache_salt": "s", "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",

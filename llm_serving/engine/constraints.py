@@ -31,10 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
+from llm_serving import structural_tag
 from llm_serving.engine.reasoning_end import ReasoningEnd, marker_token_id
 from llm_serving.engine.thinking_budget import ThinkingBudget
 from llm_serving.reasoning_config import ReasoningConfig
@@ -62,19 +63,29 @@ _LEXER_FUEL = 100_000
 
 
 def compile_grammar(so: StructuredOutputsParams,
-                    config: StructuredOutputsConfig = StructuredOutputsConfig()) -> str:
+                    config: StructuredOutputsConfig = StructuredOutputsConfig(),
+                    is_special: Callable[[str], bool] = lambda text: False) -> str:
     """llguidance's grammar text for a request's structured output (not yet validated).
-    JSON is compact by default (one space allowed after ':' and ','): vLLM's default lets
-    any whitespace through, which a weak model fills; ``config`` (the engine's
-    structured_outputs_config) may ask for that, or close objects to unlisted keys."""
+    JSON is compact by default: vLLM's default lets any whitespace through, which a weak
+    model fills; ``config`` (the engine's structured_outputs_config) may ask for that, or
+    close objects to unlisted keys, and the request's ``whitespace_pattern`` says which
+    whitespace. ``is_special``: whether a text is one special token (structural tags)."""
     import llguidance
     from llguidance import LLMatcher
+    defaults = config.json_defaults()
+    if so.whitespace_pattern is not None:
+        defaults["whitespace_pattern"] = so.whitespace_pattern
     if so.json is not None:
         return LLMatcher.grammar_from_json_schema(config.json_schema(so.json),
-                                                  defaults=config.json_defaults())
+                                                  defaults=defaults)
     if so.json_object:
-        return LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                  defaults=config.json_defaults())
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=defaults)
+    if so.structural_tag is not None:
+        def schema_of(schema: dict) -> dict:
+            schema = dict(config.json_schema(schema))
+            schema["x-guidance"] = {**defaults, **schema.get("x-guidance", {})}
+            return schema
+        return structural_tag.to_grammar(so.structural_tag, schema_of, is_special)
     if so.regex is not None:
         return LLMatcher.grammar_from_regex(so.regex)
     if so.choice is not None:
@@ -143,14 +154,24 @@ class Constraints:
     def _compile(self, so: StructuredOutputsParams) -> str:
         from llguidance import LLMatcher
         tok = self.lltokenizer()
+        if so.whitespace_pattern is not None:
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(
+                so.whitespace_pattern), tok, limits=self.limits())
+            if error:
+                raise ValueError(f"structured_outputs.whitespace_pattern: {error}")
         try:
-            grammar = compile_grammar(so, self.config)
+            grammar = compile_grammar(so, self.config, self._is_special)
         except (ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs: {e}") from None
         error = LLMatcher.validate_grammar(grammar, tok, limits=self.limits())
         if error:
             raise ValueError(f"structured_outputs: {error}")
         return grammar
+
+    def _is_special(self, text: str) -> bool:
+        """The text is one special token of the tokenizer (a structural tag's trigger)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return len(ids) == 1 and self.lltokenizer().is_special_token(ids[0])
 
     def limits(self):
         """llguidance's parser limits (``_LEXER_FUEL``), made once."""

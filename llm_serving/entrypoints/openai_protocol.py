@@ -27,7 +27,7 @@ _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "mi
 # Fields we declare but cannot honour: the values that mean "not used" (None always does).
 _REFUSED_COMMON = {
     "logits_processors": (),
-    "return_token_ids": (False,), "guided_whitespace_pattern": (), "structural_tag": (),
+    "return_token_ids": (False,),
     "cache_salt": (), "vllm_xargs": (),
     "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
@@ -112,6 +112,9 @@ class _SamplingFields(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict[str, Any]] = None
+    # vLLM's older forms: a structural tag (JSON text), JSON's whitespace (a regex)
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    guided_whitespace_pattern: Optional[str] = None
     # vLLM's beam search: n beams (beam_search_params)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -122,9 +125,7 @@ class _SamplingFields(BaseModel):
     # Declared so that they are refused by name (see _REFUSED_COMMON).
     logits_processors: Any = None
     return_token_ids: Any = None
-    guided_whitespace_pattern: Any = None
     guided_decoding_backend: Any = None
-    structural_tag: Any = None
     # PD disaggregation (vLLM's field; the engine refuses it without a kv_transfer config).
     kv_transfer_params: Optional[dict[str, Any]] = None
     cache_salt: Any = None
@@ -182,17 +183,17 @@ class _SamplingFields(BaseModel):
                     raise ValueError("response_format: json_schema needs json_schema.schema, "
                                      "a JSON schema object")
                 found["response_format"] = StructuredOutputsParams(json=schema)
+            elif kind == "structural_tag":
+                found["response_format"] = _params("response_format", structural_tag=rf)
             elif kind != "text":
-                raise ValueError(f"response_format: type must be text, json_object or "
-                                 f"json_schema, got {kind!r}")
+                raise ValueError(f"response_format: type must be text, json_object, "
+                                 f"json_schema or structural_tag, got {kind!r}")
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                          ("structural_tag", "structural_tag")):
             value = getattr(self, name)
             if value is not None:
-                try:
-                    found[name] = StructuredOutputsParams(**{key: value})
-                except ValueError as e:
-                    raise ValueError(f"{name}: {str(e).split(': ', 1)[-1]}") from None
+                found[name] = _params(name, **{key: value})
         if self.structured_outputs is not None:
             try:
                 found["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
@@ -202,7 +203,19 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"{sorted(found)[1]}: give only one of "
                              f"{' and '.join(sorted(found))}")
         self._structured_field = next(iter(found), None)
-        return next(iter(found.values()), None)
+        structured = next(iter(found.values()), None)
+        ws = self.guided_whitespace_pattern
+        if ws is not None:
+            if structured is None:
+                raise ValueError("guided_whitespace_pattern: applies to a JSON constraint "
+                                 "(guided_json, response_format, structural_tag), none given")
+            if structured.whitespace_pattern is not None:
+                raise ValueError("guided_whitespace_pattern: give only one of "
+                                 "guided_whitespace_pattern and "
+                                 "structured_outputs.whitespace_pattern")
+            structured = _params("guided_whitespace_pattern", **{
+                **vars(structured), "whitespace_pattern": ws})
+        return structured
 
     def structured_field(self) -> Optional[str]:
         """The request field the structured output came from (after ``structured()``)."""
@@ -262,6 +275,14 @@ class _SamplingFields(BaseModel):
             stream_interval=self.stream_interval,
             repetition_detection=self.repetition_detection,
             thinking_token_budget=self.thinking_token_budget)
+
+
+def _params(field: str, **kw) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**kw) for a request field: its errors name the field."""
+    try:
+        return StructuredOutputsParams(**kw)
+    except ValueError as e:
+        raise ValueError(f"{field}: {str(e).split(': ', 1)[-1]}") from None
 
 
 class CompletionRequest(_SamplingFields):
