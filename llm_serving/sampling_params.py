@@ -52,8 +52,8 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
     expression; choice: one of these strings; grammar: a Lark / EBNF grammar (llguidance's
     dialect, which also reads GBNF); structural_tag: free text with JSON between begin and
-    end strings after triggers (vLLM's structures + triggers form, JSON text or dict;
-    structural_tag.py).
+    end strings after triggers (vLLM's structures + triggers form or its xgrammar format
+    form, JSON text or dict; structural_tag.py).
 
     whitespace_pattern: with json, json_object or structural_tag, a regular expression for
     the whitespace allowed between JSON tokens (instead of the engine's default).

@@ -11,21 +11,26 @@ vLLM 0.32's form, which its guidance backend runs (as a JSON text or a mapping):
 Each ``begin`` starts with one of the triggers. It runs on llguidance's ``StructTag``: a
 trigger written as a special token (``<tool_call>``) is matched as that token when the
 tokenizer has it as one, else as text. vLLM's newer ``{"type": "structural_tag", "format":
-{...}}`` form is xgrammar's language (vLLM's default backend): llguidance does not read it,
-so it is refused by name, as vLLM's guidance backend refuses it.
+{...}}`` form, xgrammar's language (vLLM's default backend; its guidance backend refuses
+it), is written as llguidance's Lark where llguidance can express it
+(structural_tag_format.py).
 """
 from __future__ import annotations
 
 import json
 from typing import Callable, Union
 
+from llm_serving import structural_tag_format
+
 _KEYS = {"type", "structures", "triggers"}
+_FORMAT_KEYS = {"type", "format"}
 _STRUCTURE_KEYS = {"begin", "schema", "end"}
 
 
 def parse(value: Union[str, dict]) -> dict:
-    """The structural tag as ``{"structures": [...], "triggers": [...]}`` (ValueError saying
-    what is wrong, without the field's name, which the caller puts in front)."""
+    """The structural tag as ``{"structures": [...], "triggers": [...]}`` or ``{"format":
+    {...}}`` (ValueError saying what is wrong, without the field's name, which the caller
+    puts in front)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -33,16 +38,16 @@ def parse(value: Union[str, dict]) -> dict:
             raise ValueError(f"not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise ValueError("a structural tag is an object with structures and triggers")
-    if "format" in value:
-        raise ValueError("the 'format' form is xgrammar's (vLLM's default backend), which "
-                         "does not run here: grammars run on llguidance (vLLM's guidance "
-                         "backend, which refuses it too); give structures and triggers")
-    unknown = sorted(set(value) - _KEYS)
+    keys = _FORMAT_KEYS if "format" in value else _KEYS
+    unknown = sorted(set(value) - keys)
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} (a structural tag takes "
-                         f"{', '.join(sorted(_KEYS))})")
+                         f"{', '.join(sorted(keys))})")
     if value.get("type", "structural_tag") != "structural_tag":
         raise ValueError(f"type must be 'structural_tag', got {value['type']!r}")
+    if "format" in value:
+        structural_tag_format.to_lark(value["format"], dict, lambda text: False)
+        return {"format": value["format"]}
     triggers, structures = value.get("triggers"), value.get("structures")
     if not isinstance(triggers, list) or not triggers or \
             not all(isinstance(t, str) and t for t in triggers):
@@ -71,6 +76,8 @@ def to_grammar(tag: dict, schema_of: Callable[[dict], dict],
     special token; triggers written ``<...>`` are matched as special tokens only when all
     are."""
     import llguidance
+    if "format" in tag:
+        return structural_tag_format.to_lark(tag["format"], schema_of, is_special)
     tags = []
     for s in tag["structures"]:
         schema = schema_of(s["schema"])

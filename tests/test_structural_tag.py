@@ -98,6 +98,41 @@ def test_free_text_until_the_trigger_then_the_structure_in_every_request_form(cl
     assert _tags(text, [trig], tag["structures"], reason == "stop") >= 1
 
 
+def _tag_format(trig, begin, schema, end):
+    return {"type": "tag", "begin": begin, "end": end,
+            "content": {"type": "json_schema", "json_schema": schema}}
+
+
+def test_the_format_form_as_xgrammar_reads_it(client, free):
+    """vLLM's newer form (xgrammar's language): triggered_tags is the older form's tag;
+    stop_after_first ends the output after one tag, at_least_one starts it with one;
+    tags_with_separator is only tags and separators; a tag's any_text runs to its end."""
+    base, trig = free
+    structures = [{"begin": trig + "=n>", "schema": NUMBER, "end": "</n>"}]
+    tags = [_tag_format(trig, **s) for s in structures]
+    older = _complete(client, structural_tag=json.dumps({"triggers": [trig],
+                                                         "structures": structures}))
+    fmt = {"type": "triggered_tags", "triggers": [trig], "tags": tags}
+    assert _complete(client, response_format={"type": "structural_tag", "format": fmt}) == older
+    text, reason = _complete(client, structured_outputs={"structural_tag": json.dumps(
+        {"type": "structural_tag", "format": {**fmt, "stop_after_first": True}})})
+    assert reason == "stop" and text.endswith("</n>") and text.count(trig + "=n>") == 1
+    assert text.startswith(base[:base.find(trig)]) and _tags(text, [trig], structures, True) == 1
+    text, reason = _complete(client, structural_tag=json.dumps({"format": {
+        **fmt, "stop_after_first": True, "at_least_one": True}}))
+    assert reason == "stop" and text.startswith(trig + "=n>")
+    assert _tags(text, [trig], structures, True) == 1
+    text, reason = _complete(client, max_tokens=50, structural_tag=json.dumps({"format": {
+        "type": "tags_with_separator", "tags": tags, "separator": ";", "at_least_one": True}}))
+    parts = text.split(";")
+    assert all(_tags(p, [trig], structures, True) == 1 for p in parts[:-1]) and len(parts) > 1
+    text, _ = _complete(client, max_tokens=30, structural_tag=json.dumps({"format": {
+        "type": "sequence", "elements": [
+            {"type": "tag", "begin": "<t>", "content": {"type": "any_text"}, "end": "/"},
+            {"type": "const_string", "value": "!"}]}}), logit_bias={**NO_EOS, "19": 10})
+    assert re.fullmatch(r"<t>[^/]*/!", text), text     # '/' pushed: the tag ends at the first
+
+
 def test_several_structures_and_a_chat_stream(client, free):
     """Two structures behind one trigger (the model picks either begin), a trigger that never
     comes, and the same answer streamed on chat as not."""
@@ -150,8 +185,17 @@ TAG = {"triggers": ["<f="], "structures": [{"begin": "<f=a>", "schema": NUMBER, 
 
 
 @pytest.mark.parametrize("body, param, says", [
-    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
-     "response_format", "'format' form"),
+    ({"response_format": {"type": "structural_tag", "format": {
+        "type": "qwen_xml_parameter", "json_schema": NUMBER}}}, "response_format", "format.type"),
+    ({"structural_tag": json.dumps({"format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                               "content": {"type": "json_schema",
+                                                           "json_schema": NUMBER,
+                                                           "style": "qwen_xml"}}})},
+     "structural_tag", "format.content.style"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"format": {
+        "type": "sequence", "elements": [{"type": "any_text"}, {"type": "const_string",
+                                                                "value": "x"}]}})}},
+     "structured_outputs.structural_tag", "format.elements[0]"),
     ({"response_format": {"type": "structural_tag", "triggers": ["<g="],
                           "structures": TAG["structures"]}}, "response_format", "none of the"),
     ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": []}},
