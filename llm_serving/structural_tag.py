@@ -22,6 +22,8 @@ from typing import Callable, Union
 
 from llm_serving import structural_tag_format
 
+# vLLM's bound on a structural tag's nesting (its JSON schemas' 64 and 16 for the tag)
+MAX_NESTING = 80
 _KEYS = {"type", "structures", "triggers"}
 _FORMAT_KEYS = {"type", "format"}
 _STRUCTURE_KEYS = {"begin", "schema", "end"}
@@ -31,13 +33,18 @@ def parse(value: Union[str, dict]) -> dict:
     """The structural tag as ``{"structures": [...], "triggers": [...]}`` or ``{"format":
     {...}}`` (ValueError saying what is wrong, without the field's name, which the caller
     puts in front)."""
+    too_deep = f"nested deeper than {MAX_NESTING} levels of objects and arrays (vLLM's bound)"
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as e:
             raise ValueError(f"not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(too_deep) from None
     if not isinstance(value, dict):
         raise ValueError("a structural tag is an object with structures and triggers")
+    if _depth(value) > MAX_NESTING:
+        raise ValueError(too_deep)
     keys = _FORMAT_KEYS if "format" in value else _KEYS
     unknown = sorted(set(value) - keys)
     if unknown:
@@ -66,6 +73,18 @@ def parse(value: Union[str, dict]) -> dict:
             raise ValueError(f"{where}.begin {s['begin']!r} starts with none of the triggers "
                              f"{triggers}")
     return {"structures": structures, "triggers": triggers}
+
+
+def _depth(value) -> int:
+    """How deep objects and arrays nest in a JSON value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is not None:
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in items)
+    return deepest
 
 
 def to_grammar(tag: dict, schema_of: Callable[[dict], dict],

@@ -182,6 +182,9 @@ def test_whitespace_pattern_sets_the_whitespace_between_json_tokens(client):
 
 
 TAG = {"triggers": ["<f="], "structures": [{"begin": "<f=a>", "schema": NUMBER, "end": "</f>"}]}
+DEEP = {"type": "const_string", "value": "x"}
+for _ in range(100):
+    DEEP = {"type": "optional", "content": DEEP}
 
 
 @pytest.mark.parametrize("body, param, says", [
@@ -202,6 +205,8 @@ TAG = {"triggers": ["<f="], "structures": [{"begin": "<f=a>", "schema": NUMBER, 
      "response_format", "structures"),
     ({"structural_tag": json.dumps({**TAG, "strict": True})}, "structural_tag", "'strict'"),
     ({"structural_tag": "{"}, "structural_tag", "not valid JSON"),
+    ({"response_format": {"type": "structural_tag", "format": DEEP}}, "response_format",
+     "nested deeper than 80"),
     ({"structural_tag": json.dumps({"triggers": ["<f="], "structures": [
         {"begin": "<f=a>", "schema": {"type": "integer", "minimum": "x"}, "end": ""}]})},
      "structural_tag", "structural_tag"),
