@@ -424,6 +424,12 @@ class EngineArgs:
         "vLLM's Model FLOPs Utilization counters on /metrics (estimated_flops_per_gpu, "
         "estimated_read_bytes_per_gpu, estimated_write_bytes_per_gpu: per tensor-parallel "
         "rank) and the stats log's MFU line, estimated from the model's shape each step")
+    logits_processors: Optional[list] = field(default=None, metadata={
+        "help": "the user's logits processors, vLLM's: 'pkg.module:Class' (several after one "
+                "flag; LLM(...) takes class objects too), subclasses of LogitsProcessor run on "
+                "each step's logits (needs torch); a request's extra_args (vllm_xargs) reach "
+                "them; docs/openai.md",
+        "cli_nargs": "+"})
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -598,6 +604,9 @@ class EngineArgs:
             raise ConfigError("async_scheduling", "cannot be combined with speculative_config "
                               "(method ngram): drafts are proposed from the tokens the last "
                               "step sampled; leave async_scheduling unset (vLLM's rule too)")
+        if spec is not None and self.logits_processors:
+            raise ConfigError("logits_processors", "custom logits processors are not supported "
+                              "with speculative_config (vLLM's rule too)")
         if spec is not None and self.dump_logits:
             raise ConfigError("dump_logits", "cannot be combined with speculative_config "
                               "(the dump's rows are one per sequence and step)")
@@ -744,6 +753,13 @@ class EngineArgs:
         if pooler is not None and (self.enable_lora or self.speculative_config is not None):
             raise ConfigError("enable_lora" if self.enable_lora else "speculative_config",
                               "not supported with a pooling runner (embeddings)")
+        processors = ()
+        if pooler is None and spec is None:     # (installed plugins: generation only)
+            from llm_serving.sample.custom_logits_processors import resolve
+            processors = resolve(self.logits_processors, not mp)
+        elif self.logits_processors:
+            raise ConfigError("logits_processors", "pooling models do not support custom "
+                              "logits processors (vLLM's rule too)")
         if mp:
             check_result_channel(max_logprobs,
                                  max_sample_rows(spec, self.max_num_seqs, budget), budget,
@@ -762,7 +778,7 @@ class EngineArgs:
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
                 max_logprobs=max_logprobs, pooler=pooler,
                 structured_outputs=StructuredOutputsConfig(**self.structured_outputs_config),
-                skip_tokenizer_init=self.skip_tokenizer_init,
+                skip_tokenizer_init=self.skip_tokenizer_init, logits_processors=processors,
                 reasoning=(ReasoningConfig(**self.reasoning_config)
                            if self.reasoning_config else None),
                 default_sampling_params=generation_defaults(
@@ -1039,6 +1055,8 @@ class ModelSettings:
     skip_tokenizer_init: bool = False     # token ids in and out only (vLLM's)
     # where reasoning starts and ends, for thinking_token_budget (None: budgets off)
     reasoning: Optional[ReasoningConfig] = None
+    # the user's logits processors, 'module:Class' (or classes, in process); checked
+    logits_processors: tuple = ()
 
     @property
     def vocab_size(self) -> int:

@@ -207,8 +207,9 @@ class SamplingParams:
     bad_words: words never generated: a word's last token is banned wherever the tokens
         before it were just generated (vLLM's; with and without a leading space).
     structured_outputs: a grammar the output must match (StructuredOutputsParams).
-    extra_args: vLLM's: its "kv_transfer_params" is taken as kv_transfer_params; any other
-        key is refused (custom logits processors, which read them, are not supported).
+    extra_args: vLLM's: arguments for the engine's custom logits processors (an engine
+        without them refuses any key but "kv_transfer_params", which is taken as
+        kv_transfer_params).
     skip_reading_prefix_cache: compute the whole prompt, reusing no cached prefix (its blocks
         still enter the cache).
     repetition_detection: end the output once it repeats a pattern
@@ -345,10 +346,6 @@ class SamplingParams:
         if self.extra_args is not None:
             if not isinstance(self.extra_args, dict):
                 raise ValueError(f"extra_args must be a dict, got {self.extra_args!r}")
-            unread = sorted(k for k in self.extra_args if k != "kv_transfer_params")
-            if unread:
-                raise ValueError(f"extra_args: {', '.join(map(repr, unread))} would be read by "
-                                 "custom logits processors, which are not supported here")
             kv = self.extra_args.get("kv_transfer_params")
             if kv is not None:
                 if self.kv_transfer_params is not None and self.kv_transfer_params != kv:

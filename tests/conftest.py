@@ -95,6 +95,15 @@ def tiny_hf_logprobs(tiny_model_dir):
     return prompts, ref
 
 
+def hf_causal_lm(model_dir: str):
+    """transformers' float32 model of ``model_dir`` in eval mode: the reference of numerics
+    tests (torch, CPU)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                             dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
     from llm_serving import LLM

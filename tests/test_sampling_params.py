@@ -160,7 +160,6 @@ def test_every_vllm_0_32_keyword_is_taken_at_its_default():
     ("prompt_logprob_start", 2, "prompt_logprob_start"),
     ("routed_experts_prompt_start", 3, "routed_experts_prompt_start"),
     ("trace_decode_token_ids", [5], "trace_decode_token_ids"),
-    ("extra_args", {"my_processor_arg": 1}, "extra_args: 'my_processor_arg'"),
     ("repetition_detection", {"max_pattern_size": 2, "min_count": 1}, "min_count"),
     ("repetition_detection", {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 3},
      "min_pattern_size <= max_pattern_size"),

@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from conftest import hf_causal_lm
 from llm_serving import LLM, SamplingParams
 from llm_serving.config import EngineArgs
 from llm_serving.engine.llm_engine import LLMEngine
@@ -213,10 +214,8 @@ def test_accepted_drafts_follow_the_target_distribution(tiny_model_dir):
 
 def _target_probs(model_dir, top_k=8):
     """ctx -> transformers' top-k distribution of the token after ctx (float64 [V])."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                              dtype=torch.float32).eval()
+    model = hf_causal_lm(model_dir)
+    import torch
 
     def probs(ctx):
         with torch.no_grad():

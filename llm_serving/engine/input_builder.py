@@ -49,10 +49,12 @@ class BuiltStep:
 
 def build_step_input(batch: SchedulerOutput, block_size: int,
                      eos_token_ids: set[int], constraints=None,
-                     pooling: Optional[str] = None) -> BuiltStep:
+                     pooling: Optional[str] = None, processor_rows=None) -> BuiltStep:
     """``constraints`` (engine.constraints.Constraints): adds logit_bias, bans and token
     masks to the sampling batch (it advances the rows' grammar matchers). ``pooling`` (a
-    pooling runner's LAST, MEAN or CLS): the prompts' rows are pooled, nothing samples."""
+    pooling runner's LAST, MEAN or CLS): the prompts' rows are pooled, nothing samples.
+    ``processor_rows`` (engine.processor_rows.ProcessorRows, with custom logits processors):
+    adds the rows' requests."""
     seqs = batch.seqs
     b = len(seqs)
     n = np.asarray(batch.num_tokens, np.int32)
@@ -105,8 +107,8 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
     built.step = StepInput(
         ids, positions, slots.astype(np.int32), tables, qsl, (starts + n).astype(np.int32),
         spec_fields.pop("sample_seqs", np.asarray(sample_rows, np.int32)),
-        (_sampling_batch(built.row_seqs or sampled, eos_token_ids, constraints, spec)
-         if sampled else None),
+        (_sampling_batch(built.row_seqs or sampled, eos_token_ids, constraints, spec,
+                         processor_rows) if sampled else None),
         swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
         **spec_fields, **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens),
@@ -164,7 +166,8 @@ def _pool_rows(built: BuiltStep, kind: str, seqs, starts, n, totals, qsl) -> Non
 
 
 def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],
-                    constraints=None, spec: bool = False) -> SamplingBatch:
+                    constraints=None, spec: bool = False,
+                    processor_rows=None) -> SamplingBatch:
     """Each sampled row's parameters. A penalized row's output tokens end with -1 for each
     token in flight (the model runner fills the newest in)."""
     outputs = [s.output_token_ids + [-1] * s.tokens_in_flight if s.tokens_in_flight
@@ -176,6 +179,8 @@ def _sampling_batch(sampled: list[Sequence], eos_token_ids: set[int],
                                       eos_token_ids)
     if constraints is not None:
         constraints.apply(batch, sampled)
+    if processor_rows is not None:
+        processor_rows.apply(batch, sampled)
     return batch
 
 

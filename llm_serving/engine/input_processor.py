@@ -7,6 +7,7 @@ Every error is a ValueError that names what is wrong.
 from __future__ import annotations
 
 import itertools
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -74,6 +75,11 @@ class InputProcessor:
             self._check_offer = connector_class(self.kv_transfer).check_offer
         self.pooler = config.model.pooler          # None: a generate runner
         self.skip_tokenizer = config.model.skip_tokenizer_init
+        # the user's logits processor classes (their validate_params); () : none configured
+        self.processors = ()
+        if config.model.logits_processors:
+            from llm_serving.sample.custom_logits_processors import load_class
+            self.processors = tuple(map(load_class, config.model.logits_processors))
         self._ids = itertools.count()
 
     def process(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -125,6 +131,8 @@ class InputProcessor:
                 raise ValueError(f"logprob_token_ids: token ids are in [0, {self.vocab_size})")
         if params.kv_transfer_params is not None:
             self.check_kv_transfer(params.kv_transfer_params)
+        if params.extra_args or self.processors:
+            self.check_extra_args(params)
         if lora_request is not None:
             if self.loras is None:
                 raise ValueError("lora_request: LoRA adapters are served with "
@@ -175,6 +183,25 @@ class InputProcessor:
             check_dimensions(self.pooler, p.dimensions, lambda _, msg: ValueError(msg))
         return PoolingParams(dims, self.pooler.normalize if p.use_activation is None
                              else p.use_activation, task)
+
+    def check_extra_args(self, params: SamplingParams) -> None:
+        """extra_args (vllm_xargs) go to the user's logits processors, which check them
+        (validate_params); without processors, a key other than kv_transfer_params would be
+        read by nothing and is refused."""
+        if not self.processors:
+            unread = sorted(k for k in params.extra_args if k != "kv_transfer_params")
+            if unread:
+                raise ValueError(f"extra_args: {', '.join(map(repr, unread))} would be read "
+                                 "by custom logits processors, and this engine has none "
+                                 "(start it with --logits-processors)")
+            return
+        from llm_serving.sample.custom_logits_processors import (MAX_PARAMS_BYTES,
+                                                                 validate_params)
+        validate_params(self.processors, params)
+        size = len(pickle.dumps(params, protocol=5))
+        if size > MAX_PARAMS_BYTES:
+            raise ValueError(f"extra_args: the request's parameters take {size} bytes, more "
+                             f"than the {MAX_PARAMS_BYTES} custom logits processors take")
 
     def check_kv_transfer(self, p: dict) -> None:
         """``kv_transfer_params`` this instance can take (ValueError naming the field)."""

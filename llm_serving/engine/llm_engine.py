@@ -37,6 +37,7 @@ from llm_serving.engine.kv_cache_residency import KVResidency
 from llm_serving.engine.metrics import KV_RESIDENCY_HISTOGRAMS, EngineStats
 from llm_serving.engine.mfu import MfuEstimator, ModelShape
 from llm_serving.engine.output_processor import OutputProcessor, StepInFlight
+from llm_serving.engine.processor_rows import ProcessorRows
 from llm_serving.engine.remote_kv import build_remote_kv
 from llm_serving.engine.scheduler import Scheduler
 from llm_serving.model_executor.multistream.split import multi_stream_on_master, step_split
@@ -117,6 +118,8 @@ class LLMEngine:
                                        config.model.structured_outputs, config.model.reasoning)
         self.input_processor = InputProcessor(config, self.tokenizer, self.constraints,
                                               self.loras)
+        # the rows' requests for the user's logits processors; None: none configured
+        self.processor_rows = ProcessorRows() if config.model.logits_processors else None
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler,
                                                 self.max_model_len, config.model.pooler)
         if config.speculative is not None and config.per_request_spec_decode_metrics != "none":
@@ -230,7 +233,7 @@ class LLMEngine:
             return outputs
         built = build_step_input(batch, self.config.cache.block_size,
                                  self.output_processor.eos_token_ids, self.constraints,
-                                 self.pooling)
+                                 self.pooling, self.processor_rows)
         if kv_meta is not None:
             built.step.kv_meta = kv_meta
         self.stats.num_prefill_tokens += built.num_prefill_tokens
@@ -441,6 +444,8 @@ class LLMEngine:
             self.remote_kv.drop_all()
         self.block_manager.reset()
         self.runner = create_executor(self.config, self.cancel_loading)
+        if self.processor_rows is not None:     # the new agent's batch starts empty
+            self.processor_rows = ProcessorRows()
         self._init_remote_kv()
         self.warm_up()
         self._read_served_loras()

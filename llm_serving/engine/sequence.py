@@ -8,6 +8,7 @@ from the same logits.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from typing import Optional
 
@@ -37,6 +38,9 @@ _FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_
                        SequenceStatus.FINISHED_REPETITION})
 
 
+_KEYS = itertools.count()
+
+
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt: Optional[str],
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -44,6 +48,7 @@ class Sequence:
                  arrival_time: Optional[float] = None):
         self.request_id = request_id
         self.index = index
+        self.key = next(_KEYS)          # unique in this process (custom logits processors' rows)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

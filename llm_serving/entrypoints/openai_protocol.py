@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from llm_serving.sampling_params import (MAX_STOPS, BeamSearchParams, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
+# vLLM's vllm_xargs: strings and numbers, or lists of them, by name
+XArgs = dict[str, Union[str, int, float, list[Union[str, int, float]]]]
+
 # Fields beam search would ignore: with use_beam_search, any value but "unset" is a 400.
 _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "min_p",
                          "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -28,7 +31,7 @@ _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "mi
 _REFUSED_COMMON = {
     "logits_processors": (),
     "return_token_ids": (False,),
-    "cache_salt": (), "vllm_xargs": (),
+    "cache_salt": (),
     "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
@@ -129,7 +132,8 @@ class _SamplingFields(BaseModel):
     # PD disaggregation (vLLM's field; the engine refuses it without a kv_transfer config).
     kv_transfer_params: Optional[dict[str, Any]] = None
     cache_salt: Any = None
-    vllm_xargs: Any = None
+    # vLLM's: the request's SamplingParams.extra_args, for custom logits processors
+    vllm_xargs: Optional[XArgs] = None
     # vLLM's: the response's id after its prefix (an X-Request-Id header wins)
     request_id: Optional[str] = None
     # vLLM's: each prompt token's logprob and the top ones (-1: the whole vocabulary; the
@@ -272,7 +276,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, structured_outputs=structured,
             kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA,
-            stream_interval=self.stream_interval,
+            extra_args=self.vllm_xargs or None, stream_interval=self.stream_interval,
             repetition_detection=self.repetition_detection,
             thinking_token_budget=self.thinking_token_budget)
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llm_serving.entrypoints.openai_protocol import (ChatMessage, FunctionDef, ReasoningEffort,
                                                      Tool, ToolChoiceFunction, sampling_knobs,
-                                                     with_reasoning_effort)
+                                                     XArgs, with_reasoning_effort)
 from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
@@ -106,7 +106,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: Any = None
     cache_salt: Any = None
     session_id: Any = None
-    vllm_xargs: Any = None
+    vllm_xargs: Optional[XArgs] = None     # extra_args, as on the chat route
     # PD disaggregation (docs/pd_disaggregation.md), as on the chat route
     kv_transfer_params: Optional[dict[str, Any]] = None
     ec_transfer_params: Any = None
@@ -125,7 +125,7 @@ class ResponsesRequest(BaseModel):
         "prompt": (), "conversation": (), "stream_options": (),
         "service_tier": ("auto", "default"),
         "truncation": ("disabled",), "prompt_cache_key": (), "cache_salt": (),
-        "session_id": (), "vllm_xargs": (), "ec_transfer_params": (),
+        "session_id": (), "ec_transfer_params": (),
         "mm_processor_kwargs": (), "media_io_kwargs": (),
         "mm_payload": ("tensors",), "return_mm_kwargs": (), "watermarking": (False,),
         "enable_response_messages": (False,), "previous_input_messages": (),
@@ -276,7 +276,8 @@ class ResponsesRequest(BaseModel):
             max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias, structured_outputs=structured,
-            kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA)
+            kv_transfer_params=self.kv_transfer_params, output_kind=RequestOutputKind.DELTA,
+            extra_args=self.vllm_xargs or None)
 
 
 def _add_call(out: list[ChatMessage], item: dict, i: int) -> None:

@@ -15,7 +15,9 @@ in.
 """
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -117,6 +119,10 @@ def plan_launch(config: EngineConfig, python: str, device_target: Optional[str] 
                 "--config", config_json)
         env = ({**cluster, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)} if tp > 1
                else {})
+        if config.model.logits_processors:
+            # the user's processor modules import in the agent as in this process (as vLLM's
+            # spawned workers get its sys.path)
+            env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         device_id = config.device.start_device_id + rank if device == "Ascend" else None
         agents.append(ProcessPlan("agent", rank, device_id, argv, env, quiet))
     return LaunchPlan(device, tp, comm, scheduler, tuple(agents))
@@ -124,5 +130,4 @@ def plan_launch(config: EngineConfig, python: str, device_target: Optional[str] 
 
 def print_plan(config: EngineConfig) -> None:
     """``start.py --dry-run``: print the plan for this machine's Python and exit."""
-    import sys
     print(plan_launch(config, sys.executable).describe())

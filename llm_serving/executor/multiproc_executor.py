@@ -102,7 +102,8 @@ class MultiprocExecutor:
             in_bytes = ch.step_channel_bytes(s.max_num_batched_tokens, rows,
                                              config.model.max_model_len, c.block_size,
                                              c.num_blocks, config.model.vocab_size,
-                                             _kv_meta_bytes(config) + _lora_bytes(config))
+                                             _kv_meta_bytes(config) + _lora_bytes(config)
+                                             + _processor_bytes(config, rows))
             out_bytes = ch.result_channel_bytes(
                 rows, config.model.max_logprobs,
                 dump_vocab=config.model.vocab_size if config.dump else 0,
@@ -368,6 +369,15 @@ def _lora_bytes(config: EngineConfig) -> int:
     if config.lora is None:
         return 0
     return 4 * config.scheduler.max_num_seqs + config.lora.max_loras * (6 * 4096 + 32)
+
+
+def _processor_bytes(config: EngineConfig, rows: int) -> int:
+    """A step's custom logits processor fields at most (none without processors)."""
+    if not config.model.logits_processors:
+        return 0
+    from llm_serving.engine.processor_rows import channel_bytes
+    from llm_serving.sample.custom_logits_processors import MAX_PARAMS_BYTES
+    return channel_bytes(rows, config.model.max_model_len, MAX_PARAMS_BYTES)
 
 
 def _shm_allreduce_segment(config: EngineConfig, device: str, segments: list) -> dict:

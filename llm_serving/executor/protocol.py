@@ -63,6 +63,11 @@ class SamplingBatch:
     # placeholder until the master sends it (the step's forward runs meanwhile).
     mask_rows: Optional[np.ndarray] = None       # int32 [R]
     token_bitmask: Optional[np.ndarray] = None   # int32 [R, ceil(V / 32)]
+    # Custom logits processors (sample/custom_logits_processors.py; None without them): each
+    # row's request key, and the requests that joined since the last step that sampled,
+    # pickled {key: (params, prompt token ids, output token ids)}.
+    row_keys: Optional[np.ndarray] = None        # int64 [B]
+    added_requests: Optional[np.ndarray] = None  # uint8 [N]
 
     def __len__(self) -> int:
         return len(self.temperature)

@@ -126,6 +126,9 @@ class ModelRunner:
                                     -(-m.max_model_len // block_size),
                                     config.scheduler.max_num_seqs)
         self.sampler = Sampler(seed=m.seed, always_chosen_logprob=False)
+        if m.logits_processors and tp.is_driver:     # the user's (only the driver samples)
+            from llm_serving.sample.custom_logits_processors import CustomLogitsProcessors
+            self.sampler.custom = CustomLogitsProcessors(config)
         self._last_tokens = np.zeros(0, np.int32)    # the previous step's samples
         self._results: collections.deque = collections.deque()   # submitted, not collected
         # A step whose token mask follows (mask_after_forward): in process it runs once the

@@ -41,6 +41,7 @@ Not thread-safe: a Sampler reuses its scratch buffers.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -78,6 +79,8 @@ class Sampler:
         self._rng = np.random.default_rng(seed)
         self._scratch: dict = {}
         self.always_chosen_logprob = always_chosen_logprob
+        # The user's logits processors (custom_logits_processors.py); None: none configured
+        self.custom = None
 
     def __call__(self, logits: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
         logits = np.asarray(logits)
@@ -85,6 +88,8 @@ class Sampler:
             raise ValueError(f"logits must be [B, V] with B = {len(batch)} rows, "
                              f"got shape {logits.shape}")
         logits = np.ascontiguousarray(logits, dtype=np.float32)   # no copy if it already is
+        if self.custom is not None:
+            return self._sample_custom(logits, batch)
         b = logits.shape[0]
         modified = batch.modified_rows
 
@@ -99,6 +104,35 @@ class Sampler:
         rows = np.flatnonzero(~greedy)
         if rows.size:
             token_ids[rows] = self._sample_random(logits, rows, batch, modified[rows])
+        return self.compute_logprobs(logits, token_ids, batch.num_logprobs,
+                                     batch.logprob_token_ids)
+
+    def _sample_custom(self, logits: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
+        """With custom logits processors, in vLLM V1's order: those that may change the
+        argmax on a copy of the raw logits, then penalties, bias, bans and masks; greedy rows
+        take the argmax; then temperature, the argmax-invariant ones (only when some row
+        samples at random), and the random rows' filters and draw. Logprobs stay raw."""
+        custom = self.custom
+        custom.update(batch.row_keys, batch.added_requests)
+        x = custom.apply(logits.copy(), invariant=False)
+        rows = np.flatnonzero(batch.modified_rows)
+        if rows.size:
+            sub = np.take(x, rows, axis=0)
+            _apply_penalties_and_bans(sub, rows, batch, np.ones(rows.size, np.float32))
+            x[rows] = sub
+        greedy = batch.temperature < SAMPLING_EPS
+        token_ids = x.argmax(axis=1)
+        banned = ~np.isfinite(x[np.arange(len(x)), token_ids])   # every token banned
+        token_ids[banned] = logits[banned].argmax(axis=1)
+        random = np.flatnonzero(~greedy)
+        if random.size:
+            x /= np.where(greedy, np.float32(1), batch.temperature)[:, None]
+            if custom.has_invariant:
+                x = custom.apply(x, invariant=True)
+            scaled = dataclasses.replace(batch, temperature=np.ones(len(batch), np.float32))
+            token_ids[random] = self._sample_random(x, random, scaled,
+                                                    np.zeros(random.size, bool))
+        custom.record(token_ids)
         return self.compute_logprobs(logits, token_ids, batch.num_logprobs,
                                      batch.logprob_token_ids)
 

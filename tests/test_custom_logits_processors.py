@@ -1,0 +1,219 @@
+"""vLLM's custom logits processors (``logits_processors``) and per-request ``extra_args`` /
+``vllm_xargs``: the processors of tests/custom_logits_processors.py, written as vLLM's docs
+write them, run offline with LLM(...) and over a real server with the openai client. Requests
+that do not ask for a processor are checked against transformers' greedy tokens."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+
+import custom_logits_processors as procs
+from conftest import hf_causal_lm
+from llm_serving import LLM, EngineArgs, SamplingParams
+from llm_serving.errors import ConfigError
+from test_http_server import ROOT, free_port, serve_model, stop_server
+
+V = 1024                    # the tiny model's vocabulary
+TESTS = str(ROOT / "tests")
+PROMPTS = [np.random.default_rng(s).integers(3, V, 20).tolist() for s in range(12)]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    """transformers' greedy continuation of a prompt (the reference of unaffected rows) and
+    its first-step logits."""
+    model = hf_causal_lm(tiny_model_dir)
+    import torch
+
+    def logits(ids):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].numpy()
+
+    def greedy(ids, n):
+        out = []
+        for _ in range(n):
+            out.append(int(logits(ids + out).argmax()))
+        return out
+    return greedy, logits
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    """Few KV blocks and four rows: twelve requests wait, join and get preempted."""
+    return LLM(tiny_model_dir, num_blocks=10, block_size=16, max_model_len=128, max_num_seqs=4,
+               logits_processors=[procs.TargetTokenProcessor, procs.CountingProcessor,
+                                  "custom_logits_processors:TopOnlyProcessor",
+                                  procs.BannedTokenAdapter])
+
+
+def _ids(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_a_target_token_is_forced_exactly_for_the_requests_that_ask(llm, hf):
+    greedy, _ = hf
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                             extra_args={"target_token": 77} if i % 2 else None)
+              for i in range(4)]
+    outs = _ids(llm, PROMPTS[:4], params)
+    for i, out in enumerate(outs):
+        assert out == ([77] * 6 if i % 2 else greedy(PROMPTS[i], 6)), i
+
+
+def test_rows_keep_their_requests_as_requests_join_finish_and_are_preempted(llm):
+    """Each request's tokens count up from its own start, a function of its own live output
+    list: a row given another request's state or tokens would break the count. Twelve
+    requests of 3 to 40 tokens on four rows and ten KV blocks."""
+    before = llm.engine.stats.num_preemptions
+    lengths = [3, 40, 7, 25, 12, 40, 5, 33, 18, 9, 40, 2]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                             extra_args={"count_from": 80 * i}) for i, n in enumerate(lengths)]
+    outs = _ids(llm, PROMPTS, params)
+    for i, (out, n) in enumerate(zip(outs, lengths)):
+        assert out == [(80 * i + j) % V for j in range(n)], i
+    assert llm.engine.stats.num_preemptions > before
+
+
+def test_an_argmax_invariant_processor_runs_after_temperature_on_random_rows(llm, hf):
+    """top_only 1 leaves a random row only its likeliest token; a greedy row is untouched."""
+    greedy, _ = hf
+    params = [SamplingParams(temperature=1.5, seed=s, max_tokens=8, ignore_eos=True,
+                             extra_args={"top_only": 1}) for s in range(2)]
+    params.append(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                 extra_args={"top_only": 1}))
+    free = SamplingParams(temperature=1.5, seed=0, max_tokens=8, ignore_eos=True)
+    outs = _ids(llm, PROMPTS[:4], params + [free])
+    for i in range(3):
+        assert outs[i] == greedy(PROMPTS[i], 8), i
+    assert outs[3] != greedy(PROMPTS[3], 8)        # sampled at 1.5 without it
+
+
+def test_an_adapter_processor_runs_its_per_request_callable(llm, hf):
+    greedy, logits = hf
+    first = greedy(PROMPTS[0], 1)[0]
+    row = logits(PROMPTS[0])
+    row[first] = -np.inf
+    out, plain = _ids(llm, PROMPTS[:2], [
+        SamplingParams(temperature=0, max_tokens=1, extra_args={"ban": first}),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
+    assert out == [int(row.argmax())]
+    assert plain == greedy(PROMPTS[1], 3)
+
+
+def test_validate_params_refuses_a_request_naming_extra_args(llm):
+    with pytest.raises(ValueError, match="extra_args: target_token value 'x' is not an int"):
+        llm.generate("Hello", SamplingParams(extra_args={"target_token": "x"}), use_tqdm=False)
+
+
+def test_extra_args_without_processors_are_refused_as_unread(tiny_llm):
+    with pytest.raises(ValueError, match="extra_args: 'target_token' would be read by custom "
+                                         "logits processors, and this engine has none"):
+        tiny_llm.generate("Hello", SamplingParams(extra_args={"target_token": 3}),
+                          use_tqdm=False)
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("no_such_module:X", "cannot import no_such_module"),
+    ("custom_logits_processors:Missing", "custom_logits_processors has no Missing"),
+    ("custom_logits_processors:NotAProcessor", "NotAProcessor is not a subclass of "
+                                               "LogitsProcessor"),
+    ("custom_logits_processors.TargetTokenProcessor", "expected 'module:Class'"),
+])
+def test_a_class_that_cannot_be_loaded_stops_the_engine_naming_the_key(tiny_model_dir, spec,
+                                                                       problem):
+    with pytest.raises(ConfigError, match="logits_processors") as e:
+        EngineArgs(tiny_model_dir, logits_processors=[spec]).create_engine_config()
+    assert problem in str(e.value)
+
+
+def test_classes_the_workagent_cannot_import_or_use_are_refused(tiny_model_dir):
+    class Local(procs.TopOnlyProcessor):
+        pass
+
+    class Abstract(procs.LogitsProcessor):
+        def apply(self, logits):
+            return logits
+    with pytest.raises(ConfigError, match="the WorkAgent process cannot import"):
+        EngineArgs(tiny_model_dir, logits_processors=[Local],
+                   distributed_executor_backend="mp").create_engine_config()
+    with pytest.raises(ConfigError, match="does not implement __init__, is_argmax_invariant, "
+                                          "update_state"):
+        EngineArgs(tiny_model_dir, logits_processors=[Abstract]).create_engine_config()
+    with pytest.raises(ConfigError, match="not supported with speculative_config"):
+        EngineArgs(tiny_model_dir, logits_processors=["custom_logits_processors:TopOnlyProcessor"],
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_server_does_not_start_with_a_processor_it_cannot_import(tiny_model_dir):
+    r = subprocess.run([sys.executable, str(ROOT / "start.py"), "--model", tiny_model_dir,
+                        "--port", str(free_port()), "--logits-processors", "no_such_mod:P"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "logits_processors: 'no_such_mod:P': cannot import no_such_mod" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), TESTS])}
+    proc, url = serve_model(tiny_model_dir, "--max-num-seqs", "4", "--logits-processors",
+                            "custom_logits_processors:TargetTokenProcessor",
+                            "custom_logits_processors:CountingProcessor",
+                            "custom_logits_processors:FailingProcessor",
+                            port=free_port(), env=env)
+    try:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    finally:
+        assert stop_server(proc) == 0
+
+
+def _complete(client, prompt, n, xargs=None):
+    r = client.completions.create(model=client.model, prompt=prompt, max_tokens=n,
+                                  temperature=0, extra_body={"ignore_eos": True,
+                                                             "return_token_ids": True,
+                                                             **({"vllm_xargs": xargs}
+                                                                if xargs else {})})
+    return r.choices[0].token_ids
+
+
+def test_vllm_xargs_reach_the_processors_on_completions_and_chat(client, tiny_model_dir, hf):
+    client.model = client.models.list().data[0].id
+    assert _complete(client, PROMPTS[0], 5, {"target_token": 77}) == [77] * 5
+    r = client.chat.completions.create(
+        model=client.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, extra_body={"vllm_xargs": {"target_token": 77},
+                                                  "return_tokens_as_token_ids": True})
+    assert [t.token for t in r.choices[0].logprobs.content] == ["token_id:77"] * 4
+    greedy, _ = hf
+    lengths = [30, 4, 17, 9, 25, 3, 12, 20]
+    jobs = [(PROMPTS[i], n, {"count_from": 100 * i} if i % 4 else None)
+            for i, n in enumerate(lengths)]
+    with ThreadPoolExecutor(8) as ex:
+        outs = list(ex.map(lambda job: _complete(client, *job), jobs))
+    for i, (prompt, n, xargs) in enumerate(jobs):
+        want = ([(100 * i + j) % V for j in range(n)] if xargs else greedy(prompt, n))
+        assert outs[i] == want, i
+
+
+def test_bad_vllm_xargs_are_a_400_naming_the_field(client):
+    client.model = client.models.list().data[0].id
+    for bad, says in (({"target_token": "x"}, "target_token value 'x' is not an int"),
+                      ({"target_token": {"a": 1}}, "vllm_xargs.target_token")):
+        with pytest.raises(openai.BadRequestError) as e:
+            _complete(client, PROMPTS[0], 2, bad)
+        assert e.value.body["param"].startswith("vllm_xargs") and says in e.value.message
+
+
+def test_a_processor_that_raises_fails_its_request_and_the_server_goes_on(client):
+    client.model = client.models.list().data[0].id
+    with pytest.raises(openai.APIStatusError) as e:
+        _complete(client, PROMPTS[0], 5, {"fail": True})
+    assert "custom logits processor FailingProcessor.apply failed: RuntimeError: this " \
+           "processor fails on purpose" in e.value.message
+    assert _complete(client, PROMPTS[1], 5, {"target_token": 9}) == [9] * 5
