@@ -44,6 +44,11 @@ def config_fields(key: str, value, cls) -> dict:
     return value
 
 
+class LogitsProcessorError(LLMServingError):
+    """A custom logits processor (``logits_processors``) raised while a step ran; the
+    message names its class and method. The step's requests fail, the engine goes on."""
+
+
 class ModelLoadError(LLMServingError):
     """A model directory or checkpoint cannot be used (missing files, unsupported architecture)."""
 

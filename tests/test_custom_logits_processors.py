@@ -16,7 +16,7 @@ import pytest
 import custom_logits_processors as procs
 from conftest import hf_causal_lm
 from llm_serving import LLM, EngineArgs, SamplingParams
-from llm_serving.errors import ConfigError
+from llm_serving.errors import ConfigError, LogitsProcessorError
 from test_http_server import ROOT, free_port, serve_model, stop_server
 
 V = 1024                    # the tiny model's vocabulary
@@ -49,7 +49,7 @@ def llm(tiny_model_dir):
     return LLM(tiny_model_dir, num_blocks=10, block_size=16, max_model_len=128, max_num_seqs=4,
                logits_processors=[procs.TargetTokenProcessor, procs.CountingProcessor,
                                   "custom_logits_processors:TopOnlyProcessor",
-                                  procs.BannedTokenAdapter])
+                                  procs.BannedTokenAdapter, procs.FailingProcessor])
 
 
 def _ids(llm, prompts, params):
@@ -105,6 +105,26 @@ def test_an_adapter_processor_runs_its_per_request_callable(llm, hf):
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
     assert out == [int(row.argmax())]
     assert plain == greedy(PROMPTS[1], 3)
+
+
+def test_a_processor_that_raises_fails_the_started_requests_and_keeps_the_queued_ones(llm):
+    """What the server's engine loop does with the error (fail_running): the four
+    requests the failing step ran end with it, the two still queued run as they would."""
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request({"prompt_token_ids": PROMPTS[i]}, SamplingParams(
+            temperature=0, max_tokens=5, ignore_eos=True,
+            extra_args={"fail": True} if i == 0 else {"count_from": 7 * i}), f"fail-{i}")
+    with pytest.raises(LogitsProcessorError, match="custom logits processor "
+                       "FailingProcessor.apply failed: RuntimeError: this processor fails"):
+        engine.step()
+    failed = engine.fail_running("the step failed")
+    assert sorted(o.request_id for o in failed) == [f"fail-{i}" for i in range(4)]
+    assert all(o.outputs[0].finish_reason == "abort" for o in failed)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert done == {f"fail-{i}": [7 * i + j for j in range(5)] for i in (4, 5)}
 
 
 def test_validate_params_refuses_a_request_naming_extra_args(llm):

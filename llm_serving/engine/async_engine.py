@@ -32,8 +32,8 @@ from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.input_processor import NewRequest
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.engine.metrics import EngineStats
-from llm_serving.errors import (EngineDeadError, QueueFullError, RequestIdInUseError,
-                                ShuttingDownError)
+from llm_serving.errors import (EngineDeadError, LogitsProcessorError, QueueFullError,
+                                RequestIdInUseError, ShuttingDownError)
 from llm_serving.outputs import CompletionOutput, RequestOutput
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
@@ -497,6 +497,9 @@ class AsyncLLMEngine:
                             raise AgentDiedError("the WorkAgent process exited")
                 except AgentDiedError as e:
                     outs.extend(self._recover(str(e)))
+                except LogitsProcessorError as e:     # the user's processor: not the engine
+                    logger.error("%s; failing the requests that have started", e)
+                    outs.extend(engine.fail_running(str(e)))
                 except Exception as e:   # noqa: BLE001 - a bad step must not end the service
                     logger.exception("a model step failed; failing the requests in flight")
                     outs.extend(engine.fail_all(f"internal error in a model step: {e!r}"))

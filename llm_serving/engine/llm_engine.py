@@ -428,8 +428,26 @@ class LLMEngine:
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with ``error`` (finish_reason "abort"), freeing all blocks."""
         self._drain()
+        self._forget_processor_rows()
         outs = [self.output_processor.end_request(rid, SequenceStatus.FINISHED_ABORTED, error)
                 for rid in list(self.requests)]
+        return [o for o in outs if o is not None]
+
+    def _forget_processor_rows(self) -> None:
+        """After a failed step, whose rows the WorkAgent may not have taken in: the next
+        step sends every row's parameters again (a row the agent holds keeps its state)."""
+        if self.processor_rows is not None:
+            self.processor_rows = ProcessorRows()
+
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        """End the requests that have started (running or swapped out) with ``error``, as
+        ``fail_all``; the ones still waiting to start stay queued."""
+        self._drain()
+        self._forget_processor_rows()
+        sch = self.scheduler
+        started = dict.fromkeys(s.request_id for s in sch.running + sch.swapped)
+        outs = [self.output_processor.end_request(rid, SequenceStatus.FINISHED_ABORTED, error)
+                for rid in started]
         return [o for o in outs if o is not None]
 
     def restart_runner(self) -> None:
@@ -444,8 +462,7 @@ class LLMEngine:
             self.remote_kv.drop_all()
         self.block_manager.reset()
         self.runner = create_executor(self.config, self.cancel_loading)
-        if self.processor_rows is not None:     # the new agent's batch starts empty
-            self.processor_rows = ProcessorRows()
+        self._forget_processor_rows()           # the new agent's batch starts empty
         self._init_remote_kv()
         self.warm_up()
         self._read_served_loras()

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from llm_serving.config import EngineConfig, check_tensor_parallel
-from llm_serving.errors import LLMServingError
+from llm_serving.errors import LLMServingError, LogitsProcessorError
 from llm_serving.executor import shm_channel as ch
 from llm_serving.executor.launch_plan import plan_launch
 from llm_serving.executor.protocol import SamplerOutput, StepInput
@@ -330,6 +330,9 @@ class MultiprocExecutor:
             # the agent's error, then its traceback: the traceback to the log, not to clients
             error, _, trace = errors[0][1].partition("\n")
             logger.error("the WorkAgent %sfailed step %d: %s\n%s", who, step_no, error, trace)
+            kind, _, said = error.partition(": ")
+            if kind == LogitsProcessorError.__name__:     # the user's code, not the agent's
+                raise LogitsProcessorError(said)
             raise LLMServingError(f"the WorkAgent {who}failed step {step_no}: {error}")
         return ch.result_from_arrays(ch.unpack(self.shm_out[step_no % 2].buf))
 

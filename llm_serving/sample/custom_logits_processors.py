@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from llm_serving.errors import ConfigError
+from llm_serving.errors import ConfigError, LogitsProcessorError
 from llm_serving.sample.batch_update import PersistentBatch
 from llm_serving.sample.logits_processor import BatchUpdate, LogitsProcessor
 
@@ -33,10 +33,6 @@ _VLLM_INTERFACE = "vllm.v1.sample.logits_processor"
 # What one request's parameters may take in a step's channel (they travel pickled once, when
 # the request joins the batch); the input processor refuses larger ones.
 MAX_PARAMS_BYTES = 64 << 10
-
-
-class LogitsProcessorError(RuntimeError):
-    """A custom logits processor raised while a step ran."""
 
 
 def _is_processor(cls) -> bool:
