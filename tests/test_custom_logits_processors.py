@@ -17,6 +17,8 @@ import custom_logits_processors as procs
 from conftest import hf_causal_lm
 from llm_serving import LLM, EngineArgs, SamplingParams
 from llm_serving.errors import ConfigError, LogitsProcessorError
+from llm_serving.sample.batch_update import PersistentBatch
+from llm_serving.sample.logits_processor import process_dict_updates
 from test_http_server import ROOT, free_port, serve_model, stop_server
 
 V = 1024                    # the tiny model's vocabulary
@@ -55,6 +57,35 @@ def llm(tiny_model_dir):
 def _ids(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_updates_take_every_row_to_its_request_in_any_reordering():
+    """Random batches (requests leaving, joining and reordered): a processor that keeps
+    row -> request through the updates, as vLLM's contract says, ends with this step's
+    rows; no row is both removed and added (vLLM's own helper handles added first), and
+    every row named is below the larger of the two batches."""
+    rng = np.random.default_rng(0)
+    batch, state, live, next_key, kinds = PersistentBatch(), {}, [], 0, set()
+    for _ in range(400):
+        keep = [k for k in live if rng.random() < 0.8]
+        new = list(range(next_key, next_key + int(rng.integers(0, 4))))
+        next_key += len(new)
+        live = list(rng.permutation(keep + new)) if rng.random() < 0.5 else keep + new
+        live = [int(k) for k in live[:8]]
+        old_size = len(batch.keys)
+        update = batch.update(live, {k: (k, [], []) for k in new})
+        if update is None:
+            assert live == batch.keys
+            continue
+        rows = [*update.removed, *(a[0] for a in update.added),
+                *(m[i] for m in update.moved for i in (0, 1))]
+        assert all(0 <= r < max(old_size, len(live)) for r in rows)
+        assert not set(update.removed) & {a[0] for a in update.added}
+        assert update.batch_size == len(live)
+        process_dict_updates(state, update, lambda params, _p, _o: params)
+        assert state == dict(enumerate(live))
+        kinds.update(m[2].name for m in update.moved)
+    assert kinds == {"UNIDIRECTIONAL", "SWAP"}
 
 
 def test_a_target_token_is_forced_exactly_for_the_requests_that_ask(llm, hf):
