@@ -17,6 +17,7 @@ import custom_logits_processors as procs
 from conftest import hf_causal_lm
 from llm_serving import LLM, EngineArgs, SamplingParams
 from llm_serving.errors import ConfigError, LogitsProcessorError
+from llm_serving.executor.launch_plan import plan_launch
 from llm_serving.sample.batch_update import PersistentBatch
 from llm_serving.sample.logits_processor import process_dict_updates
 from test_http_server import ROOT, free_port, serve_model, stop_server
@@ -200,6 +201,20 @@ def test_classes_the_workagent_cannot_import_or_use_are_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match="not supported with speculative_config"):
         EngineArgs(tiny_model_dir, logits_processors=["custom_logits_processors:TopOnlyProcessor"],
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_workagent_finds_processor_modules_on_the_scripts_sys_path(tiny_model_dir,
+                                                                       tmp_path, monkeypatch):
+    """A script that puts its processors' directory on sys.path (as vLLM's spawned workers
+    get it): the WorkAgent's PYTHONPATH has it, and not the interpreter's own paths."""
+    (tmp_path / "my_procs.py").write_text("from custom_logits_processors import "
+                                          "TopOnlyProcessor as P\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = EngineArgs(tiny_model_dir, logits_processors=["my_procs:P"],
+                        distributed_executor_backend="mp").create_engine_config()
+    path = plan_launch(config, sys.executable).agents[0].env["PYTHONPATH"].split(os.pathsep)
+    assert str(tmp_path) in path and TESTS in path
+    assert not [p for p in path if p.startswith((sys.prefix, sys.base_prefix))]
 
 
 def test_the_server_does_not_start_with_a_processor_it_cannot_import(tiny_model_dir):

@@ -121,8 +121,10 @@ def plan_launch(config: EngineConfig, python: str, device_target: Optional[str] 
                else {})
         if config.model.logits_processors:
             # the user's processor modules import in the agent as in this process (as vLLM's
-            # spawned workers get its sys.path)
-            env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+            # spawned workers get its sys.path; the interpreter's own paths it has)
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+                p or os.getcwd() for p in sys.path
+                if not p.startswith((sys.prefix, sys.base_prefix))))
         device_id = config.device.start_device_id + rank if device == "Ascend" else None
         agents.append(ProcessPlan("agent", rank, device_id, argv, env, quiet))
     return LaunchPlan(device, tp, comm, scheduler, tuple(agents))
