@@ -19,6 +19,7 @@ from llm_serving import LLM, EngineArgs, SamplingParams
 from llm_serving.errors import ConfigError, LogitsProcessorError
 from llm_serving.executor.launch_plan import plan_launch
 from llm_serving.sample.batch_update import PersistentBatch
+from llm_serving.sample.custom_logits_processors import vllm_config_view
 from llm_serving.sample.logits_processor import process_dict_updates
 from test_http_server import ROOT, free_port, serve_model, stop_server
 
@@ -157,6 +158,19 @@ def test_a_processor_that_raises_fails_the_started_requests_and_keeps_the_queued
     while engine.has_unfinished_requests():
         done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
     assert done == {f"fail-{i}": [7 * i + j for j in range(5)] for i in (4, 5)}
+
+
+def test_vllm_config_gives_what_processors_read_and_names_what_it_does_not(llm):
+    import torch
+    view = vllm_config_view(llm.engine.config)
+    assert (view.scheduler_config.max_num_seqs, view.model_config.get_vocab_size(),
+            view.model_config.max_model_len, view.model_config.dtype,
+            view.cache_config.block_size, view.speculative_config) == (4, V, 128,
+                                                                      torch.float32, 16, None)
+    assert getattr(view, "reasoning_config", None) is None
+    with pytest.raises(AttributeError, match="vllm_config.model_config.hf_config is not "
+                                             "provided to custom logits processors here"):
+        view.model_config.hf_config
 
 
 def test_validate_params_refuses_a_request_naming_extra_args(llm):

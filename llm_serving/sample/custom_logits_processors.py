@@ -140,18 +140,26 @@ class _Section:
 def vllm_config_view(config) -> _Section:
     """vllm_config as processors read it: scheduler_config (max_num_seqs,
     max_num_batched_tokens, max_model_len), model_config (get_vocab_size(), vocab_size,
-    max_model_len, dtype, model, seed) and cache_config.block_size."""
+    max_model_len, max_logprobs, dtype, seed, model, tokenizer and vLLM's tokenizer
+    settings), cache_config.block_size, parallel_config's sizes, speculative_config (None:
+    processors run without it) and additional_config ({})."""
     m, s = config.model, config.scheduler
     import torch
-    dtype = getattr(torch, m.weight_dtype)
-    model = _Section("model_config", model=m.path, vocab_size=m.vocab_size,
-                     max_model_len=m.max_model_len, dtype=dtype, seed=m.seed,
+    model = _Section("model_config", model=m.path, tokenizer=m.tokenizer,
+                     tokenizer_mode="auto", trust_remote_code=False, revision=None,
+                     tokenizer_revision=None, vocab_size=m.vocab_size,
+                     max_model_len=m.max_model_len, max_logprobs=m.max_logprobs,
+                     dtype=getattr(torch, m.weight_dtype), seed=m.seed,
                      get_vocab_size=lambda: m.vocab_size)
-    return _Section("", scheduler_config=_Section(
-        "scheduler_config", max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=m.max_model_len),
-        model_config=model,
-        cache_config=_Section("cache_config", block_size=config.cache.block_size))
+    return _Section(
+        "", model_config=model, speculative_config=None, additional_config={},
+        scheduler_config=_Section("scheduler_config", max_num_seqs=s.max_num_seqs,
+                                  max_num_batched_tokens=s.max_num_batched_tokens,
+                                  max_model_len=m.max_model_len),
+        cache_config=_Section("cache_config", block_size=config.cache.block_size),
+        parallel_config=_Section(
+            "parallel_config", tensor_parallel_size=config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=1, data_parallel_size=1))
 
 
 # ---- the WorkAgent side ------------------------------------------------------------------
