@@ -98,6 +98,10 @@ def test_a_target_token_is_forced_exactly_for_the_requests_that_ask(llm, hf):
     outs = _ids(llm, PROMPTS[:4], params)
     for i, out in enumerate(outs):
         assert out == ([77] * 6 if i % 2 else greedy(PROMPTS[i], 6)), i
+    # n > 1: each sequence is a row of its own, from the first token on
+    two = llm.generate({"prompt_token_ids": PROMPTS[4]}, SamplingParams(
+        n=2, temperature=1.0, max_tokens=3, extra_args={"target_token": 5}), use_tqdm=False)
+    assert [c.token_ids for c in two[0].outputs] == [[5] * 3] * 2
 
 
 def test_rows_keep_their_requests_as_requests_join_finish_and_are_preempted(llm):
@@ -215,6 +219,23 @@ def test_classes_the_workagent_cannot_import_or_use_are_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match="not supported with speculative_config"):
         EngineArgs(tiny_model_dir, logits_processors=["custom_logits_processors:TopOnlyProcessor"],
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_installed_plugins_of_vllms_entry_point_group_are_loaded(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """A package that registers a processor under vllm.logits_processors runs without a
+    flag, before the ones given, as in vLLM."""
+    info = tmp_path / "lp_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lp-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[vllm.logits_processors]\n"
+                                           "top = custom_logits_processors:TopOnlyProcessor\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = EngineArgs(tiny_model_dir, logits_processors=["custom_logits_processors:"
+                                                           "TargetTokenProcessor"]
+                        ).create_engine_config()
+    assert config.model.logits_processors == ("custom_logits_processors:TopOnlyProcessor",
+                                              "custom_logits_processors:TargetTokenProcessor")
 
 
 def test_the_workagent_finds_processor_modules_on_the_scripts_sys_path(tiny_model_dir,
