@@ -19,7 +19,8 @@ from llm_serving import LLM, EngineArgs, SamplingParams
 from llm_serving.errors import ConfigError, LogitsProcessorError
 from llm_serving.executor.launch_plan import plan_launch
 from llm_serving.sample.batch_update import PersistentBatch
-from llm_serving.sample.custom_logits_processors import vllm_config_view
+from llm_serving.sample.custom_logits_processors import (CustomLogitsProcessors,
+                                                         vllm_config_view)
 from llm_serving.sample.logits_processor import process_dict_updates
 from test_http_server import ROOT, free_port, serve_model, stop_server
 
@@ -175,6 +176,60 @@ def test_vllm_config_gives_what_processors_read_and_names_what_it_does_not(llm):
     with pytest.raises(AttributeError, match="vllm_config.model_config.hf_config is not "
                                              "provided to custom logits processors here"):
         view.model_config.hf_config
+
+
+def test_a_class_derived_from_vllms_own_interface_gets_vllms_types(llm, monkeypatch):
+    """With vLLM installed, a processor subclassing vLLM's LogitsProcessor is taken, and its
+    updates carry vLLM's BatchUpdate and MoveDirectionality (here a stand-in vLLM module)."""
+    import abc
+    import dataclasses
+    import enum
+    import pickle
+    import types
+    fake = types.ModuleType("vllm.v1.sample.logits_processor")
+
+    class Move(enum.Enum):
+        UNIDIRECTIONAL = 1
+        SWAP = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class BatchUpdate:
+        batch_size: int
+        removed: list
+        added: list
+        moved: list
+
+    class LogitsProcessor(abc.ABC):
+        pass
+    LogitsProcessor.__module__ = "vllm.v1.sample.logits_processor.interface"
+    fake.LogitsProcessor, fake.BatchUpdate, fake.MoveDirectionality = (LogitsProcessor,
+                                                                      BatchUpdate, Move)
+    for name in ("vllm", "vllm.v1", "vllm.v1.sample", "vllm.v1.sample.logits_processor"):
+        monkeypatch.setitem(sys.modules, name, fake)
+    seen = []
+
+    class Theirs(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            pass
+
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, batch_update):
+            seen.append(batch_update)
+
+        def apply(self, logits):
+            return logits
+    config = llm.engine.config
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, logits_processors=(Theirs,)))
+    custom = CustomLogitsProcessors(config)
+    params = SamplingParams()
+    custom.update(np.array([1, 2]), np.frombuffer(pickle.dumps(
+        {1: (params, [5], []), 2: (params, [6], [])}), np.uint8))
+    custom.update(np.array([2, 1]), None)
+    assert [type(u) for u in seen] == [BatchUpdate, BatchUpdate]
+    assert [({a, b}, how) for a, b, how in seen[1].moved] == [({0, 1}, Move.SWAP)]
 
 
 def test_validate_params_refuses_a_request_naming_extra_args(llm):
