@@ -133,6 +133,13 @@ def test_an_argmax_invariant_processor_runs_after_temperature_on_random_rows(llm
     assert outs[3] != greedy(PROMPTS[3], 8)        # sampled at 1.5 without it
 
 
+def test_seeded_requests_that_ask_nothing_sample_as_without_processors(llm, tiny_llm):
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=7 + i, max_tokens=8,
+                             ignore_eos=True)
+              for i, (t, k, p) in enumerate([(0.8, 0, 1.0), (1.3, 50, 0.9), (0.5, 0, 0.7)])]
+    assert _ids(llm, PROMPTS[:3], params) == _ids(tiny_llm, PROMPTS[:3], params)
+
+
 def test_an_adapter_processor_runs_its_per_request_callable(llm, hf):
     greedy, logits = hf
     first = greedy(PROMPTS[0], 1)[0]

@@ -126,7 +126,9 @@ class Sampler:
         token_ids[banned] = logits[banned].argmax(axis=1)
         random = np.flatnonzero(~greedy)
         if random.size:
-            x /= np.where(greedy, np.float32(1), batch.temperature)[:, None]
+            # (times 1/T in float32, as _sample_block scales: the same samples as without
+            # processors for the rows they leave alone)
+            x *= (1.0 / np.where(greedy, 1.0, batch.temperature)).astype(np.float32)[:, None]
             if custom.has_invariant:
                 x = custom.apply(x, invariant=True)
             scaled = dataclasses.replace(batch, temperature=np.ones(len(batch), np.float32))
