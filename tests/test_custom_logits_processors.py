@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import openai
 import pytest
+import requests
 
 import custom_logits_processors as procs
 from conftest import hf_causal_lm
@@ -345,7 +346,7 @@ def _complete(client, prompt, n, xargs=None):
     return r.choices[0].token_ids
 
 
-def test_vllm_xargs_reach_the_processors_on_completions_and_chat(client, tiny_model_dir, hf):
+def test_vllm_xargs_reach_the_processors_on_every_generating_route(client, tiny_model_dir, hf):
     client.model = client.models.list().data[0].id
     assert _complete(client, PROMPTS[0], 5, {"target_token": 77}) == [77] * 5
     r = client.chat.completions.create(
@@ -353,6 +354,15 @@ def test_vllm_xargs_reach_the_processors_on_completions_and_chat(client, tiny_mo
         temperature=0, logprobs=True, extra_body={"vllm_xargs": {"target_token": 77},
                                                   "return_tokens_as_token_ids": True})
     assert [t.token for t in r.choices[0].logprobs.content] == ["token_id:77"] * 4
+    import transformers
+    text = transformers.AutoTokenizer.from_pretrained(tiny_model_dir).decode([77] * 4)
+    r = client.responses.create(model=client.model, input="hi", max_output_tokens=4,
+                                extra_body={"vllm_xargs": {"target_token": 77}})
+    assert r.output_text == text
+    r = requests.post(str(client.base_url).replace("/v1/", "/v1/messages"), json={
+        "model": client.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "vllm_xargs": {"target_token": 77}})
+    assert r.json()["content"] == [{"type": "text", "text": text}]
     greedy, _ = hf
     lengths = [30, 4, 17, 9, 25, 3, 12, 20]
     jobs = [(PROMPTS[i], n, {"count_from": 100 * i} if i % 4 else None)
