@@ -293,6 +293,20 @@ def freq_of(tokens, t):
     return float(np.mean(tokens == t))
 
 
+def test_logit_bias_is_added_before_the_repetition_penalty_as_vllm_does():
+    """vLLM V1 adds logit_bias (a built-in logits processor) before the penalties: token 1,
+    in the prompt, with logit 2 and bias 3 scores (2 + 3) / 2 = 2.5 under repetition_penalty
+    2, below token 0's 3 (the penalty first would give it 4). A greedy row and a top-1 row."""
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0),
+              SamplingParams(temperature=1.0, top_k=1, repetition_penalty=2.0)]
+    batch = batch_of(params, [[1], [1]])
+    batch.bias_rows = np.array([0, 1], np.int32)
+    batch.bias_ids = np.array([1, 1], np.int32)
+    batch.bias_values = np.array([3.0, 3.0], np.float32)
+    logits = np.array([[3.0, 2.0, 0.0, 0.0]] * 2, np.float32)
+    assert Sampler(0)(logits, batch).token_ids.tolist() == [0, 0]
+
+
 def test_repetition_penalty_lowers_seen_tokens_with_either_sign():
     logits = np.zeros(10, np.float32)
     logits[3], logits[7] = 1.0, -1.0

@@ -3,11 +3,11 @@
 Every row of a batch is sampled with its own parameters (temperature, top-k, top-p, min-p,
 penalties, seed); nothing is taken per batch. The order follows vLLM:
 
-1. penalties on the logits: repetition (prompt + output tokens: positive logits divided,
-   negative multiplied), then frequency (times the count in the output) and presence (once
-   if in the output) subtracted; logit_bias added; then banned ids (min_tokens: EOS + stop
-   ids, bad_words) and the tokens a row's bitmask leaves out (grammar, allowed_token_ids)
-   set to -inf;
+1. logit_bias added, banned ids (min_tokens: EOS + stop ids, bad_words) and the tokens a
+   row's bitmask leaves out (grammar, allowed_token_ids) set to -inf; then the penalties:
+   repetition (prompt + output tokens: positive logits divided, negative multiplied), then
+   frequency (times the count in the output) and presence (once if in the output)
+   subtracted (vLLM V1 adds the bias before the penalties too);
 2. greedy rows (temperature < 1e-5): argmax, ties to the lowest id;
 3. random rows: divide by temperature, keep the top-k, then the top-p nucleus (smallest set
    whose probability reaches top_p, at least one token), then drop tokens below
@@ -108,18 +108,17 @@ class Sampler:
                                      batch.logprob_token_ids)
 
     def _sample_custom(self, logits: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
-        """With custom logits processors, in vLLM V1's order: those that may change the
-        argmax on a copy of the raw logits, then penalties, bias, bans and masks; greedy rows
-        take the argmax; then temperature, the argmax-invariant ones (only when some row
-        samples at random), and the random rows' filters and draw. Logprobs stay raw."""
+        """With custom logits processors, in vLLM V1's order: on a copy of the raw logits,
+        logit_bias, bans and token masks, then the processors that may change the argmax,
+        then the penalties; greedy rows take the argmax; then temperature, the
+        argmax-invariant processors (only when some row samples at random), and the random
+        rows' filters and draw. Logprobs stay raw."""
         custom = self.custom
         custom.update(batch.row_keys, batch.added_requests)
-        x = custom.apply(logits.copy(), invariant=False)
-        rows = np.flatnonzero(batch.modified_rows)
-        if rows.size:
-            sub = np.take(x, rows, axis=0)
-            _apply_penalties_and_bans(sub, rows, batch, np.ones(rows.size, np.float32))
-            x[rows] = sub
+        x = logits.copy()
+        _on_rows(x, np.flatnonzero(batch.modified_rows), batch, _apply_bias_and_bans)
+        x = custom.apply(x, invariant=False)
+        _on_rows(x, np.flatnonzero(batch.penalized_rows), batch, _apply_penalties)
         greedy = batch.temperature < SAMPLING_EPS
         token_ids = x.argmax(axis=1)
         banned = ~np.isfinite(x[np.arange(len(x)), token_ids])   # every token banned
@@ -286,6 +285,15 @@ class Sampler:
 
 # ======================================================================= helpers
 
+def _on_rows(x: np.ndarray, rows: np.ndarray, batch: SamplingBatch, stage) -> None:
+    """``stage`` (_apply_bias_and_bans, _apply_penalties) on the rows ``rows`` of the
+    unscaled x [B, V], in place."""
+    if rows.size:
+        sub = np.take(x, rows, axis=0)
+        stage(sub, rows, batch, np.ones(rows.size, np.float32))
+        x[rows] = sub
+
+
 def _take_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """a[rows] (rows ascending, no repeats): a view when rows is a contiguous range."""
     if rows.size and rows[-1] - rows[0] == rows.size - 1:
@@ -354,48 +362,34 @@ def _pad_rows(values, r, lens, fill=0):
 def _apply_penalties_and_bans(x: np.ndarray, rows: np.ndarray, batch: SamplingBatch,
                               scale: np.ndarray) -> None:
     """In place on x [n, V] (row i is batch row rows[i], already multiplied by scale[i] > 0):
-    repetition, frequency and presence penalties, then banned ids to -inf."""
+    logit_bias, banned ids and token masks, then the penalties, in vLLM's order (a banned
+    entry stays -inf through the penalties)."""
+    _apply_bias_and_bans(x, rows, batch, scale)
+    _apply_penalties(x, rows, batch, scale)
+
+
+def _gather(lists, which: np.ndarray, rows: np.ndarray, v: int):
+    """(row in x, token id) pairs of the per-row id lists of the rows selected by which (x's
+    row i is batch row rows[i]), ids outside [0, V) dropped."""
+    idx = np.flatnonzero(which)
+    if idx.size == 0:
+        return _EMPTY_IDS, _EMPTY_IDS
+    if lists is None:
+        raise ValueError("SamplingBatch has penalties but no prompt_token_ids / "
+                         "output_token_ids")
+    arrays = [lists[rows[i]] for i in idx]
+    lens = np.fromiter((len(a) for a in arrays), np.int64, idx.size)
+    toks = np.concatenate(arrays).astype(np.int64, copy=False) if arrays else _EMPTY_IDS
+    ri = np.repeat(idx, lens)
+    ok = (toks >= 0) & (toks < v)
+    return ri[ok], toks[ok]
+
+
+def _apply_bias_and_bans(x: np.ndarray, rows: np.ndarray, batch: SamplingBatch,
+                         scale: np.ndarray) -> None:
+    """logit_bias added, then banned ids (min_tokens, bad_words) and the tokens a row's
+    bitmask leaves out set to -inf (see _apply_penalties_and_bans)."""
     n, v = x.shape
-    rep = batch.repetition_penalty[rows]
-    freq = batch.frequency_penalty[rows]
-    pres = batch.presence_penalty[rows]
-
-    def gather(lists, which):
-        """(row in x, token id) pairs of the rows selected by which, ids outside [0, V) dropped."""
-        idx = np.flatnonzero(which)
-        if idx.size == 0:
-            return _EMPTY_IDS, _EMPTY_IDS
-        if lists is None:
-            raise ValueError("SamplingBatch has penalties but no prompt_token_ids / "
-                             "output_token_ids")
-        arrays = [lists[rows[i]] for i in idx]
-        lens = np.fromiter((len(a) for a in arrays), np.int64, idx.size)
-        toks = np.concatenate(arrays).astype(np.int64, copy=False) if arrays else _EMPTY_IDS
-        ri = np.repeat(idx, lens)
-        ok = (toks >= 0) & (toks < v)
-        return ri[ok], toks[ok]
-
-    # Repetition: over prompt and output tokens. Duplicates are harmless: every write of a
-    # position computes the same value from the same original.
-    which = rep != 1.0
-    if which.any():
-        ri, ti = gather(batch.prompt_token_ids, which)
-        ro, to = gather(batch.output_token_ids, which)
-        ri, ti = np.concatenate([ri, ro]), np.concatenate([ti, to])
-        if ri.size:
-            vals = x[ri, ti]
-            r = rep[ri]
-            x[ri, ti] = np.where(vals > 0, vals / r, vals * r)
-
-    # Frequency and presence: over output tokens, with counts.
-    which = (freq != 0.0) | (pres != 0.0)
-    if which.any():
-        ri, ti = gather(batch.output_token_ids, which)
-        if ri.size:
-            flat, counts = np.unique(ri * v + ti, return_counts=True)
-            ri, ti = np.divmod(flat, v)
-            x[ri, ti] -= (freq[ri] * counts + pres[ri]) * scale[ri]
-
     if batch.bias_rows is not None and batch.bias_rows.size:
         # Rows of x: where each biased batch row sits in `rows` (absent rows dropped).
         pos = np.full(len(batch), -1, np.int64)
@@ -406,7 +400,7 @@ def _apply_penalties_and_bans(x: np.ndarray, rows: np.ndarray, batch: SamplingBa
         x[ri, ti] += batch.bias_values[ok] * scale[ri]
 
     if batch.banned_token_ids is not None:
-        ri, ti = gather(batch.banned_token_ids, np.ones(n, bool))
+        ri, ti = _gather(batch.banned_token_ids, np.ones(n, bool), rows, v)
         if ri.size:
             x[ri, ti] = -np.inf
 
@@ -420,6 +414,37 @@ def _apply_penalties_and_bans(x: np.ndarray, rows: np.ndarray, batch: SamplingBa
             sub = x[sel]
             sub[~allowed] = -np.inf
             x[sel] = sub
+
+
+def _apply_penalties(x: np.ndarray, rows: np.ndarray, batch: SamplingBatch,
+                     scale: np.ndarray) -> None:
+    """Repetition (prompt and output tokens: positive logits divided, negative multiplied),
+    then frequency and presence penalties (see _apply_penalties_and_bans)."""
+    v = x.shape[1]
+    rep = batch.repetition_penalty[rows]
+    freq = batch.frequency_penalty[rows]
+    pres = batch.presence_penalty[rows]
+
+    # Repetition: over prompt and output tokens. Duplicates are harmless: every write of a
+    # position computes the same value from the same original.
+    which = rep != 1.0
+    if which.any():
+        ri, ti = _gather(batch.prompt_token_ids, which, rows, v)
+        ro, to = _gather(batch.output_token_ids, which, rows, v)
+        ri, ti = np.concatenate([ri, ro]), np.concatenate([ti, to])
+        if ri.size:
+            vals = x[ri, ti]
+            r = rep[ri]
+            x[ri, ti] = np.where(vals > 0, vals / r, vals * r)
+
+    # Frequency and presence: over output tokens, with counts.
+    which = (freq != 0.0) | (pres != 0.0)
+    if which.any():
+        ri, ti = _gather(batch.output_token_ids, which, rows, v)
+        if ri.size:
+            flat, counts = np.unique(ri * v + ti, return_counts=True)
+            ri, ti = np.divmod(flat, v)
+            x[ri, ti] -= (freq[ri] * counts + pres[ri]) * scale[ri]
 
 
 def unpack_bitmask(bitmask: np.ndarray, v: int) -> np.ndarray:
