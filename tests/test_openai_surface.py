@@ -508,11 +508,12 @@ _COMMON_HONOURED = {
     "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 2, "min_count": 3},
     "prompt_logprobs": 1, "request_id": "r1", "structural_tag": json.dumps({
         "triggers": ["<f="], "structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"}]}),
+    "cache_salt": "s",
 }
 _COMMON_REFUSED = {
     "logits_processors": ["x"],
     "kv_transfer_params": {},
-    "cache_salt": "s", "vllm_xargs": {"a": 1},
+    "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
     "guided_decoding_backend": "xgrammar", "watermarking": True,

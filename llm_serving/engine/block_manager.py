@@ -10,9 +10,11 @@ also match the block's tokens exactly and the cache entry its parent came from, 
 collision can never hand out wrong KV. A cached block nobody uses stays in the cache, on an
 LRU list, until a fresh block is needed and it is the least recently freed.
 
-The KV of a sequence run with a LoRA adapter is that adapter's: its chain starts from the
-adapter's id (in the first block's hash and in the parent checked on a hit), so blocks are
-shared only between sequences of the same adapter (vLLM puts the LoRA id in its block hash).
+The KV of a sequence run with a LoRA adapter is that adapter's, and a request's
+``cache_salt`` (vLLM's) sets its own apart: as vLLM, each block's hash covers the adapter's
+("lora", name, path) and block 0's the salt too, and the parent checked on a hit of block 0 is
+the (adapter id, salt) pair, so blocks are shared only between sequences of the same adapter
+and the same salt (or both none).
 
 Copy-on-write. The ``n`` sequences of one request share the prompt's blocks after the fork
 (reference counts > 1). Before a sequence writes into a block others still hold, it gets its
@@ -33,15 +35,27 @@ from llm_serving.engine.kv_cache_residency import KVResidency
 from llm_serving.engine.metrics import EngineStats
 from llm_serving.engine.sequence import Sequence
 
-_ROOT_HASH = 0x6C6C6D5F73657276   # parent hash of block 0
+_ROOT_HASH = 0x6C6C6D5F73657276   # parent hash of block 0 (Python's hash chain)
 
 
-def _root(seq: Sequence) -> tuple[int, Optional[int]]:
-    """The parent hash and parent entry of a sequence's block 0: its adapter's (uids of
-    entries are positive, so -lora_id never names one)."""
-    if not seq.lora_id:
-        return _ROOT_HASH, None
-    return hash((_ROOT_HASH, seq.lora_id)), -seq.lora_id
+def _root_uid(seq: Sequence) -> Optional[tuple]:
+    """The parent entry of a sequence's block 0: None, or its (adapter id, salt) (uids of
+    entries are ints, so this never names one)."""
+    if not seq.lora_id and seq.cache_salt is None:
+        return None
+    return seq.lora_id, seq.cache_salt
+
+
+def _extra_keys(seq: Sequence) -> tuple[Optional[tuple], Optional[tuple]]:
+    """The extra keys of the sequence's block 0 and of its other blocks, as vLLM's: the
+    adapter's ("lora", name, path) on every block, the salt on block 0."""
+    lora = (("lora", seq.lora_name, seq.lora_path),) if seq.lora_id else ()
+    first = lora + ((("cache_salt", seq.cache_salt),) if seq.cache_salt is not None else ())
+    return first or None, lora or None
+
+
+def _python_hash(parent, tokens: tuple, extra: Optional[tuple]) -> int:
+    return hash((_ROOT_HASH if parent is None else parent, tokens, extra))
 
 
 class BlockManager:
@@ -166,9 +180,13 @@ class BlockManager:
     # ---- admitting a waiting sequence -----------------------------------------------------
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs, hashes = self.block_size, seq.block_hashes
-        parent = hashes[-1] if hashes else _root(seq)[0]
+        if len(hashes) >= num_full_blocks:
+            return
+        first, rest = _extra_keys(seq)
+        parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
-            parent = hash((parent, tuple(seq.token_ids(i * bs, (i + 1) * bs))))
+            parent = _python_hash(parent, tuple(seq.token_ids(i * bs, (i + 1) * bs)),
+                                  rest if i else first)
             hashes.append(parent)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -189,7 +207,7 @@ class BlockManager:
             limit = min(limit, (len(scored) - 1) // bs)
         self._ensure_hashes(seq, limit)
         matched: list[int] = []
-        parent_uid = _root(seq)[1]
+        parent_uid = _root_uid(seq)
         for i in range(limit):
             block = self.cache.get(seq.block_hashes[i])
             if (block is None or self.block_parent_uid[block] != parent_uid
@@ -232,7 +250,7 @@ class BlockManager:
             return
         self._ensure_hashes(seq, full)
         for i in range(len(uids), full):
-            parent_uid = uids[i - 1] if i else _root(seq)[1]
+            parent_uid = uids[i - 1] if i else _root_uid(seq)
             if i and parent_uid is None:        # the chain above is not cached
                 uids.append(None)
                 continue

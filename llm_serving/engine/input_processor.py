@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from llm_serving.config import EngineConfig
+from llm_serving.inputs import check_cache_salt, salt_of
 from llm_serving.lora.request import LoRARequest
 from llm_serving.model_executor.layers.pooler import check_dimensions
 from llm_serving.pooling_params import PoolingParams
@@ -53,6 +54,7 @@ class NewRequest:
     arrival_time: float
     lora: Optional["LoRARequest"] = None     # its adapter (None: the base model)
     pooling: Optional[PoolingParams] = None     # a pooling request (its params, resolved)
+    cache_salt: Optional[str] = None     # the prompt's (vLLM's): its own prefix-cache blocks
 
 
 class InputProcessor:
@@ -141,6 +143,8 @@ class InputProcessor:
         if self.constraints is not None and (params.constrained or params.logit_bias
                                              or params.thinking_token_budget is not None):
             self.constraints.prepare(params)
+        salt = salt_of(prompt)
+        check_cache_salt(salt)
         text, ids = self._tokenize(prompt)
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
@@ -151,14 +155,14 @@ class InputProcessor:
                                  f"model length ({self.max_model_len})")
             return NewRequest(request_id, text, ids, params, 1, priority,
                               time.time() if arrival_time is None else arrival_time,
-                              pooling=pooling)
+                              pooling=pooling, cache_salt=salt)
         if room < 1:
             raise ValueError(f"prompt: it has {len(ids)} tokens; the maximum model length is "
                              f"{self.max_model_len}, leaving no room to generate")
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time,
-                          lora=lora_request)
+                          lora=lora_request, cache_salt=salt)
 
     def _pooling(self, params) -> Optional[PoolingParams]:
         """A pooling request's params, resolved against the server's pooler (None for a

@@ -121,6 +121,7 @@ class OutputProcessor:
             if new.lora is not None:
                 seq.lora_id, seq.lora_path = new.lora.lora_int_id, new.lora.lora_path
                 seq.lora_name = new.lora.lora_name
+            seq.cache_salt = new.cache_salt
             if self.spec_metrics is not None:
                 seq.spec_metrics = SpecDecodeRequestMetrics(*self.spec_metrics)
             seq.detokenizer = IncrementalDetokenizer(

@@ -116,6 +116,8 @@ class Sequence:
         self.lora_id = 0
         self.lora_path: Optional[str] = None
         self.lora_name: Optional[str] = None
+        # vLLM's cache_salt: its blocks are shared only with sequences of the same salt
+        self.cache_salt: Optional[str] = None
 
     @property
     def num_tokens(self) -> int:

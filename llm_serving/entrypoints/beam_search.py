@@ -42,8 +42,10 @@ class BeamSearch:
     """One prompt's beam search."""
 
     def __init__(self, prompt_token_ids: List[int], params: BeamSearchParams,
-                 eos_token_id: Optional[int], max_model_len: int):
+                 eos_token_id: Optional[int], max_model_len: int,
+                 cache_salt: Optional[str] = None):
         self.params = params
+        self.cache_salt = cache_salt        # the prompt's (vLLM's), kept by each step's prompt
         self.prompt_len = len(prompt_token_ids)
         room = max_model_len - self.prompt_len       # the last step's prompt must fit
         self.max_tokens = min(params.max_tokens or room, room)
@@ -52,6 +54,12 @@ class BeamSearch:
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
         self.finished: List[BeamSearchSequence] = []
         self.steps = 0
+
+    def step_prompt(self, beam: BeamSearchSequence) -> dict:
+        """The prompt of a step that extends ``beam`` by one token."""
+        if self.cache_salt is None:
+            return {"prompt_token_ids": beam.tokens}
+        return {"prompt_token_ids": beam.tokens, "cache_salt": self.cache_salt}
 
     @property
     def done(self) -> bool:

@@ -16,6 +16,7 @@ from llm_serving.engine.input_processor import NO_TOKENIZER
 from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.beam_search import BeamSearch, BeamSearchOutput
+from llm_serving.inputs import salt_of
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
@@ -363,7 +364,7 @@ class LLM:
                 ids = self.engine.process_request(p, SamplingParams(max_tokens=1),
                                                   "beam-search-tokenize", 0).prompt_token_ids
             searches.append(BeamSearch(list(ids), params, tok.eos_token_id,
-                                       self.engine.max_model_len))
+                                       self.engine.max_model_len, salt_of(p)))
         lora_of = {id(s): lora for s, lora in zip(searches, loras)}
         group = concurrency_limit or len(searches)
         step = params.step_params()
@@ -375,8 +376,8 @@ class LLM:
                 if not live:
                     break
                 bar.update()
-                outs = iter(self.generate([{"prompt_token_ids": b.tokens}
-                                           for s in live for b in s.beams], step,
+                outs = iter(self.generate([s.step_prompt(b) for s in live for b in s.beams],
+                                          step,
                                           lora_request=[lora_of[id(s)] for s in live
                                                         for _ in s.beams]))
                 for s in live:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llm_serving.inputs import check_cache_salt
 from llm_serving.sampling_params import (MAX_STOPS, BeamSearchParams, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
@@ -31,7 +32,6 @@ _NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "seed", "top_p", "top_k", "mi
 _REFUSED_COMMON = {
     "logits_processors": (),
     "return_token_ids": (False,),
-    "cache_salt": (),
     "mm_processor_kwargs": (), "guided_decoding_backend": (
         "llguidance", "auto", "guidance"),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
@@ -57,6 +57,16 @@ def sampling_knobs(req, defaults: Optional[dict]) -> dict:
     defaults = {**_OPENAI_DEFAULTS, **(defaults or {})}
     return {k: defaults[k] if getattr(req, k) is None else getattr(req, k)
             for k in _OPENAI_DEFAULTS}
+
+
+def _checked_cache_salt(cls, v):
+    check_cache_salt(v)
+    return v
+
+
+def cache_salt_validator():
+    """A request model's check of its cache_salt field, vLLM's (a 400 naming it)."""
+    return field_validator("cache_salt", mode="before")(_checked_cache_salt)
 
 
 class StreamOptions(BaseModel):
@@ -131,7 +141,8 @@ class _SamplingFields(BaseModel):
     guided_decoding_backend: Any = None
     # PD disaggregation (vLLM's field; the engine refuses it without a kv_transfer config).
     kv_transfer_params: Optional[dict[str, Any]] = None
-    cache_salt: Any = None
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
+    cache_salt: Optional[str] = None
     # vLLM's: the request's SamplingParams.extra_args, for custom logits processors
     vllm_xargs: Optional[XArgs] = None
     # vLLM's: the response's id after its prefix (an X-Request-Id header wins)
@@ -152,6 +163,8 @@ class _SamplingFields(BaseModel):
     safety_identifier: Optional[str] = None     # as `user`: named in the request's log line
 
     REFUSED: ClassVar[dict] = _REFUSED_COMMON
+
+    _check_cache_salt = cache_salt_validator()
 
     def stream_usage(self) -> tuple[bool, bool]:
         """(a final chunk with usage, usage in every chunk), from stream_options."""

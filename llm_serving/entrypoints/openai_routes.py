@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from llm_serving.entrypoints.beam_search import BeamSearch
+from llm_serving.inputs import salt_of, with_cache_salt
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState,
                                                 event_stream, log_arrival, log_request,
@@ -245,7 +246,7 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
             ids = (await engine.check_request(f"{rid}-{i}", prompt, step, priority,
                                               lora)).prompt_token_ids
             searches.append(BeamSearch(ids, params, engine.tokenizer.eos_token_id,
-                                       engine.limits.max_model_len))
+                                       engine.limits.max_model_len, salt_of(prompt)))
     except ValueError as e:
         if str(e).startswith("logprobs"):
             raise HTTPError(400, f"n: beam search with {n} beams asks for the top {2 * n} "
@@ -263,8 +264,8 @@ async def beam_search_choices(request: Request, rid: str, resp_id: str, prompts:
             for s in live:
                 for beam in s.beams:
                     new = await engine.check_request(f"{rid}-{k}-{len(streams)}",
-                                                     {"prompt_token_ids": beam.tokens}, step,
-                                                     priority, lora)
+                                                     s.step_prompt(beam), step, priority,
+                                                     lora)
                     streams.append(engine.queue(new, trace_headers=request_trace(request)))
         except Exception as e:
             for stream in streams:
@@ -493,6 +494,7 @@ async def completions(req: CompletionRequest, request: Request):
                    for x in p]
     else:
         prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in p]
+    prompts = with_cache_salt(prompts, req.cache_salt)
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
     # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
     echo_only = req.echo and req.max_tokens == 0
@@ -732,8 +734,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     last = req.messages[-1]
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
-    prompt = {"prompt": text if req.truncate_prompt_tokens is None else None,
-              "prompt_token_ids": ids}
+    prompt, = with_cache_salt([{"prompt": text if req.truncate_prompt_tokens is None else None,
+                                "prompt_token_ids": ids}], req.cache_salt)
     streams = None if beam else await start_requests(request, rid, resp_id, [prompt], params,
                                                      req.priority, grammar_field, lora,
                                                      one_answer=True)

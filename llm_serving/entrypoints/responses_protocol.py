@@ -20,8 +20,9 @@ from typing import Any, ClassVar, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llm_serving.entrypoints.openai_protocol import (ChatMessage, FunctionDef, ReasoningEffort,
-                                                     Tool, ToolChoiceFunction, sampling_knobs,
-                                                     XArgs, with_reasoning_effort)
+                                                     Tool, ToolChoiceFunction, XArgs,
+                                                     cache_salt_validator, sampling_knobs,
+                                                     with_reasoning_effort)
 from llm_serving.sampling_params import (MAX_LOGPROBS, MAX_STOPS, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
@@ -104,7 +105,8 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     stream_options: Any = None
     prompt_cache_key: Any = None
-    cache_salt: Any = None
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
+    cache_salt: Optional[str] = None
     session_id: Any = None
     vllm_xargs: Optional[XArgs] = None     # extra_args, as on the chat route
     # PD disaggregation (docs/pd_disaggregation.md), as on the chat route
@@ -120,11 +122,13 @@ class ResponsesRequest(BaseModel):
     # Nothing is stored: a previous response is never found (the route answers 404).
     previous_response_id: Optional[str] = None
 
+    _check_cache_salt = cache_salt_validator()
+
     REFUSED: ClassVar[dict] = {
         "background": (False,), "max_tool_calls": (),
         "prompt": (), "conversation": (), "stream_options": (),
         "service_tier": ("auto", "default"),
-        "truncation": ("disabled",), "prompt_cache_key": (), "cache_salt": (),
+        "truncation": ("disabled",), "prompt_cache_key": (),
         "session_id": (), "ec_transfer_params": (),
         "mm_processor_kwargs": (), "media_io_kwargs": (),
         "mm_payload": ("tensors",), "return_mm_kwargs": (), "watermarking": (False,),

@@ -33,6 +33,7 @@ from llm_serving.entrypoints.openai_routes import (chat_logprobs, collect_choice
                                                    template_kwargs)
 from llm_serving.entrypoints.responses_items import OutputItems, message, reasoning_item
 from llm_serving.entrypoints.responses_protocol import ResponsesRequest
+from llm_serving.inputs import with_cache_salt
 
 router = APIRouter()
 logger = logging.getLogger("llm_serving.server")
@@ -148,9 +149,9 @@ async def create_response(req: ResponsesRequest, request: Request):
     def logprobs(entries) -> list:
         """vLLM's output_text logprobs: each token's text, logprob, bytes and top ones."""
         return chat_logprobs(entries, top or 0, as_ids)["content"]
-    streams = await start_requests(request, engine_request_id(resp_id), resp_id,
-                                   [{"prompt": text, "prompt_token_ids": ids}], params,
-                                   req.priority, grammar_field, lora, one_answer=True)
+    prompts = with_cache_salt([{"prompt": text, "prompt_token_ids": ids}], req.cache_salt)
+    streams = await start_requests(request, engine_request_id(resp_id), resp_id, prompts,
+                                   params, req.priority, grammar_field, lora, one_answer=True)
     created = int(time.time())
     t0 = time.perf_counter()
 
