@@ -7,6 +7,9 @@ PD = ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]
 # --otlp-traces-endpoint (llm_serving/tracing.py): the OpenTelemetry SDK and its OTLP span
 # exporters, grpc and http/protobuf (vLLM's otel extra)
 TRACING = ["opentelemetry-sdk>=1.26", "opentelemetry-exporter-otlp>=1.26"]
+# --kv-events-config (llm_serving/engine/kv_events.py): the ZeroMQ publisher and the msgpack
+# encoder of vLLM's event structs
+KV_EVENTS = ["pyzmq", "msgspec"]
 
 setup(
     name="llm_serving",
@@ -64,9 +67,11 @@ setup(
             "optuna>=4",
             *PD,
             *TRACING,
+            *KV_EVENTS,
         ],
         "pd": PD,
         "tracing": TRACING,
+        "kv_events": KV_EVENTS,
         "clients": ["matplotlib"],
         # llm-serving tune: Optuna's TPE sampler and successive-halving pruner, the plot.
         "tune": ["optuna>=4", "matplotlib"],

@@ -28,6 +28,7 @@ from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_poo
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.histogram_buckets import check_histogram_buckets
+from llm_serving.kv_events_config import KVEventsConfig
 from llm_serving.reasoning_config import PARSER_MARKERS, ReasoningConfig
 from llm_serving.structured_outputs_config import StructuredOutputsConfig
 from llm_serving import vllm_env
@@ -134,8 +135,9 @@ VLLM_NO_EFFECT_ARGS = {
                              "quantized checkpoints are not served", str, (None,), alias="-q"),
     "language_model_only": NoEffect("the models served here are language models only"),
     "prefix_caching_hash_algo": NoEffect(
-        "prefix-cache blocks are keyed in the engine's memory by a hash of their tokens that "
-        "never leaves the process", str, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+        "prefix-cache blocks are keyed in the engine's memory by Python's hash of their "
+        "tokens, and with kv_events_config by vLLM's default sha256 chain, which the events "
+        "publish", str, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
     "show_hidden_metrics_for_version": NoEffect("no metric is hidden here", str),
     "enable_sleep_mode": NoEffect("there is no sleep mode here (nor in vLLM-CPU)", None,
                                   (False,)),
@@ -401,6 +403,12 @@ class EngineArgs:
         "'{\"time_to_first_token\": [0.1, 0.5, 1]}': request_latency, time_to_first_token, "
         "inter_token_latency, iteration_tokens, request_params_n, request_num_preemptions, "
         "request_tokens, kv_cache_residency (kv_cache_metrics' three)")
+    kv_events_config: Optional[dict] = _arg(None,
+        "publish the prefix cache's KV events (blocks stored, removed, all cleared) over "
+        "ZeroMQ for a KV-aware router, vLLM's keys and wire format (on the CLI as JSON): "
+        "enable_kv_cache_events, publisher (zmq or null), endpoint (default tcp://*:5557), "
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; needs pip install "
+        "'llm_serving[kv_events]' (docs/design.md)")
     otlp_traces_endpoint: Optional[str] = _arg(None,
         "the OTLP collector each request's OpenTelemetry span is sent to (vLLM's flag), e.g. "
         "http://collector:4317; grpc, or http/protobuf with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
@@ -589,6 +597,7 @@ class EngineArgs:
                               f"({self.max_loras}): a step's adapters must all be loaded")
         self.lora_modules = parse_lora_modules(self.lora_modules)
         check_histogram_buckets(self.custom_histogram_buckets)     # names a bad family now
+        KVEventsConfig.resolve(self.kv_events_config, self.enable_prefix_caching)
         self.collect_detailed_traces = check_tracing(self.otlp_traces_endpoint,
                                                      self.collect_detailed_traces)
         self.speculative_config = self._with_spec_short_forms()
@@ -825,6 +834,7 @@ class EngineArgs:
             histogram_buckets={k: list(v) for k, v in
                                check_histogram_buckets(self.custom_histogram_buckets).items()},
             otlp_traces_endpoint=self.otlp_traces_endpoint,
+            kv_events=KVEventsConfig.resolve(self.kv_events_config, prefix_caching),
             per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
             kv_cache_metrics_sample=(self.kv_cache_metrics_sample if self.kv_cache_metrics
                                      else None),
@@ -1169,6 +1179,7 @@ class EngineConfig:
     # --custom-histogram-buckets: family -> bounds (the engine counts two of them itself)
     histogram_buckets: dict = field(default_factory=dict)
     otlp_traces_endpoint: Optional[str] = None        # OpenTelemetry spans; None: off
+    kv_events: Optional[KVEventsConfig] = None        # KV cache events published; None: off
     per_request_spec_decode_metrics: str = "none"     # spec_decode/request_metrics.py
     # --kv-cache-metrics: the fraction of blocks followed (engine/kv_cache_residency.py);
     # None: off

@@ -16,6 +16,10 @@ The KV of a sequence run with a LoRA adapter is that adapter's, and a request's
 the (adapter id, salt) pair, so blocks are shared only between sequences of the same adapter
 and the same salt (or both none).
 
+KV cache events (``events``, engine/kv_events.py): the blocks entered in the cache and evicted
+from it, and a reset, are recorded for the engine to publish; the hash chain is then vLLM's
+sha256 one (a router sees vLLM's hashes), else Python's ``hash``, which is faster.
+
 Copy-on-write. The ``n`` sequences of one request share the prompt's blocks after the fork
 (reference counts > 1). Before a sequence writes into a block others still hold, it gets its
 own copy; the copy is returned as a (src, dst) pair for the model runner to perform.
@@ -60,13 +64,20 @@ def _python_hash(parent, tokens: tuple, extra: Optional[tuple]) -> int:
 
 class BlockManager:
     def __init__(self, config: CacheConfig, stats: Optional[EngineStats] = None,
-                 residency: Optional[KVResidency] = None):
-        """``residency``: --kv-cache-metrics' sampling of the blocks (None: off)."""
+                 residency: Optional[KVResidency] = None, events=None):
+        """``residency``: --kv-cache-metrics' sampling of the blocks (None: off); ``events``:
+        a kv_events.KVEventLog to record the prefix cache's changes in (None: events off)."""
         self.stats = stats if stats is not None else EngineStats()
         self.residency = residency
         self.num_blocks = num_blocks = config.num_blocks
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
+        self.events = events
+        if events is not None:
+            from llm_serving.engine.kv_events import BlockHasher
+            self._hash = BlockHasher()
+        else:
+            self._hash = _python_hash
         self.watermark_blocks = int(config.watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_uncached: deque[int] = deque(range(num_blocks))
@@ -120,6 +131,8 @@ class BlockManager:
         h = self.block_hash[block]
         if self.cache.get(h) == block:
             del self.cache[h]
+            if self.events is not None:
+                self.events.removed(h)
         self.block_hash[block] = self.block_tokens[block] = None
         self.block_uid[block] = self.block_parent_uid[block] = None
 
@@ -185,8 +198,8 @@ class BlockManager:
         first, rest = _extra_keys(seq)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
-            parent = _python_hash(parent, tuple(seq.token_ids(i * bs, (i + 1) * bs)),
-                                  rest if i else first)
+            parent = self._hash(parent, tuple(seq.token_ids(i * bs, (i + 1) * bs)),
+                                rest if i else first)
             hashes.append(parent)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -249,6 +262,7 @@ class BlockManager:
         if len(uids) >= full:
             return
         self._ensure_hashes(seq, full)
+        stored = []                             # the indices of blocks entered now
         for i in range(len(uids), full):
             parent_uid = uids[i - 1] if i else _root_uid(seq)
             if i and parent_uid is None:        # the chain above is not cached
@@ -272,6 +286,27 @@ class BlockManager:
             self.block_hash[block], self.block_tokens[block] = h, tokens
             self.block_uid[block], self.block_parent_uid[block] = uid, parent_uid
             uids.append(uid)
+            stored.append(i)
+        if stored and self.events is not None:
+            self._record_stored(seq, stored)
+
+    def _record_stored(self, seq: Sequence, stored: list[int]) -> None:
+        """One BlockStored event per run of consecutive blocks entered in the cache."""
+        bs, hashes = self.block_size, seq.block_hashes
+        first, rest = _extra_keys(seq)
+        published = [tuple(k[1] for k in keys) if keys else None for keys in (first, rest)]
+        start = 0
+        for j in range(1, len(stored) + 1):
+            if j < len(stored) and stored[j] == stored[j - 1] + 1:
+                continue
+            a, b = stored[start], stored[j - 1] + 1
+            extra = [published[1]] * (b - a)
+            if a == 0:
+                extra[0] = published[0]
+            self.events.stored(hashes[a:b], hashes[a - 1] if a else None,
+                               seq.token_ids(a * bs, b * bs), seq.lora_id, seq.lora_name,
+                               extra)
+            start = j
 
     # ---- n > 1 ----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -352,6 +387,8 @@ class BlockManager:
         """Forget all KV (the model runner lost it): every block free, the prefix cache empty.
         Only valid once no sequence holds blocks."""
         assert not any(self.ref_counts), "reset while sequences hold blocks"
+        if self.events is not None:
+            self.events.cleared()
         self.free_uncached = deque(range(self.num_blocks))
         self.free_cached.clear()
         self.cache.clear()

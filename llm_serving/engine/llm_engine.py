@@ -105,10 +105,16 @@ class LLMEngine:
         self.runner = create_executor(config)
         stats = EngineStats.with_buckets(     # the one set of counters
             config.histogram_buckets, kv_residency=config.kv_cache_metrics_sample is not None)
+        # --kv-events-config: the prefix cache's events, published once per step
+        self.kv_events = None
+        if config.kv_events is not None:
+            from llm_serving.engine.kv_events import KVEventLog, ZmqEventPublisher
+            self.kv_events = ZmqEventPublisher(config.kv_events)
         self.block_manager = BlockManager(config.cache, stats, residency=(
             KVResidency(config.kv_cache_metrics_sample, stats,
                         evictions=config.cache.enable_prefix_caching)
-            if config.kv_cache_metrics_sample is not None else None))
+            if config.kv_cache_metrics_sample is not None else None),
+            events=KVEventLog(config.cache.block_size) if self.kv_events is not None else None)
         # --enable-mfu-metrics: each step's FLOPs and bytes estimated (None: off)
         self.mfu = MfuEstimator(ModelShape.of(config), stats) if config.enable_mfu_metrics \
             else None
@@ -216,7 +222,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and start a step; return the outputs of the step that completed (this
         one, or with async scheduling the previous one: decodes of the new step take their
-        input token from the running step's sample, which the model runner fills in)."""
+        input token from the running step's sample, which the model runner fills in). The
+        step's KV cache events, if any, are published as one batch."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        events = self.block_manager.events.take()
+        if events:
+            self.kv_events.publish(events)
+
+    def _step(self) -> list[RequestOutput]:
         outputs = []
         batch = self.scheduler.schedule()
         outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
@@ -405,8 +423,10 @@ class LLMEngine:
         self.add_request({"prompt_token_ids": [1] * min(16, self.max_model_len - 2)},
                          params, request_id=WARM_UP_ID)
         while self.has_unfinished_requests():     # a step still in flight included
-            self.step()
+            self._step()        # its KV cache events are not published: dropped below
         self.block_manager.reset()
+        if self.kv_events is not None:
+            self.block_manager.events.take()
         self.stats.restore(stats)
         for metrics, count in zip((op.finished_metrics, op.finished_sequences), kept):
             while len(metrics) > count:     # the warm-up's own timings
@@ -419,6 +439,8 @@ class LLMEngine:
             return False
         self._drain()        # a step of requests that have ended may still be running
         self.block_manager.reset()
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return True
 
     def runner_alive(self) -> bool:
@@ -461,6 +483,8 @@ class LLMEngine:
         if self.remote_kv is not None:      # the transfers died with the workers
             self.remote_kv.drop_all()
         self.block_manager.reset()
+        if self.kv_events is not None:      # a router learns that the cache is gone
+            self._publish_kv_events()
         self.runner = create_executor(self.config, self.cancel_loading)
         self._forget_processor_rows()           # the new agent's batch starts empty
         self._init_remote_kv()
@@ -474,12 +498,15 @@ class LLMEngine:
             self.runner.kill()
 
     def shutdown(self) -> None:
-        """Stop WorkAgent processes, if any (the in-process runner needs nothing), and export
-        the spans not sent yet (for a bounded while)."""
+        """Stop WorkAgent processes, if any (the in-process runner needs nothing), export
+        the spans not sent yet and send the KV events (for a bounded while), freeing the
+        publisher's ports."""
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     # ---- stats ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
