@@ -12,15 +12,25 @@ MAX_CACHE_SALT_LENGTH = 128
 CACHE_SALT_FORBIDDEN = "@/\\\0"
 
 
-def check_cache_salt(salt: Optional[object]) -> None:
-    """vLLM's checks of a ``cache_salt`` (None: none); ValueError naming it."""
+def cache_salt_problem(salt: Optional[object]) -> Optional[str]:
+    """What vLLM's checks find wrong with a ``cache_salt`` (None: nothing, or no salt)."""
     if salt is None:
-        return
-    if not isinstance(salt, str) or not salt:
-        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+        return None
+    if not isinstance(salt, str):
+        return f"must be a non-empty string, got a {type(salt).__name__}"
+    if not salt:
+        return "must be a non-empty string, got an empty one"
     if len(salt) > MAX_CACHE_SALT_LENGTH or any(c in CACHE_SALT_FORBIDDEN for c in salt):
-        raise ValueError(f"cache_salt: must be at most {MAX_CACHE_SALT_LENGTH} characters "
-                         "and must not contain '@', '/', '\\\\' or NUL (as vLLM)")
+        return (f"must be at most {MAX_CACHE_SALT_LENGTH} characters and must not contain "
+                "'@', '/', '\\' or NUL (as vLLM)")
+    return None
+
+
+def check_cache_salt(salt: Optional[object]) -> None:
+    """vLLM's checks of a ``cache_salt``; ValueError naming it."""
+    problem = cache_salt_problem(salt)
+    if problem is not None:
+        raise ValueError(f"cache_salt: {problem}")
 
 
 def salt_of(prompt) -> Optional[str]:

@@ -70,7 +70,9 @@ def test_a_salt_vllm_refuses_is_a_400_naming_it(url, salt):
                         ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
         r = requests.post(url + route, json={**body, "model": "x", "cache_salt": salt},
                           timeout=30)
-        assert r.status_code == 400 and "cache_salt" in r.text, (route, r.text)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "cache_salt", (route, r.text)
+        assert err["message"].startswith("cache_salt: must "), err
     assert requests.post(url + "/v1/completions", json={
         "model": "x", "prompt": "hi", "max_tokens": 1, "cache_salt": "x" * 128},
         timeout=30).status_code == 200

@@ -12,8 +12,9 @@ import json
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from llm_serving.inputs import check_cache_salt
+from llm_serving.inputs import cache_salt_problem
 from llm_serving.sampling_params import (MAX_STOPS, BeamSearchParams, RequestOutputKind,
                                          SamplingParams, StructuredOutputsParams)
 
@@ -60,7 +61,9 @@ def sampling_knobs(req, defaults: Optional[dict]) -> dict:
 
 
 def _checked_cache_salt(cls, v):
-    check_cache_salt(v)
+    problem = cache_salt_problem(v)
+    if problem is not None:     # said as is (a ValueError's would read "Value error, ...")
+        raise PydanticCustomError("cache_salt", problem)
     return v
 
 
