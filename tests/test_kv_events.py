@@ -3,24 +3,27 @@ prefix cache's events over ZeroMQ; a SUB socket decodes them with msgspec as a K
 router does: blocks stored (with their parent links, token ids and vLLM's sha256 block
 hashes, computed here from vLLM's documented formula), blocks removed on eviction, a replay
 of missed batches; a salted prompt's blocks (tests/test_cache_salt.py checks the salt's
-isolation). Offline: AllBlocksCleared on reset_prefix_cache, the port freed at shutdown, and
+isolation); AllBlocksCleared when a dead WorkAgent is replaced. Offline: AllBlocksCleared on reset_prefix_cache, the port freed at shutdown, and
 the flag's forms and checks."""
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
+import signal
 import socket
 import threading
 
 import msgspec
 import openai
 import pytest
+import requests
 import zmq
 
 from llm_serving import LLM, EngineArgs, SamplingParams
 from llm_serving.cli import parse_args, server_settings
 from llm_serving.errors import ConfigError
-from test_http_server import free_port, serve_model, stop_server
+from test_http_server import agent_pids, free_port, serve_model, stop_server, wait_until
 
 BS = 16
 NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
@@ -73,7 +76,7 @@ def served(tiny_model_dir):
                             "--served-model-name", "x",
                             port=free_port(), num_blocks=24)
     try:
-        yield url, router, ctx, replay
+        yield url, router, ctx, replay, proc
     finally:
         router.sock.close(0)
         ctx.term()
@@ -98,7 +101,7 @@ def complete(url: str, prompt, salt=None, max_tokens: int = 1):
 
 
 def test_a_shared_prefix_stores_only_its_new_blocks(served):
-    url, router, _, _ = served
+    url, router, *_ = served
     assert router.batches(300) == []            # the server's warm-up is not announced
     a = list(range(10, 50))                     # 40 tokens: 2 full blocks
     b = a + list(range(60, 83))                 # 63 tokens: 2 shared, 1 more full, 15 left
@@ -120,7 +123,7 @@ def test_a_shared_prefix_stores_only_its_new_blocks(served):
 
 
 def test_eviction_removes_the_least_recent_blocks_and_a_replay_resends_batches(served):
-    url, router, ctx, replay = served
+    url, router, ctx, replay, _ = served
     router.batches(300)
     prompts = [list(range(100 + 48 * k, 148 + 48 * k)) for k in range(9)]  # 3 blocks each
     for p in prompts:
@@ -152,7 +155,7 @@ def test_eviction_removes_the_least_recent_blocks_and_a_replay_resends_batches(s
 
 def test_a_salted_prompts_blocks_are_announced_with_its_salt(served):
     """vLLM's extra_keys: the salt on block 0; the hashes are vLLM's salted chain."""
-    url, router, _, _ = served
+    url, router, *_ = served
     p = list(range(700, 740))
     for salt in (None, "tenant-a", "tenant-a", "tenant-b"):
         complete(url, p, salt)
@@ -162,6 +165,21 @@ def test_a_salted_prompts_blocks_are_announced_with_its_salt(served):
                                                  [["tenant-b"], None]]
     assert [e["block_hashes"] for e in stored] == [chain(p), chain(p, "tenant-a"),
                                                    chain(p, "tenant-b")]
+
+
+def test_a_restarted_workagent_clears_the_routers_view(served):
+    """A WorkAgent that dies takes the KV with it: once a new one is up, AllBlocksCleared (its
+    warm-up announces nothing), and a prefix announced before is computed again."""
+    url, router, *_, proc = served
+    p = list(range(800, 840))
+    complete(url, p)
+    assert complete(url, p).usage.prompt_tokens_details.cached_tokens == 32
+    router.batches(300)
+    os.kill(agent_pids(proc.pid)[0], signal.SIGKILL)
+    wait_until(lambda: requests.get(url + "/ready").status_code == 200, 90,
+               "the server did not come back", every=0.2)
+    assert [e["type"] for e in router.events()] == ["AllBlocksCleared"]
+    assert complete(url, p).usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_offline_events_reset_and_shutdown(tiny_model_dir):
