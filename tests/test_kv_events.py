@@ -207,6 +207,32 @@ def test_offline_events_reset_and_shutdown(tiny_model_dir):
     ctx.term()
 
 
+def test_the_publisher_connects_to_a_router_that_binds(tiny_model_dir):
+    """An endpoint with a host (no *) is connected to, as vLLM does: a central router binds
+    its SUB socket and every replica publishes to it (llm-d's layout)."""
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    llm = LLM(tiny_model_dir, num_blocks=32, kv_events_config={
+        "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"})
+    try:
+        sent = []
+        for k in range(20):         # a PUB drops what it sends before the connection is up
+            sent.append(list(range(50 + k, 70 + k)))
+            llm.generate([{"prompt_token_ids": sent[-1]}], SamplingParams(max_tokens=1))
+            if sub.poll(100):
+                break
+        _, _, payload = sub.recv_multipart()
+        event, = msgspec.msgpack.decode(payload)[1]
+        assert event["block_hashes"] in [chain(p) for p in sent]
+    finally:
+        llm.engine.shutdown()
+        sub.close(0)
+        ctx.term()
+
+
 def test_the_flag_in_each_form_and_its_checks(tiny_model_dir, tmp_path):
     want = {"enable_kv_cache_events": True, "topic": "t"}
     forms = [["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'],
