@@ -115,6 +115,19 @@ def test_a_second_instance_skips_the_prefill_another_one_did(pool, tiny_llm):
     assert metric(pool["B"], "kv_cache_usage_perc") == 0
 
 
+def test_a_salted_prompt_loads_only_its_own_salts_kv(pool):
+    """vLLM's cache_salt holds over the pool too: B loads what A stored under the same salt,
+    nothing of another salt's."""
+    prompt = "Salted: " + PROMPT
+    name = "kv_remote_prefill_tokens_total"
+    complete(pool["A"], prompt, cache_salt="tenant-1")
+    before = metric(pool["B"], name)
+    complete(pool["B"], prompt, cache_salt="tenant-2")
+    assert metric(pool["B"], name) == before
+    complete(pool["B"], prompt, cache_salt="tenant-1")
+    assert metric(pool["B"], name) > before
+
+
 def test_p_then_d_works_unchanged_over_the_pool(pool, tiny_llm):
     prompt = PROMPT.replace("three", "four")
     ref = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8,

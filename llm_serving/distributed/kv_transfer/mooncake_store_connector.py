@@ -104,7 +104,9 @@ class MooncakeStoreConnector(KVConnectorBase):
         h = self._hashes.get(request.request_id)
         if h is None:
             k = num_transfer_blocks(len(request.prompt_token_ids), self.block_size)
-            h = block_hashes(request.prompt_token_ids, self.block_size, num_blocks=k)
+            # a request's cache_salt keys its blocks apart: no tenant loads another's KV
+            h = block_hashes(request.prompt_token_ids, self.block_size,
+                             getattr(request, "cache_salt", None) or "", num_blocks=k)
             self._hashes[request.request_id] = h
         return h
 
