@@ -12,7 +12,9 @@ that cannot mean anything is a ConfigError naming the variable.
 - ``VLLM_LOGGING_PREFIX``: text put before every log line;
 - ``VLLM_LOG_STATS_INTERVAL``: seconds between the stats lines (``--log-stats-interval``;
   vLLM takes 10 for a value <= 0);
-- ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection is kept open (5).
+- ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection is kept open (5);
+- ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: 0 publishes KV events' block hashes as their 32
+  bytes, else (vLLM's default) as their low 64 bits, an integer (``--kv-events-config``).
 
 Read where their feature lives: ``VLLM_API_KEY`` (``--api-key``),
 ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``,
@@ -89,3 +91,8 @@ def http_keep_alive() -> int:
     if seconds < 0:
         raise ConfigError("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", f"expected seconds >= 0, got {seconds}")
     return seconds
+
+
+def kv_events_int_hashes() -> bool:
+    value = _number("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", int)
+    return value is None or bool(value)

@@ -29,15 +29,15 @@ BS = 16
 NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
 
 
-def chain(tokens: list, salt=None) -> list:
+def chain(tokens: list, salt=None, as_bytes: bool = False) -> list:
     """vLLM's published block hashes of ``tokens``' full blocks (sha256 over the pickled
-    (parent, block tokens, extra keys), the low 64 bits)."""
+    (parent, block tokens, extra keys), the low 64 bits, or ``as_bytes`` the digests)."""
     parent, out = NONE_HASH, []
     for i in range(len(tokens) // BS):
         extra = (("cache_salt", salt),) if salt and i == 0 else None
         parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[i * BS:(i + 1) * BS]), extra),
                                              protocol=5)).digest()
-        out.append(int.from_bytes(parent, "big") & (2**64 - 1))
+        out.append(parent if as_bytes else int.from_bytes(parent, "big") & (2**64 - 1))
     return out
 
 
@@ -207,9 +207,11 @@ def test_offline_events_reset_and_shutdown(tiny_model_dir):
     ctx.term()
 
 
-def test_the_publisher_connects_to_a_router_that_binds(tiny_model_dir):
+def test_the_publisher_connects_to_a_router_that_binds(tiny_model_dir, monkeypatch):
     """An endpoint with a host (no *) is connected to, as vLLM does: a central router binds
-    its SUB socket and every replica publishes to it (llm-d's layout)."""
+    its SUB socket and every replica publishes to it (llm-d's layout). With vLLM's
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 the hashes are published as their 32 bytes."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     port = free_port()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -226,7 +228,7 @@ def test_the_publisher_connects_to_a_router_that_binds(tiny_model_dir):
                 break
         _, _, payload = sub.recv_multipart()
         event, = msgspec.msgpack.decode(payload)[1]
-        assert event["block_hashes"] in [chain(p) for p in sent]
+        assert event["block_hashes"] in [chain(p, as_bytes=True) for p in sent]
     finally:
         llm.engine.shutdown()
         sub.close(0)

@@ -17,7 +17,7 @@ Block hashes are vLLM's with its default ``prefix_caching_hash_algo`` sha256: bl
 is SHA-256 of the pickled tuple (block i-1's hash, or for block 0 the SHA-256 of the pickled
 seed "vllm-none-hash" (PYTHONHASHSEED when set), its token ids, its extra keys), published as
 its last 8 bytes read as a big-endian integer (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-default). The extra keys are a request's cache_salt on block 0 and a LoRA adapter's
+default; with it 0, as its 32 bytes). The extra keys are a request's cache_salt on block 0 and a LoRA adapter's
 ("lora", name, path) on every block, as vLLM puts them.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Optional
 import msgspec
 import zmq
 
+from llm_serving import vllm_env
 from llm_serving.errors import ConfigError
 from llm_serving.kv_events_config import KEY, KVEventsConfig
 
@@ -90,6 +91,10 @@ def external(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
+def _as_is(block_hash: bytes) -> bytes:
+    return block_hash
+
+
 class BlockHasher:
     """vLLM's sha256 block hash chain (the module's docstring)."""
 
@@ -107,19 +112,22 @@ class KVEventLog:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.events: list = []
+        # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: 0 publishes the hashes' 32 bytes
+        self._out = external if vllm_env.kv_events_int_hashes() else _as_is
 
     def stored(self, hashes: list, parent: Optional[bytes], token_ids: list, lora_id: int,
                lora_name: Optional[str], extra_keys: list) -> None:
         """Blocks newly entered in the prefix cache, in chain order: ``hashes`` theirs,
         ``parent`` the hash of the block before the first (None: it is block 0),
         ``extra_keys`` each block's published extra keys (None: none)."""
+        out = self._out
         self.events.append(BlockStored(
-            [external(h) for h in hashes], None if parent is None else external(parent),
+            [out(h) for h in hashes], None if parent is None else out(parent),
             token_ids, self.block_size, lora_id or None, MEDIUM, lora_name, extra_keys, 0,
             SPEC_KIND))
 
     def removed(self, block_hash: bytes) -> None:
-        self.events.append(BlockRemoved([external(block_hash)], MEDIUM, 0))
+        self.events.append(BlockRemoved([self._out(block_hash)], MEDIUM, 0))
 
     def cleared(self) -> None:
         self.events.append(AllBlocksCleared())
