@@ -235,7 +235,7 @@ def test_the_publisher_connects_to_a_router_that_binds(tiny_model_dir, monkeypat
         ctx.term()
 
 
-def test_the_flag_in_each_form_and_its_checks(tiny_model_dir, tmp_path):
+def test_the_flag_in_each_form_and_its_checks(tiny_model_dir, tmp_path, monkeypatch):
     want = {"enable_kv_cache_events": True, "topic": "t"}
     forms = [["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'],
              ["--kv-events-config.enable_kv_cache_events", "true",
@@ -268,3 +268,8 @@ def test_the_flag_in_each_form_and_its_checks(tiny_model_dir, tmp_path):
             "endpoint": f"tcp://*:{busy.getsockname()[1]}"})
     busy.close()
     assert e.value.key == "kv_events_config.endpoint"
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(ConfigError) as e:      # vLLM's variable, read as vLLM reads it
+        LLM(tiny_model_dir, num_blocks=32, kv_events_config={"enable_kv_cache_events": True,
+                                                             "endpoint": "tcp://*:0"})
+    assert e.value.key == "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"

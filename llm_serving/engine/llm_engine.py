@@ -106,15 +106,16 @@ class LLMEngine:
         stats = EngineStats.with_buckets(     # the one set of counters
             config.histogram_buckets, kv_residency=config.kv_cache_metrics_sample is not None)
         # --kv-events-config: the prefix cache's events, published once per step
-        self.kv_events = None
+        self.kv_events = event_log = None
         if config.kv_events is not None:
             from llm_serving.engine.kv_events import KVEventLog, ZmqEventPublisher
+            event_log = KVEventLog(config.cache.block_size)
             self.kv_events = ZmqEventPublisher(config.kv_events)
         self.block_manager = BlockManager(config.cache, stats, residency=(
             KVResidency(config.kv_cache_metrics_sample, stats,
                         evictions=config.cache.enable_prefix_caching)
             if config.kv_cache_metrics_sample is not None else None),
-            events=KVEventLog(config.cache.block_size) if self.kv_events is not None else None)
+            events=event_log)
         # --enable-mfu-metrics: each step's FLOPs and bytes estimated (None: off)
         self.mfu = MfuEstimator(ModelShape.of(config), stats) if config.enable_mfu_metrics \
             else None
