@@ -15,6 +15,8 @@ that cannot mean anything is a ConfigError naming the variable.
 - ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds an idle HTTP connection is kept open (5);
 - ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: 0 publishes KV events' block hashes as their 32
   bytes, else (vLLM's default) as their low 64 bits, an integer (``--kv-events-config``).
+- ``VLLM_SERVER_DEV_MODE``: 1 adds vLLM's development routes (``/reset_prefix_cache``,
+  ``/server_info``, ...: entrypoints/dev_routes.py).
 
 Read where their feature lives: ``VLLM_API_KEY`` (``--api-key``),
 ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``,
@@ -96,3 +98,8 @@ def http_keep_alive() -> int:
 def kv_events_int_hashes() -> bool:
     value = _number("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", int)
     return value is None or bool(value)
+
+
+def server_dev_mode() -> bool:
+    value = _number("VLLM_SERVER_DEV_MODE", int)
+    return bool(value)

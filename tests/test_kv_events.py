@@ -65,7 +65,8 @@ class Router:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    """A server of 24 blocks of 16 tokens publishing its events, and a router subscribed."""
+    """A server of 24 blocks of 16 tokens publishing its events, and a router subscribed;
+    vLLM's development routes on."""
     events, replay = free_port(), free_port()
     config = ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "topic": "kv", '
               '"replay_endpoint": "tcp://*:%d"}' % (events, replay))
@@ -74,7 +75,8 @@ def served(tiny_model_dir):
     proc, url = serve_model(tiny_model_dir, "--kv-events-config", config,
                             "--enable-prompt-tokens-details", "--max-model-len", "256",
                             "--served-model-name", "x",
-                            port=free_port(), num_blocks=24)
+                            port=free_port(), num_blocks=24,
+                            env={"VLLM_SERVER_DEV_MODE": "1"})     # /reset_prefix_cache
     try:
         yield url, router, ctx, replay, proc
     finally:
@@ -181,6 +183,29 @@ def test_a_restarted_workagent_clears_the_routers_view(served):
     assert [e["type"] for e in router.events()] == ["AllBlocksCleared"]
     assert complete(url, p).usage.prompt_tokens_details.cached_tokens == 0
 
+
+
+def test_the_dev_routes_reset_the_prefix_cache_and_show_the_config(served):
+    """VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache forgets every cached prefix (the
+    router hears AllBlocksCleared, the prompt is computed again), refusing vLLM's options we
+    do not serve by name; /server_info shows the engine's configuration; there is no sleep
+    mode, as on vLLM-CPU."""
+    url, router, *_ = served
+    p = list(range(900, 940))
+    complete(url, p)
+    assert complete(url, p).usage.prompt_tokens_details.cached_tokens == 32
+    router.batches(300)
+    assert requests.post(url + "/reset_prefix_cache").json() == {"success": True}
+    assert [e["type"] for e in router.events()] == ["AllBlocksCleared"]
+    assert complete(url, p).usage.prompt_tokens_details.cached_tokens == 0
+    r = requests.post(url + "/reset_prefix_cache?reset_running_requests=true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reset_running_requests"
+    info = requests.get(url + "/server_info?config_format=json").json()
+    assert info["vllm_config"]["cache"]["block_size"] == BS
+    assert info["vllm_env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert requests.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+    assert requests.post(url + "/sleep").status_code == 400
+    assert requests.post(url + "/reset_mm_cache").status_code == 200
 
 def test_offline_events_reset_and_shutdown(tiny_model_dir):
     """LLM(kv_events_config=...): a prompt dict's cache_salt, AllBlocksCleared on

@@ -1149,3 +1149,11 @@ def test_bad_words_banning_every_allowed_token_are_a_400(server):
     assert requests.post(url + "/v1/completions", json=body).status_code == 200
     r = requests.post(url + "/v1/completions", json={**body, "bad_words": [word]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_vllms_development_routes_are_off_without_dev_mode(server):
+    """vLLM serves /reset_prefix_cache, /server_info, /sleep ... only with
+    VLLM_SERVER_DEV_MODE=1 (tests/test_kv_events.py uses them); without it they are a 404."""
+    for method, path in (("post", "/reset_prefix_cache"), ("get", "/server_info"),
+                         ("get", "/is_sleeping"), ("post", "/sleep")):
+        assert getattr(requests, method)(server[0] + path).status_code == 404, path

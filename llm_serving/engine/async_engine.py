@@ -427,6 +427,16 @@ class AsyncLLMEngine:
         self._wake.set()
         return await fut
 
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix, on the engine thread between steps; False (and
+        nothing done) while a request is unfinished."""
+        self.check_health()
+        self._bind_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put(("reset_prefix_cache", fut))
+        self._wake.set()
+        return await fut
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop, then the WorkAgents; unfinished requests end with finish_reason
         "abort". A loop still in a model step after ``timeout`` seconds (at once after
@@ -569,6 +579,8 @@ class AsyncLLMEngine:
                 engine.decline_kv_offer(arg)
             elif cmd == "stats":
                 self._post(_resolve, arg, engine.get_stats())
+            elif cmd == "reset_prefix_cache":
+                self._post(_resolve, arg, engine.reset_prefix_cache())
             elif cmd == "read_lora":
                 lora, fut = arg
                 engine.read_lora(lora, lambda why, fut=fut: self._post(_resolve, fut, why))

@@ -120,6 +120,9 @@ class EngineClient(Protocol):
 
     async def get_stats(self) -> "EngineStats": ...
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while a request is unfinished (vLLM's)."""
+
     async def read_lora(self, lora) -> Optional[str]:
         """The model runner reads a newly registered LoRA adapter: None, or why it could
         not."""

@@ -227,7 +227,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     from contextlib import asynccontextmanager
 
     from llm_serving.entrypoints import (anthropic_routes, chat_batch_routes, classify_routes,
-                                         embedding_routes, generative_scoring_routes,
+                                         dev_routes, embedding_routes,
+                                         generative_scoring_routes,
                                          llm_serving_routes, lora_routes, openai_routes,
                                          remote_prefill, responses_routes, sagemaker_routes,
                                          score_routes, unread_offers)
@@ -392,6 +393,10 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.include_router(anthropic_routes.router)
     app.include_router(llm_serving_routes.router)
     app.include_router(unread_offers.router)
+    if vllm_env.server_dev_mode():
+        logger.warning("SECURITY WARNING: Development endpoints are enabled "
+                       "(VLLM_SERVER_DEV_MODE)! This should NOT be used in production!")
+        app.include_router(dev_routes.router)
     if lora_routes.runtime_lora_updating():
         logger.warning("LoRA dynamic loading & unloading is enabled in the API server "
                        "(%s). This should ONLY be used for local development!",
