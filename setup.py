@@ -10,6 +10,9 @@ TRACING = ["opentelemetry-sdk>=1.26", "opentelemetry-exporter-otlp>=1.26"]
 # --kv-events-config (llm_serving/engine/kv_events.py): the ZeroMQ publisher and the msgpack
 # encoder of vLLM's event structs
 KV_EVENTS = ["pyzmq", "msgspec"]
+# --profiler-config (llm_serving/profiler.py): VizTracer records each process's Python calls
+# and the C calls they make, as Chrome trace JSON (Perfetto, chrome://tracing)
+PROFILING = ["viztracer>=1.1,<2"]
 
 setup(
     name="llm_serving",
@@ -68,10 +71,12 @@ setup(
             *PD,
             *TRACING,
             *KV_EVENTS,
+            *PROFILING,
         ],
         "pd": PD,
         "tracing": TRACING,
         "kv_events": KV_EVENTS,
+        "profiling": PROFILING,
         "clients": ["matplotlib"],
         # llm-serving tune: Optuna's TPE sampler and successive-halving pruner, the plot.
         "tune": ["optuna>=4", "matplotlib"],

@@ -26,6 +26,7 @@ from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
+from llm_serving.profiler import ProfilerConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.histogram_buckets import check_histogram_buckets
 from llm_serving.kv_events_config import KVEventsConfig
@@ -438,6 +439,12 @@ class EngineArgs:
                 "each step's logits (needs torch); a request's extra_args (vllm_xargs) reach "
                 "them; docs/openai.md",
         "cli_nargs": "+"})
+    profiler_config: Optional[dict] = _arg(None,
+        "vLLM's profiler (on the CLI as JSON): profiler 'torch' and torch_profiler_dir turn on "
+        "POST /start_profile and /stop_profile (LLM.start_profile/stop_profile), recorded "
+        "with VizTracer (the profiling extra): one Chrome trace per process; "
+        "torch_profiler_use_gzip, max_trace_entries (each process's ring buffer, 1000000), "
+        "delay_iterations, max_iterations")
     pooler_config: Optional[dict] = _arg(None,
         "a pooling runner's pooler, vLLM's keys (on the CLI as JSON): pooling_type (LAST, "
         "MEAN, CLS; default LAST, or the model's sentence-transformers Pooling module), "
@@ -589,6 +596,7 @@ class EngineArgs:
             raise ConfigError("override_generation_config", "expected a mapping of sampling "
                               f"defaults, got {self.override_generation_config!r}")
         KVTransferConfig.from_dict(self.kv_transfer_config)   # names a bad key now
+        ProfilerConfig.from_value(self.profiler_config)       # names a bad key now
         positive("max_loras", self.max_loras)
         positive("max_lora_rank", self.max_lora_rank)
         positive("max_cpu_loras", self.max_cpu_loras, True)
@@ -838,7 +846,8 @@ class EngineArgs:
             per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
             kv_cache_metrics_sample=(self.kv_cache_metrics_sample if self.kv_cache_metrics
                                      else None),
-            enable_mfu_metrics=self.enable_mfu_metrics)
+            enable_mfu_metrics=self.enable_mfu_metrics,
+            profiler=ProfilerConfig.from_value(self.profiler_config))
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
         """The LoRA settings (None without enable_lora), checked against the rest of the
@@ -1185,6 +1194,7 @@ class EngineConfig:
     # None: off
     kv_cache_metrics_sample: Optional[float] = None
     enable_mfu_metrics: bool = False                  # engine/mfu.py
+    profiler: Optional[ProfilerConfig] = None         # profiler.py; None: off
 
     def to_json(self) -> str:
         """The whole config as JSON, for a WorkAgent's command line (small; not pickled)."""

@@ -166,6 +166,13 @@ def test_the_master_does_not_load_mindspore(server):
     assert agents and all(_maps_mindspore(agent) for agent in agents)
 
 
+def test_profiler_routes_are_absent_without_profiler_config(server):
+    """vLLM registers /start_profile and /stop_profile only with --profiler-config
+    (tests/test_profiler.py has the server that profiles)."""
+    for path in ("/start_profile", "/stop_profile"):
+        assert requests.post(server + path).status_code == 404
+
+
 def greedy(tiny_llm, prompt, n):
     return tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n))[0].outputs[0]
 

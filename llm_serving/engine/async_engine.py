@@ -35,6 +35,7 @@ from llm_serving.engine.metrics import EngineStats
 from llm_serving.errors import (EngineDeadError, LogitsProcessorError, QueueFullError,
                                 RequestIdInUseError, ShuttingDownError)
 from llm_serving.outputs import CompletionOutput, RequestOutput
+from llm_serving.profiler import ProfilerActiveError, check_iterations, check_prefix
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -437,6 +438,36 @@ class AsyncLLMEngine:
         self._wake.set()
         return await fut
 
+    async def start_profile(self, profile_prefix: Optional[str] = None, *,
+                            delay_iterations: Optional[int] = None,
+                            max_iterations: Optional[int] = None) -> None:
+        """vLLM's: the master's and every WorkAgent's trace recorder start between two steps
+        (``LLMEngine.profile``: vLLM's iteration bounds too); this event loop's thread is
+        recorded too."""
+        if self.engine.trace is not None:
+            # Refused here, not by an exception on the recording engine thread: VizTracer
+            # 1.1 stopped recording that thread after one (its ignore counter went to -1).
+            if self.engine.profiling:
+                raise ProfilerActiveError()
+            check_prefix(profile_prefix)
+            check_iterations(delay_iterations or 0, max_iterations or 0)
+        await self._profile(True, profile_prefix, delay_iterations, max_iterations)
+        self.engine.trace.follow_this_thread()
+
+    async def stop_profile(self) -> None:
+        """vLLM's: every process's trace is written (nothing happens without a profile)."""
+        if self.engine.trace is not None:
+            self.engine.trace.leave_this_thread()
+        await self._profile(False)
+
+    async def _profile(self, start: bool, *args) -> None:
+        self.check_health()
+        self._bind_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put(("profile", (start, args, fut)))
+        self._wake.set()
+        await fut
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop, then the WorkAgents; unfinished requests end with finish_reason
         "abort". A loop still in a model step after ``timeout`` seconds (at once after
@@ -584,6 +615,13 @@ class AsyncLLMEngine:
             elif cmd == "read_lora":
                 lora, fut = arg
                 engine.read_lora(lora, lambda why, fut=fut: self._post(_resolve, fut, why))
+            elif cmd == "profile":
+                start, args, fut = arg
+                try:
+                    outs.extend(engine.profile(start, *args))
+                    self._post(_resolve, fut, None)
+                except Exception as e:    # noqa: BLE001 - goes to its caller
+                    self._post(_reject, fut, e)
             elif cmd == "abort_all":
                 outs.extend(engine.fail_all(arg))
 
@@ -595,3 +633,8 @@ class AsyncLLMEngine:
 def _resolve(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

@@ -126,3 +126,9 @@ class EngineClient(Protocol):
     async def read_lora(self, lora) -> Optional[str]:
         """The model runner reads a newly registered LoRA adapter: None, or why it could
         not."""
+
+    async def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+        """--profiler-config: every process starts recording its trace (``profiler.py``)."""
+
+    async def stop_profile(self) -> None:
+        """Every process writes its trace."""

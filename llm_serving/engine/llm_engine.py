@@ -47,6 +47,8 @@ from llm_serving.outputs import RequestOutput
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
+from llm_serving.profiler import (NOT_ENABLED, ProfilerActiveError, TraceRecorder,
+                                  check_iterations, check_prefix, master_name)
 from llm_serving.tracing import RequestTracer
 
 __all__ = ["LLMEngine", "NewRequest", "PromptType"]
@@ -147,6 +149,12 @@ class LLMEngine:
         self._read_served_loras()
         # --otlp-traces-endpoint: a span per request, ended by whoever reads its last output
         # (AsyncLLMEngine on the event loop, LLM after its step); None: tracing off
+        # --profiler-config: this process's trace recorder (profile()); None: off
+        self.trace = (TraceRecorder(config.profiler, master_name())
+                      if config.profiler is not None else None)
+        # a profile's (prefix, step to start at, step to stop at or None) while it waits for
+        # its delay_iterations or has max_iterations; None otherwise
+        self._profile_plan: Optional[tuple] = None
         self.tracer = (RequestTracer(config.otlp_traces_endpoint, config.model.path)
                        if config.otlp_traces_endpoint else None)
 
@@ -236,7 +244,7 @@ class LLMEngine:
             self.kv_events.publish(events)
 
     def _step(self) -> list[RequestOutput]:
-        outputs = []
+        outputs = self._profile_due() if self._profile_plan is not None else []
         batch = self.scheduler.schedule()
         outputs += [o for o in map(self._fail_timed_out, batch.timed_out) if o is not None]
         kv_meta = self.remote_kv.metadata_array(batch) if self.remote_kv is not None else None
@@ -491,6 +499,74 @@ class LLMEngine:
         self._init_remote_kv()
         self.warm_up()
         self._read_served_loras()
+        if self.trace is not None and self.trace.active:    # the new agents record too
+            self.runner.profile(True, self.trace.prefix)
+
+    # ---- profiling (--profiler-config) --------------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        """A profile records, or waits for its delay_iterations."""
+        return self.trace is not None and (self.trace.active or self._profile_plan is not None)
+
+    def profile(self, start: bool, prefix: Optional[str] = None,
+                delay_iterations: Optional[int] = None,
+                max_iterations: Optional[int] = None) -> list[RequestOutput]:
+        """vLLM's start_profile / stop_profile, between two steps: this thread's and every
+        WorkAgent's trace recorder start, or stop and write their traces; the step running is
+        collected first (its outputs are returned). vLLM's ``delay_iterations`` model steps
+        pass before the recorders start, and they stop (writing) once they recorded
+        ``max_iterations`` (0: at stop_profile); None takes profiler_config's. Stopping with no
+        profile does nothing."""
+        if self.trace is None:
+            raise ValueError(NOT_ENABLED)
+        if not start:
+            self._profile_plan = None
+            return self._record(False) if self.trace.active else []
+        if self.profiling:
+            raise ProfilerActiveError()
+        check_prefix(prefix)
+        config = self.trace.config
+        delay, limit = check_iterations(
+            config.delay_iterations if delay_iterations is None else delay_iterations,
+            config.max_iterations if max_iterations is None else max_iterations)
+        now = self.stats.num_steps
+        self._profile_plan = (prefix, now + delay, now + delay + limit if limit else None)
+        return self._profile_due()
+
+    def _profile_due(self) -> list[RequestOutput]:
+        """Start or stop the recorders when the profile's step counts say so (checked before
+        each step while a profile waits or has max_iterations)."""
+        prefix, start_at, stop_at = self._profile_plan
+        if not self.trace.active:
+            if self.stats.num_steps < start_at:
+                return []
+            if stop_at is None:
+                self._profile_plan = None
+            return self._record(True, prefix)
+        if stop_at is not None and self.stats.num_steps >= stop_at:
+            self._profile_plan = None
+            return self._record(False)
+        return []
+
+    def _record(self, start: bool, prefix: Optional[str] = None) -> list[RequestOutput]:
+        outputs = self._collect(self._take_in_flight()) if self._in_flight is not None else []
+        agents = getattr(self.runner, "profile", None)
+        if start:
+            self.trace.start(prefix)
+            try:
+                if agents is not None:
+                    agents(True, prefix)
+            except BaseException:
+                self.trace.discard()
+                self._profile_plan = None
+                raise
+            logger.info("profiler started")
+        else:
+            written = agents(False) if agents is not None and self.runner_alive() else []
+            written.append(self.trace.stop())
+            logger.info("profiler stopped: %d traces written: %s", len(written),
+                        ", ".join(written))
+        return outputs
 
     def kill_runner(self) -> None:
         """Kill the WorkAgent processes at once, if any (a step they hold then fails with
@@ -502,6 +578,10 @@ class LLMEngine:
         """Stop WorkAgent processes, if any (the in-process runner needs nothing), export
         the spans not sent yet and send the KV events (for a bounded while), freeing the
         publisher's ports."""
+        if self.trace is not None and self.trace.active:
+            logger.warning("profiler: stopped by the shutdown; the master's trace is written, "
+                           "the WorkAgents' are dropped (call stop_profile first)")
+            self.trace.stop()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
         if self.tracer is not None:

@@ -50,6 +50,7 @@ from llm_serving.entrypoints.http_common import (ANTHROPIC_PATH, HTTPError, Serv
                                                 ShuttingDown, anthropic_error_response,
                                                 error_response, logger, translate_error)
 from llm_serving.errors import ConfigError, LLMServingError
+from llm_serving.profiler import ProfilerConfig
 
 MAX_BODY_BYTES = 4 << 20
 SHUTDOWN_REASON = "the server is shutting down"
@@ -230,8 +231,8 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                                          dev_routes, embedding_routes,
                                          generative_scoring_routes,
                                          llm_serving_routes, lora_routes, openai_routes,
-                                         remote_prefill, responses_routes, sagemaker_routes,
-                                         score_routes, unread_offers)
+                                         profile_routes, remote_prefill, responses_routes,
+                                         sagemaker_routes, score_routes, unread_offers)
     from llm_serving.entrypoints.metrics import ServerMetrics
 
     @asynccontextmanager
@@ -402,6 +403,10 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
                        "(%s). This should ONLY be used for local development!",
                        lora_routes.RUNTIME_LORA_ENV)
         app.include_router(lora_routes.router)
+    profiler = ProfilerConfig.from_value(getattr(state.engine_args, "profiler_config", None))
+    if profiler is not None:
+        logger.warning(profiler.describe())
+        app.include_router(profile_routes.router)
     app.add_middleware(_PoolingRunner, state=state)
     if state.api_keys:
         app.add_middleware(_ApiKey, keys=state.api_keys)

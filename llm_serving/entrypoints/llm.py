@@ -99,6 +99,21 @@ class LLM:
         """vLLM's ``llm.llm_engine``: its tokenizer, model_config and request loop."""
         return VllmLLMEngine(self.engine)
 
+    def start_profile(self, profile_prefix: Optional[str] = None, *,
+                      delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None) -> None:
+        """vLLM's: with ``profiler_config`` (``{"profiler": "torch", "torch_profiler_dir":
+        ...}``) this process and every WorkAgent record a VizTracer trace until
+        ``stop_profile`` (``llm_serving/profiler.py``); ``profile_prefix`` starts the files'
+        names; ``delay_iterations`` model steps pass before recording, and the traces are
+        written after ``max_iterations`` recorded (0: at stop_profile), as vLLM's. A
+        ValueError without ``profiler_config``."""
+        self.engine.profile(True, profile_prefix, delay_iterations, max_iterations)
+
+    def stop_profile(self) -> None:
+        """vLLM's: every process writes its trace under ``torch_profiler_dir``."""
+        self.engine.profile(False)
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache, as vLLM's: True once done, False while requests run."""
         return self.engine.reset_prefix_cache()

@@ -346,6 +346,23 @@ class MultiprocExecutor:
                                np.zeros(1, np.int32), _EMPTY, _EMPTY, None,
                                swap_out=swap_out, swap_in=swap_in, copies=copies))
 
+    def profile(self, start: bool, prefix: Optional[str] = None) -> list[str]:
+        """Start or stop every agent's trace recorder (--profiler-config), with no step in
+        flight; the traces the agents wrote (when stopping)."""
+        if self._outstanding:
+            raise LLMServingError("profile: a step is in flight; collect it first")
+        msg = json.dumps({"start": start, "prefix": prefix}).encode()
+        frame = ch.FRAME.pack(ch.PROFILE, 0, len(msg)) + msg
+        for conn in self._procs.conns:
+            conn.send_bytes(frame)
+        doing = "starting the profiler" if start else "writing its profile"
+        frames = self._wait_all(self.step_timeout, doing)
+        paths = [self._extras.pop(r, b"").decode() for r in range(self.tp_size)]
+        errors = [f[2] for f in frames if f[0] == ch.ERROR]
+        if errors:
+            raise LLMServingError(f"the WorkAgent failed {doing}: {errors[0]}")
+        return [p for p in paths if p]
+
     def kill(self) -> None:
         """Kill every process of the group now (a step they hold ends: its wait fails with
         AgentDiedError); ``shutdown`` then frees the connections and the shared memory."""

@@ -79,9 +79,11 @@ _ARR = struct.Struct("<bbxxxxxxqqqq")  # dtype code (-1 = None), ndim, pad, offs
 # Control frames: kind, step number, payload bytes. MASK n: step n's token bitmask (a step
 # with ``mask_after_forward``) is now written in its input segment. LORA_FAILED n, before
 # step n's DONE: JSON {adapter id: why} of the LoRA adapters the agent could not read.
+# PROFILE (nothing in flight): JSON {"start": bool, "prefix"}; the agent answers PROFILE with
+# the path of the trace it wrote (stop), or ERROR.
 FRAME = struct.Struct("<cqq")
 READY, STEP, DONE, ERROR, QUIT, MASK = b"R", b"S", b"D", b"E", b"Q", b"M"
-LORA_FAILED = b"L"
+LORA_FAILED, PROFILE = b"L", b"P"
 
 
 class ChannelFullError(RuntimeError):

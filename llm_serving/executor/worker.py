@@ -18,6 +18,10 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
   needs step n-1's samples); the master has now written the bitmask into input segment n % 2.
   Rank 0 runs step n's forward, then waits for this frame (at most MASK_TIMEOUT_S) before
   sampling. A STEP frame read meanwhile is kept for later; a MASK for another step is dropped;
+- master -> agent PROFILE (no step in flight; --profiler-config): JSON {"start": bool,
+  "prefix": str or null}: the agent starts its trace recorder (``profiler.py``) or stops it,
+  writing its trace; it answers PROFILE with the trace's path (empty if none), or ERROR. A
+  trace still recording at QUIT is dropped;
 - master -> agent QUIT: the agent exits.
 
 Tensor parallel (``parallel.tensor_parallel_size`` N > 1): the master starts N agents (ranks)
@@ -143,12 +147,16 @@ def main(argv=None) -> int:
     hello = runner.kv_connector_info_bytes()
     conn.send_bytes(ch.FRAME.pack(ch.READY, 0, len(hello)) + hello)
     control = Control(conn)
+    recorder = None
     while True:
-        kind, step_no = control.next()
+        kind, step_no, payload = control.next()
         if kind == ch.QUIT:
             _exit(0)
-        if kind != ch.STEP:              # a late MASK of a step that failed or timed out
-            continue
+        if kind != ch.STEP:
+            if kind == ch.PROFILE:
+                recorder = recorder or _recorder(config, rank)
+                conn.send_bytes(_profile(recorder, payload))
+            continue                     # (a late MASK of a step that failed or timed out)
         try:
             step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))
             runner.wait_for_mask = lambda n=step_no: control.wait_mask(n)
@@ -164,6 +172,25 @@ def main(argv=None) -> int:
         except Exception as e:   # noqa: BLE001 - the master fails the step, the agent lives
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}".encode()
             conn.send_bytes(ch.FRAME.pack(ch.ERROR, step_no, len(msg)) + msg)
+
+
+def _recorder(config, rank: int):
+    from llm_serving.profiler import TraceRecorder, agent_name
+    return TraceRecorder(config.profiler, agent_name(rank)) if config.profiler else None
+
+
+def _profile(recorder, payload: bytes) -> bytes:
+    """The answer to a PROFILE frame: start or stop ``recorder`` (the path written)."""
+    from llm_serving.executor import shm_channel as ch
+    try:
+        if recorder is None:
+            raise ValueError("profiling is not enabled (--profiler-config)")
+        ask = json.loads(payload)
+        path = recorder.start(ask["prefix"]) if ask["start"] else recorder.stop()
+        msg, kind = (path or "").encode(), ch.PROFILE
+    except Exception as e:   # noqa: BLE001 - reported to the master, which names it
+        msg, kind = f"{type(e).__name__}: {e}".encode(), ch.ERROR
+    return ch.FRAME.pack(kind, 0, len(msg)) + msg
 
 
 class Control:
@@ -185,7 +212,7 @@ class Control:
         kind, step_no, _ = ch.FRAME.unpack_from(frame)
         if kind == ch.QUIT:
             _exit(0)
-        return kind, step_no
+        return kind, step_no, frame[ch.FRAME.size:]
 
     def next(self) -> tuple:
         return self.backlog.pop(0) if self.backlog else self._recv()
@@ -199,7 +226,7 @@ class Control:
             if got is None:
                 raise TimeoutError(f"the master sent no token mask for step {step_no} within "
                                    f"{MASK_TIMEOUT_S:.0f} s")
-            if got == (ch.MASK, step_no):
+            if got[:2] == (ch.MASK, step_no):
                 return
             if got[0] != ch.MASK:            # (a stale MASK is dropped)
                 self.backlog.append(got)
