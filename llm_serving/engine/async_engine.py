@@ -412,31 +412,27 @@ class AsyncLLMEngine:
     async def read_lora(self, lora) -> Optional[str]:
         """Have the model runner read a newly registered LoRA adapter (between two steps);
         None once read, else why it could not be (its id is then not run again)."""
+        return await self._ask("read_lora", lambda fut: (lora, fut))
+
+    async def _ask(self, cmd: str, arg=lambda fut: fut):
+        """Command ``cmd`` run on the engine thread between two steps, and its answer: the
+        command's argument is ``arg(fut)``, which holds the future the engine thread
+        resolves."""
         self.check_health()
         self._bind_loop()
         fut = asyncio.get_running_loop().create_future()
-        self._commands.put(("read_lora", (lora, fut)))
+        self._commands.put((cmd, arg(fut)))
         self._wake.set()
         return await fut
 
     async def get_stats(self) -> EngineStats:
         """The engine's stats, taken on the engine thread between steps."""
-        self.check_health()
-        self._bind_loop()
-        fut = asyncio.get_running_loop().create_future()
-        self._commands.put(("stats", fut))
-        self._wake.set()
-        return await fut
+        return await self._ask("stats")
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached prefix, on the engine thread between steps; False (and
         nothing done) while a request is unfinished."""
-        self.check_health()
-        self._bind_loop()
-        fut = asyncio.get_running_loop().create_future()
-        self._commands.put(("reset_prefix_cache", fut))
-        self._wake.set()
-        return await fut
+        return await self._ask("reset_prefix_cache")
 
     async def start_profile(self, profile_prefix: Optional[str] = None, *,
                             delay_iterations: Optional[int] = None,
@@ -461,12 +457,7 @@ class AsyncLLMEngine:
         await self._profile(False)
 
     async def _profile(self, start: bool, *args) -> None:
-        self.check_health()
-        self._bind_loop()
-        fut = asyncio.get_running_loop().create_future()
-        self._commands.put(("profile", (start, args, fut)))
-        self._wake.set()
-        await fut
+        await self._ask("profile", lambda fut: (start, args, fut))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop, then the WorkAgents; unfinished requests end with finish_reason
