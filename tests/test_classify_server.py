@@ -98,6 +98,9 @@ def test_classify_on_a_cross_encoder(ce_server, ce_hf):
                                atol=1e-5, rtol=0)
     raw = _post(ce_server, "/classify", {"input": QUERY, "use_activation": False})
     np.testing.assert_allclose(raw["data"][0]["probs"], [logit(ids[0])], atol=1e-4, rtol=1e-5)
+    salted = _post(ce_server, "/classify", {"input": ids[1], "cache_salt": "tenant-a"})
+    np.testing.assert_allclose(salted["data"][0]["probs"], [_sigmoid(logit(ids[1]))],
+                               atol=1e-5, rtol=0)           # vLLM's cache_salt is taken
 
 
 @pytest.mark.parametrize("path, body, field", [
@@ -118,7 +121,8 @@ def test_classify_on_a_cross_encoder(ce_server, ce_hf):
     ("/classify", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
     ("/classify", {}, "input"),
     ("/classify", {"input": "hi", "normalize": True}, "normalize"),
-    ("/classify", {"input": "hi", "cache_salt": "s"}, "cache_salt"),
+    ("/classify", {"input": "hi", "cache_salt": ""}, "cache_salt"),    # vLLM's check
+    ("/score", {"text_1": QUERY, "text_2": DOCS, "cache_salt": "a/b"}, "cache_salt"),
 ])
 def test_bad_fields_are_a_400_naming_them(ce_server, path, body, field):
     r = requests.post(ce_server + path, json=body, timeout=60)

@@ -124,6 +124,11 @@ def test_prefix_caching_last_reuses_blocks_mean_turns_it_off(model_pairs):
     again = llm.embed({"prompt_token_ids": LONG})[0]
     assert again.num_cached_tokens >= 128
     np.testing.assert_allclose(again.outputs.embedding, first.outputs.embedding, atol=1e-5)
+    # vLLM's cache_salt: a salted prompt shares blocks only with its own salt
+    salted = [llm.embed({"prompt_token_ids": LONG, "cache_salt": "tenant-a"})[0]
+              for _ in range(2)]
+    assert [o.num_cached_tokens for o in salted][0] == 0 and salted[1].num_cached_tokens >= 128
+    np.testing.assert_allclose(salted[1].outputs.embedding, first.outputs.embedding, atol=1e-5)
     mean = LLM(base, num_blocks=64, pooler_config={"pooling_type": "MEAN"})
     assert not mean.engine.config.cache.enable_prefix_caching
 

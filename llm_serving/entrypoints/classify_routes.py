@@ -32,7 +32,7 @@ async def classify(req: ClassificationRequest, request: Request):
         raise translate_error(e) from None
     rid = new_request_id("classify")
     outs = await run_pooled(request, engine, rid, [_tokens(engine, req, p) for p in prompts],
-                            params, req.priority)
+                            params, req.priority, cache_salt=req.cache_salt)
     id2label = pooler.id2label or {}
     tokens = sum(len(o.prompt_token_ids) for o in outs)
 

@@ -16,6 +16,7 @@ from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, requ
                                                  server_state, stream_or_disconnect,
                                                  translate_error)
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
+from llm_serving.inputs import with_cache_salt
 from llm_serving.entrypoints.openai_routes import (check_fields, json_answer, merge_streams,
                                                    prompt_ids)
 from llm_serving.model_executor.layers.pooler import served_routes
@@ -70,17 +71,20 @@ def truncate(engine, req, ids: list[int]) -> list[int]:
 
 
 async def run_pooled(request: Request, engine, rid: str, token_lists: list, params,
-                     priority: int, field: str = "input") -> list:
+                     priority: int, field: str = "input",
+                     cache_salt: Optional[str] = None) -> list:
     """Each prompt's finished output (RequestOutput: its ``embedding`` vector, its prompt
-    ids), the prompts queued all or none; a client that leaves aborts them (499)."""
+    ids), the prompts queued all or none; a client that leaves aborts them (499).
+    ``cache_salt``: the prompts' (vLLM's field)."""
     if len(token_lists) > engine.limits.max_waiting:
         raise HTTPError(400, f"{field}: {len(token_lists)} inputs in one request exceed the "
                         f"waiting-queue bound (max_waiting_requests={engine.limits.max_waiting})",
                         param=field)
     try:
-        news = [await engine.check_request(f"{rid}-{i}", {"prompt_token_ids": ids}, params,
-                                           priority)
-                for i, ids in enumerate(token_lists)]
+        prompts = with_cache_salt([{"prompt_token_ids": ids} for ids in token_lists],
+                                  cache_salt)
+        news = [await engine.check_request(f"{rid}-{i}", prompt, params, priority)
+                for i, prompt in enumerate(prompts)]
     except HTTPError:
         raise
     except Exception as e:
@@ -117,7 +121,7 @@ async def embeddings(req: EmbeddingRequest, request: Request):
         raise translate_error(e) from None
     rid = new_request_id("embd")
     outs = await run_pooled(request, engine, rid, [_tokens(engine, req, p) for p in prompts],
-                            params, req.priority)
+                            params, req.priority, cache_salt=req.cache_salt)
     tokens = sum(len(o.prompt_token_ids) for o in outs)
     as_b64 = req.encoding_format == "base64"
 

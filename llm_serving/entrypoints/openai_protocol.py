@@ -543,13 +543,14 @@ class PoolingBaseRequest(BaseModel):
     padding: Any = None
     request_id: Any = None
     mm_processor_kwargs: Any = None
-    cache_salt: Any = None
     normalize: Any = None           # removed in vLLM: refused with its word
+    # vLLM's: the prompts' prefix-cache blocks are shared only with requests of this salt
+    cache_salt: Optional[str] = None
 
     REFUSED: ClassVar[dict] = {
         "padding": ("do_not_pad",), "request_id": (), "mm_processor_kwargs": (),
-        "cache_salt": (),
     }
+    _check_cache_salt = cache_salt_validator()
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())

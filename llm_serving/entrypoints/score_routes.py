@@ -45,7 +45,8 @@ async def _scores(req, request: Request, route: str):
             raise translate_error(e) from None
     else:           # a bi-encoder: each text once
         prompts = [truncate(engine, req, tok.encode(t)) for t in first + second]
-    outs = await run_pooled(request, engine, rid, prompts, params, req.priority, names[0])
+    outs = await run_pooled(request, engine, rid, prompts, params, req.priority, names[0],
+                            cache_salt=req.cache_salt)
     if pooler.task == "classify":
         scores = [o.embedding[0] for o in outs]
     else:
