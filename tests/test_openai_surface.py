@@ -721,9 +721,11 @@ def test_generative_scoring_scores_items_as_transformers_does(server, tiny_model
     for apply_softmax, item_first in ((True, False), (False, True)):
         r = requests.post(server[0] + "/generative_scoring", json={
             "model": "tiny", "query": query, "items": items, "label_token_ids": labels,
-            "apply_softmax": apply_softmax, "item_first": item_first})
+            "apply_softmax": apply_softmax, "item_first": item_first,
+            "cache_salt": "tenant-a", "request_id": "gs-1"})      # vLLM's, taken
         assert r.status_code == 200, r.text
         got = r.json()
+        assert got["id"] == "generative-scoring-gs-1"
         joined = [hf_tok(i, add_special_tokens=False).input_ids for i in items]
         joined = [i + q_ids if item_first else q_ids + i for i in joined]
         assert [d["index"] for d in got["data"]] == [0, 1]
@@ -733,7 +735,8 @@ def test_generative_scoring_scores_items_as_transformers_does(server, tiny_model
     for body, field in (({"label_token_ids": []}, "label_token_ids"),
                         ({"items": []}, "items"),
                         ({"label_token_ids": [10**6]}, "label_token_ids"),
-                        ({"label_token_ids": list(range(30))}, "label_token_ids")):
+                        ({"label_token_ids": list(range(30))}, "label_token_ids"),
+                        ({"cache_salt": ""}, "cache_salt")):
         r = requests.post(server[0] + "/generative_scoring", json={
             "model": "tiny", "query": query, "items": items, "label_token_ids": labels, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

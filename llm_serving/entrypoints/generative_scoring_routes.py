@@ -10,6 +10,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from llm_serving.inputs import with_cache_salt
 from llm_serving.entrypoints.http_common import HTTPError, request_ids, server_state
 from llm_serving.entrypoints.openai_protocol import GenerativeScoringRequest
 from llm_serving.entrypoints.openai_routes import (check_fields, collect_choices, json_answer,
@@ -46,10 +47,11 @@ async def generative_scoring(req: GenerativeScoringRequest, request: Request):
         ids = prompt_ids(engine, item, "items", add_special_tokens=False)
         joined = ids + query if req.item_first else query + ids
         prompts.append({"prompt_token_ids": joined[:longest]})
+    prompts = with_cache_salt(prompts, req.cache_salt)
     params = SamplingParams(temperature=0.0, max_tokens=1,
                             logprob_token_ids=list(req.label_token_ids),
                             output_kind=RequestOutputKind.DELTA)
-    rid, resp_id = request_ids(request, "generative-scoring")
+    rid, resp_id = request_ids(request, "generative-scoring", req.request_id)
     try:
         streams = await start_requests(request, rid, resp_id, prompts, params, req.priority,
                                        lora=lora)

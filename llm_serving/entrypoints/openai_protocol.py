@@ -651,10 +651,12 @@ class GenerativeScoringRequest(BaseModel):
     item_first: bool = False
     add_special_tokens: bool = True     # the query's; an item never gets them (vLLM)
     priority: int = 0
-    cache_salt: Any = None
-    request_id: Any = None
+    # vLLM's: the prompts' prefix-cache salt, and the response's id after its prefix
+    cache_salt: Optional[str] = None
+    request_id: Optional[str] = None
 
-    REFUSED: ClassVar[dict] = {"cache_salt": (), "request_id": ()}
+    REFUSED: ClassVar[dict] = {}
+    _check_cache_salt = cache_salt_validator()
 
     def check_combinations(self) -> None:
         if not self.label_token_ids:
