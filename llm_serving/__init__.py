@@ -7,7 +7,8 @@ import os as _os
 _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 from llm_serving.outputs import (ClassificationOutput,  # noqa: F401
                                  ClassificationRequestOutput, CompletionOutput,
-                                 EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+                                 EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                                 PoolingRequestOutput, RequestOutput,
                                  ScoringOutput, ScoringRequestOutput)
 from llm_serving.pooling_params import PoolingParams  # noqa: F401
 from llm_serving.sampling_params import (BeamSearchParams, RequestOutputKind,  # noqa: F401
@@ -20,8 +21,8 @@ __version__ = "0.1.0"
 __all__ = ["AsyncEngineArgs", "AsyncLLMEngine", "BeamSearchParams", "ClassificationOutput",
            "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "EngineArgs", "LLM", "LLMEngine", "LoRARequest",
-           "PoolingParams", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "ScoringOutput", "ScoringRequestOutput",
+           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput",
+           "RequestOutputKind", "SamplingParams", "ScoringOutput", "ScoringRequestOutput",
            "TextPrompt", "TokensPrompt", "__version__"]
 
 

@@ -140,8 +140,15 @@ class EmbeddingOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """vLLM's: one prompt's pooled data, as ``LLM.encode`` returns it (an embedding, or a
+    classifier's probabilities; a numpy array where vLLM's is a torch tensor)."""
+    data: Any
+
+
+@dataclass
 class PoolingRequestOutput:
-    """vLLM's: one prompt's pooling result (``outputs``: its EmbeddingOutput,
+    """vLLM's: one prompt's pooling result (``outputs``: its PoolingOutput, EmbeddingOutput,
     ClassificationOutput or ScoringOutput)."""
     request_id: str
     outputs: Any

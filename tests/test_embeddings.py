@@ -104,6 +104,23 @@ def test_a_prompt_split_over_prefill_chunks_pools_as_a_whole(model_pairs, kind):
     np.testing.assert_allclose(chunked[1], _embed(whole, [PROMPTS[2]])[0], atol=1e-5, rtol=0)
 
 
+
+def test_encode_is_vllms_generic_pooling_call(model_pairs):
+    """vLLM's LLM.encode(..., pooling_task="embed"): each prompt's pooled data (a numpy array
+    here, a tensor there), transformers' LAST hidden state normalized; without pooling_task,
+    or with a token-level task, a ValueError naming it."""
+    from llm_serving import PoolingRequestOutput
+    _, base = model_pairs["llama"]
+    llm = LLM(base, num_blocks=64)
+    refs = [_pool(h, "LAST") for h in _hf_hidden(base, PROMPTS[:2])]
+    outs = llm.encode([{"prompt_token_ids": p} for p in PROMPTS[:2]], pooling_task="embed")
+    assert all(isinstance(o, PoolingRequestOutput) for o in outs)
+    for out, ref in zip(outs, refs):
+        np.testing.assert_allclose(out.outputs.data, ref, atol=5e-4, rtol=0)
+    for task, match in ((None, "pooling_task required"), ("token_embed", "pooling_task")):
+        with pytest.raises(ValueError, match=match):
+            llm.encode({"prompt_token_ids": PROMPTS[0]}, pooling_task=task)
+
 def test_use_activation_false_gives_the_raw_pooled_state(model_pairs):
     _, base = model_pairs["llama"]
     ref = _pool(_hf_hidden(base, [PROMPTS[2]])[0], "MEAN", normalize=False)

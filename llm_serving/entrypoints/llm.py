@@ -6,6 +6,7 @@ import functools
 import itertools
 from typing import Optional, Sequence, Union
 
+import numpy as np
 from pydantic import ValidationError
 from tqdm import tqdm
 
@@ -28,8 +29,9 @@ from llm_serving.lora.request import LoRARequest
 from llm_serving.entrypoints.scoring import (cosine, cross_encoder_prompt, pair_indices,
                                              score_texts)
 from llm_serving.outputs import (ClassificationOutput, ClassificationRequestOutput,
-                                 EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
-                                 ScoringOutput, ScoringRequestOutput)
+                                 EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                                 PoolingRequestOutput, RequestOutput, ScoringOutput,
+                                 ScoringRequestOutput)
 from llm_serving.pooling_params import PoolingParams
 from llm_serving.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -350,8 +352,34 @@ class LLM:
 
     # vLLM's other pooling-model methods: refused by name, as vLLM refuses pooling on a
     # generative model, rather than as a missing attribute.
-    def encode(self, *args, **kwargs):
-        raise _no_pooling("encode")
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
+               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+               use_tqdm: bool = False, lora_request=None, pooling_task: Optional[str] = None,
+               tokenization_kwargs=None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: ``pooling_task`` "embed" (as ``embed``) or "classify"
+        (as ``classify``, the probabilities), each prompt's ``outputs.data`` a numpy array.
+        The token-level tasks (token_embed, token_classify) and plugins are not served."""
+        _no_tokenization_kwargs(tokenization_kwargs)
+        if self.engine.config.model.pooler is None:
+            raise _no_pooling("encode")
+        if pooling_task is None:
+            raise ValueError("pooling_task required for LLM.encode: 'embed' (LLM.embed) or "
+                             "'classify' (LLM.classify)")
+        if pooling_task not in ("embed", "classify"):
+            raise ValueError(f"pooling_task: {pooling_task!r} is not served here (only "
+                             "'embed' and 'classify'; no token-level pooling or plugins)")
+        if pooling_params is not None:       # vLLM's: the task rides on the params too
+            for p in (pooling_params if isinstance(pooling_params, Sequence)
+                      else [pooling_params]):
+                if p.task is not None and p.task != pooling_task:
+                    raise ValueError(f"pooling_params.task {p.task!r} differs from "
+                                     f"pooling_task {pooling_task!r}")
+        return [PoolingRequestOutput(out.request_id,
+                                     PoolingOutput(np.asarray(out.embedding, np.float32)),
+                                     out.prompt_token_ids, out.finished,
+                                     out.num_cached_tokens or 0)
+                for out in self._pool(pooling_task, prompts, pooling_params, use_tqdm,
+                                      lora_request)]
 
     def reward(self, *args, **kwargs):
         raise _no_pooling("reward")
