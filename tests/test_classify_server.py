@@ -103,6 +103,19 @@ def test_classify_on_a_cross_encoder(ce_server, ce_hf):
                                atol=1e-5, rtol=0)           # vLLM's cache_salt is taken
 
 
+def test_classify_a_conversation_as_its_chat_template_renders_it(ce_server, ce_hf):
+    """vLLM's chat form of /classify: one conversation in messages, rendered by the chat
+    template (no generation prompt unless asked), its class probabilities as input's."""
+    tok, logit = ce_hf
+    chat = [{"role": "user", "content": QUERY}, {"role": "assistant", "content": DOCS[0]}]
+    for kw in ({}, {"add_generation_prompt": True}):
+        ids = tok.apply_chat_template(chat, tokenize=True, return_dict=False, **kw)
+        out = _post(ce_server, "/classify", {"messages": chat, **kw})
+        assert len(out["data"]) == 1 and out["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(out["data"][0]["probs"], [_sigmoid(logit(ids))],
+                                   atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("/score", {"text_1": DOCS[:2], "text_2": DOCS}, "text_2"),
     ("/score", {"text_1": QUERY, "text_2": {"content": [{"type": "text", "text": "x"}]}},
@@ -118,7 +131,11 @@ def test_classify_on_a_cross_encoder(ce_server, ce_hf):
     ("/rerank", {"query": QUERY, "documents": []}, "documents"),
     ("/rerank", {"documents": DOCS}, "query"),
     ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
-    ("/classify", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ("/classify", {"input": "hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ("/classify", {"messages": [[{"role": "user", "content": "x"}]]}, "messages"),  # one only
+    ("/classify", {"input": [{"role": "user", "content": "x"}]}, "input"),   # as vLLM's
+    ("/classify", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, "messages"),
     ("/classify", {}, "input"),
     ("/classify", {"input": "hi", "normalize": True}, "normalize"),
     ("/classify", {"input": "hi", "cache_salt": ""}, "cache_salt"),    # vLLM's check

@@ -132,13 +132,68 @@ def test_truncate_prompt_tokens(pooling_server, hf):
     np.testing.assert_allclose(right["data"][0]["embedding"], embed(ids[:5]), atol=5e-4)
 
 
+CHATS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+         [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]]
+
+
+def test_chat_conversations_embed_as_their_template_renders_them(pooling_server, hf):
+    """vLLM 0.32's chat forms: messages (one conversation, or a list of them: one embedding
+    each, in order) or a conversation in input, rendered by the chat template without the
+    generation prompt unless asked, no BOS added on top of the template's."""
+    tok, embed = hf
+    url = pooling_server + "/v1/embeddings"
+
+    def ids(chat, **kw):
+        return tok.apply_chat_template(chat, tokenize=True, return_dict=False, **kw)
+
+    def post(body):
+        r = requests.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    one = post({"messages": CHATS[0]})
+    assert one["usage"]["prompt_tokens"] == len(ids(CHATS[0]))
+    np.testing.assert_allclose(one["data"][0]["embedding"], embed(ids(CHATS[0])), atol=5e-4)
+    batch = post({"messages": CHATS})
+    assert [d["index"] for d in batch["data"]] == [0, 1]
+    assert batch["usage"]["prompt_tokens"] == sum(len(ids(c)) for c in CHATS)
+    for d, chat in zip(batch["data"], CHATS):
+        np.testing.assert_allclose(d["embedding"], embed(ids(chat)), atol=5e-4)
+    single = post({"input": CHATS[1]})["data"]          # the same, given as input
+    assert len(single) == 1
+    np.testing.assert_allclose(single[0]["embedding"], batch["data"][1]["embedding"], atol=1e-5)
+    both = post({"input": CHATS})["data"]
+    assert len(both) == 2
+    for a, b in zip(both, batch["data"]):
+        np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    asked = post({"messages": CHATS[0], "add_generation_prompt": True,
+                  "add_special_tokens": True, "truncate_prompt_tokens": 6})
+    want = tok("", add_special_tokens=True)["input_ids"] + ids(CHATS[0],
+                                                               add_generation_prompt=True)
+    np.testing.assert_allclose(asked["data"][0]["embedding"], embed(want[:6]), atol=5e-4)
+    # the openai client sends a conversation as input too
+    client = openai.OpenAI(base_url=pooling_server + "/v1", api_key="none")
+    out = client.embeddings.create(model=_model(pooling_server), input=CHATS[0],
+                                   encoding_format="float")
+    np.testing.assert_allclose(out.data[0].embedding, one["data"][0]["embedding"], atol=1e-5)
+
+
 @pytest.mark.parametrize("body, field", [
     ({"input": "hi", "dimensions": 8}, "dimensions"),
     ({"input": "hi", "encoding_format": "bytes"}, "encoding_format"),
     ({"input": "hi", "embed_dtype": "float16"}, "embed_dtype"),
     ({"input": "hi", "endianness": "big"}, "endianness"),
     ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "messages"),     # vLLM's chat form
+    ({"messages": []}, "messages"),
+    ({"messages": [[{"role": "user", "content": "x"}], []]}, "messages"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+      "continue_final_message": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     "chat_template"),      # a request's own template needs --trust-request-chat-template
+    ({"messages": [{"role": "user", "content": "x"}], "media_io_kwargs": {"image": {}}},
+     "media_io_kwargs"),
+    ({"messages": [{"content": "x"}]}, "messages"),
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": [[]]}, "input"),

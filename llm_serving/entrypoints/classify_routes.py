@@ -1,6 +1,6 @@
 """POST /classify: a sequence classifier's class probabilities (vLLM's classification API on
 a pooling runner): one entry per input (a string, a list of strings, token ids or a list of
-such lists) with its probs (softmax over the labels, sigmoid for one label; the raw logits
+such lists), or one for vLLM's chat form (messages: a conversation the chat template renders) with its probs (softmax over the labels, sigmoid for one label; the raw logits
 with use_activation false), the most likely label's name from config.json's id2label, and
 num_classes."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import numpy as np
 from fastapi import APIRouter, Request
 
-from llm_serving.entrypoints.embedding_routes import (_inputs, _tokens, pooling_engine,
+from llm_serving.entrypoints.embedding_routes import (pooling_engine, prompt_token_lists,
                                                       run_pooled)
 from llm_serving.entrypoints.http_common import new_request_id, translate_error
 from llm_serving.entrypoints.openai_protocol import ClassificationRequest
@@ -25,14 +25,14 @@ async def classify(req: ClassificationRequest, request: Request):
     state, engine, pooler = pooling_engine(req, request, "/classify",
                                            lambda p: p.task == "classify",
                                            "a sequence classifier (*ForSequenceClassification)")
-    prompts = _inputs(req)
+    field, token_lists = prompt_token_lists(state, engine, req)
     try:
         params = PoolingParams(use_activation=req.use_activation, task="classify")
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("classify")
-    outs = await run_pooled(request, engine, rid, [_tokens(engine, req, p) for p in prompts],
-                            params, req.priority, cache_salt=req.cache_salt)
+    outs = await run_pooled(request, engine, rid, token_lists, params, req.priority, field,
+                            cache_salt=req.cache_salt)
     id2label = pooler.id2label or {}
     tokens = sum(len(o.prompt_token_ids) for o in outs)
 

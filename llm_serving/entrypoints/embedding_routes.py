@@ -17,8 +17,9 @@ from llm_serving.entrypoints.http_common import (HTTPError, new_request_id, requ
                                                  translate_error)
 from llm_serving.entrypoints.openai_protocol import EmbeddingRequest
 from llm_serving.inputs import with_cache_salt
-from llm_serving.entrypoints.openai_routes import (check_fields, json_answer, merge_streams,
-                                                   prompt_ids)
+from llm_serving.entrypoints.openai_routes import (check_fields, check_tokenizer,
+                                                   json_answer, merge_streams, prompt_ids,
+                                                   render_chat)
 from llm_serving.model_executor.layers.pooler import served_routes
 from llm_serving.pooling_params import PoolingParams
 
@@ -43,6 +44,30 @@ def pooling_engine(req, request: Request, route: str, serves, what: str):
     return state, engine, pooler
 
 
+def prompt_token_lists(state, engine, req) -> tuple[str, list]:
+    """The request's field its prompts come from ("input", or "messages" for vLLM's chat
+    form) and each prompt's token ids: a conversation (in messages, or in input on
+    /v1/embeddings) is rendered by the chat template as the chat route renders it, without
+    the generation prompt unless asked (vLLM's pooling default)."""
+    if req.messages is not None and req.input is not None:
+        raise HTTPError(400, "messages: give input or messages, not both", param="messages")
+    conversations = req.conversations()
+    if not conversations:
+        if req.messages is not None:
+            raise HTTPError(400, "messages: must not be empty", param="messages")
+        return "input", [_tokens(engine, req, p) for p in _inputs(req)]
+    field = "messages" if req.messages is not None else "input"
+    if not all(conversations):
+        raise HTTPError(400, f"{field}: every conversation needs at least one message",
+                        param=field)
+    check_bound(engine, len(conversations), field)
+    check_tokenizer(engine, field)
+    texts = [render_chat(state, engine.tokenizer, c, req.add_generation_prompt,
+                         req.continue_final_message, req.chat_template,
+                         req.chat_template_kwargs) for c in conversations]
+    return field, [_tokens(engine, req, t, bool(req.add_special_tokens), field) for t in texts]
+
+
 def _inputs(req) -> list:
     """The request's prompts, one per input."""
     x = req.input
@@ -55,13 +80,14 @@ def _inputs(req) -> list:
     return x
 
 
-def _tokens(engine, req, prompt, add_special_tokens: Optional[bool] = None) -> list[int]:
+def _tokens(engine, req, prompt, add_special_tokens: Optional[bool] = None,
+            field: str = "input") -> list[int]:
     """A prompt's token ids, truncated as truncate_prompt_tokens asks (vLLM: -1 is the model's
     length; the tokenizer's side, right unless it says left, unless truncation_side)."""
     side = req.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
     if add_special_tokens is None:
-        add_special_tokens = req.add_special_tokens
-    return prompt_ids(engine, prompt, "input", add_special_tokens,
+        add_special_tokens = getattr(req, "add_special_tokens", None) is not False
+    return prompt_ids(engine, prompt, field, add_special_tokens,
                       req.truncate_prompt_tokens, side, engine.limits.max_model_len)
 
 
@@ -70,16 +96,20 @@ def truncate(engine, req, ids: list[int]) -> list[int]:
     return _tokens(engine, req, ids, add_special_tokens=True)
 
 
+def check_bound(engine, n: int, field: str) -> None:
+    """A 400 naming ``field`` when its ``n`` prompts are more than the waiting queue holds."""
+    if n > engine.limits.max_waiting:
+        raise HTTPError(400, f"{field}: {n} inputs in one request exceed the waiting-queue "
+                        f"bound (max_waiting_requests={engine.limits.max_waiting})", param=field)
+
+
 async def run_pooled(request: Request, engine, rid: str, token_lists: list, params,
                      priority: int, field: str = "input",
                      cache_salt: Optional[str] = None) -> list:
     """Each prompt's finished output (RequestOutput: its ``embedding`` vector, its prompt
     ids), the prompts queued all or none; a client that leaves aborts them (499).
     ``cache_salt``: the prompts' (vLLM's field)."""
-    if len(token_lists) > engine.limits.max_waiting:
-        raise HTTPError(400, f"{field}: {len(token_lists)} inputs in one request exceed the "
-                        f"waiting-queue bound (max_waiting_requests={engine.limits.max_waiting})",
-                        param=field)
+    check_bound(engine, len(token_lists), field)
     try:
         prompts = with_cache_salt([{"prompt_token_ids": ids} for ids in token_lists],
                                   cache_salt)
@@ -114,14 +144,14 @@ async def run_pooled(request: Request, engine, rid: str, token_lists: list, para
 async def embeddings(req: EmbeddingRequest, request: Request):
     state, engine, _ = pooling_engine(req, request, "/v1/embeddings",
                                       lambda p: p.task == "embed", "an embedding model")
-    prompts = _inputs(req)
+    field, token_lists = prompt_token_lists(state, engine, req)
     try:
         params = PoolingParams(req.dimensions, req.use_activation)
     except ValueError as e:
         raise translate_error(e) from None
     rid = new_request_id("embd")
-    outs = await run_pooled(request, engine, rid, [_tokens(engine, req, p) for p in prompts],
-                            params, req.priority, cache_salt=req.cache_salt)
+    outs = await run_pooled(request, engine, rid, token_lists, params, req.priority, field,
+                            cache_salt=req.cache_salt)
     tokens = sum(len(o.prompt_token_ids) for o in outs)
     as_b64 = req.encoding_format == "base64"
 

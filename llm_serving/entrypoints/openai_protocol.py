@@ -561,18 +561,43 @@ class PoolingBaseRequest(BaseModel):
 
 
 class ClassificationRequest(PoolingBaseRequest):
-    """POST /classify (vLLM's completion form: one class vector per input)."""
-    # required, but checked in the route: vLLM's chat form (messages, no input) is refused
-    # naming messages, not as a missing input
+    """POST /classify: vLLM's completion form (``input``: one class vector per input) or its
+    chat form (``messages``: one conversation, rendered by the chat template)."""
     input: Union[str, list[str], list[int], list[list[int]], None] = None
-    add_special_tokens: bool = True
-    messages: Any = None
+    messages: Optional[list[ChatMessage]] = None
+    # Default: True for input, False for messages (the template writes them), as vLLM.
+    add_special_tokens: Optional[bool] = None
+    # vLLM's chat options, with its pooling defaults (no generation prompt)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Any = None     # declared so that it is refused by name (no media here)
 
-    REFUSED: ClassVar[dict] = {**PoolingBaseRequest.REFUSED, "messages": ()}
+    REFUSED: ClassVar[dict] = {**PoolingBaseRequest.REFUSED, "media_io_kwargs": ()}
+
+    def unknown_fields(self) -> list[str]:
+        return super().unknown_fields() + [
+            f"messages[{i}].{k}" for i, m in enumerate(self.chat_messages())
+            for k in m.model_extra or ()]
+
+    def chat_messages(self) -> list:
+        """Every message of the request's conversations."""
+        return [m for c in self.conversations() for m in c]
+
+    def conversations(self) -> list:
+        """The request's conversations (a list of ChatMessage lists): none for input's
+        prompts."""
+        return [self.messages] if self.messages is not None else []
 
 
 class EmbeddingRequest(ClassificationRequest):
-    """POST /v1/embeddings (OpenAI's fields and vLLM's extras for the embed task)."""
+    """POST /v1/embeddings (OpenAI's fields and vLLM's extras for the embed task). Its chat
+    forms, as vLLM 0.32's: ``messages`` one conversation or a list of them (one embedding
+    each), or the same given as ``input``."""
+    input: Union[str, list[str], list[int], list[list[int]], list[ChatMessage],
+                 list[list[ChatMessage]], None] = None
+    messages: Union[list[ChatMessage], list[list[ChatMessage]], None] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     embed_dtype: Any = None
@@ -580,6 +605,13 @@ class EmbeddingRequest(ClassificationRequest):
 
     REFUSED: ClassVar[dict] = {**ClassificationRequest.REFUSED, "embed_dtype": ("float32",),
                                "endianness": ("native", "little")}
+
+    def conversations(self) -> list:
+        chat = self.messages if self.messages is not None else self.input
+        if not chat or not isinstance(chat, list) or isinstance(chat[0], (str, int)) or (
+                isinstance(chat[0], list) and (not chat[0] or isinstance(chat[0][0], int))):
+            return []
+        return [chat] if isinstance(chat[0], ChatMessage) else chat
 
 
 class ScoringRequest(PoolingBaseRequest):

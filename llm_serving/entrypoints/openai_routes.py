@@ -977,10 +977,6 @@ def chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[i
 def _chat_prompt(state: ServerState, tok, req, tools) -> str:
     """The prompt text the chat template makes of a request's messages (the chat route's
     and /tokenize's, so that /tokenize counts what chat will)."""
-    if req.continue_final_message and req.add_generation_prompt:
-        raise HTTPError(400, "continue_final_message: it continues the last message, so "
-                        "add_generation_prompt must be false (it defaults to true)",
-                        param="continue_final_message")
     variables = (req.template_vars() if isinstance(req, ChatCompletionRequest)
                  else req.chat_template_kwargs)
     return render_chat(state, tok, req.messages, req.add_generation_prompt,
@@ -997,7 +993,11 @@ def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: 
                 continue_final_message: bool, chat_template: Optional[str],
                 chat_template_kwargs: Optional[dict], tools=None) -> str:
     """The prompt text the chat template makes of ``messages`` (ChatMessage), the same for
-    every route that renders a conversation (chat, /tokenize, /v1/responses)."""
+    every route that renders a conversation (chat, /tokenize, /v1/responses, the pooling
+    routes' chat forms)."""
+    if continue_final_message and add_generation_prompt:
+        raise HTTPError(400, "continue_final_message: it continues the last message, so "
+                        "add_generation_prompt must be false", param="continue_final_message")
     own = chat_template is not None or "chat_template" in (chat_template_kwargs or {})
     if own and not state.engine_args.trust_request_chat_template:
         raise HTTPError(400, "chat_template: a request's own chat template is refused unless "
