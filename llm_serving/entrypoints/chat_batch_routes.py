@@ -47,7 +47,8 @@ async def batch_chat_completions(req: BatchChatCompletionRequest, request: Reque
             usage["prompt_tokens_details"] = {"cached_tokens": sum(
                 a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)}
         choices = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-        for key in ("prompt_logprobs", "prompt_token_ids"):     # the first conversation's
-            first.pop(key, None)                                # alone (echo, return_token_ids)
-        return {**first, "id": resp_id, "choices": choices, "usage": usage}
+        # vLLM's batch answer: a conversation's own top-level fields (prompt_logprobs,
+        # prompt_token_ids, metrics, ...) are not the batch's
+        return {"id": resp_id, "object": first["object"], "created": first["created"],
+                "model": first["model"], "choices": choices, "usage": usage}
     return await json_answer(build)
