@@ -191,6 +191,15 @@ def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, t
                      + re.escape(f"{completion[:12]!r}, finish_reason: length"), log)
     assert re.search(r"Generated response chatcmpl-trace-7-[0-9a-f]{8}-0: output: "
                      + re.escape(f"{chat[:12]!r}, finish_reason: length"), log)
+    # --enable-log-deltas (on by default): the streamed answer's deltas, as they were sent
+    # (each cut to --max-log-len), the last with its finish reason; none for the unstreamed one
+    deltas = re.findall(r"Generated response chatcmpl-trace-7-[0-9a-f]{8}-0 \(streaming "
+                        r"delta\): output: ('.*'|\".*\"), finish_reason: (\w+)", log)
+    assert len(deltas) >= 2 and [f for _, f in deltas] == ["None"] * (len(deltas) - 1) + [
+        "length"], deltas
+    assert "".join(eval(d) for d, _ in deltas) == chat[:sum(len(eval(d)) for d, _ in deltas)]
+    assert all(len(eval(d)) <= 12 for d, _ in deltas)
+    assert not re.search(r"cmpl-trace-7-[0-9a-f]{8}-0 \(streaming", log.replace("chatcmpl", ""))
     # beam search: the beams answered, once each, not the empty one-token steps
     assert len(re.findall(r"Generated response cmpl-beam-3", log)) == 2
     for j, text in enumerate(beams):
@@ -199,6 +208,11 @@ def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, t
                          + re.escape(f"{text[:12]!r}, finish_reason: length"), log)
     with pytest.raises(ConfigError, match="--enable-log-outputs.*--enable-log-requests"):
         FrontendArgs(enable_log_outputs=True)
+    # vLLM's --no- form turns the deltas off (only the whole answer is logged)
+    assert FrontendArgs.from_args(parse_args(["serve", "--enable-log-requests",
+                                              "--enable-log-outputs",
+                                              "--no-enable-log-deltas"])).enable_log_deltas is False
+    assert FrontendArgs.from_args(parse_args(["serve"])).enable_log_deltas is True
 
 
 def test_request_log_cuts_prompts_to_max_log_len(caplog, tiny_model_dir):

@@ -480,13 +480,13 @@ def _request_metrics(req: RequestState) -> RequestMetrics:
         finish_reasons=tuple(s.finish_reason or "abort" for s in req.seqs))
 
 
-def log_generated(name: str, text: str, token_ids: list, finish_reason: str,
-                  max_log_len: Optional[int]) -> None:
-    """One answer's --enable-log-outputs lines, in vLLM's form: its text at info, its token
-    ids at debug, each cut to max_log_len."""
+def log_generated(name: str, text: str, token_ids, finish_reason: Optional[str],
+                  max_log_len: Optional[int], stream_info: str = "") -> None:
+    """One answer's (or one streamed delta's) --enable-log-outputs lines, in vLLM's form: its
+    text at info, its token ids at debug, each cut to max_log_len."""
     cut = max_log_len
-    logger.info("Generated response %s: output: %r, finish_reason: %s", name,
+    logger.info("Generated response %s%s: output: %r, finish_reason: %s", name, stream_info,
                 text if cut is None else text[:cut], finish_reason)
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("Generated response %s details: output_token_ids: %s", name,
-                     token_ids if cut is None else token_ids[:cut])
+        logger.debug("Generated response %s%s details: output_token_ids: %s", name,
+                     stream_info, list(token_ids if cut is None else token_ids[:cut]))

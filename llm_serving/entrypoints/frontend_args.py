@@ -94,8 +94,11 @@ class FrontendArgs:
         "template), as vLLM; off, it answers 404")
     enable_log_outputs: bool = _arg(
         False, "with --enable-log-requests, log each request's generated text as it ends, at "
-        "info (its token ids at debug), cut to --max-log-len, as vLLM (which also logs each "
-        "streamed delta)")
+        "info (its token ids at debug), cut to --max-log-len, as vLLM")
+    enable_log_deltas: bool = _arg(
+        True, "with --enable-log-outputs, also log each delta of a streamed answer as it is "
+        "sent, marked '(streaming delta)', as vLLM (--no-enable-log-deltas: only the whole "
+        "answer as it ends)")
     log_error_stack: bool = _arg(
         False, "log the stack trace of each error answered to a request (a 4xx or 5xx), at "
         "error level, as vLLM")
@@ -246,9 +249,10 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
         flag, extra = "--" + f.name.replace("_", "-"), dict(f.metadata["flag"])
         kind = hints[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        if base is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", default=None,
-                               help=f.metadata["help"])
+        if base is bool:     # vLLM's flags on by default take their --no- form
+            group.add_argument(flag, dest=f.name, default=None, help=f.metadata["help"],
+                               action=argparse.BooleanOptionalAction if f.default
+                               else "store_true")
             continue
         if "json" in extra:
             extra["type"] = _json_list if extra.pop("json") is list else json_object

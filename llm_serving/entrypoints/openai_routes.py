@@ -298,6 +298,21 @@ def _sse_error(e: HTTPError) -> bytes:
                           "code": e.status}})
 
 
+def _delta_logger(state: ServerState, n: int):
+    """--enable-log-deltas (on by default, with --enable-log-outputs): a function logging a
+    streamed answer's deltas as they are sent, named as the whole answer's line is (vLLM's
+    "(streaming delta)" lines); None when off."""
+    front = state.frontend
+    if not (front.enable_log_outputs and front.enable_log_deltas):
+        return None
+
+    def log(out: RequestOutput, c) -> None:
+        if c.text or c.token_ids:
+            log_generated(out.request_id + (f" (n={c.index})" if n > 1 else ""), c.text,
+                          c.token_ids, c.finish_reason, front.max_log_len, " (streaming delta)")
+    return log
+
+
 def _usage(prompt_tokens: int, completion_tokens: int, cached: Optional[int] = None,
            reasoning_tokens: Optional[int] = None) -> dict:
     """OpenAI's usage; ``cached`` (--enable-prompt-tokens-details): the prompt tokens the
@@ -531,6 +546,7 @@ async def completions(req: CompletionRequest, request: Request):
 
     if req.stream:
         include_usage, continuous = _stream_usage(state, req)
+        log_delta = _delta_logger(state, n)
 
         async def gen():
             prompt_tokens, offsets, choice_tokens, cached = {}, {}, {}, {}
@@ -549,6 +565,8 @@ async def completions(req: CompletionRequest, request: Request):
                     if echo is not None:
                         echo.see(i, out)
                     for c in out.outputs:
+                        if log_delta is not None:
+                            log_delta(out, c)
                         idx = i * n + c.index
                         text, entries, ntok = (("", [], 0) if echo_only else
                                                (c.text, c.logprobs or [], len(c.token_ids)))
@@ -772,6 +790,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 return None
             return sum(thoughts[i].tokens for i in indices if i in thoughts)
 
+        log_delta = _delta_logger(state, req.n)
+
         async def gen():
             prompt_tokens = len(ids)
             started, calls, timings = set(), {}, []
@@ -786,6 +806,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                                        grammar_field))
                         continue
                     for c in out.outputs:
+                        if log_delta is not None:
+                            log_delta(out, c)
                         if c.index not in started:
                             started.add(c.index)
                             yield chunk(c.index, {"role": role, "content": ""}, first=True)
