@@ -126,9 +126,13 @@ async def start_requests(request: Request, rid: str, resp_id: str, prompts: list
 def grammar_named(err: HTTPError, grammar_field: Optional[str]) -> HTTPError:
     """A grammar error (the engine says "structured_outputs: ...") named by the request field
     the grammar came from (``guided_regex``, ``response_format``, ``tools`` ...); an
-    ``extra_args`` error by the request's ``vllm_xargs``."""
+    ``extra_args`` error by the request's ``vllm_xargs``; a whitespace pattern not given in
+    ``structured_outputs`` came from ``guided_whitespace_pattern``."""
     if err.param == "extra_args":
         return renamed(err, "vllm_xargs")
+    if err.param == "structured_outputs.whitespace_pattern":
+        return renamed(err, None if grammar_field == "structured_outputs"
+                       else "guided_whitespace_pattern")
     return renamed(err, grammar_field if err.param == "structured_outputs" else None)
 
 
