@@ -429,6 +429,9 @@ class EngineArgs:
         "blocks (kv_cache_metrics_sample); recorded with prefix caching, as vLLM")
     kv_cache_metrics_sample: float = _arg(0.01,
         "the fraction of KV blocks kv_cache_metrics follows, in (0, 1] (vLLM's flag)")
+    enable_logging_iteration_details: bool = _arg(False,
+        "log a line per model step at info (vLLM's flag): its context (prompt) requests and "
+        "tokens, generation requests and tokens, elapsed time and KV cache usage")
     enable_mfu_metrics: bool = _arg(False,
         "vLLM's Model FLOPs Utilization counters on /metrics (estimated_flops_per_gpu, "
         "estimated_read_bytes_per_gpu, estimated_write_bytes_per_gpu: per tensor-parallel "
@@ -631,7 +634,8 @@ class EngineArgs:
                high=1, high_inclusive=True)
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream", "enforce_eager", "enable_lora",
-                    "skip_tokenizer_init", "kv_cache_metrics", "enable_mfu_metrics"):
+                    "skip_tokenizer_init", "kv_cache_metrics", "enable_mfu_metrics",
+                    "enable_logging_iteration_details"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -847,6 +851,7 @@ class EngineArgs:
             kv_cache_metrics_sample=(self.kv_cache_metrics_sample if self.kv_cache_metrics
                                      else None),
             enable_mfu_metrics=self.enable_mfu_metrics,
+            log_iterations=self.enable_logging_iteration_details,
             profiler=ProfilerConfig.from_value(self.profiler_config))
 
     def _lora_config(self, hf) -> Optional["LoRAConfig"]:
@@ -1194,6 +1199,7 @@ class EngineConfig:
     # None: off
     kv_cache_metrics_sample: Optional[float] = None
     enable_mfu_metrics: bool = False                  # engine/mfu.py
+    log_iterations: bool = False      # --enable-logging-iteration-details: llm_engine.py
     profiler: Optional[ProfilerConfig] = None         # profiler.py; None: off
 
     def to_json(self) -> str:

@@ -896,3 +896,33 @@ def test_vllm_logging_and_http_environment_variables_on_the_server(tiny_model_di
     assert any("(WorkAgent 0)" in line for line in lines)
     assert lines and all(line.startswith("[edge-7] 20") for line in lines), lines
     assert sum("Avg generation throughput" in line for line in lines) >= 2
+
+
+def test_iteration_details_log_each_steps_prompt_and_generation_work(tiny_model_dir, tiny_llm,
+                                                                     caplog):
+    """--enable-logging-iteration-details (vLLM's): a line per model step naming its context
+    (prompt) requests and tokens and its generation requests and tokens, in vLLM's words."""
+    cfg = _settings_of("serve", tiny_model_dir,
+                       "--enable-logging-iteration-details")[0].create_engine_config()
+    assert cfg.log_iterations and not _settings(tiny_model_dir)[0].create_engine_config(
+        ).log_iterations
+    from llm_serving import SamplingParams
+    engine = tiny_llm.engine
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    engine.log_iterations = True        # what cfg.log_iterations sets as the engine starts
+    try:
+        with caplog.at_level(logging.INFO, logger="llm_serving.engine.llm_engine"):
+            tiny_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    finally:
+        engine.log_iterations = False
+    lines = [r.getMessage() for r in caplog.records if "Iteration(" in r.getMessage()]
+    counts = [tuple(int(x) for x in re.search(
+        r"(\d+) context requests, (\d+) context tokens, (\d+) generation requests, (\d+) "
+        r"generation tokens, iteration elapsed time: [\d.]+ ms, CPU KV cache usage: [\d.]+%",
+        line).groups()) for line in lines]
+    # both prompts in one step (12 tokens), then two decode steps of both sequences (the
+    # third token is sampled by the second decode step)
+    assert counts == [(2, 12, 0, 0), (0, 0, 2, 2), (0, 0, 2, 2)], lines
+    numbers = [int(re.search(r"Iteration\((\d+)\)", line).group(1)) for line in lines]
+    assert numbers == list(range(numbers[0], numbers[0] + 3))

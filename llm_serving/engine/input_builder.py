@@ -46,6 +46,14 @@ class BuiltStep:
     # row range, in StepInput.pool_starts order
     pooled: list[tuple[Sequence, int, bool]] = field(default_factory=list)
 
+    def phase_counts(self) -> tuple[int, int, int, int]:
+        """(context rows, their tokens, generation rows, their tokens), vLLM's iteration
+        details: a row is in its context phase while it computes prompt tokens."""
+        n = np.diff(self.step.query_start_loc)
+        ctx = self.step.seq_lens - n < self.prompt_lens
+        return (int(ctx.sum()), int(n[ctx].sum()), int(len(n) - ctx.sum()),
+                int(n[~ctx].sum()))
+
 
 def build_step_input(batch: SchedulerOutput, block_size: int,
                      eos_token_ids: set[int], constraints=None,

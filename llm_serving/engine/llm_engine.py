@@ -118,6 +118,11 @@ class LLMEngine:
                         evictions=config.cache.enable_prefix_caching)
             if config.kv_cache_metrics_sample is not None else None),
             events=event_log)
+        # --enable-logging-iteration-details: a line per step (the step's phase counts,
+        # set while it is built, until logged)
+        self.log_iterations = config.log_iterations
+        self._phase_counts: Optional[tuple] = None
+        self._iteration = 0
         # --enable-mfu-metrics: each step's FLOPs and bytes estimated (None: off)
         self.mfu = MfuEstimator(ModelShape.of(config), stats) if config.enable_mfu_metrics \
             else None
@@ -233,10 +238,23 @@ class LLMEngine:
         one, or with async scheduling the previous one: decodes of the new step take their
         input token from the running step's sample, which the model runner fills in). The
         step's KV cache events, if any, are published as one batch."""
+        start = time.monotonic() if self.log_iterations else 0.0
         outputs = self._step()
         if self.kv_events is not None:
             self._publish_kv_events()
+        if self._phase_counts is not None:
+            self._log_iteration(time.monotonic() - start)
         return outputs
+
+    def _log_iteration(self, elapsed: float) -> None:
+        """--enable-logging-iteration-details: the step's line, in vLLM's words (a step that
+        ran no tokens is not logged, as vLLM)."""
+        counts, self._phase_counts = self._phase_counts, None
+        logger.info("Iteration(%d): %d context requests, %d context tokens, %d generation "
+                    "requests, %d generation tokens, iteration elapsed time: %.2f ms, CPU KV "
+                    "cache usage: %.1f%%", self._iteration, *counts, elapsed * 1e3,
+                    self.block_manager.usage * 100)
+        self._iteration += 1
 
     def _publish_kv_events(self) -> None:
         events = self.block_manager.events.take()
@@ -263,6 +281,8 @@ class LLMEngine:
                                  self.pooling, self.processor_rows)
         if kv_meta is not None:
             built.step.kv_meta = kv_meta
+        if self.log_iterations:
+            self._phase_counts = built.phase_counts()
         self.stats.num_prefill_tokens += built.num_prefill_tokens
         self.stats.iteration_tokens.observe(built.num_tokens)
         if self.mfu is not None:
