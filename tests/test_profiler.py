@@ -81,6 +81,15 @@ def test_server_profile_sessions_write_one_trace_per_process(tiny_model_dir, tmp
         assert requests.post(url + "/stop_profile", timeout=120).status_code == 200
         assert requests.post(url + "/stop_profile", timeout=120).status_code == 200
         assert len(os.listdir(out)) == 4
+        # a profile still recording when the server stops: every process's trace is
+        # written, as vLLM's shutdown does
+        r = requests.post(url + "/start_profile", timeout=60, json={"profile_prefix": "run3"})
+        assert r.status_code == 200
+        _complete(url)
+    third = sorted(f for f in os.listdir(out) if f.startswith("run3_"))
+    assert len(third) == 2, third
+    agent = _trace(str(out / next(f for f in third if ".master." not in f)))
+    assert "ModelRunner.execute" in agent["MainThread"]
 
 
 def test_offline_llm_profile_records_steps_and_forward(tiny_model_dir, tmp_path):

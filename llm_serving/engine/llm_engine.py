@@ -599,15 +599,31 @@ class LLMEngine:
         the spans not sent yet and send the KV events (for a bounded while), freeing the
         publisher's ports."""
         if self.trace is not None and self.trace.active:
-            logger.warning("profiler: stopped by the shutdown; the master's trace is written, "
-                           "the WorkAgents' are dropped (call stop_profile first)")
-            self.trace.stop()
+            self._stop_profile_at_shutdown()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
+
+    def _stop_profile_at_shutdown(self) -> None:
+        """A profile still recording at shutdown is stopped and every process's trace written,
+        as vLLM's shutdown does; the WorkAgents' only if they still answer (not after they
+        were killed for a step that hung)."""
+        self._profile_plan = None
+        if self.runner_alive():
+            try:
+                self._record(False)
+                return
+            except Exception as e:  # noqa: BLE001 - the master's trace is still written
+                logger.warning("profiler: the WorkAgents' traces were not written at "
+                               "shutdown: %s", e)
+        else:
+            logger.warning("profiler: stopped by the shutdown after the WorkAgents stopped: "
+                           "only the master's trace is written")
+        if self.trace.active:
+            logger.info("profiler stopped: trace written: %s", self.trace.stop())
 
     # ---- stats ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
