@@ -14,11 +14,12 @@ from llm_serving.pooling_params import PoolingParams  # noqa: F401
 from llm_serving.sampling_params import (BeamSearchParams, RequestOutputKind,  # noqa: F401
                                          SamplingParams)
 from llm_serving.config import AsyncEngineArgs, EngineArgs  # noqa: F401
-from llm_serving.inputs import TextPrompt, TokensPrompt  # noqa: F401
+from llm_serving.inputs import EmbedsPrompt, TextPrompt, TokensPrompt  # noqa: F401
 from llm_serving.lora.request import LoRARequest  # noqa: F401
 
 __version__ = "0.1.0"
 __all__ = ["AsyncEngineArgs", "AsyncLLMEngine", "BeamSearchParams", "ClassificationOutput",
+           "EmbedsPrompt",
            "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "EngineArgs", "LLM", "LLMEngine", "LoRARequest",
            "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput",

@@ -197,6 +197,10 @@ class EngineArgs:
         "logprobs on /v1/completions and structured outputs are refused, outputs carry no "
         "text and stop strings never match (the model directory still needs its tokenizer "
         "files here, for the end-of-sequence ids)")
+    enable_prompt_embeds: bool = _arg(False,
+        "vLLM's --enable-prompt-embeds: a prompt may be given as its input embeddings "
+        "(prompt_embeds, a (tokens, hidden_size) float tensor) instead of token ids; "
+        "see docs/openai.md")
     max_num_seqs: int = _arg(128,
         "most sequences per step (llm-serving's decode_batch_size)")
     max_num_batched_tokens: Optional[int] = _arg(None,
@@ -635,7 +639,7 @@ class EngineArgs:
         for key in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
                     "enable_multi_stream", "enforce_eager", "enable_lora",
                     "skip_tokenizer_init", "kv_cache_metrics", "enable_mfu_metrics",
-                    "enable_logging_iteration_details"):
+                    "enable_logging_iteration_details", "enable_prompt_embeds"):
             if key == "async_scheduling" and self.async_scheduling is None:
                 continue
             if not isinstance(getattr(self, key), bool):
@@ -774,6 +778,11 @@ class EngineArgs:
         if pooler is not None and (self.enable_lora or self.speculative_config is not None):
             raise ConfigError("enable_lora" if self.enable_lora else "speculative_config",
                               "not supported with a pooling runner (embeddings)")
+        if self.enable_prompt_embeds and (pooler is not None
+                                          or self.kv_transfer_config is not None):
+            raise ConfigError("enable_prompt_embeds", "not with a pooling runner" if pooler
+                              else "not with kv_transfer_config (a prompt's embeddings do "
+                              "not travel to another instance)")
         processors = ()
         if pooler is None and spec is None:     # (installed plugins: generation only)
             from llm_serving.sample.custom_logits_processors import resolve
@@ -800,6 +809,7 @@ class EngineArgs:
                 max_logprobs=max_logprobs, pooler=pooler,
                 structured_outputs=StructuredOutputsConfig(**self.structured_outputs_config),
                 skip_tokenizer_init=self.skip_tokenizer_init, logits_processors=processors,
+                enable_prompt_embeds=self.enable_prompt_embeds,
                 reasoning=(ReasoningConfig(**self.reasoning_config)
                            if self.reasoning_config else None),
                 default_sampling_params=generation_defaults(
@@ -1077,6 +1087,7 @@ class ModelSettings:
     pooler: Optional[PoolerSettings] = None   # a pooling runner's (None: generate)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     skip_tokenizer_init: bool = False     # token ids in and out only (vLLM's)
+    enable_prompt_embeds: bool = False    # prompts may be given as embeddings (vLLM's)
     # where reasoning starts and ends, for thinking_token_budget (None: budgets off)
     reasoning: Optional[ReasoningConfig] = None
     # the user's logits processors, 'module:Class' (or classes, in process); checked

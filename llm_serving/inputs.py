@@ -62,3 +62,10 @@ class _TokenIds(TypedDict):
 class TokensPrompt(_TokenIds, _Salted, total=False):
     """Token ids, used as given; ``prompt``, if given, is echoed back as RequestOutput.prompt."""
     prompt: str
+
+
+class EmbedsPrompt(_Salted):
+    """vLLM's: a prompt given as its input embeddings, a (tokens, hidden_size) float torch
+    tensor or NumPy array (enable_prompt_embeds=True; prompt_embeds.py)."""
+    prompt_embeds: object
+

@@ -14,7 +14,9 @@ The KV of a sequence run with a LoRA adapter is that adapter's, and a request's
 ``cache_salt`` (vLLM's) sets its own apart: as vLLM, each block's hash covers the adapter's
 ("lora", name, path) and block 0's the salt too, and the parent checked on a hit of block 0 is
 the (adapter id, salt) pair, so blocks are shared only between sequences of the same adapter
-and the same salt (or both none).
+and the same salt (or both none). A prompt given as embeddings (vLLM's prompt_embeds) has
+placeholder token ids: as vLLM, each of its blocks' hashes covers ("prompt_embeds", the sha256
+of the block's rows), and a hit checks that digest as it checks the tokens.
 
 KV cache events (``events``, engine/kv_events.py): the blocks entered in the cache and evicted
 from it, and a reset, are recorded for the engine to publish; the hash chain is then vLLM's
@@ -56,6 +58,24 @@ def _extra_keys(seq: Sequence) -> tuple[Optional[tuple], Optional[tuple]]:
     lora = (("lora", seq.lora_name, seq.lora_path),) if seq.lora_id else ()
     first = lora + ((("cache_salt", seq.cache_salt),) if seq.cache_salt is not None else ())
     return first or None, lora or None
+
+
+def _block_extra(seq: Sequence, i: int, bs: int, first, rest) -> Optional[tuple]:
+    """Block i's extra keys: ``_extra_keys``' and, for a block of a prompt given as
+    embeddings, vLLM's ("prompt_embeds", sha256 of its rows)."""
+    keys = rest if i else first
+    digest = seq.embeds_digest(i, bs) if seq.prompt_embeds is not None else None
+    return keys if digest is None else (keys or ()) + (("prompt_embeds", digest),)
+
+
+def _block_key(seq: Sequence, i: int, bs: int) -> tuple:
+    """What a cache hit on block i must match exactly: its tokens, and the digest of its
+    prompt embeddings (an embedded prompt's token ids are placeholders)."""
+    tokens = tuple(seq.token_ids(i * bs, (i + 1) * bs))
+    if seq.prompt_embeds is None:
+        return tokens
+    digest = seq.embeds_digest(i, bs)
+    return tokens if digest is None else tokens + (digest,)
 
 
 def _python_hash(parent, tokens: tuple, extra: Optional[tuple]) -> int:
@@ -199,7 +219,7 @@ class BlockManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
             parent = self._hash(parent, tuple(seq.token_ids(i * bs, (i + 1) * bs)),
-                                rest if i else first)
+                                _block_extra(seq, i, bs, first, rest))
             hashes.append(parent)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -224,7 +244,7 @@ class BlockManager:
         for i in range(limit):
             block = self.cache.get(seq.block_hashes[i])
             if (block is None or self.block_parent_uid[block] != parent_uid
-                    or self.block_tokens[block] != tuple(seq.token_ids(i * bs, (i + 1) * bs))):
+                    or self.block_tokens[block] != _block_key(seq, i, bs)):
                 break
             matched.append(block)
             parent_uid = self.block_uid[block]
@@ -269,7 +289,7 @@ class BlockManager:
                 uids.append(None)
                 continue
             h = seq.block_hashes[i]
-            tokens = tuple(seq.token_ids(i * bs, (i + 1) * bs))
+            tokens = _block_key(seq, i, bs)
             existing = self.cache.get(h)
             if existing is not None:
                 same = (self.block_parent_uid[existing] == parent_uid
@@ -294,15 +314,15 @@ class BlockManager:
         """One BlockStored event per run of consecutive blocks entered in the cache."""
         bs, hashes = self.block_size, seq.block_hashes
         first, rest = _extra_keys(seq)
-        published = [tuple(k[1] for k in keys) if keys else None for keys in (first, rest)]
         start = 0
         for j in range(1, len(stored) + 1):
             if j < len(stored) and stored[j] == stored[j - 1] + 1:
                 continue
             a, b = stored[start], stored[j - 1] + 1
-            extra = [published[1]] * (b - a)
-            if a == 0:
-                extra[0] = published[0]
+            extra = []
+            for i in range(a, b):
+                keys = _block_extra(seq, i, bs, first, rest)
+                extra.append(tuple(k[1] for k in keys) if keys else None)
             self.events.stored(hashes[a:b], hashes[a - 1] if a else None,
                                seq.token_ids(a * bs, b * bs), seq.lora_id, seq.lora_name,
                                extra)

@@ -120,10 +120,26 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
         swap_out=block_pairs(batch.swap_out), swap_in=block_pairs(batch.swap_in),
         copies=block_pairs(batch.copies), pending_pos=pending_pos, pending_src=pending_src,
         **spec_fields, **_prompt_logprob_rows(built, seqs, starts, n, qsl, prompt_lens),
-        **_lora_fields(seqs))
+        **_lora_fields(seqs), **_embeds_fields(seqs, starts, n, qsl, prompt_lens))
     if pooling is not None:
         _pool_rows(built, pooling, seqs, starts, n, totals, qsl)
     return built
+
+
+def _embeds_fields(seqs: list[Sequence], starts, n, qsl, prompt_lens) -> dict:
+    """The StepInput fields of the prompt rows given as embeddings (vLLM's prompt_embeds)
+    this step: their rows and embeddings (none when no sequence has them left to compute)."""
+    rows, embeds = [], []
+    for i, seq in enumerate(seqs):
+        if seq.prompt_embeds is None or starts[i] >= prompt_lens[i]:
+            continue
+        a = int(starts[i])
+        k = min(int(n[i]), int(prompt_lens[i]) - a)
+        rows.append(np.arange(qsl[i], qsl[i] + k, dtype=np.int32))
+        embeds.append(seq.prompt_embeds[a:a + k])
+    if not rows:
+        return {}
+    return dict(embed_rows=np.concatenate(rows), embeds=np.concatenate(embeds))
 
 
 def _lora_fields(seqs: list[Sequence]) -> dict:

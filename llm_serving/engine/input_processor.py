@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import pickle
 import time
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -17,6 +19,7 @@ from llm_serving.inputs import check_cache_salt, salt_of
 from llm_serving.lora.request import LoRARequest
 from llm_serving.model_executor.layers.pooler import check_dimensions
 from llm_serving.pooling_params import PoolingParams
+from llm_serving.prompt_embeds import FIELD as EMBEDS, NOT_ENABLED, as_prompt_embeds, embeds_of
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
@@ -55,6 +58,8 @@ class NewRequest:
     lora: Optional["LoRARequest"] = None     # its adapter (None: the base model)
     pooling: Optional[PoolingParams] = None     # a pooling request (its params, resolved)
     cache_salt: Optional[str] = None     # the prompt's (vLLM's): its own prefix-cache blocks
+    # vLLM's prompt_embeds: float32 [tokens, hidden] (prompt_token_ids are placeholder 0s)
+    prompt_embeds: Optional[np.ndarray] = None
 
 
 class InputProcessor:
@@ -77,6 +82,8 @@ class InputProcessor:
             self._check_offer = connector_class(self.kv_transfer).check_offer
         self.pooler = config.model.pooler          # None: a generate runner
         self.skip_tokenizer = config.model.skip_tokenizer_init
+        self.embeds_enabled = config.model.enable_prompt_embeds
+        self.hidden_size = config.model.hf.hidden_size
         # the user's logits processor classes (their validate_params); () : none configured
         self.processors = ()
         if config.model.logits_processors:
@@ -145,7 +152,8 @@ class InputProcessor:
             self.constraints.prepare(params)
         salt = salt_of(prompt)
         check_cache_salt(salt)
-        text, ids = self._tokenize(prompt)
+        embeds = self._embeds(prompt, params)
+        text, ids = (None, [0] * len(embeds)) if embeds is not None else self._tokenize(prompt)
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         room = self.max_model_len - len(ids)
@@ -162,7 +170,19 @@ class InputProcessor:
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time,
-                          lora=lora_request, cache_salt=salt)
+                          lora=lora_request, cache_salt=salt, prompt_embeds=embeds)
+
+    def _embeds(self, prompt: PromptType, params: SamplingParams):
+        """An EmbedsPrompt's embeddings, checked (None for another prompt)."""
+        value = embeds_of(prompt)
+        if value is None:
+            return None
+        if not self.embeds_enabled:
+            raise ValueError(NOT_ENABLED)
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs: not computed for a prompt given as "
+                             f"{EMBEDS} (there are no prompt tokens to score; vLLM's rule)")
+        return as_prompt_embeds(value, self.hidden_size, self.max_model_len)
 
     def _pooling(self, params) -> Optional[PoolingParams]:
         """A pooling request's params, resolved against the server's pooler (None for a

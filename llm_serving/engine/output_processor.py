@@ -122,10 +122,12 @@ class OutputProcessor:
                 seq.lora_id, seq.lora_path = new.lora.lora_int_id, new.lora.lora_path
                 seq.lora_name = new.lora.lora_name
             seq.cache_salt = new.cache_salt
+            seq.prompt_embeds = new.prompt_embeds      # (read-only: shared by the n)
             if self.spec_metrics is not None:
                 seq.spec_metrics = SpecDecodeRequestMetrics(*self.spec_metrics)
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=p.skip_special_tokens,
+                self.tokenizer, ids if new.prompt_embeds is None else (),
+                skip_special_tokens=p.skip_special_tokens,
                 stop=p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,
                 min_tokens=p.min_tokens)
             seqs.append(seq)

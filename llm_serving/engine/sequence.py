@@ -8,6 +8,7 @@ from the same logits.
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import time
 from typing import Optional
@@ -118,6 +119,12 @@ class Sequence:
         self.lora_name: Optional[str] = None
         # vLLM's cache_salt: its blocks are shared only with sequences of the same salt
         self.cache_salt: Optional[str] = None
+        # vLLM's prompt_embeds: float32 [prompt tokens, hidden], the model's input at the
+        # prompt's positions (its prompt_token_ids are placeholder 0s); kept until the
+        # sequence ends, for a recompute after preemption. Their sha256 per KV block
+        # (``embeds_digest``), for the prefix cache.
+        self.prompt_embeds = None
+        self._embeds_digests: dict[int, bytes] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -155,6 +162,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def embeds_digest(self, block: int, block_size: int) -> Optional[bytes]:
+        """sha256 of the prompt embeddings in KV block ``block`` (None: it holds none)."""
+        e = self.prompt_embeds
+        if e is None or block * block_size >= len(e):
+            return None
+        d = self._embeds_digests.get(block)
+        if d is None:
+            d = hashlib.sha256(e[block * block_size:(block + 1) * block_size]).digest()
+            self._embeds_digests[block] = d
+        return d
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end); a position in flight reads -1 (the model runner

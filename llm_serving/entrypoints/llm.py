@@ -18,6 +18,7 @@ from llm_serving.engine.engine_client import EngineLimits
 from llm_serving.engine.llm_engine import LLMEngine, PromptType
 from llm_serving.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from llm_serving.inputs import salt_of
+from llm_serving.prompt_embeds import FIELD as EMBEDS, embeds_of
 from llm_serving.entrypoints.openai_protocol import ChatMessage
 from llm_serving.entrypoints.step_interrupt import StepInterrupt
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
@@ -402,6 +403,9 @@ class LLM:
         for p in prompts:
             if isinstance(p, str):
                 p = {"prompt": p}
+            if embeds_of(p) is not None:
+                raise ValueError(f"{EMBEDS}: beam search takes text or token id prompts "
+                                 "(its beams are prompts of token ids)")
             ids = p.get("prompt_token_ids")
             if ids is None:
                 ids = self.engine.process_request(p, SamplingParams(max_tokens=1),

@@ -103,7 +103,8 @@ class MultiprocExecutor:
                                              config.model.max_model_len, c.block_size,
                                              c.num_blocks, config.model.vocab_size,
                                              _kv_meta_bytes(config) + _lora_bytes(config)
-                                             + _processor_bytes(config, rows))
+                                             + _processor_bytes(config, rows)
+                                             + _embeds_bytes(config))
             out_bytes = ch.result_channel_bytes(
                 rows, config.model.max_logprobs,
                 dump_vocab=config.model.vocab_size if config.dump else 0,
@@ -389,6 +390,14 @@ def _lora_bytes(config: EngineConfig) -> int:
     if config.lora is None:
         return 0
     return 4 * config.scheduler.max_num_seqs + config.lora.max_loras * (6 * 4096 + 32)
+
+
+def _embeds_bytes(config: EngineConfig) -> int:
+    """A step's prompt embedding rows at most (enable_prompt_embeds): one float32 row and
+    its index per token of the step."""
+    if not config.model.enable_prompt_embeds:
+        return 0
+    return config.scheduler.max_num_batched_tokens * (4 * config.model.hf.hidden_size + 4)
 
 
 def _processor_bytes(config: EngineConfig, rows: int) -> int:

@@ -24,6 +24,7 @@ _EMPTY_IDS = np.zeros(0, np.int64)
 _NO_PAIRS = np.zeros((0, 2), np.int32)
 _NO_ROWS = np.zeros(0, np.int32)
 _NO_BYTES = np.zeros(0, np.uint8)
+_NO_EMBEDS = np.zeros((0, 0), np.float32)
 
 
 def _ragged():
@@ -257,6 +258,10 @@ class StepInput:
     # final hidden states are summed into SamplerOutput.pooled; no logits, no sampling.
     pool_starts: np.ndarray = field(default_factory=lambda: _NO_ROWS)    # int32 [P]
     pool_ends: np.ndarray = field(default_factory=lambda: _NO_ROWS)      # int32 [P]
+    # Prompt embeddings (vLLM's prompt_embeds, enable_prompt_embeds): token row
+    # embed_rows[i] takes embeds[i] as its input embedding instead of its (placeholder) id's.
+    embed_rows: np.ndarray = field(default_factory=lambda: _NO_ROWS)     # int32 [E]
+    embeds: np.ndarray = field(default_factory=lambda: _NO_EMBEDS)       # float32 [E, H]
 
 
 def array_fields(cls) -> tuple[str, ...]:

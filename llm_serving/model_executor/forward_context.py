@@ -2,7 +2,8 @@
 
 The model runner sets it around each forward pass; attention layers read their KV cache and
 the batch's attention metadata from it by layer index, and linear layers the step's LoRA
-adapters and their rows (``model_executor/lora.py``). Model code never sees block tables,
+adapters and their rows (``model_executor/lora.py``), and the token embedding the rows given
+as embeddings. Model code never sees block tables,
 slot mappings or caches: its layers take tensors and return tensors.
 """
 from __future__ import annotations
@@ -25,6 +26,10 @@ class ForwardContext:
     backend: Any = None
     # LoRA: the step's adapters and their token rows (lora.StepLoRA); None: no row has one.
     lora: Any = None
+    # vLLM's prompt_embeds: (token rows int32 [E], their input embeddings float32 [E, H]),
+    # which the token embedding (layers/linear.py's VocabEmbedding) puts in place of its
+    # rows' gathers; None: every row is a token id's.
+    input_embeds: Any = None
 
 
 _forward_context: Optional[ForwardContext] = None
@@ -39,6 +44,11 @@ def get_forward_context() -> ForwardContext:
 def current_lora():
     """The running step's LoRA rows (``lora.StepLoRA``), or None (none, or no step)."""
     return _forward_context.lora if _forward_context is not None else None
+
+
+def current_input_embeds():
+    """The running step's (rows, embeddings) given as input embeddings, or None."""
+    return _forward_context.input_embeds if _forward_context is not None else None
 
 
 @contextmanager

@@ -163,13 +163,15 @@ class ModelRunner:
         split = int(np.ravel(step.ms_split)[0])     # an int in process, an array from shm
         lora = (self.loras.for_step(step.lora_ids, step.lora_paths, step.query_start_loc)
                 if self.loras is not None else None)
-        return self._hidden(Tensor(step.input_ids), Tensor(step.positions), md, split, lora)
+        embeds = (step.embed_rows, step.embeds) if len(step.embed_rows) else None
+        return self._hidden(Tensor(step.input_ids), Tensor(step.positions), md, split, lora,
+                            embeds)
 
     def _hidden(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata,
-                split: int = 0, lora=None):
+                split: int = 0, lora=None, embeds=None):
         md = self.backend.prepare(md)
         with set_forward_context(ForwardContext(md, self.kv_caches, input_ids.shape[0],
-                                                split, self.backend, lora)):
+                                                split, self.backend, lora, embeds)):
             return self.model(input_ids, positions)
 
     def _forward_logits(self, input_ids, positions, slot_mapping, block_tables,
@@ -183,9 +185,11 @@ class ModelRunner:
 
     def _graph_logits(self, step: StepInput, rows: np.ndarray) -> Optional[np.ndarray]:
         """The step's logits from a replayed capture, or None: run it eagerly (also a step
-        with a LoRA row: a capture holds the base model's kernel calls only)."""
+        with a LoRA row or rows given as embeddings: a capture holds the base model's kernel
+        calls, the embedding's gather among them)."""
         if (self.graphs is None or len(step.prompt_lp_rows) or int(np.ravel(step.ms_split)[0])
-                or len(step.lora_ids) or not self.graphs.replayable(step)):
+                or len(step.lora_ids) or len(step.embed_rows)
+                or not self.graphs.replayable(step)):
             return None
         return self.graphs.logits(step, rows)
 

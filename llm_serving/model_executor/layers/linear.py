@@ -29,7 +29,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from llm_serving.model_executor import cpu_graph
-from llm_serving.model_executor.forward_context import current_lora
+from llm_serving.model_executor.forward_context import current_input_embeds, current_lora
 from llm_serving.model_executor.host_memory import WEIGHTS
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
@@ -232,7 +232,8 @@ class VocabEmbedding(CustomOp):
     rank r holds rows [r * n, (r + 1) * n) of the vocabulary, n = ceil(vocab / tp_size) (the
     last rank's tail is zero padding).
     - embedding: ids outside the rank's rows give zeros, and the ranks' rows are summed
-      (all-reduce);
+      (all-reduce); the rows the step gives as input embeddings (vLLM's prompt_embeds, in
+      the forward context) take those instead of a gather;
     - LM head (``compute_logits``): each rank computes its vocabulary slice of the logits and
       rank 0 gathers them; the other ranks get None (only rank 0 samples).
     """
@@ -253,12 +254,19 @@ class VocabEmbedding(CustomOp):
 
     def forward_native(self, input_ids):
         if self.tp_size == 1:
-            return ops.gather(self.weight, input_ids, 0)
-        local = input_ids - self.start
-        mine = ops.logical_and(local >= 0, local < self.rows)
-        rows = ops.gather(self.weight, ops.where(mine, local, ops.zeros_like(local)), 0)
-        rows = rows * ops.expand_dims(mine.astype(rows.dtype), -1)
-        return get_tp_group().all_reduce(rows)
+            out = ops.gather(self.weight, input_ids, 0)
+        else:
+            local = input_ids - self.start
+            mine = ops.logical_and(local >= 0, local < self.rows)
+            rows = ops.gather(self.weight, ops.where(mine, local, ops.zeros_like(local)), 0)
+            rows = rows * ops.expand_dims(mine.astype(rows.dtype), -1)
+            out = get_tp_group().all_reduce(rows)
+        given = current_input_embeds()
+        if given is None:
+            return out
+        rows, embeds = given        # the same on every rank: set after the all-reduce
+        return ops.tensor_scatter_update(out, Tensor(rows.reshape(-1, 1)),
+                                         Tensor(embeds, out.dtype))
 
     def forward_cpu(self, input_ids):
         if self.tp_size > 1:
@@ -267,7 +275,15 @@ class VocabEmbedding(CustomOp):
         # on CPU, the copy of a few rows microseconds. Ids are checked at admission.
         ids = input_ids.asnumpy()
         out, tensor = empty((len(ids), self.weight.shape[1]))
-        cpu_graph.launch(_take_rows, self.weight.asnumpy(), ids, out)
+        given = current_input_embeds()
+        if given is None:
+            cpu_graph.launch(_take_rows, self.weight.asnumpy(), ids, out)
+            return tensor
+        rows, embeds = given        # a step with them runs eagerly (no CPU graph)
+        gathered = np.ones(len(ids), bool)
+        gathered[rows] = False
+        out[gathered] = self.weight.asnumpy()[ids[gathered]]
+        out[rows] = embeds
         return tensor
 
     def compute_logits(self, hidden_states):

@@ -1,0 +1,62 @@
+"""vLLM's prompt embeddings (``enable_prompt_embeds``): a prompt given as its input embeddings,
+a (tokens, hidden_size) float tensor, instead of token ids.
+
+``LLM.generate`` takes ``{"prompt_embeds": t}`` with a torch tensor or a NumPy array. The rows
+become a float32 [tokens, hidden] array that rides on the request's sequence (kept for a
+recompute after preemption) and goes to the model runner, a step's rows at a time, in
+``StepInput.embeds``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+FIELD = "prompt_embeds"
+NOT_ENABLED = (f"{FIELD}: prompt embeddings are taken with enable_prompt_embeds=True "
+               "(--enable-prompt-embeds)")
+
+
+def as_prompt_embeds(value, hidden_size: int, max_model_len: int) -> np.ndarray:
+    """The prompt's embeddings as a float32 [tokens, hidden_size] array, checked as vLLM
+    checks them: 2-D, or 3-D with a batch of one; the model's hidden size; a floating-point
+    dtype (cast to float32); at least one row, and room for one generated token under
+    max_model_len. ValueError naming the field."""
+    arr = _to_numpy(value)
+    if arr.ndim == 3 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 2:
+        raise ValueError(f"{FIELD}: must be a 2-D tensor of shape (num_tokens, hidden_size) "
+                         f"(or (1, num_tokens, hidden_size)); got shape {tuple(arr.shape)}")
+    if arr.shape[1] != hidden_size:
+        raise ValueError(f"{FIELD}: hidden size {arr.shape[1]} does not match the model's "
+                         f"hidden_size {hidden_size}")
+    if arr.dtype.kind != "f":
+        raise ValueError(f"{FIELD}: dtype {arr.dtype} is not a floating-point type")
+    if not len(arr):
+        raise ValueError(f"{FIELD}: it is empty (it has no rows)")
+    if len(arr) >= max_model_len:
+        raise ValueError(f"{FIELD}: it has {len(arr)} rows (tokens); the maximum model length "
+                         f"is {max_model_len}, leaving no room to generate")
+    out = np.array(arr, np.float32, order="C")     # its own copy: kept for recomputes
+    if not np.isfinite(out).all():
+        raise ValueError(f"{FIELD}: holds values that are not finite (NaN or infinity)")
+    out.flags.writeable = False
+    return out
+
+
+def _to_numpy(value) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):     # a torch tensor
+        t = value.detach().cpu()
+        if t.is_floating_point() and str(t.dtype) == "torch.bfloat16":
+            t = t.float()           # NumPy has no bfloat16; widening is exact
+        return t.numpy()
+    raise ValueError(f"{FIELD}: expected a torch tensor or a NumPy array, got "
+                     f"{type(value).__name__}")
+
+
+def embeds_of(prompt) -> Optional[object]:
+    """A prompt dict's prompt_embeds (None for a string or a dict without them)."""
+    return prompt.get(FIELD) if isinstance(prompt, dict) else None

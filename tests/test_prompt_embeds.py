@@ -1,0 +1,97 @@
+"""vLLM's prompt embeddings (--enable-prompt-embeds): a prompt given as its input embeddings
+generates what transformers generates from the same ``inputs_embeds`` (greedy tokens and their
+logprobs), in chunks, after preemption, beside token prompts, through the prefix cache (keyed
+by the embeddings, not the placeholder ids); bad embeddings are refused naming the field."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import hf_causal_lm
+from llm_serving import LLM, EmbedsPrompt, SamplingParams
+from llm_serving.config import EngineArgs
+from llm_serving.errors import ConfigError
+from llm_serving.sampling_params import BeamSearchParams
+
+torch = pytest.importorskip("torch")
+safetensors = pytest.importorskip("safetensors.numpy")
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Four prompts' embeddings (rows of the embedding table, nudged so that they are no
+    token's), transformers' greedy tokens from them and those tokens' logprobs."""
+    table = safetensors.load_file(f"{tiny_model_dir}/model.safetensors")[
+        "model.embed_tokens.weight"]
+    rng = np.random.default_rng(3)
+    embeds = [(table[rng.integers(3, 1024, n)]
+               + rng.normal(0, 0.01, (n, table.shape[1]))).astype(np.float32)
+              for n in (1, 7, 40, 70)]
+    model = hf_causal_lm(tiny_model_dir)
+    want = []
+    with torch.no_grad():
+        for e in embeds:
+            x, ids, lps = torch.from_numpy(e)[None], [], []
+            for _ in range(NEW):
+                logp = torch.log_softmax(model(inputs_embeds=x).logits[0, -1], -1)
+                t = int(logp.argmax())
+                ids.append(t)
+                lps.append(float(logp[t]))
+                x = torch.cat([x, model.get_input_embeddings()(torch.tensor([[t]]))], 1)
+            want.append((ids, lps))
+    return embeds, want
+
+
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def _check(out, want):
+    got = out.outputs[0]
+    assert list(got.token_ids) == want[0]
+    np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)],
+                               want[1], atol=2e-4)
+
+
+def test_offline_embeds_generate_as_transformers(tiny_model_dir, reference):
+    embeds, want = reference
+    # 16-token chunks and a pool small enough to preempt (and recompute) sequences
+    llm = LLM(tiny_model_dir, enable_prompt_embeds=True, num_blocks=24, block_size=8,
+              max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="recompute")
+    prompts = [EmbedsPrompt(prompt_embeds=e) for e in embeds] + [
+        {"prompt_embeds": torch.from_numpy(e)[None]} for e in embeds]
+    outs = llm.generate(prompts + [{"prompt_token_ids": [1, 450, 49]}], GREEDY)
+    for out, w, e in zip(outs, want * 2, embeds * 2):
+        _check(out, w)
+        assert out.prompt_token_ids == [0] * len(e) and out.prompt is None
+    assert llm.engine.get_stats().num_preemptions > 0
+    # the prefix cache: the same embeddings hit it, others of the same length do not
+    again = llm.generate([{"prompt_embeds": embeds[3]}], GREEDY)[0]
+    _check(again, want[3])
+    assert again.num_cached_tokens > 0
+    other = llm.generate([{"prompt_embeds": embeds[3][::-1].copy()}], GREEDY)[0]
+    assert other.num_cached_tokens == 0
+    for bad, field in ((np.zeros((3, 5), np.float32), "hidden size 5"),
+                       (np.zeros((2, 3, 64), np.float32), "2-D"),
+                       (np.zeros((0, 64), np.float32), "empty"),
+                       (np.zeros((3, 64), np.int64), "floating-point"),
+                       (np.full((3, 64), np.nan, np.float32), "not finite")):
+        with pytest.raises(ValueError, match=f"prompt_embeds: .*{field}"):
+            llm.generate([{"prompt_embeds": bad}], GREEDY)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([{"prompt_embeds": embeds[0]}], SamplingParams(prompt_logprobs=1))
+
+
+def test_offline_embeds_need_the_flag(tiny_model_dir, tiny_llm, reference):
+    with pytest.raises(ValueError, match="prompt_embeds: .*--enable-prompt-embeds"):
+        tiny_llm.generate([{"prompt_embeds": reference[0][0]}], GREEDY)
+    with pytest.raises(ValueError, match="prompt_embeds: beam search"):
+        tiny_llm.beam_search([{"prompt_embeds": reference[0][0]}],
+                             BeamSearchParams(beam_width=2, max_tokens=2))
+    for other in ({"runner": "pooling"},
+                  {"kv_transfer_config": {"kv_connector": "InProcessConnector",
+                                          "kv_role": "kv_both"}}):
+        with pytest.raises(ConfigError, match="enable_prompt_embeds: not with"):
+            EngineArgs(tiny_model_dir, enable_prompt_embeds=True,
+                       **other).create_engine_config()
