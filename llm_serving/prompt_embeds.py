@@ -1,13 +1,18 @@
 """vLLM's prompt embeddings (``enable_prompt_embeds``): a prompt given as its input embeddings,
 a (tokens, hidden_size) float tensor, instead of token ids.
 
-``LLM.generate`` takes ``{"prompt_embeds": t}`` with a torch tensor or a NumPy array. The rows
-become a float32 [tokens, hidden] array that rides on the request's sequence (kept for a
-recompute after preemption) and goes to the model runner, a step's rows at a time, in
-``StepInput.embeds``.
+Over HTTP ``prompt_embeds`` is base64 of ``torch.save(tensor)``. It is read as vLLM reads it
+(``torch.load(..., weights_only=True)``: plain tensors only, nothing in the pickle runs), but
+without torch, by the restricted unpickler that reads PyTorch checkpoints
+(``model_executor/torch_bin.py``). Offline, ``LLM.generate`` takes ``{"prompt_embeds": t}``
+with a torch tensor or a NumPy array. Either way the rows become a float32 [tokens, hidden]
+array that rides on the request's sequence (kept for a recompute after preemption) and goes
+to the model runner, a step's rows at a time, in ``StepInput.embeds``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Optional
 
 import numpy as np
@@ -15,6 +20,28 @@ import numpy as np
 FIELD = "prompt_embeds"
 NOT_ENABLED = (f"{FIELD}: prompt embeddings are taken with enable_prompt_embeds=True "
                "(--enable-prompt-embeds)")
+
+
+def decode_prompt_embeds(data, max_model_len: int, hidden_size: int) -> np.ndarray:
+    """An HTTP ``prompt_embeds`` string (base64 of torch.save's bytes) as its tensor's array;
+    ValueError naming the field. A string longer than max_model_len float64 rows could be is
+    refused before it is decoded."""
+    from llm_serving.model_executor.torch_bin import read_torch_tensor
+    if not isinstance(data, str):
+        raise ValueError(f"{FIELD}: expected a base64 string of torch.save(tensor)'s bytes "
+                         f"(or a list of them), got a {type(data).__name__}")
+    most = 4 * (max_model_len * hidden_size * 8 + (1 << 16)) // 3
+    if len(data) > most:
+        raise ValueError(f"{FIELD}: {len(data)} base64 characters are more than "
+                         f"{max_model_len} rows of {hidden_size} floats take")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{FIELD}: not valid base64") from None
+    try:
+        return read_torch_tensor(raw, FIELD)
+    except ValueError as e:
+        raise ValueError(f"{FIELD}: could not be read as a torch.save'd tensor ({e})") from None
 
 
 def as_prompt_embeds(value, hidden_size: int, max_model_len: int) -> np.ndarray:

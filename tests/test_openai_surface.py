@@ -128,6 +128,13 @@ def test_prompt_logprobs_come_back_as_vllms_field_with_hfs_numbers(server, tiny_
 
 # ---- logit_bias, allowed_token_ids, bad_words --------------------------------------------
 
+def test_prompt_embeds_without_the_flag_is_a_400_naming_it(server):
+    url, _ = server
+    r = requests.post(url + "/v1/completions", json={"model": "tiny", "prompt_embeds": "AAAA"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds"
+    assert "--enable-prompt-embeds" in r.json()["error"]["message"]
+
+
 def test_logit_bias_forces_and_bans_tokens(server, client, tiny_llm):
     from llm_serving import SamplingParams
     # +100 on one token: every greedy token is that token (as vLLM does).

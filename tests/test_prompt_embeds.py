@@ -1,11 +1,17 @@
 """vLLM's prompt embeddings (--enable-prompt-embeds): a prompt given as its input embeddings
 generates what transformers generates from the same ``inputs_embeds`` (greedy tokens and their
-logprobs), in chunks, after preemption, beside token prompts, through the prefix cache (keyed
-by the embeddings, not the placeholder ids); bad embeddings are refused naming the field."""
+logprobs), offline and on the server (base64 of torch.save, read without torch), in chunks,
+after preemption, beside token prompts, through the prefix cache (keyed by the embeddings, not
+the placeholder ids); bad embeddings and what vLLM refuses with them are 400s naming the field,
+and the server goes on serving."""
 from __future__ import annotations
+
+import base64
+import io
 
 import numpy as np
 import pytest
+import requests
 
 from conftest import hf_causal_lm
 from llm_serving import LLM, EmbedsPrompt, SamplingParams
@@ -95,3 +101,67 @@ def test_offline_embeds_need_the_flag(tiny_model_dir, tiny_llm, reference):
         with pytest.raises(ConfigError, match="enable_prompt_embeds: not with"):
             EngineArgs(tiny_model_dir, enable_prompt_embeds=True,
                        **other).create_engine_config()
+
+
+def _b64(t) -> str:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_server_embeds_generate_as_transformers(tmp_path, tiny_model_dir, reference):
+    from test_http_server import free_port, start_server, stop_server
+    embeds, want = reference
+    proc, url, _ = start_server(tmp_path, tiny_model_dir, "--enable-prompt-embeds",
+                                agent_ports=(free_port(),))
+    try:
+        body = {"model": "tiny", "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "return_token_ids": True}
+        # a list of embeddings and a text prompt: one choice each, the embeddings first
+        r = requests.post(url + "/v1/completions", json={
+            **body, "prompt_embeds": [_b64(torch.from_numpy(e)) for e in embeds[1:3]]
+            + [_b64(torch.from_numpy(embeds[3]).bfloat16()[None])],
+            "prompt": "Hello"})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 4
+        for c, w, e in zip(choices, want[1:3], embeds[1:3]):
+            assert c["token_ids"] == w[0] and c["prompt_token_ids"] == [0] * len(e)
+            np.testing.assert_allclose(c["logprobs"]["token_logprobs"], w[1], atol=2e-4)
+        assert r.json()["usage"]["prompt_tokens"] == 7 + 40 + 70 + len(
+            choices[3]["prompt_token_ids"])
+        one = _b64(torch.from_numpy(embeds[0]))
+        refused = [({"prompt_embeds": _b64(torch.zeros(3, 5))}, "prompt_embeds"),
+                   ({"prompt_embeds": _b64(torch.zeros(2, 3, 64))}, "prompt_embeds"),
+                   ({"prompt_embeds": _b64(torch.zeros(0, 64))}, "prompt_embeds"),
+                   ({"prompt_embeds": _b64(torch.zeros(1024, 64))}, "prompt_embeds"),
+                   ({"prompt_embeds": _b64(torch.ones(3, 64, dtype=torch.int32))},
+                    "prompt_embeds"),
+                   ({"prompt_embeds": _b64({"t": torch.ones(3, 64)})}, "prompt_embeds"),
+                   ({"prompt_embeds": "not base64!"}, "prompt_embeds"),
+                   ({"prompt_embeds": base64.b64encode(b"hello").decode()}, "prompt_embeds"),
+                   ({"prompt_embeds": []}, "prompt_embeds"),
+                   ({"prompt_embeds": one, "echo": True}, "echo"),
+                   ({"prompt_embeds": one, "prompt_logprobs": 1}, "prompt_logprobs"),
+                   ({"prompt_embeds": one, "use_beam_search": True, "n": 2},
+                    "use_beam_search"),
+                   ({}, "prompt")]
+        for extra, field in refused:
+            r = requests.post(url + "/v1/completions", json={**body, **extra})
+            assert r.status_code == 400, (extra.keys(), r.text)
+            assert r.json()["error"]["param"] == field, r.text
+        r = requests.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [
+            {"role": "user", "content": [{"type": "prompt_embeds", "data": one}]}]})
+        assert r.status_code == 400 and "prompt_embeds" in r.json()["error"]["message"]
+        # truncate_prompt_tokens cuts the rows as it cuts tokens (vLLM's)
+        cut = requests.post(url + "/v1/completions", json={
+            **body, "prompt_embeds": _b64(torch.from_numpy(embeds[2])),
+            "truncate_prompt_tokens": 7}).json()
+        last = requests.post(url + "/v1/completions", json={
+            **body, "prompt_embeds": _b64(torch.from_numpy(embeds[2][-7:]))}).json()
+        assert cut["usage"]["prompt_tokens"] == 7
+        assert cut["choices"][0]["token_ids"] == last["choices"][0]["token_ids"]
+        r = requests.post(url + "/v1/completions", json={**body, "prompt_embeds": one})
+        assert r.json()["choices"][0]["token_ids"] == want[0][0]
+    finally:
+        stop_server(proc)

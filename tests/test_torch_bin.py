@@ -3,6 +3,7 @@ torch: every tensor equal to torch.load's, a sharded bf16 Baichuan2 giving the l
 same weights in safetensors, and a pickle that would run code refused unrun."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -15,7 +16,7 @@ import pytest
 
 from llm_serving import LLM
 from llm_serving.errors import ModelLoadError
-from llm_serving.model_executor.torch_bin import read_torch_bin
+from llm_serving.model_executor.torch_bin import read_torch_bin, read_torch_tensor
 from test_model_parity import _prefill_logits, _prompts
 
 torch = pytest.importorskip("torch")
@@ -72,3 +73,27 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="system"):
         dict(read_torch_bin(tmp_path / "pytorch_model.bin"))
     assert not evil.marker.exists()
+
+
+def test_one_saved_tensor_equals_torch_loads():
+    """torch.save(tensor)'s bytes (vLLM's prompt_embeds payload) read as torch.load(...,
+    weights_only=True) reads them; anything but a plain tensor is refused, unrun."""
+    for t in (torch.randn(3, 4), torch.randn(1, 5, 6).to(torch.bfloat16),
+              torch.randn(2, 7).half(), torch.randn(4, 3).t(), torch.randn(9, 2)[3:6],
+              torch.randn(2, 2, requires_grad=True)):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        ref = torch.load(io.BytesIO(buf.getvalue()), weights_only=True).detach()
+        np.testing.assert_array_equal(read_torch_tensor(buf.getvalue()),
+                                      (ref.float() if ref.dtype == torch.bfloat16
+                                       else ref).numpy())
+    evil = _RunsCode()
+    evil.marker = "/nonexistent/ran"
+    for obj, why in (({"t": torch.ones(2)}, "holds a dict"),
+                     (torch.ones(2, 2).to_sparse(), "refused"), (evil, "system")):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with pytest.raises(ValueError, match=why):
+            read_torch_tensor(buf.getvalue())
+    with pytest.raises(ValueError, match="not a torch.save file"):
+        read_torch_tensor(b"not a zip")

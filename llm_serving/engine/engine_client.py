@@ -37,6 +37,8 @@ class EngineLimits:
     max_loras: Optional[int] = None
     # skip_tokenizer_init: text is not tokenized, nor ids decoded (token ids in and out)
     skip_tokenizer_init: bool = False
+    # enable_prompt_embeds: the hidden size prompt embeddings have (0: not taken)
+    prompt_embeds_size: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, device: Optional[str] = None) -> "EngineLimits":
@@ -53,7 +55,8 @@ class EngineLimits:
                    config.model.weight_dtype, tuple((k, str(v)) for k, v in cache),
                    config.model.pooler,
                    config.lora.max_loras if config.lora is not None else None,
-                   config.model.skip_tokenizer_init)
+                   config.model.skip_tokenizer_init,
+                   config.model.hf.hidden_size if config.model.enable_prompt_embeds else 0)
 
 
 class RequestStream(Protocol):

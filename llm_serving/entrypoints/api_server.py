@@ -53,6 +53,9 @@ from llm_serving.errors import ConfigError, LLMServingError
 from llm_serving.profiler import ProfilerConfig
 
 MAX_BODY_BYTES = 4 << 20
+# with --enable-prompt-embeds: a prompt's embeddings are megabytes (each is bounded by
+# max_model_len rows of the hidden size, prompt_embeds.decode_prompt_embeds)
+PROMPT_EMBEDS_BODY_BYTES = 256 << 20
 SHUTDOWN_REASON = "the server is shutting down"
 # After the drain window, how long the aborted requests' handlers have to send their error
 # (then uvicorn cancels what is left, e.g. a stream whose client stopped reading).
@@ -410,7 +413,9 @@ def build_app(state: ServerState, load: bool = True) -> FastAPI:
     app.add_middleware(_PoolingRunner, state=state)
     if state.api_keys:
         app.add_middleware(_ApiKey, keys=state.api_keys)
-    app.add_middleware(_RequestLimits, limit=MAX_BODY_BYTES,
+    embeds = getattr(state.engine_args, "enable_prompt_embeds", False)
+    app.add_middleware(_RequestLimits,
+                       limit=PROMPT_EMBEDS_BODY_BYTES if embeds else MAX_BODY_BYTES,
                        max_headers=front.h11_max_header_count,
                        max_header_bytes=front.h11_max_incomplete_event_size)
     if front.enable_request_id_headers:

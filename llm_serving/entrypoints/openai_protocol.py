@@ -306,7 +306,11 @@ def _params(field: str, **kw) -> StructuredOutputsParams:
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # required unless prompt_embeds is given (the route checks it)
+    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
+    # vLLM's (--enable-prompt-embeds): base64 of torch.save(tensor), or a list of them; each
+    # is a prompt of its own, before the ones in prompt
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     # 0 only with echo (checked by the route); null is the default, as vLLM (not "no limit").
     max_tokens: Optional[int] = Field(16, ge=0)
     # -1: the whole vocabulary (vLLM's); the engine checks max_logprobs
@@ -329,6 +333,10 @@ class CompletionRequest(_SamplingFields):
 
     def check_combinations(self) -> None:
         super().check_combinations()
+        if self.prompt_embeds is not None:      # vLLM's refusals
+            for name in ("echo", "suffix", "prompt_logprobs", "use_beam_search"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"{name}: not supported with prompt_embeds")
         if self.logprob_token_ids and self.echo and self.max_tokens == 0:
             raise ValueError("logprob_token_ids: not with echo and max_tokens 0, which "
                              "generate no tokens (as vLLM)")
@@ -404,6 +412,9 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
+            if part.get("type") == "prompt_embeds":
+                raise ValueError("messages: content parts of type prompt_embeds are not "
+                                 "supported in chat (give prompt_embeds to /v1/completions)")
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: only text content parts are supported")
             parts.append(part["text"])

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from llm_serving.entrypoints.beam_search import BeamSearch
 from llm_serving.inputs import salt_of, with_cache_salt
+from llm_serving.prompt_embeds import FIELD as EMBEDS, NOT_ENABLED, decode_prompt_embeds
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState,
                                                 event_stream, log_arrival, log_request,
@@ -485,6 +486,32 @@ def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) ->
     return offsets
 
 
+async def _embeds_prompts(state, req: CompletionRequest) -> list[dict]:
+    """vLLM's prompt_embeds as EmbedsPrompts (each string one prompt; none: []), decoded off
+    the event loop, their rows cut as a prompt's tokens by truncate_prompt_tokens; the engine
+    checks their shape. A 400 naming the field otherwise."""
+    data = req.prompt_embeds
+    if data is None:
+        return []
+    engine = state.require_engine()
+    limits = engine.limits
+    if not limits.prompt_embeds_size:
+        raise HTTPError(400, NOT_ENABLED, param=EMBEDS)
+    items = [data] if isinstance(data, str) else data
+    if not items:
+        raise HTTPError(400, f"{EMBEDS}: must not be empty", param=EMBEDS)
+    try:
+        arrays = await asyncio.to_thread(lambda: [decode_prompt_embeds(
+            x, limits.max_model_len, limits.prompt_embeds_size) for x in items])
+    except ValueError as e:
+        raise translate_error(e) from None
+    if req.truncate_prompt_tokens is not None:
+        kept = [prompt_ids(engine, range(len(a)), EMBEDS, True, req.truncate_prompt_tokens,
+                           req.truncation_side or "left") for a in arrays]
+        arrays = [a[k[0]:k[-1] + 1] if k else a[:0] for a, k in zip(arrays, kept)]
+    return [{EMBEDS: a} for a in arrays]
+
+
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     unread_offers.hold(request, req.kv_transfer_params)
@@ -496,12 +523,18 @@ async def completions(req: CompletionRequest, request: Request):
     if req.max_tokens == 0 and not req.echo:
         raise HTTPError(400, "max_tokens: Input should be greater than or equal to 1 "
                         "(0 only with echo, to score the prompt)", param="max_tokens")
+    embedded = await _embeds_prompts(state, req)
     p = req.prompt
+    if p is None and not embedded:
+        raise HTTPError(400, "prompt: Field required (or prompt_embeds, with "
+                        "--enable-prompt-embeds)", param="prompt")
     if p == "":     # vLLM refuses this one, though [""] is the BOS alone, as offline
         raise HTTPError(400, "prompt: must not be empty", param="prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         p = [p]
-    if not p:
+    if p is None:
+        p = []
+    elif not p:
         raise HTTPError(400, "prompt: must not be empty", param="prompt")
     if req.truncate_prompt_tokens is not None or not req.add_special_tokens:
         # tokenized here; a text prompt is still echoed as sent, as vLLM's
@@ -513,7 +546,7 @@ async def completions(req: CompletionRequest, request: Request):
                    for x in p]
     else:
         prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in p]
-    prompts = with_cache_salt(prompts, req.cache_salt)
+    prompts = with_cache_salt(embedded + prompts, req.cache_salt)
     # echo with max_tokens=0 returns only the prompt; as vLLM, one token is generated and
     # dropped. With logprobs, echo scores the prompt too (prompt_logprobs).
     echo_only = req.echo and req.max_tokens == 0

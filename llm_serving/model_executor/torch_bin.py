@@ -1,4 +1,5 @@
-"""PyTorch ``pytorch_model*.bin`` checkpoints (torch.save's zip format), read without torch.
+"""PyTorch ``pytorch_model*.bin`` checkpoints (torch.save's zip format), read without torch;
+also a single torch.save'd tensor (vLLM's ``prompt_embeds`` payload, ``read_torch_tensor``).
 
 Baichuan2's published checkpoints, like many of its time, are ``.bin`` files only. The file is
 a zip (stored, not compressed) holding ``<name>/data.pkl``, a pickle of the state dict whose
@@ -10,6 +11,7 @@ widened to a new float32 array), as safetensors files are read.
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import struct
 import zipfile
@@ -83,6 +85,62 @@ def _member_offset(path: Path, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
+def _load_pickle(z: zipfile.ZipFile, where) -> tuple:
+    """The unpickled object of a torch.save zip, and the prefix of its members."""
+    pkl = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+    if pkl is None:
+        raise ModelLoadError(f"{where}: no data.pkl in the torch.save zip")
+    unpickler = _Unpickler(z.open(pkl))
+    unpickler.path = where
+    try:
+        return unpickler.load(), pkl[: -len("data.pkl")]
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{where}: cannot read the pickle ({e})") from e
+
+
+def _view(t: _Tensor, storage: np.ndarray, where, name) -> np.ndarray:
+    """Tensor ``t`` as a read-only view of its storage's elements (bf16 widened to float32)."""
+    key, kind = t.storage
+    dt = storage.dtype
+    count = int(np.prod(t.size, dtype=np.int64)) if t.size else 1
+    last = t.offset + sum((s - 1) * st for s, st in zip(t.size, t.stride)) if count else 0
+    if t.offset < 0 or any(st < 0 for st in t.stride) or (count and last >= len(storage)):
+        raise ModelLoadError(f"{where}: tensor {name!r} lies outside its storage")
+    arr = np.lib.stride_tricks.as_strided(
+        storage[t.offset:], shape=t.size, strides=[s * dt.itemsize for s in t.stride],
+        writeable=False)
+    if kind == "BFloat16Storage":
+        arr = (np.ascontiguousarray(arr).astype(np.uint32) << 16).view(np.float32)
+    return arr
+
+
+def read_torch_tensor(data: bytes, where: str = "the payload") -> np.ndarray:
+    """The one tensor of ``torch.save(tensor)``'s bytes (zip format), as a NumPy array: what
+    ``torch.load(..., weights_only=True)`` returns, read with the same refusal of anything
+    but plain tensors. A ValueError (``ModelLoadError`` is not one) says what is wrong."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            obj, prefix = _load_pickle(z, where)
+            if not isinstance(obj, _Tensor):
+                raise ModelLoadError(f"{where}: holds a {type(obj).__name__}, not a tensor")
+            key, kind = obj.storage
+            raw = z.read(f"{prefix}data/{key}")
+    except zipfile.BadZipFile:
+        raise ValueError(f"{where}: not a torch.save file (zip format)") from None
+    except KeyError:
+        raise ValueError(f"{where}: the tensor refers to a missing storage") from None
+    except ModelLoadError as e:
+        raise ValueError(str(e)) from None
+    dt = _STORAGE_DTYPES[kind]
+    storage = np.frombuffer(raw, dtype=dt, count=len(raw) // dt.itemsize)
+    try:
+        return _view(obj, storage, where, "tensor")
+    except ModelLoadError as e:
+        raise ValueError(str(e)) from None
+
+
 def read_torch_bin(path) -> Iterator[Tuple[str, np.ndarray]]:
     """Yield (name, array) for every tensor of a torch.save'd state dict (zip format)."""
     path = Path(path)
@@ -90,24 +148,12 @@ def read_torch_bin(path) -> Iterator[Tuple[str, np.ndarray]]:
         raise ModelLoadError(f"{path}: not a torch zip checkpoint (torch.save before 1.6 wrote "
                              "another format: re-save it, or convert it to safetensors)")
     with zipfile.ZipFile(path) as z:
-        names = z.namelist()
-        pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
-        if pkl is None:
-            raise ModelLoadError(f"{path}: no data.pkl in the checkpoint")
-        prefix = pkl[: -len("data.pkl")]
-        unpickler = _Unpickler(z.open(pkl))
-        unpickler.path = path
-        try:
-            state = unpickler.load()
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot read the state dict ({e})") from e
+        state, prefix = _load_pickle(z, path)
         if isinstance(state, dict) and "state_dict" in state and len(state) == 1:
             state = state["state_dict"]
         if not isinstance(state, dict):
             raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
-        infos = {n: z.getinfo(n) for n in names}
+        infos = {n: z.getinfo(n) for n in z.namelist()}
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for name, t in state.items():
         if not isinstance(t, _Tensor):
@@ -120,13 +166,4 @@ def read_torch_bin(path) -> Iterator[Tuple[str, np.ndarray]]:
         start = _member_offset(path, member)
         storage = np.frombuffer(data, dtype=dt, count=member.file_size // dt.itemsize,
                                 offset=start)
-        count = int(np.prod(t.size, dtype=np.int64)) if t.size else 1
-        last = t.offset + sum((s - 1) * st for s, st in zip(t.size, t.stride)) if count else 0
-        if t.offset < 0 or (count and last >= len(storage)):
-            raise ModelLoadError(f"{path}: tensor {name!r} lies outside its storage")
-        arr = np.lib.stride_tricks.as_strided(
-            storage[t.offset:], shape=t.size, strides=[s * dt.itemsize for s in t.stride],
-            writeable=False)
-        if kind == "BFloat16Storage":
-            arr = (np.ascontiguousarray(arr).astype(np.uint32) << 16).view(np.float32)
-        yield name, arr
+        yield name, _view(t, storage, path, name)
