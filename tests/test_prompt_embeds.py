@@ -89,6 +89,19 @@ def test_offline_embeds_generate_as_transformers(tiny_model_dir, reference):
         llm.generate([{"prompt_embeds": embeds[0]}], SamplingParams(prompt_logprobs=1))
 
 
+def test_tensor_parallel_ranks_take_the_embeddings(tiny_model_dir, reference):
+    """Two ranks: each sums its vocabulary shard's gathers, then sets the embedded rows."""
+    embeds, want = reference
+    llm = LLM(tiny_model_dir, enable_prompt_embeds=True, tensor_parallel_size=2,
+              num_blocks=64, max_num_batched_tokens=32)
+    try:
+        outs = llm.generate([{"prompt_embeds": e} for e in embeds[1:3]], GREEDY)
+    finally:
+        llm.engine.shutdown()
+    for out, w in zip(outs, want[1:3]):
+        _check(out, w)
+
+
 def test_offline_embeds_need_the_flag(tiny_model_dir, tiny_llm, reference):
     with pytest.raises(ValueError, match="prompt_embeds: .*--enable-prompt-embeds"):
         tiny_llm.generate([{"prompt_embeds": reference[0][0]}], GREEDY)
