@@ -97,3 +97,8 @@ def test_one_saved_tensor_equals_torch_loads():
             read_torch_tensor(buf.getvalue())
     with pytest.raises(ValueError, match="not a torch.save file"):
         read_torch_tensor(b"not a zip")
+    bomb = io.BytesIO()         # a deflated member would inflate past the payload's size
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\0" * (1 << 20))
+    with pytest.raises(ValueError, match="compressed"):
+        read_torch_tensor(bomb.getvalue())

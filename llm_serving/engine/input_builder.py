@@ -130,8 +130,9 @@ def _embeds_fields(seqs: list[Sequence], starts, n, qsl, prompt_lens) -> dict:
     """The StepInput fields of the prompt rows given as embeddings (vLLM's prompt_embeds)
     this step: their rows and embeddings (none when no sequence has them left to compute)."""
     rows, embeds = [], []
-    for i, seq in enumerate(seqs):
-        if seq.prompt_embeds is None or starts[i] >= prompt_lens[i]:
+    for i in np.flatnonzero(starts < prompt_lens).tolist():     # sequences in their prompt
+        seq = seqs[i]
+        if seq.prompt_embeds is None:
             continue
         a = int(starts[i])
         k = min(int(n[i]), int(prompt_lens[i]) - a)

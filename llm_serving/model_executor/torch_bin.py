@@ -122,6 +122,10 @@ def read_torch_tensor(data: bytes, where: str = "the payload") -> np.ndarray:
     but plain tensors. A ValueError (``ModelLoadError`` is not one) says what is wrong."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
+            # torch.save stores its members; a compressed one could inflate past any bound
+            if any(i.compress_type != zipfile.ZIP_STORED for i in z.infolist()):
+                raise ModelLoadError(f"{where}: the zip has compressed members, which "
+                                     "torch.save does not write")
             obj, prefix = _load_pickle(z, where)
             if not isinstance(obj, _Tensor):
                 raise ModelLoadError(f"{where}: holds a {type(obj).__name__}, not a tensor")
