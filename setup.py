@@ -53,6 +53,8 @@ setup(
         "httpx2",               # the PD proxy's and the consumer's async HTTP client
         # OpenBLAS with run-time CPU dispatch: one of the GEMMs the CPU linear layers probe.
         "scipy-openblas32",
+        # collective_rpc / apply_model send callables to the WorkAgents as vLLM does
+        "cloudpickle>=3,<4",
     ],
     extras_require={
         "test": [

@@ -19,6 +19,7 @@ which frees its KV blocks at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import dataclasses
 import logging
@@ -198,6 +199,9 @@ class AsyncLLMEngine:
         # requests refused by each admission limit (vLLM's admission_rejections metric)
         self.admission_rejections = {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # collective_rpc calls taken from the commands, run by the loop between two steps:
+        # ((method, timeout, args, kwargs), the caller's future)
+        self._rpcs: collections.deque = collections.deque()
         # Adds handed over but not yet taken, for the queue bound: each count has one writer.
         self._adds_sent = 0                 # event loop thread
         self._adds_taken = 0                # engine thread
@@ -459,6 +463,16 @@ class AsyncLLMEngine:
     async def _profile(self, start: bool, *args) -> None:
         await self._ask("profile", lambda fut: (start, args, fut))
 
+    async def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                             kwargs: Optional[dict] = None) -> list:
+        """vLLM's: ``method`` (a Worker method's name, or a callable taking the Worker) run on
+        every model process between two steps, the engine thread waiting for it; the results
+        by rank (``executor/collective_rpc.py``)."""
+        from llm_serving.executor.collective_rpc import check_call
+        check_call(method, timeout, args, kwargs)
+        return await self._ask("collective_rpc",
+                               lambda fut: ((method, timeout, tuple(args), kwargs), fut))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop, then the WorkAgents; unfinished requests end with finish_reason
         "abort". A loop still in a model step after ``timeout`` seconds (at once after
@@ -514,6 +528,8 @@ class AsyncLLMEngine:
             while not self._stopping:
                 outs = self._take_commands()
                 try:
+                    if self._rpcs:
+                        outs.extend(self._run_rpcs())
                     if engine.lora_reads_pending:
                         outs.extend(engine.read_new_loras())
                     if engine.has_unfinished_requests():
@@ -543,6 +559,23 @@ class AsyncLLMEngine:
             logger.exception("engine loop failed")
             self._dead = e
             self._post(self._fail_all, EngineDeadError(f"the engine loop stopped: {e!r}"))
+
+    def _run_rpcs(self) -> list[RequestOutput]:
+        """The collective_rpc calls waiting, once the step running is collected (its outputs
+        returned). An agent that died in a call raises on (the loop restarts it)."""
+        from llm_serving.executor.multiproc_executor import AgentDiedError
+        outs = self.engine.collect_in_flight()
+        if outs:
+            self._post(self._deliver, outs)
+        while self._rpcs:
+            call, fut = self._rpcs.popleft()
+            try:
+                self._post(_resolve, fut, self.engine.collective_rpc(*call))
+            except Exception as e:    # noqa: BLE001 - goes to its caller
+                self._post(_reject, fut, e)
+                if isinstance(e, AgentDiedError):
+                    raise
+        return []
 
     def _recover(self, reason: str) -> list[RequestOutput]:
         """A WorkAgent died or hung: fail the requests in flight (their KV is gone), start a
@@ -613,6 +646,8 @@ class AsyncLLMEngine:
                     self._post(_resolve, fut, None)
                 except Exception as e:    # noqa: BLE001 - goes to its caller
                     self._post(_reject, fut, e)
+            elif cmd == "collective_rpc":
+                self._rpcs.append(arg)
             elif cmd == "abort_all":
                 outs.extend(engine.fail_all(arg))
 

@@ -135,3 +135,8 @@ class EngineClient(Protocol):
 
     async def stop_profile(self) -> None:
         """Every process writes its trace."""
+
+    async def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                             kwargs: Optional[dict] = None) -> list:
+        """vLLM's: ``method`` run on every model process between two steps, the results by
+        rank (``executor/collective_rpc.py``)."""

@@ -105,6 +105,9 @@ class LLMEngine:
         # Set when stopping: a replacement WorkAgent still loading or warming up is given up.
         self.cancel_loading = threading.Event()
         self.runner = create_executor(config)
+        # A collective_rpc callable, apply_model or reload_weights ran (the weights may not
+        # be the checkpoint's any more: a restarted WorkAgent warns that it loads those)
+        self._weights_touched = False
         stats = EngineStats.with_buckets(     # the one set of counters
             config.histogram_buckets, kv_residency=config.kv_cache_metrics_sample is not None)
         # --kv-events-config: the prefix cache's events, published once per step
@@ -347,6 +350,20 @@ class LLMEngine:
                 for seq, reason in failed]
         return [o for o in outs if o is not None]
 
+    def collect_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step running, if any, and process its samples: its outputs."""
+        return self._collect(self._take_in_flight()) if self._in_flight is not None else []
+
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """vLLM's: ``method`` run on every model process between two steps, the results by
+        rank (``executor/collective_rpc.py``). Call ``collect_in_flight`` first."""
+        if self._in_flight is not None:
+            raise RuntimeError("collective_rpc: a step is in flight; collect_in_flight first")
+        if not isinstance(method, str) or method in ("apply_model", "reload_weights"):
+            self._weights_touched = True
+        return self.runner.collective_rpc(method, timeout, tuple(args), kwargs)
+
     def _take_in_flight(self) -> StepInFlight:
         fl, self._in_flight = self._in_flight, None
         return fl
@@ -373,7 +390,7 @@ class LLMEngine:
     def read_new_loras(self) -> list[RequestOutput]:
         """The reads ``read_lora`` asked for, each a step without tokens; the step running
         is collected first (its outputs are returned)."""
-        outputs = self._collect(self._take_in_flight()) if self._in_flight is not None else []
+        outputs = self.collect_in_flight()
         while self._lora_reads:
             lora, done = self._lora_reads.popleft()
             why = "the model process failed while reading it"
@@ -515,6 +532,10 @@ class LLMEngine:
         if self.kv_events is not None:      # a router learns that the cache is gone
             self._publish_kv_events()
         self.runner = create_executor(self.config, self.cancel_loading)
+        if self._weights_touched:
+            logger.warning("the new WorkAgent loaded the model's checkpoint: weights that "
+                           "collective_rpc changed or reloaded since the start are not in it")
+            self._weights_touched = False
         self._forget_processor_rows()           # the new agent's batch starts empty
         self._init_remote_kv()
         self.warm_up()
@@ -569,7 +590,7 @@ class LLMEngine:
         return []
 
     def _record(self, start: bool, prefix: Optional[str] = None) -> list[RequestOutput]:
-        outputs = self._collect(self._take_in_flight()) if self._in_flight is not None else []
+        outputs = self.collect_in_flight()
         agents = getattr(self.runner, "profile", None)
         if start:
             self.trace.start(prefix)

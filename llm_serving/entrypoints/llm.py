@@ -102,6 +102,25 @@ class LLM:
         """vLLM's ``llm.llm_engine``: its tokenizer, model_config and request loop."""
         return VllmLLMEngine(self.engine)
 
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """vLLM's: run ``method`` on every model process and return one result per process,
+        by tensor-parallel rank. ``method`` is a worker method's name ("reload_weights",
+        "apply_model", "get_model", "check_health") or a callable taking the worker first,
+        ``method(worker, *args, **kwargs)`` (``llm_serving.executor.collective_rpc.Worker``:
+        its ``rank``, ``model_runner``, ``config``, ...). To WorkAgents (``mp``) the call is
+        pickled with cloudpickle, at most 64 MiB, and so is each result; ``timeout`` seconds
+        (None: no limit) then raise a TimeoutError. In process (``uni``) it runs here. A call
+        that raises is a CollectiveRPCError (a RuntimeError) with the worker's message."""
+        return self.engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        """vLLM's: ``func(model)`` on every model process (the model Cell the runner runs),
+        the results by rank. Linear layers hold their weights packed for the CPU kernels:
+        change one with ``layer.set_weight(w)`` (float32 [out, in]), or reload weights with
+        ``collective_rpc("reload_weights", ...)`` (docs/design.md, "collective_rpc")."""
+        return self.engine.collective_rpc("apply_model", None, (func,))
+
     def start_profile(self, profile_prefix: Optional[str] = None, *,
                       delay_iterations: Optional[int] = None,
                       max_iterations: Optional[int] = None) -> None:

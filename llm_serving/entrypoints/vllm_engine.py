@@ -108,9 +108,15 @@ class VllmLLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self._engine.reset_prefix_cache()
 
+    def collective_rpc(self, method, timeout=None, args: tuple = (), kwargs=None) -> list:
+        return self._engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        return self._engine.collective_rpc("apply_model", None, (func,))
+
     def __getattr__(self, name: str):
         raise AttributeError(f"llm.llm_engine.{name}: vLLM's LLMEngine attribute {name!r} is "
                              "not provided by llm_serving (llm.llm_engine has get_tokenizer, "
                              "tokenizer, model_config, add_request, step, abort_request, "
                              "has_unfinished_requests, get_num_unfinished_requests, "
-                             "reset_prefix_cache)")
+                             "reset_prefix_cache, collective_rpc, apply_model)")

@@ -27,6 +27,7 @@ import collections
 import json
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -151,6 +152,7 @@ class MultiprocExecutor:
         self._extras: dict[int, bytes] = {}      # rank -> bytes after its last frame
         self._kv_outputs: list = []              # connector outputs not taken yet
         self._lora_failed: dict[int, str] = {}   # adapters the agents could not read
+        self._rpc_no = 0          # the last collective_rpc call sent (its RPC frames carry it)
         # Clean up even if the user never calls shutdown() (also runs at interpreter exit).
         self._finalizer = weakref.finalize(self, _cleanup, p, *segments)
         try:
@@ -216,15 +218,20 @@ class MultiprocExecutor:
         self._procs.broken = True
         return AgentDiedError(message)
 
-    def _wait_all(self, timeout: Optional[float], doing: str) -> list[tuple]:
+    def _wait_all(self, timeout: Optional[float], doing: str,
+                  rpc: Optional[int] = None) -> list[tuple]:
         """One frame from every agent, by rank: (kind, step number, payload), where the
-        payload is the ERROR reason or the DONE size."""
+        payload is the ERROR reason or the DONE size. Waiting for collective_rpc call
+        ``rpc``: its RPC frames (kind, ok, the pickled result or the error), a TimeoutError
+        after ``timeout`` (the agents are not taken for hung). An RPC frame of another call
+        (one that timed out) is dropped."""
         p = self._procs
         frames: list[Optional[tuple]] = [None] * len(p.conns)
         deadline = None if timeout is None else time.monotonic() + timeout
         while any(f is None for f in frames):
             waiting = [c for c, f in zip(p.conns, frames) if f is None]
-            for conn in wait(waiting, 1.0):
+            left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            for conn in wait(waiting, left):
                 rank = p.conns.index(conn)
                 try:
                     frame = conn.recv_bytes()
@@ -233,6 +240,10 @@ class MultiprocExecutor:
                     raise self._died(f"the WorkAgent {who}(pid {p.agents[rank].pid}) closed "
                                      f"its connection while {doing}") from None
                 kind, step_no, n = ch.FRAME.unpack_from(frame)
+                if kind == ch.RPC:
+                    if step_no == rpc:
+                        frames[rank] = (kind, bool(n), bytes(frame[ch.FRAME.size:]))
+                    continue
                 if kind == ch.LORA_FAILED:        # then its DONE
                     failed = json.loads(frame[ch.FRAME.size:])
                     self._lora_failed.update({int(k): v for k, v in failed.items()})
@@ -256,6 +267,9 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 failed = [f for f in frames if f is not None and f[0] == ch.ERROR]
                 late = [r for r, f in enumerate(frames) if f is None]
+                if rpc is not None:
+                    raise TimeoutError(f"{doing} did not finish within {timeout:g} s "
+                                       f"(rank(s) {late})")
                 if failed:
                     raise self._died(f"a WorkAgent failed while {doing}: {failed[0][2]}; "
                                      f"rank(s) {late} did not finish it")
@@ -363,6 +377,37 @@ class MultiprocExecutor:
         if errors:
             raise LLMServingError(f"the WorkAgent failed {doing}: {errors[0]}")
         return [p for p in paths if p]
+
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """vLLM's: ``method`` run on every agent between two steps (nothing in flight); the
+        results by rank (``collective_rpc.py``). A TimeoutError after ``timeout`` seconds
+        (None: no limit), a CollectiveRPCError naming the rank when the call raised there."""
+        from llm_serving.executor.collective_rpc import (CollectiveRPCError, check_call,
+                                                         encode_call, method_name)
+        if self._outstanding:
+            raise LLMServingError("collective_rpc: a step is in flight; collect it first")
+        check_call(method, timeout, args, kwargs)
+        msg = encode_call(method, args, kwargs)
+        if self._closed or self._procs.broken:
+            raise AgentDiedError("a WorkAgent died; the executor must be restarted")
+        self._rpc_no += 1
+        frame = ch.FRAME.pack(ch.RPC, self._rpc_no, len(msg))
+        for rank, conn in enumerate(self._procs.conns):
+            try:
+                conn.send_bytes(frame + msg)
+            except OSError:
+                proc = self._procs.agents[rank]
+                raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
+                                 f"{proc.poll()}) before collective_rpc") from None
+        name = method_name(method)
+        frames = self._wait_all(timeout, f"collective_rpc({name})", rpc=self._rpc_no)
+        for rank, (_, ok, data) in enumerate(frames):
+            if not ok:
+                who = f"rank {rank}" if self.tp_size > 1 else "the WorkAgent"
+                raise CollectiveRPCError(f"collective_rpc({name}) failed on {who}: "
+                                         f"{data.decode(errors='replace')}")
+        return [pickle.loads(data) for _, _, data in frames]
 
     def kill(self) -> None:
         """Kill every process of the group now (a step they hold ends: its wait fails with

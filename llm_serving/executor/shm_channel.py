@@ -80,10 +80,12 @@ _ARR = struct.Struct("<bbxxxxxxqqqq")  # dtype code (-1 = None), ndim, pad, offs
 # with ``mask_after_forward``) is now written in its input segment. LORA_FAILED n, before
 # step n's DONE: JSON {adapter id: why} of the LoRA adapters the agent could not read.
 # PROFILE (nothing in flight): JSON {"start": bool, "prefix"}; the agent answers PROFILE with
-# the path of the trace it wrote (stop), or ERROR.
+# the path of the trace it wrote (stop), or ERROR. RPC n (nothing in flight): call n of
+# collective_rpc, pickled; the agent answers RPC n, its size field 1 and the pickled result,
+# or 0 and the error (executor/collective_rpc.py).
 FRAME = struct.Struct("<cqq")
 READY, STEP, DONE, ERROR, QUIT, MASK = b"R", b"S", b"D", b"E", b"Q", b"M"
-LORA_FAILED, PROFILE = b"L", b"P"
+LORA_FAILED, PROFILE, RPC = b"L", b"P", b"C"
 
 
 class ChannelFullError(RuntimeError):

@@ -22,6 +22,9 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
   "prefix": str or null}: the agent starts its trace recorder (``profiler.py``) or stops it,
   writing its trace; it answers PROFILE with the trace's path (empty if none), or ERROR. A
   trace still recording at QUIT is dropped;
+- master -> agent RPC n (no step in flight): collective_rpc's call n, pickled
+  (``collective_rpc.py``); the agent runs it and answers RPC n with its size field 1 and the
+  pickled result, or 0 and the error's ``Type: message``. It goes on serving either way;
 - master -> agent QUIT: the agent exits.
 
 Tensor parallel (``parallel.tensor_parallel_size`` N > 1): the master starts N agents (ranks)
@@ -148,6 +151,7 @@ def main(argv=None) -> int:
     conn.send_bytes(ch.FRAME.pack(ch.READY, 0, len(hello)) + hello)
     control = Control(conn)
     recorder = None
+    worker = None           # collective_rpc's Worker (made at the first call)
     while True:
         kind, step_no, payload = control.next()
         if kind == ch.QUIT:
@@ -156,6 +160,11 @@ def main(argv=None) -> int:
             if kind == ch.PROFILE:
                 recorder = recorder or _recorder(config, rank)
                 conn.send_bytes(_profile(recorder, payload))
+            elif kind == ch.RPC:
+                from llm_serving.executor.collective_rpc import Worker, answer
+                worker = worker or Worker(runner, rank, tp_size)
+                ok, data = answer(worker, payload)
+                conn.send_bytes(ch.FRAME.pack(ch.RPC, step_no, int(ok)) + data)
             continue                     # (a late MASK of a step that failed or timed out)
         try:
             step = ch.step_from_arrays(ch.unpack(shm_in[step_no % len(shm_in)].buf))

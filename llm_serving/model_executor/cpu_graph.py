@@ -36,7 +36,8 @@ once was 5-6% slower).
 
 Only what the recorded kernels read may change between replays: the step's token ids,
 positions, slot mapping, block tables and sequence lengths (``CpuGraphs`` copies them into
-the buffers the capture read), the KV cache's contents and the weights' contents. Steps with
+the buffers the capture read), the KV cache's contents and the weights' contents (a
+collective_rpc callable or reload_weights drops every capture: ``forget``). Steps with
 prefill rows, multi-stream micro-batches, tensor parallelism or a KV connector run eagerly
 (``ModelRunner`` decides), as do batch sizes above ``max_steady_batch``. ``--enforce-eager`` (vLLM's
 flag) turns replay off.
@@ -440,6 +441,15 @@ class CpuGraphs:
         self.arena = np.empty(0, np.uint8)
         self.graphs: dict = {}
         self.stats = GraphStats()
+
+    def forget(self) -> None:
+        """Drop every capture (the weights were replaced or changed in place: a capture
+        replays the addresses it recorded); each batch size is captured again as at start.
+        The arena stays, for the new captures."""
+        self.graphs.clear()
+        self.stats.captured.clear()
+        self.stats.failed.clear()
+        self._run_b, self._run_len = 0, 0
 
     def replayable(self, step) -> bool:
         """A decode-only step (one row per sequence) of at most ``max_steady_batch`` sequences

@@ -24,6 +24,7 @@ from llm_serving.model_executor.attention.backend import AttentionMetadata
 from llm_serving.model_executor.attention.selector import get_attention_backend
 from llm_serving.model_executor.device import init_device
 from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
+from llm_serving.model_executor.layers.linear import VocabEmbedding
 from llm_serving.model_executor.layers.pooler import pool_rows
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
 from llm_serving.model_executor.parallel_state import get_tp_group
@@ -64,11 +65,20 @@ def _return_freed_memory() -> None:
         pass
 
 
+def _as_arrays(weights):
+    """(name, array) pairs with NumPy arrays (CPU torch tensors converted, bf16 widened)."""
+    for name, w in weights:
+        if hasattr(w, "detach"):            # a torch tensor: NumPy has no bfloat16
+            w = w.detach().float().cpu().numpy()
+        yield name, w
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         """Load the model and allocate the KV cache of this process's tensor-parallel rank
         (its group is set up by ``parallel_state.init_tensor_parallel`` first)."""
         m, cache = config.model, config.cache
+        self.engine_config = config
         self.tp = tp = get_tp_group()
         self.device = init_device(config.device.device, config.device.start_device_id + tp.rank)
         self.config = c = m.hf
@@ -91,6 +101,7 @@ class ModelRunner:
             use_bf16_weights(self.model)    # linear weights stored bf16, activations fp32
         self.model.load_weights(iter_weights(m.path, checkpoint=m.checkpoint))
         _return_freed_memory()
+        self._worker = None       # collective_rpc's Worker, in process (made on first use)
         self.loras = None           # LoRA adapters (model_executor/lora.py), enable_lora
         if config.lora is not None:
             from llm_serving.model_executor.lora import LoRAModels
@@ -135,6 +146,47 @@ class ModelRunner:
         # mask is sent; in a WorkAgent, the agent sets this to wait for the master's mask.
         self._awaiting_mask: Optional[StepInput] = None
         self.wait_for_mask: Optional[Callable[[], None]] = None
+
+    # ---- collective_rpc (executor/collective_rpc.py) -----------------------------------------
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """vLLM's, in process ("uni"): ``method`` run here, on the caller's thread, its
+        result in a list of one (no timeout, as vLLM's in-process executor)."""
+        from llm_serving.executor.collective_rpc import (CollectiveRPCError, Worker, check_call,
+                                                         method_name, run_call)
+        check_call(method, timeout, args, kwargs)
+        if self._worker is None:
+            self._worker = Worker(self, self.tp.rank, self.tp.size)
+        try:
+            return [run_call(self._worker, method, tuple(args), kwargs)]
+        except Exception as e:
+            raise CollectiveRPCError(f"collective_rpc({method_name(method)}) failed in "
+                                     f"process: {type(e).__name__}: {e}") from e
+
+    def weights_changed(self) -> None:
+        """The weights may have changed in place or been replaced: drop what was derived
+        from them (the CPU graphs, which replay recorded addresses, and the LM head's packed
+        copy); the next steps make them again."""
+        if self.graphs is not None:
+            self.graphs.forget()
+        for _, cell in self.model.cells_and_names():
+            if isinstance(cell, VocabEmbedding):
+                cell.forget_packed_head()
+
+    def reload_weights(self, weights=None, path: Optional[str] = None) -> None:
+        """Load new weights, as at start: from (HF name, array) pairs, the parameters they
+        name (each whole: all the parts of a fused one), or from the checkpoint at ``path``
+        (default: the model's own), all of them. Nothing is stored unless all fit."""
+        from llm_serving.model_executor.models.weights import partial_update
+        m = self.engine_config.model
+        if weights is not None:
+            with partial_update():
+                self.model.load_weights(_as_arrays(weights))
+        else:
+            self.model.load_weights(iter_weights(path, None) if path
+                                    else iter_weights(m.path, m.checkpoint))
+        self.weights_changed()
+        _return_freed_memory()
 
     def move_blocks(self, swap_out: np.ndarray, swap_in: np.ndarray,
                     copies: np.ndarray) -> None:

@@ -304,6 +304,10 @@ class VocabEmbedding(CustomOp):
         self.weight.set_data(Tensor(np.asarray(value, np.float32)))
         self._head = None
 
+    def forget_packed_head(self) -> None:
+        """The weight may have changed in place: pack it again at the next logits GEMM."""
+        self._head = None
+
     def packed_head(self) -> Tensor:
         """The weight packed for our kernels (made on first use after each new weight)."""
         src = self.weight.data_ptr()

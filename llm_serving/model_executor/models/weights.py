@@ -7,6 +7,8 @@ in its part. ``Linear`` and ``VocabEmbedding`` take their slice of the tensor th
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -15,9 +17,30 @@ from mindspore import Tensor, nn
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 
 
+class _Loading(threading.local):
+    partial = False
+
+
+_loading = _Loading()
+
+
+@contextlib.contextmanager
+def partial_update():
+    """Within it, ``load_named_weights`` updates only the parameters it is given (the others
+    keep their values), each still whole: every fused part of it (q, k and v of a qkv)
+    (``ModelRunner.reload_weights``, collective_rpc's reload_weights)."""
+    _loading.partial = True
+    try:
+        yield
+    finally:
+        _loading.partial = False
+
+
 def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]],
                        stacked_params: Sequence[tuple[str, str, int]]) -> None:
-    """Fill ``model``'s parameters from (name, array) pairs; every parameter must be covered."""
+    """Fill ``model``'s parameters from (name, array) pairs; every parameter must be covered
+    (in ``partial_update``: every part of each parameter given). Nothing is stored unless
+    all of them fit."""
     params = dict(model.parameters_and_names())
     cells = dict(model.cells_and_names())
     host: dict[str, np.ndarray] = {}
@@ -47,10 +70,13 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
                                  f"the model's {buf.shape}")
             buf[...] = loaded
     missing = sorted(n for n, p in params.items()
-                     if len(filled.get(n, ())) < len(getattr(cells.get(n.rsplit(".", 1)[0]),
+                     if (n in filled or not _loading.partial)
+                     and len(filled.get(n, ())) < len(getattr(cells.get(n.rsplit(".", 1)[0]),
                                                               "output_sizes", [0])))
     if missing:
-        raise KeyError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+        lacks = ("lacks parts of these fused weights (give them in the same update): "
+                 if _loading.partial else "lacks weights for: ")
+        raise KeyError(f"checkpoint {lacks}{', '.join(missing[:8])}"
                        + (" ..." if len(missing) > 8 else ""))
     for target in list(host):
         buf = host.pop(target)           # freed as it is stored
