@@ -1,18 +1,21 @@
-"""vLLM's LLM.collective_rpc / apply_model (llm_serving/executor/collective_rpc.py): one
-result per model process in rank order, in process ("uni", CPU graphs on) and over two
-tensor-parallel WorkAgents ("mp"); a failing call raises with the worker's message and the
-engine goes on; the timeout; the size bounds; new weights (reload_weights, apply_model)
-checked against transformers with the same weights."""
+"""vLLM's LLM.collective_rpc / apply_model and the dev route POST /collective_rpc
+(llm_serving/executor/collective_rpc.py): one result per model process in rank order, in
+process ("uni", CPU graphs on) and over two tensor-parallel WorkAgents ("mp"); a failing call
+raises with the worker's message and the engine goes on; the timeout; the size bounds; new
+weights (reload_weights, apply_model) checked against transformers with the same weights;
+the dev route's answers and errors."""
 from __future__ import annotations
 
 import time
 
 import pytest
+import requests
 
 from llm_serving import LLM, SamplingParams
 from llm_serving.executor.collective_rpc import MAX_RPC_BYTES, CollectiveRPCError
 from conftest import hf_causal_lm
 from rpc_helpers import boom
+from test_http_server import free_port, serve_model, stop_server
 
 torch = pytest.importorskip("torch")
 
@@ -168,4 +171,43 @@ def test_apply_model_weight_changes_are_served(uni_llm, tiny_model_dir):
     _hf_check(llm, hf)
     llm.collective_rpc("reload_weights")
     llm.reset_prefix_cache()
+
+
+@pytest.fixture(scope="module")
+def dev_server(tiny_model_dir):
+    proc, url = serve_model(tiny_model_dir, port=free_port(), num_blocks=64,
+                            env={"VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        yield url
+    finally:
+        assert stop_server(proc) == 0
+
+
+def test_dev_route(dev_server, tmp_path):
+    url = dev_server + "/collective_rpc"
+    assert requests.post(url, json={"method": "check_health"}).json() == {"results": [None]}
+    # a worker's error: a 500 with its message; the server goes on
+    r = requests.post(url, json={"method": "reload_weights",
+                                 "kwargs": {"weights_path": str(tmp_path / "none")}})
+    assert r.status_code == 500 and "failed on the WorkAgent" in r.json()["error"]["message"]
+    body = {"model": requests.get(dev_server + "/v1/models").json()["data"][0]["id"],
+            "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    first = requests.post(dev_server + "/v1/completions", json=body)
+    assert first.status_code == 200
+    assert requests.post(url, json={"method": "reload_weights", "args": [],
+                                    "timeout": 30}).json() == {"results": [None]}
+    assert requests.post(dev_server + "/v1/completions", json=body).json()["choices"][0][
+        "text"] == first.json()["choices"][0]["text"]
+    # a timeout: vLLM's 500 with the message; the agent finishes the reload, the server goes on
+    r = requests.post(url, json={"method": "reload_weights", "timeout": 1e-6})
+    assert r.status_code == 500 and "did not finish within" in r.json()["error"]["message"]
+    assert requests.post(url, json={"method": "check_health"}).json() == {"results": [None]}
+    assert requests.post(dev_server + "/v1/completions", json=body).json()["choices"][0][
+        "text"] == first.json()["choices"][0]["text"]
+    for bad, field in (({"method": "no_such"}, "method"), ({"method": 3}, "method"),
+                       ({"method": "check_health", "code": "x"}, "code"),
+                       ({"method": "check_health", "timeout": -1}, "timeout"),
+                       ({"args": []}, "method")):
+        r = requests.post(url, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (bad, r.text)
 

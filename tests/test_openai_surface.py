@@ -1165,5 +1165,6 @@ def test_vllms_development_routes_are_off_without_dev_mode(server):
     """vLLM serves /reset_prefix_cache, /server_info, /sleep ... only with
     VLLM_SERVER_DEV_MODE=1 (tests/test_kv_events.py uses them); without it they are a 404."""
     for method, path in (("post", "/reset_prefix_cache"), ("get", "/server_info"),
-                         ("get", "/is_sleeping"), ("post", "/sleep")):
+                         ("get", "/is_sleeping"), ("post", "/sleep"),
+                         ("post", "/collective_rpc")):
         assert getattr(requests, method)(server[0] + path).status_code == 404, path

@@ -10,7 +10,13 @@ that they are not for production):
 - ``GET /server_info``: the resolved engine configuration (``?config_format=json`` as JSON,
   else as text), the ``VLLM_*`` environment (names with KEY left out) and the CPU;
 - ``GET /is_sleeping``: ``{"is_sleeping": false}``; ``POST /sleep`` and ``POST /wake_up`` are
-  a 400: there is no sleep mode here (nor in vLLM-CPU).
+  a 400: there is no sleep mode here (nor in vLLM-CPU);
+- ``POST /collective_rpc``: vLLM's body ``{"method": name, "args": [...], "kwargs": {...},
+  "timeout": seconds}`` runs that Worker method on every model process between two steps
+  (``executor/collective_rpc.py``) and answers ``{"results": [...]}``, one per rank, each a
+  JSON object, list or null as returned, anything else as its ``str()`` (vLLM's). Only a
+  method's name travels, never code. An unknown method or field is a 400 naming it (vLLM: a
+  500, or ignored), a call that raised or timed out a 500 with the worker's message, as vLLM.
 """
 from __future__ import annotations
 
@@ -18,13 +24,15 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Literal
+from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictStr
 
 from llm_serving.cpu_info import cpu_description
-from llm_serving.entrypoints.http_common import HTTPError, server_state
+from llm_serving.entrypoints.http_common import HTTPError, server_state, translate_error
+from llm_serving.executor.collective_rpc import Worker
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -71,3 +79,32 @@ async def is_sleeping():
 @router.post("/wake_up")
 async def sleep():
     raise HTTPError(400, NO_SLEEP)
+
+
+class CollectiveRPCRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: StrictStr
+    args: list = []
+    kwargs: dict[str, Any] = {}
+    timeout: Optional[float] = None
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(request: Request, body: CollectiveRPCRequest):
+    if body.method not in Worker.METHODS:
+        raise HTTPError(400, f"method: {body.method!r} is not a Worker method (they are: "
+                        f"{', '.join(Worker.METHODS)})", param="method")
+    if body.timeout is not None and not body.timeout > 0:
+        raise HTTPError(400, f"timeout: must be > 0 seconds or null, got {body.timeout:g}",
+                        param="timeout")
+    engine = server_state(request).require_engine()
+    try:
+        results = await engine.collective_rpc(body.method, body.timeout, tuple(body.args),
+                                              body.kwargs)
+    except TimeoutError as e:         # vLLM's status; the message says which ranks
+        raise HTTPError(500, str(e), kind="internal_error") from None
+    except Exception as e:    # noqa: BLE001 - the worker's error, as any route's
+        raise translate_error(e) from None
+    return JSONResponse({"results": [r if r is None or isinstance(r, (dict, list)) else str(r)
+                                     for r in results]})
