@@ -164,7 +164,7 @@ def test_apply_model_weight_changes_are_served(uni_llm, tiny_model_dir):
 
     def write(model):
         from mindspore import Tensor
-        model.model.layers[1].mlp.down_proj.set_weight(new_down)
+        model.model.layers[1].mlp.down_proj.set_weight(new_down, in_place=True)
         model.model.norm.weight.set_data(Tensor(new_norm))
     llm.apply_model(write)
     llm.reset_prefix_cache()

@@ -117,8 +117,9 @@ class LLM:
     def apply_model(self, func) -> list:
         """vLLM's: ``func(model)`` on every model process (the model Cell the runner runs),
         the results by rank. Linear layers hold their weights packed for the CPU kernels:
-        change one with ``layer.set_weight(w)`` (float32 [out, in]), or reload weights with
-        ``collective_rpc("reload_weights", ...)`` (docs/design.md, "collective_rpc")."""
+        change one with ``layer.set_weight(w, in_place=True)`` (float32 [out, in]), or
+        reload weights with ``collective_rpc("reload_weights", ...)`` (docs/design.md,
+        "collective_rpc")."""
         return self.engine.collective_rpc("apply_model", None, (func,))
 
     def start_profile(self, profile_prefix: Optional[str] = None, *,

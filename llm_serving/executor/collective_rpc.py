@@ -26,9 +26,9 @@ the addresses its capture recorded. A callable that writes a Parameter in place,
 it, would go unseen (or leave a graph reading freed memory), so after every callable the
 runner drops its CPU graphs and the LM head's copy (``ModelRunner.weights_changed``; the next
 steps capture again). A Linear's Parameter holds the packed layout: write a Linear's weight
-with ``layer.set_weight(w)`` (w: float32 [out, in], this rank's shard), or reload weights
-with ``Worker.reload_weights``, vLLM's method (RLHF loops call it), which loads HF checkpoint
-tensors through the loader as at start.
+with ``layer.set_weight(w, in_place=True)`` (w: float32 [out, in], this rank's shard), or
+reload weights with ``Worker.reload_weights``, vLLM's method (RLHF loops call it), which
+loads HF checkpoint tensors through the loader as at start, over the weights held.
 """
 from __future__ import annotations
 

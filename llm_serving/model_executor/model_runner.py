@@ -177,13 +177,11 @@ class ModelRunner:
         """Load new weights, as at start: from (HF name, array) pairs, the parameters they
         name (each whole: all the parts of a fused one), or from the checkpoint at ``path``
         (default: the model's own), all of them. Nothing is stored unless all fit."""
-        from llm_serving.model_executor.models.weights import partial_update
+        from llm_serving.model_executor.models.weights import reloading
         m = self.engine_config.model
-        if weights is not None:
-            with partial_update():
-                self.model.load_weights(_as_arrays(weights))
-        else:
-            self.model.load_weights(iter_weights(path, None) if path
+        with reloading(partial=weights is not None):
+            self.model.load_weights(_as_arrays(weights) if weights is not None else
+                                    iter_weights(path, None) if path
                                     else iter_weights(m.path, m.checkpoint))
         self.weights_changed()
         _return_freed_memory()

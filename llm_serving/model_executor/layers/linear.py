@@ -44,6 +44,13 @@ def _take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     np.take(table, ids, axis=0, out=out)
 
 
+def _reuse(held, shape, dtype) -> np.ndarray:
+    """``held`` if it has this shape and dtype, else new memory for packed weights."""
+    if held is not None and held.shape == tuple(shape) and held.dtype == np.dtype(dtype):
+        return held
+    return WEIGHTS.empty(shape, dtype)
+
+
 def _param(shape) -> Parameter:
     return Parameter(Tensor(np.zeros(shape, np.float32)), requires_grad=False)
 
@@ -146,15 +153,19 @@ class Linear(CustomOp):
         self.weight.name = name
         self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
 
-    def set_weight(self, value: np.ndarray) -> None:
+    def set_weight(self, value: np.ndarray, in_place: bool = False) -> None:
         """Store a float32 [out, in] weight (packed if the layer computes on packed weights),
-        rounded to bf16 (nearest even) if the layer holds bf16."""
+        rounded to bf16 (nearest even) if the layer holds bf16. ``in_place``: a packed weight
+        is written over the one held (a reload: no new memory, the same address)."""
         value = float32_to_bfloat16_bits(value) if self.bf16 else np.asarray(value, np.float32)
         if value.shape != tuple(self.gemm_shape):
             raise ValueError(f"weight of shape {value.shape} for a layer of {self.gemm_shape}")
         if self.packed:
             pack = pack_weight_amx if self.tiled else pack_weight
-            self.weight.set_data(Tensor.from_numpy(pack(value, alloc=WEIGHTS.empty)))
+            held = self.weight.asnumpy() if in_place else None
+            packed = pack(value, alloc=lambda shape, dtype: _reuse(held, shape, dtype))
+            if packed is not held:
+                self.weight.set_data(Tensor.from_numpy(packed))
         else:
             self.weight.set_data(Tensor(value))
 
@@ -305,15 +316,19 @@ class VocabEmbedding(CustomOp):
         self._head = None
 
     def forget_packed_head(self) -> None:
-        """The weight may have changed in place: pack it again at the next logits GEMM."""
-        self._head = None
+        """The weight may have changed in place: pack it again at the next logits GEMM (over
+        the copy held, which keeps its memory)."""
+        if self._head is not None:
+            self._head = (None, self._head[1])
 
     def packed_head(self) -> Tensor:
         """The weight packed for our kernels (made on first use after each new weight)."""
         src = self.weight.data_ptr()
         if self._head is None or self._head[0] != src:
-            self._head = (src, Tensor.from_numpy(pack_weight(self.weight.asnumpy(),
-                                                             alloc=WEIGHTS.empty)))
+            held = self._head[1].asnumpy() if self._head is not None else None
+            packed = pack_weight(self.weight.asnumpy(),
+                                 alloc=lambda shape, dtype: _reuse(held, shape, dtype))
+            self._head = (src, self._head[1] if packed is held else Tensor.from_numpy(packed))
         return self._head[1]
 
     def gemm(self, impl: str, hidden_states):

@@ -18,29 +18,32 @@ from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 
 
 class _Loading(threading.local):
-    partial = False
+    reload = False      # into a running model: packed weights written where they are
+    partial = False     # only the parameters given
 
 
 _loading = _Loading()
 
 
 @contextlib.contextmanager
-def partial_update():
-    """Within it, ``load_named_weights`` updates only the parameters it is given (the others
-    keep their values), each still whole: every fused part of it (q, k and v of a qkv)
-    (``ModelRunner.reload_weights``, collective_rpc's reload_weights)."""
-    _loading.partial = True
+def reloading(partial: bool):
+    """Within it, ``load_named_weights`` loads into a model that runs already
+    (``ModelRunner.reload_weights``, collective_rpc's reload_weights): each packed weight is
+    written over the one held (no new memory: a reload after a reload does not grow the
+    process), and with ``partial`` only the parameters given are updated (the others keep
+    their values), each still whole: every fused part of it (q, k and v of a qkv)."""
+    _loading.reload, _loading.partial = True, partial
     try:
         yield
     finally:
-        _loading.partial = False
+        _loading.reload = _loading.partial = False
 
 
 def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]],
                        stacked_params: Sequence[tuple[str, str, int]]) -> None:
     """Fill ``model``'s parameters from (name, array) pairs; every parameter must be covered
-    (in ``partial_update``: every part of each parameter given). Nothing is stored unless
-    all of them fit."""
+    (in ``reloading(partial=True)``: every part of each parameter given). Nothing is stored
+    unless all of them fit."""
     params = dict(model.parameters_and_names())
     cells = dict(model.cells_and_names())
     host: dict[str, np.ndarray] = {}
@@ -81,7 +84,9 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
     for target in list(host):
         buf = host.pop(target)           # freed as it is stored
         cell = cells.get(target.rsplit(".", 1)[0])
-        if isinstance(cell, (Linear, VocabEmbedding)) and target.endswith(".weight"):
-            cell.set_weight(buf)         # packed, bf16 bits if the layer holds bf16, ...
+        if isinstance(cell, Linear) and target.endswith(".weight"):
+            cell.set_weight(buf, _loading.reload)  # packed, bf16 bits if the layer holds bf16
+        elif isinstance(cell, VocabEmbedding) and target.endswith(".weight"):
+            cell.set_weight(buf)
         else:
             params[target].set_data(Tensor(buf))
