@@ -316,3 +316,27 @@ def test_vllm_async_engine_args_build_the_engine_and_log_requests(tiny_model_dir
     assert len(ids) == 3
     assert ["Added request kept.", "Added request left.", "Aborted request left."] == [
         m for m in logged if m.split()[0] in ("Added", "Aborted")]
+
+
+def test_collective_rpc_runs_between_steps_of_running_streams(engine, tiny_llm):
+    """vLLM's AsyncLLM.collective_rpc while streams run: each call (a failing one included)
+    runs between two steps, and the streams still give the offline result."""
+    from llm_serving.executor.collective_rpc import CollectiveRPCError
+    params = delta(max_tokens=20, ignore_eos=True)
+
+    async def calls():
+        got = []
+        for i in range(4):
+            got.append(await engine.collective_rpc(lambda w, i: (w.rank, i), args=(i,)))
+            with pytest.raises(CollectiveRPCError, match="ZeroDivisionError"):
+                await engine.collective_rpc(lambda w: 1 / 0)
+        return got
+
+    async def main():
+        return await asyncio.gather(calls(), *(collect(engine, f"rpc{i}", p, params)
+                                               for i, p in enumerate(PROMPTS[:4])))
+    got, *streams = asyncio.run_coroutine_threadsafe(main(), _loop(engine)).result(120)
+    assert got == [[(0, i)] for i in range(4)]
+    ref = tiny_llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=20,
+                                                        ignore_eos=True), use_tqdm=False)
+    assert [ids for _, ids, _ in streams] == [list(r.outputs[0].token_ids) for r in ref]
