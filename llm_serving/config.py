@@ -299,6 +299,13 @@ class EngineArgs:
         "of the bytes; unscaled, as vLLM without checkpoint scales: E4M3 keeps 3 mantissa "
         "bits up to +-448, E5M2 2 bits up to +-57344); docs/benchmarks.md has their "
         "accuracy cost")
+    kv_cache_dtype_skip_layers: Optional[list] = field(default=None, metadata={
+        "help": "layers whose KV cache stays at auto's dtype (float32 on CPU) whatever "
+                "kv_cache_dtype says (vLLM's flag): layer indices (0 11), several after one "
+                "flag, or sliding_window (the models served here have none, so it keeps no "
+                "layer, as on vLLM); each such layer's blocks take its own bytes, so the same "
+                "kv_cache_space holds fewer; docs/benchmarks.md has what it buys",
+        "cli_nargs": "+"})
     device: str = _arg("auto",
         "auto, cpu or ascend")
     enforce_eager: bool = _arg(False,
@@ -528,6 +535,7 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"expected one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
+        check_kv_skip_layers(self.kv_cache_dtype_skip_layers)
         if str(self.device).lower() not in DEVICES:
             raise ConfigError("device", f"expected auto, cpu or ascend, got {self.device!r}")
         positive("max_waiting_requests", self.max_waiting_requests)
@@ -668,15 +676,25 @@ class EngineArgs:
         device = str(self.device).lower()
         return auto_device_target().lower() if device == "auto" else device
 
-    def _kv_cache_dtype(self, on_cpu: bool) -> str:
-        """The KV cache storage dtype this configuration runs with."""
+    def _kv_cache_dtype(self, on_cpu: bool, asked: Optional[str] = None) -> str:
+        """The KV cache storage dtype this configuration runs with (or ``asked`` would)."""
+        asked = self.kv_cache_dtype if asked is None else asked
         if on_cpu:
-            return {"auto": "float32", "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype,
-                                                              self.kv_cache_dtype)
-        if self.kv_cache_dtype not in ("auto", "float16"):
+            return {"auto": "float32", "fp8": "fp8_e4m3"}.get(asked, asked)
+        if asked not in ("auto", "float16"):
             raise ConfigError("kv_cache_dtype", "the Ascend attention backend stores KV in "
                               "float16 (its PagedAttention kernel's dtype); use auto or float16")
         return "float16"
+
+    def _kv_layer_dtypes(self, on_cpu: bool, num_layers: int) -> tuple:
+        """Each layer's KV storage dtype: kv_cache_dtype's, or auto's for the layers
+        kv_cache_dtype_skip_layers names (vLLM keeps those at the model's dtype)."""
+        kv, full = self._kv_cache_dtype(on_cpu), self._kv_cache_dtype(on_cpu, "auto")
+        skip = kv_skip_layer_indices(self.kv_cache_dtype_skip_layers, num_layers)
+        if any(str(i).strip() == SLIDING_WINDOW for i in self.kv_cache_dtype_skip_layers or ()):
+            logger.info("kv_cache_dtype_skip_layers: %s keeps no layer at %s (this model has "
+                        "no sliding-window layers)", SLIDING_WINDOW, full)
+        return tuple(full if i in skip else kv for i in range(num_layers))
 
     def _execute_model_timeout(self) -> float:
         """execute_model_timeout, else vLLM's environment variable, else the default."""
@@ -737,8 +755,15 @@ class EngineArgs:
                               f"max_position_embeddings ({hf.max_position_embeddings})")
         on_cpu = self._runs_on_cpu()
         kv_dtype = self._kv_cache_dtype(on_cpu)
+        layer_dtypes = self._kv_layer_dtypes(on_cpu, hf.num_layers)
+        transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if len(set(layer_dtypes)) > 1 and transfer is not None and transfer.kv_connector in (
+                "MooncakeConnector", "MooncakeStoreConnector"):
+            raise ConfigError(SKIP_LAYERS_KEY, f"{transfer.kv_connector} moves every layer's "
+                              "KV blocks as one block size: layers of different KV dtypes are "
+                              "not supported with it (InProcessConnector takes them)")
         block_bytes = kv_bytes_per_block(hf, self.block_size, self.tensor_parallel_size,
-                                         kv_dtype)
+                                         layer_dtypes)
         kv_bytes = (self.kv_cache_memory_bytes if self.kv_cache_memory_bytes is not None
                     else int(self.kv_cache_space * 2**30))
         num_blocks = self.num_blocks or max(1, kv_bytes // block_bytes)
@@ -804,7 +829,7 @@ class EngineArgs:
             model=ModelSettings(
                 path=self.model, tokenizer=self.tokenizer or self.model,
                 checkpoint=self.checkpoint, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                kv_storage_dtype=kv_dtype, max_model_len=max_len,
+                kv_storage_dtype=kv_dtype, kv_layer_dtypes=layer_dtypes, max_model_len=max_len,
                 seed=self.seed, chat_template=self.chat_template, hf=hf,
                 max_logprobs=max_logprobs, pooler=pooler,
                 structured_outputs=StructuredOutputsConfig(**self.structured_outputs_config),
@@ -1092,6 +1117,14 @@ class ModelSettings:
     reasoning: Optional[ReasoningConfig] = None
     # the user's logits processors, 'module:Class' (or classes, in process); checked
     logits_processors: tuple = ()
+    # each layer's KV storage dtype: kv_storage_dtype, or auto's for the layers
+    # kv_cache_dtype_skip_layers names (EngineArgs fills it in)
+    kv_layer_dtypes: tuple = ()
+
+    @property
+    def kv_skip_layers(self) -> tuple:
+        """The layers whose KV is stored otherwise than kv_storage_dtype."""
+        return tuple(i for i, d in enumerate(self.kv_layer_dtypes) if d != self.kv_storage_dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -1250,11 +1283,51 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
 
 
 def kv_bytes_per_block(config: "ModelConfig", block_size: int, tp_size: int = 1,
-                       kv_cache_dtype: str = "float32") -> int:
-    """Bytes of one KV block on one rank (each holds its share of the KV heads)."""
+                       kv_cache_dtype="float32") -> int:
+    """Bytes of one KV block on one rank (each holds its share of the KV heads), every layer's
+    KV stored as ``kv_cache_dtype``, or as each layer's (a sequence: ModelSettings'
+    kv_layer_dtypes) when their dtypes differ."""
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp_size)
-    return (2 * config.num_layers * block_size * kv_heads * config.head_dim
-            * KV_DTYPE_BYTES[kv_cache_dtype])
+    dtypes = ((kv_cache_dtype,) * config.num_layers if isinstance(kv_cache_dtype, str)
+              else kv_cache_dtype)
+    return (2 * block_size * kv_heads * config.head_dim
+            * sum(KV_DTYPE_BYTES[d] for d in dtypes))
+
+
+SKIP_LAYERS_KEY = "kv_cache_dtype_skip_layers"
+SLIDING_WINDOW = "sliding_window"      # vLLM's attention type name in that list
+
+
+def check_kv_skip_layers(value) -> None:
+    """kv_cache_dtype_skip_layers' form, as far as it is known without the model: None, or a
+    list of layer indices (ints, or their digits as the command line gives them) and
+    sliding_window. ConfigError naming the key otherwise."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(SKIP_LAYERS_KEY, "expected a list of layer indices (or "
+                          f"{SLIDING_WINDOW}), got {value!r}")
+    for item in value:
+        text = item.strip() if isinstance(item, str) else None
+        if isinstance(item, bool) or not (isinstance(item, int) or text == SLIDING_WINDOW
+                                          or (text or "").isdigit()):
+            raise ConfigError(SKIP_LAYERS_KEY, f"{item!r} is neither a layer index nor "
+                              f"{SLIDING_WINDOW} (several are separate values: 0 11)")
+
+
+def kv_skip_layer_indices(value, num_layers: int) -> frozenset:
+    """The layer indices kv_cache_dtype_skip_layers names (sliding_window names none: no model
+    served here has sliding-window layers); an index outside the model is a ConfigError."""
+    check_kv_skip_layers(value)
+    out = set()
+    for item in value or ():
+        if str(item).strip() == SLIDING_WINDOW:
+            continue
+        if not 0 <= int(item) < num_layers:
+            raise ConfigError(SKIP_LAYERS_KEY, f"layer {int(item)} is out of range: the model "
+                              f"has {num_layers} layers (0 to {num_layers - 1})")
+        out.add(int(item))
+    return frozenset(out)
 
 
 def describe_kv_cache(config: "EngineConfig") -> str:
@@ -1262,12 +1335,15 @@ def describe_kv_cache(config: "EngineConfig") -> str:
     its blocks, tokens, storage dtype and size on each rank, and the swap pool's."""
     c, m = config.cache, config.model
     block = kv_bytes_per_block(m.hf, c.block_size, config.parallel.tensor_parallel_size,
-                               m.kv_storage_dtype)
+                               m.kv_layer_dtypes)
     def size(n):
         b = n * block
         return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+    skipped = m.kv_skip_layers
+    dtype = (f"{m.kv_storage_dtype} (layers {', '.join(map(str, skipped))}: "
+             f"{m.kv_layer_dtypes[skipped[0]]})" if skipped else m.kv_storage_dtype)
     line = (f"KV cache: {c.num_blocks} blocks of {c.block_size} tokens "
-            f"({c.num_blocks * c.block_size} tokens), {m.kv_storage_dtype}, "
+            f"({c.num_blocks * c.block_size} tokens), {dtype}, "
             f"{size(c.num_blocks)} per rank")
     if c.num_cpu_blocks:
         line += f"; swap pool: {c.num_cpu_blocks} blocks, {size(c.num_cpu_blocks)} per rank"

@@ -450,24 +450,30 @@ def test_narrow_kv_cache_without_bf16_weights_matches_hf(model_dirs, kv):
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("kv,storage", [("bfloat16", np.uint16), ("float16", np.float16),
-                                        ("fp8", ml_dtypes.float8_e4m3fn),
-                                        ("fp8_e5m2", ml_dtypes.float8_e5m2)])
-def test_narrow_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir, kv, storage):
-    """With a bf16, fp16 or FP8 KV cache, sequences swapped out to the host pool (of the same
-    dtype) and back, and prompts served from cached prefix blocks, give the tokens of an
-    unpressured run."""
+@pytest.mark.parametrize("kv,storage,skip", [("bfloat16", np.uint16, None),
+                                             ("float16", np.float16, None),
+                                             ("fp8", ml_dtypes.float8_e4m3fn, None),
+                                             ("fp8_e5m2", ml_dtypes.float8_e5m2, None),
+                                             ("fp8", ml_dtypes.float8_e4m3fn, ["1"])])
+def test_narrow_kv_swap_and_prefix_caching_keep_outputs(tiny_model_dir, kv, storage, skip):
+    """With a bf16, fp16 or FP8 KV cache (or FP8 with layer 1 at fp32:
+    kv_cache_dtype_skip_layers), sequences swapped out to the host pool (of the same dtypes)
+    and back, and prompts served from cached prefix blocks, give the tokens of an unpressured
+    run."""
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 1024, 48).tolist()
     prompts = [{"prompt_token_ids": prefix + rng.integers(3, 1024, 8).tolist()}
                for _ in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(tiny_model_dir, kv_cache_dtype=kv, num_blocks=256)
+    roomy = LLM(tiny_model_dir, kv_cache_dtype=kv, kv_cache_dtype_skip_layers=skip,
+                num_blocks=256)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy)]
     roomy.engine.shutdown()
-    tight = LLM(tiny_model_dir, kv_cache_dtype=kv, num_blocks=24,
-                preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True)
-    assert tight.engine.runner.host_caches[0][0].dtype == storage
+    tight = LLM(tiny_model_dir, kv_cache_dtype=kv, kv_cache_dtype_skip_layers=skip,
+                num_blocks=24, preemption_mode="swap", swap_space=0.01,
+                enable_prefix_caching=True)
+    assert [h[0].dtype for h in tight.engine.runner.host_caches] == \
+        [storage, np.float32 if skip else storage]
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
     stats = tight.engine.get_stats()
     again = tight.generate(prompts[0], greedy)[0]

@@ -108,23 +108,27 @@ def test_p_then_d_is_token_identical_to_colocated_with_logprobs_within_1e_5(pd, 
     assert P.block_manager.usage == 0.0 and D.block_manager.usage == 0.0
 
 
-@pytest.mark.parametrize("kv,other", [("bfloat16", "float32"), ("float16", "bfloat16"),
-                                      ("fp8", "fp8_e5m2")])
-def test_narrow_kv_moves_fewer_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir, kv,
-                                                                      other):
-    """--kv-cache-dtype bfloat16, float16 or fp8 on both sides: P then D gives the tokens of a
-    colocated engine of that dtype and moves its blocks (2 or 1 bytes a value); a consumer
-    with another cache dtype (float32, or another of the same width: the same bytes, other
-    values) does not load them (it would read garbage) but computes the prompt under the
-    recompute policy."""
+@pytest.mark.parametrize("kv,skip,other,other_skip", [
+    ("bfloat16", None, "float32", None), ("float16", None, "bfloat16", None),
+    ("fp8", None, "fp8_e5m2", None), ("fp8", ["1"], "fp8", None)])
+def test_narrow_kv_moves_fewer_bytes_and_a_dtype_mismatch_is_computed(tiny_model_dir, kv, skip,
+                                                                      other, other_skip):
+    """--kv-cache-dtype bfloat16, float16 or fp8 (or fp8 with layer 1 at fp32:
+    kv_cache_dtype_skip_layers) on both sides: P then D gives the tokens of a colocated engine
+    of those dtypes and moves its blocks (each layer's bytes); a consumer with another cache
+    dtype in any layer (float32, or another of the same width: the same bytes, other values)
+    does not load them (it would read garbage) but computes the prompt under the recompute
+    policy."""
     from llm_serving.config import kv_bytes_per_block
 
-    def engine(role=None, eid=None, kv_dtype=kv):
+    def engine(role=None, eid=None, kv_dtype=kv, kv_skip=skip):
         cfg = None if role is None else {"kv_connector": "InProcessConnector", "kv_role": role,
                                          "engine_id": eid, "kv_transfer_timeout": 5}
         return LLMEngine(EngineArgs(tiny_model_dir, num_blocks=96, block_size=BS,
-                                    kv_cache_dtype=kv_dtype, kv_transfer_config=cfg))
-    colo, P, D = engine(), engine("kv_producer", f"P-{kv}"), engine("kv_consumer", f"D-{kv}")
+                                    kv_cache_dtype=kv_dtype, kv_cache_dtype_skip_layers=kv_skip,
+                                    kv_transfer_config=cfg))
+    tag = f"{kv}-{skip}"
+    colo, P, D = engine(), engine("kv_producer", f"P-{tag}"), engine("kv_consumer", f"D-{tag}")
     for i, ids in enumerate(PROMPTS):
         colo.add_request({"prompt_token_ids": ids}, greedy(12), request_id=f"c{i}")
     ref = drive(colo)
@@ -138,10 +142,11 @@ def test_narrow_kv_moves_fewer_bytes_and_a_dtype_mismatch_is_computed(tiny_model
     assert st.kv_transfers == {"done": 3}
     hf = D.model_config
     assert st.kv_transfer_bytes == 12 * kv_bytes_per_block(hf, BS, 1, D.config.model
-                                                           .kv_storage_dtype)
+                                                           .kv_layer_dtypes)
     settle(P, D)
 
-    D_other = engine("kv_consumer", f"D-{other}", kv_dtype=other)
+    D_other = engine("kv_consumer", f"D-{other}-{other_skip}", kv_dtype=other,
+                     kv_skip=other_skip)
     params = prefill_on_p(P, PROMPTS[:1])
     D_other.add_request({"prompt_token_ids": PROMPTS[0]}, greedy(12, params[0]), request_id="x")
     out = drive(D_other, [P])["x"]

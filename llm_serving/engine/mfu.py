@@ -45,7 +45,7 @@ class ModelShape:
     moe_intermediate: int       # an expert's, per device
     vocab: int                  # the LM head's rows, per device
     weight_bytes: int
-    cache_bytes: int
+    cache_bytes: float          # per KV value, the mean over layers (kv_cache_dtype_skip_layers)
 
     @classmethod
     def of(cls, config: EngineConfig) -> "ModelShape":
@@ -58,7 +58,8 @@ class ModelShape:
                    experts_per_token=hf.num_experts_per_tok,
                    moe_intermediate=hf.moe_intermediate_size // tp, vocab=hf.vocab_size // tp,
                    weight_bytes=KV_DTYPE_BYTES[config.model.weight_dtype],
-                   cache_bytes=KV_DTYPE_BYTES[config.model.kv_storage_dtype])
+                   cache_bytes=float(np.mean([KV_DTYPE_BYTES[d]
+                                              for d in config.model.kv_layer_dtypes])))
 
 
 class MfuEstimator:
@@ -109,4 +110,4 @@ class MfuEstimator:
                    + (3 * t * I * a + t * D * a) * dense
                    + (3 * routed * Im * a + routed * D * a) * moe
                    + logits * V * a)
-        return flops, read, written
+        return flops, int(read), int(written)

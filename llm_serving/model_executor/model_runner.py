@@ -109,11 +109,13 @@ class ModelRunner:
         self.block_size = block_size = cache.block_size
         self.num_blocks = num_blocks = cache.num_blocks
         num_cpu_blocks = cache.num_cpu_blocks
-        self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size)
-                          for _ in range(c.num_layers)]
+        # One cache per layer, each of its layer's dtype (kv_cache_dtype_skip_layers' layers:
+        # auto's); the attention layers find theirs by index in the forward context.
+        self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size, dtype)
+                          for dtype in m.kv_layer_dtypes]
         # Host block pool for swapped-out sequences (only with preemption_mode="swap").
-        self.host_caches = [self.backend.allocate_host_cache(num_cpu_blocks, block_size)
-                            for _ in range(c.num_layers)] if num_cpu_blocks else []
+        self.host_caches = [self.backend.allocate_host_cache(num_cpu_blocks, block_size, dtype)
+                            for dtype in m.kv_layer_dtypes] if num_cpu_blocks else []
         self.kv_connector = None        # KV transfer (PD disaggregation), worker side
         self._kv_outputs: list = []
         if config.kv_transfer is not None:

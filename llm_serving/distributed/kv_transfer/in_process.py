@@ -83,10 +83,10 @@ class InProcessConnector(BlockTransferScheduler):
                                 "already read)")
             elif now >= r.deadline:
                 self._fail(key, f"KV transfer {tid} timed out")
-            elif producer.kv_caches[0][0].dtype != self.kv_caches[0][0].dtype:
-                self._fail(key, f"the producer's KV cache holds {producer.kv_caches[0][0].dtype}"
-                                f", this one {self.kv_caches[0][0].dtype} (kv_cache_dtype "
-                                "must match)")
+            elif _dtypes(producer.kv_caches) != _dtypes(self.kv_caches):
+                self._fail(key, f"the producer's KV cache holds {_dtypes(producer.kv_caches)}"
+                                f", this one {_dtypes(self.kv_caches)} (kv_cache_dtype and "
+                                "kv_cache_dtype_skip_layers must match)")
             elif now >= r.lands_at and tid in producer._held:   # (its offer may come later)
                 src, dst = np.asarray(r.remote), np.asarray(r.local)
                 for (pk, pv), (ck, cv) in zip(producer.kv_caches, self.kv_caches):
@@ -125,3 +125,9 @@ class InProcessConnector(BlockTransferScheduler):
     def shutdown(self) -> None:
         if _PRODUCERS.get(self.engine_id) is self:
             del _PRODUCERS[self.engine_id]
+
+
+def _dtypes(kv_caches) -> str:
+    """The layers' KV storage dtypes, as one string: layer by layer when they differ."""
+    names = [str(k.dtype) for k, _ in kv_caches]
+    return names[0] if len(set(names)) == 1 else "[" + ", ".join(names) + "]"

@@ -53,14 +53,15 @@ class AscendAttentionBackend(AttentionBackend):
         # sparse_mode=3 takes the compressed causal mask: 2048 x 2048, 1 = masked out.
         self.causal_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), 1))
 
-    def allocate_kv_cache(self, num_blocks, block_size):
+    def allocate_kv_cache(self, num_blocks, block_size, kv_cache_dtype=None):
+        # float16 whatever is asked: EngineArgs resolves every layer's KV to it here
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return (ms.Parameter(ops.zeros(shape, KV_DTYPE), requires_grad=False),
                 ms.Parameter(ops.zeros(shape, KV_DTYPE), requires_grad=False))
 
     # Block moves go through host numpy arrays (one transfer per layer and direction). The
     # host pool keeps the device layout [num_blocks, block_size, KVH, D] in float16.
-    def allocate_host_cache(self, num_blocks, block_size):
+    def allocate_host_cache(self, num_blocks, block_size, kv_cache_dtype=None):
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return np.zeros(shape, np.float16), np.zeros(shape, np.float16)
 

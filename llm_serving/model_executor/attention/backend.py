@@ -57,10 +57,14 @@ class AttentionBackend(ABC):
         self.scale = head_dim ** -0.5
 
     @abstractmethod
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> Any:
-        """One layer's (key cache, value cache)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          kv_cache_dtype: Optional[str] = None) -> Any:
+        """One layer's (key cache, value cache), stored as ``kv_cache_dtype`` (None: the
+        backend's; a layer kv_cache_dtype_skip_layers names gets auto's). The kernels read
+        each layer's storage from its cache."""
 
-    def allocate_host_cache(self, num_blocks: int, block_size: int) -> Any:
+    def allocate_host_cache(self, num_blocks: int, block_size: int,
+                            kv_cache_dtype: Optional[str] = None) -> Any:
         """One layer's (key, value) blocks in host memory, the pool swapped-out KV goes to."""
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return np.zeros(shape, np.float32), np.zeros(shape, np.float32)

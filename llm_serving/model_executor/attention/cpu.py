@@ -2,8 +2,10 @@
 one ragged batch of new prefills, continuing prefill chunks and decodes, with no padding: the
 work follows the real token and context counts. The KV cache lives in host memory owned by
 this backend, one ``[num_blocks, block_size, KVH, D]`` array per layer for keys and values,
-float32, or with ``kv_cache_dtype`` float16 or bfloat16 (bits in uint16) half of it: the
-kernels write K/V rounded to nearest even and widen them on read (fp32 arithmetic). The swap
+float32, or with ``kv_cache_dtype`` float16 or bfloat16 (bits in uint16) half of it, FP8 a
+quarter: the kernels write K/V rounded to nearest even and widen them on read (fp32
+arithmetic). Each call's kernel follows its layer's cache dtype, so layers of different
+dtypes (kv_cache_dtype_skip_layers) share one backend. The swap
 pool uses the same storage, so block moves and KV transfers copy bytes as they are. ALiBi
 (Baichuan2-13B) is the kernels' too: given ``alibi_slopes``, each tile of scores gets its
 slope * (key position - query position) before the online softmax, in every kind of row, so
@@ -29,21 +31,27 @@ class CPUAttentionBackend(AttentionBackend):
         if alibi_slopes is not None:        # the kernels read it by address at every call
             alibi_slopes = np.ascontiguousarray(alibi_slopes, np.float32)
         super().__init__(num_heads, num_kv_heads, head_dim, kv_cache_dtype, alibi_slopes)
+        self.storage = self._storage(kv_cache_dtype)
+
+    @staticmethod
+    def _storage(kv_cache_dtype: str) -> np.dtype:
         dtype = "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
         if dtype not in kernels.CACHE_DTYPES:
             raise ValueError(f"the CPU attention kernels store KV as "
                              f"{' or '.join(kernels.CACHE_DTYPES)}, not {kv_cache_dtype}")
-        self.storage = kernels.CACHE_DTYPES[dtype]
+        return kernels.CACHE_DTYPES[dtype]
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int):
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype=None):
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return host_zeros(shape, self.storage), host_zeros(shape, self.storage)
+        storage = self.storage if kv_cache_dtype is None else self._storage(kv_cache_dtype)
+        return host_zeros(shape, storage), host_zeros(shape, storage)
 
-    def allocate_host_cache(self, num_blocks: int, block_size: int):
+    def allocate_host_cache(self, num_blocks: int, block_size: int, kv_cache_dtype=None):
         # The swap pool (swap_space GiB) stays lazily zeroed: its pages are committed only
         # when swapped-out blocks land in them, which may be never.
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return np.zeros(shape, self.storage), np.zeros(shape, self.storage)
+        storage = self.storage if kv_cache_dtype is None else self._storage(kv_cache_dtype)
+        return np.zeros(shape, storage), np.zeros(shape, storage)
 
     # The device cache is host memory here, so all three moves are array copies.
     def swap_out(self, kv_cache, host_cache, pairs):
