@@ -13,6 +13,9 @@ positions 0, every, 2*every, ...; each dump pairs with fp32's by file name
   |diff| and how many within 5e-3;
 - greedy agreement: prompts whose whole output equals fp32's, and the mean share of each
   output that matches fp32's before the first different token.
+
+An arm followed by ``~`` and layers (``fp8 KV~first+last``, ``fp8 KV~0+5``) keeps those
+layers' KV cache at fp32 (``kv_cache_dtype_skip_layers``).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ ATOL = 5e-3
 
 
 def run_arm(model: str, prompts, dtype: str, kv: str, out: Path, max_tokens: int, every: int,
-            max_num_seqs: int, kernel: str | None = None):
+            max_num_seqs: int, kernel: str | None = None, skip: list | None = None):
     """Generate with one arm's dtypes, dumping logits to ``out``: (per prompt: dump key and
     output tokens), seconds."""
     import os
@@ -53,7 +56,8 @@ def run_arm(model: str, prompts, dtype: str, kv: str, out: Path, max_tokens: int
     from llm_serving.engine.logits_dump import dump_key
     from unittest import mock
     with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
-        llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, dump_logits=str(out),
+        llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_dtype_skip_layers=skip,
+                  dump_logits=str(out),
                   dump_logits_every=every, max_num_seqs=max_num_seqs, kv_cache_space=2.0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()
@@ -100,12 +104,12 @@ def main() -> None:
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.device import init_device
     from llm_serving.model_executor.layers.gemm import bf16_kernels
-    from llm_serving.model_executor.tiny_model import model_path
+    from llm_serving.model_executor.tiny_model import arm_skip_layers, model_path
     init_device("cpu")
     runs = bf16_kernels()
     arms = ([a.strip() for a in args.arms.split(",")] if args.arms else
             [a for a, (_, _, k) in ARMS.items() if k is None or k in runs])
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a.partition("~")[0] not in ARMS]
     if bad:
         ap.error(f"unknown arm {bad[0]!r}")
     rows = json.loads(DATA.read_text())[:args.num_prompts]
@@ -124,10 +128,11 @@ def main() -> None:
         try:
             dirs, toks = {}, {}
             for arm in ["fp32"] + [a for a in arms if a != "fp32"]:
-                dtype, kv, kernel = ARMS[arm]
+                name, skip = arm_skip_layers(arm, model)
+                dtype, kv, kernel = ARMS[name]
                 dirs[arm] = work / re.sub(r"\W+", "_", arm)
                 toks[arm], dt = run_arm(model, prompts, dtype, kv, dirs[arm], args.max_tokens,
-                                        args.every, args.max_num_seqs, kernel)
+                                        args.every, args.max_num_seqs, kernel, skip)
                 print(f"#   {spec} {arm}: {dt:.1f} s", file=sys.stderr)
             for arm in arms:
                 if arm == "fp32":

@@ -20,7 +20,8 @@ step replayed from a capture, model_executor/cpu_graph.py); bf16-widen, bf16-amx
 activations, or activations rounded to bf16 on AMX tiles or in AVX512-BF16 dot products; the
 last two where the CPU has them). Each arm's floor counts the bytes its weights really take.
 An arm may end in ``@N`` for KV blocks of N tokens instead of 16 (``fp32,fp32@128``: vLLM-CPU's
-default block size against ours).
+default block size against ours), and before that in ``~`` and layers whose KV cache stays
+fp32 (``fp8-kv~first+last``, ``fp8-kv~0+5``: ``--kv-cache-dtype-skip-layers``).
 """
 from __future__ import annotations
 
@@ -121,13 +122,14 @@ def main() -> None:
     ap.add_argument("--arms", default="fp32", help=f"comma-separated: {', '.join(ARMS)}")
     args = ap.parse_args()
     arms = [a.strip() for a in args.arms.split(",")]
-    bad = [a for a in arms if a.split("@")[0] not in ARMS
+    bad = [a for a in arms if a.split("@")[0].partition("~")[0] not in ARMS
            or "@" in a and not a.split("@")[1].isdigit()]
     if bad:
         ap.error(f"unknown arm {bad[0]!r} (known: {', '.join(ARMS)})")
 
     from llm_serving.config import kv_bytes_per_block
     from llm_serving.model_executor.cpu_graph import STEADY_STEPS
+    from llm_serving.model_executor.tiny_model import arm_skip_layers
     model = model_path(args.model)
 
     probe_bw = ReadBandwidth()
@@ -145,18 +147,20 @@ def main() -> None:
     # each sequence's KV: its prompt, the warm-up steps, then two steps a round (see below)
     blocks_per_seq = (ctx + warm_steps + 2 * args.steps + 16) // 16 + 2
     for arm in arms:
-        dtype, kv, eager, kernel = ARMS[arm.split("@")[0]]
+        name, skip = arm_skip_layers(arm.split("@")[0], model)
+        dtype, kv, eager, kernel = ARMS[name]
         bs = int(arm.split("@")[1]) if "@" in arm else 16
         with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
             engines[arm] = LLM(model, max_num_seqs=seqs, block_size=bs, dtype=dtype,
-                               kv_cache_dtype=kv, enforce_eager=eager,
+                               kv_cache_dtype=kv, kv_cache_dtype_skip_layers=skip,
+                               enforce_eager=eager,
                                num_blocks=seqs * (blocks_per_seq * 16 // bs + 1),
                                max_num_batched_tokens=max(args.prefill_tokens, max_b)).engine
     eng = engines[arms[0]]
     mc = eng.model_config
     floor_ms, weight_bytes, kv_bytes_per_token = {}, {}, {}
     for arm, e in engines.items():
-        kv_bytes_per_token[arm] = kv_bytes_per_block(mc, 1, 1, ARMS[arm.split("@")[0]][1])
+        kv_bytes_per_token[arm] = kv_bytes_per_block(mc, 1, 1, e.config.model.kv_layer_dtypes)
         # the bytes the weights take (bf16 linear weights: 2 per element)
         wb = sum(int(np.prod(p.shape)) * p.itemsize
                  for _, p in e.runner.model.parameters_and_names())

@@ -320,6 +320,17 @@ def model_path(spec: Optional[str], default: str = "bench") -> str:
     return spec
 
 
+def arm_skip_layers(arm: str, model: str) -> Tuple[str, Optional[list]]:
+    """A benchmark's arm name and the layers its ``~`` suffix keeps at the model's KV dtype
+    (kv_cache_dtype_skip_layers): ``fp8-kv~first+last``, ``~0+5``; first and last name the
+    model's (None without a suffix)."""
+    name, _, layers = arm.partition("~")
+    if not layers:
+        return name, None
+    last = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"] - 1
+    return name, [{"first": "0", "last": str(last)}.get(x, x) for x in layers.split("+")]
+
+
 def corpus_texts() -> Tuple[List[str], str]:
     """The tokenizer training corpus and where it came from.
 
