@@ -32,15 +32,13 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, block_size
 def kv_model_tag(engine_config) -> str:
     """What a KV block's content depends on besides its tokens (the pool's key salt): the
     model (its directory's name and shape), weight and KV dtypes, block size and
-    tensor-parallel split (a bf16 KV block is another block than a float32 one), and the
-    layers kv_cache_dtype_skip_layers keeps at another dtype. Dtypes are named as they
-    resolve, so an instance started with the defaults and one given float32 explicitly share
-    blocks."""
+    tensor-parallel split (a bf16 KV block is another block than a float32 one). Dtypes are
+    named as they resolve, so an instance started with the defaults and one given float32
+    explicitly share blocks."""
     import os
     m, hf = engine_config.model, engine_config.model.hf
     return (f"{os.path.basename(os.path.normpath(m.path))}|L{hf.num_layers}|H{hf.hidden_size}"
             f"|KV{hf.num_kv_heads}x{hf.head_dim}|V{hf.vocab_size}|{m.weight_dtype}"
             f"|kv:{m.kv_storage_dtype}"
-            + "".join(f",{i}:{m.kv_layer_dtypes[i]}" for i in m.kv_skip_layers) +
             f"|bs{engine_config.cache.block_size}"
             f"|tp{engine_config.parallel.tensor_parallel_size}")
