@@ -8,6 +8,13 @@ without torch, by the restricted unpickler that reads PyTorch checkpoints
 with a torch tensor or a NumPy array. Either way the rows become a float32 [tokens, hidden]
 array that rides on the request's sequence (kept for a recompute after preemption) and goes
 to the model runner, a step's rows at a time, in ``StepInput.embeds``.
+
+A prompt may also mix token ids and embeddings (vLLM's mixed form, which its chat route makes
+of a message's ``{"type": "prompt_embeds", "data": ...}`` parts): offline as vLLM takes it,
+``{"prompt_embeds": t, "prompt_token_ids": ids, "prompt_is_token_ids": mask}`` with ``t``
+as long as the prompt, or compact, as the chat route gives it, with ``prompt_embeds`` only the
+embedded rows and ``prompt_embeds_positions`` their positions. Either way the sequence keeps
+the embedded rows and their positions only (``mixed_prompt``).
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from typing import Optional
 import numpy as np
 
 FIELD = "prompt_embeds"
+MASK = "prompt_is_token_ids"            # vLLM's mixed form: True where the token id is used
+POSITIONS = "prompt_embeds_positions"   # the compact mixed form: the rows' prompt positions
 NOT_ENABLED = (f"{FIELD}: prompt embeddings are taken with enable_prompt_embeds=True "
                "(--enable-prompt-embeds)")
 
@@ -70,6 +79,45 @@ def as_prompt_embeds(value, hidden_size: int, max_model_len: int) -> np.ndarray:
         raise ValueError(f"{FIELD}: holds values that are not finite (NaN or infinity)")
     out.flags.writeable = False
     return out
+
+
+def mixed_prompt(prompt: dict, hidden_size: int, max_model_len: int
+                 ) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """An EmbedsPrompt's (token ids, embedded positions int32 [E], their rows float32 [E,
+    hidden]): placeholder 0s at every position for embeddings alone, or the mixed forms'
+    token ids with 0s at the embedded positions. ValueError naming the field."""
+    rows = as_prompt_embeds(prompt[FIELD], hidden_size, max_model_len)
+    ids = prompt.get("prompt_token_ids")
+    if ids is None:
+        for key in (MASK, POSITIONS):
+            if key in prompt:
+                raise ValueError(f"{key}: given without prompt_token_ids, the mixed prompt's "
+                                 "token ids")
+        return [0] * len(rows), np.arange(len(rows), dtype=np.int32), rows
+    try:
+        ids = [int(t) for t in ids]
+    except (TypeError, ValueError):
+        raise ValueError("prompt_token_ids must be a list of integers") from None
+    if (MASK in prompt) == (POSITIONS in prompt):
+        raise ValueError(f"{MASK}: a prompt of prompt_token_ids and {FIELD} needs it (True "
+                         f"where the token id is used, False where the {FIELD} row is)")
+    if MASK in prompt:                  # vLLM's: a row per position, a mask to pick them
+        mask = np.asarray(prompt[MASK])
+        if mask.dtype != bool or mask.shape != (len(ids),) or len(rows) != len(ids):
+            raise ValueError(f"{MASK}: must be a list of booleans as long as "
+                             f"prompt_token_ids ({len(ids)}) and {FIELD} ({len(rows)})")
+        pos = np.flatnonzero(~mask).astype(np.int32)
+        rows = rows[pos]
+        rows.flags.writeable = False
+    else:
+        pos = np.asarray(prompt[POSITIONS], np.int32)
+        if pos.shape != (len(rows),) or (len(pos) and (
+                pos[0] < 0 or pos[-1] >= len(ids) or (np.diff(pos) <= 0).any())):
+            raise ValueError(f"{POSITIONS}: must be ascending positions of prompt_token_ids, "
+                             f"one per {FIELD} row")
+    for p in pos.tolist():
+        ids[p] = 0          # placeholders (vLLM's too), so that the lookups stay in range
+    return ids, pos, rows
 
 
 def _to_numpy(value) -> np.ndarray:

@@ -36,18 +36,35 @@ def reference(tiny_model_dir):
                + rng.normal(0, 0.01, (n, table.shape[1]))).astype(np.float32)
               for n in (1, 7, 40, 70)]
     model = hf_causal_lm(tiny_model_dir)
-    want = []
+    return embeds, [_hf_greedy(model, e) for e in embeds]
+
+
+def _hf_greedy(model, embeds: np.ndarray) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens from ``inputs_embeds`` and their logprobs."""
+    x, ids, lps = torch.from_numpy(embeds)[None], [], []
     with torch.no_grad():
-        for e in embeds:
-            x, ids, lps = torch.from_numpy(e)[None], [], []
-            for _ in range(NEW):
-                logp = torch.log_softmax(model(inputs_embeds=x).logits[0, -1], -1)
-                t = int(logp.argmax())
-                ids.append(t)
-                lps.append(float(logp[t]))
-                x = torch.cat([x, model.get_input_embeddings()(torch.tensor([[t]]))], 1)
-            want.append((ids, lps))
-    return embeds, want
+        for _ in range(NEW):
+            logp = torch.log_softmax(model(inputs_embeds=x).logits[0, -1], -1)
+            t = int(logp.argmax())
+            ids.append(t)
+            lps.append(float(logp[t]))
+            x = torch.cat([x, model.get_input_embeddings()(torch.tensor([[t]]))], 1)
+    return ids, lps
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model_dir, reference):
+    """A prompt mixing token ids with two runs of embeddings (vLLM's mixed form: the rows of
+    the whole prompt, token ids, and the mask of the positions whose token id is used), and
+    transformers' greedy tokens from the same inputs_embeds."""
+    table = safetensors.load_file(f"{tiny_model_dir}/model.safetensors")[
+        "model.embed_tokens.weight"]
+    ids = np.random.default_rng(5).integers(3, 1024, 60)
+    full = table[ids].astype(np.float32)
+    mask = np.ones(60, bool)
+    for a, e in ((5, reference[0][1]), (19, reference[0][2][:30])):    # 7 and 30 rows
+        full[a:a + len(e)], mask[a:a + len(e)] = e, False
+    return ids.tolist(), mask, full, _hf_greedy(hf_causal_lm(tiny_model_dir), full)
 
 
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
@@ -60,7 +77,7 @@ def _check(out, want):
                                want[1], atol=2e-4)
 
 
-def test_offline_embeds_generate_as_transformers(tiny_model_dir, reference):
+def test_offline_embeds_generate_as_transformers(tiny_model_dir, reference, mixed):
     embeds, want = reference
     # 16-token chunks and a pool small enough to preempt (and recompute) sequences
     llm = LLM(tiny_model_dir, enable_prompt_embeds=True, num_blocks=24, block_size=8,
@@ -87,6 +104,24 @@ def test_offline_embeds_generate_as_transformers(tiny_model_dir, reference):
             llm.generate([{"prompt_embeds": bad}], GREEDY)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate([{"prompt_embeds": embeds[0]}], SamplingParams(prompt_logprobs=1))
+    # vLLM's mixed form: its chunks cut through both runs of embeddings; the prefix cache
+    # holds its blocks, and one row changed misses from its block on
+    ids, mask, full, want_mixed = mixed
+    prompt = {"prompt_embeds": full, "prompt_token_ids": ids, "prompt_is_token_ids": mask}
+    outs = llm.generate([prompt, prompt], GREEDY)
+    for out in outs:
+        _check(out, want_mixed)
+        assert out.prompt_token_ids == [t if m else 0 for t, m in zip(ids, mask)]
+    nudged = full.copy()
+    nudged[30] += 0.5
+    again, other = llm.generate([prompt, {**prompt, "prompt_embeds": nudged}], GREEDY)
+    _check(again, want_mixed)
+    assert again.num_cached_tokens == 56 and other.num_cached_tokens == 24
+    for extra, field in (({"prompt_is_token_ids": mask[1:]}, "prompt_is_token_ids"),
+                         ({"prompt_is_token_ids": None}, "prompt_is_token_ids")):
+        bad = {k: v for k, v in {**prompt, **extra}.items() if v is not None}
+        with pytest.raises(ValueError, match=field):
+            llm.generate([bad], GREEDY)
 
 
 def test_tensor_parallel_ranks_take_the_embeddings(tiny_model_dir, reference):
@@ -163,9 +198,7 @@ def test_server_embeds_generate_as_transformers(tmp_path, tiny_model_dir, refere
             r = requests.post(url + "/v1/completions", json={**body, **extra})
             assert r.status_code == 400, (extra.keys(), r.text)
             assert r.json()["error"]["param"] == field, r.text
-        r = requests.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [
-            {"role": "user", "content": [{"type": "prompt_embeds", "data": one}]}]})
-        assert r.status_code == 400 and "prompt_embeds" in r.json()["error"]["message"]
+        _chat_mixes_text_and_embeds(url, tiny_model_dir, body)
         # truncate_prompt_tokens cuts the rows as it cuts tokens (vLLM's)
         cut = requests.post(url + "/v1/completions", json={
             **body, "prompt_embeds": _b64(torch.from_numpy(embeds[2])),
@@ -178,3 +211,55 @@ def test_server_embeds_generate_as_transformers(tmp_path, tiny_model_dir, refere
         assert r.json()["choices"][0]["token_ids"] == want[0][0]
     finally:
         stop_server(proc)
+
+
+def _chat_mixes_text_and_embeds(url: str, model_dir: str, body: dict) -> None:
+    """A chat message of text parts around a prompt_embeds part (vLLM's): the part's rows
+    (the model's own embedding rows of a text) stand where the part does in the template's
+    text, and the answer is transformers' from those inputs_embeds; what is not taken with
+    such parts is refused by name."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    table = safetensors.load_file(f"{model_dir}/model.safetensors")[
+        "model.embed_tokens.weight"]
+    rows = table[tok("a red fox jumps", add_special_tokens=False).input_ids]
+    text = tok.apply_chat_template([{"role": "user", "content":
+                                     "Describe this:\n<prompt_embeds>\nin a word."}],
+                                   tokenize=False, add_generation_prompt=True)
+    before, after = (tok(t, add_special_tokens=False).input_ids
+                     for t in text.split("<prompt_embeds>"))
+    want = _hf_greedy(hf_causal_lm(model_dir),
+                      np.concatenate([table[before], rows, table[after]]).astype(np.float32))
+    part = {"type": "prompt_embeds", "data": _b64(torch.from_numpy(rows))}
+    chat = {**body, "logprobs": True, "top_logprobs": 0, "messages": [{"role": "user",
+            "content": [{"type": "text", "text": "Describe this:"}, part,
+                        {"type": "text", "text": "in a word."}]}]}
+    r = requests.post(url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["choices"][0]["token_ids"] == want[0]
+    np.testing.assert_allclose([e["logprob"] for e in got["choices"][0]["logprobs"]["content"]],
+                               want[1], atol=2e-4)
+    assert got["prompt_token_ids"] == before + [0] * len(rows) + after
+    assert got["usage"]["prompt_tokens"] == len(before) + len(rows) + len(after)
+    # the rows of a text's tokens answer as that text does
+    same = requests.post(url + "/v1/chat/completions", json={**chat, "messages": [
+        {"role": "user", "content": "Describe this:\na red fox jumps\nin a word."}]}).json()
+    assert same["choices"][0]["token_ids"] == want[0]
+    text_part = {"type": "text", "text": "x"}
+    for extra, content, field in (
+            ({"echo": True}, [part], "echo"),
+            ({"truncate_prompt_tokens": 5}, [part], "truncate_prompt_tokens"),
+            ({}, [{"type": "text", "text": "<prompt_embeds>"}, part], "messages"),
+            ({}, [text_part, {"type": "prompt_embeds"}], "prompt_embeds"),
+            ({}, [text_part, {"type": "prompt_embeds", "data": "not base64!"}],
+             "prompt_embeds"),
+            ({}, [{"type": "prompt_embeds", "data": _b64(torch.zeros(3, 5))}],
+             "prompt_embeds")):
+        r = requests.post(url + "/v1/chat/completions", json={
+            **chat, **extra, "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    # /tokenize renders no embeddings: the part is refused there
+    r = requests.post(url + "/tokenize", json={"model": "tiny", "messages": [
+        {"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and "prompt_embeds" in r.json()["error"]["message"]

@@ -128,16 +128,19 @@ def build_step_input(batch: SchedulerOutput, block_size: int,
 
 def _embeds_fields(seqs: list[Sequence], starts, n, qsl, prompt_lens) -> dict:
     """The StepInput fields of the prompt rows given as embeddings (vLLM's prompt_embeds)
-    this step: their rows and embeddings (none when no sequence has them left to compute)."""
+    this step: their rows and embeddings (none when the step computes none of them), cut
+    from each sequence's embedded positions by the step's span of its prompt."""
     rows, embeds = [], []
     for i in np.flatnonzero(starts < prompt_lens).tolist():     # sequences in their prompt
         seq = seqs[i]
         if seq.prompt_embeds is None:
             continue
         a = int(starts[i])
-        k = min(int(n[i]), int(prompt_lens[i]) - a)
-        rows.append(np.arange(qsl[i], qsl[i] + k, dtype=np.int32))
-        embeds.append(seq.prompt_embeds[a:a + k])
+        pos = seq.embeds_positions
+        lo, hi = np.searchsorted(pos, (a, a + min(int(n[i]), int(prompt_lens[i]) - a)))
+        if lo < hi:
+            rows.append((pos[lo:hi] + (int(qsl[i]) - a)).astype(np.int32))
+            embeds.append(seq.prompt_embeds[lo:hi])
     if not rows:
         return {}
     return dict(embed_rows=np.concatenate(rows), embeds=np.concatenate(embeds))

@@ -19,7 +19,7 @@ from llm_serving.inputs import check_cache_salt, salt_of
 from llm_serving.lora.request import LoRARequest
 from llm_serving.model_executor.layers.pooler import check_dimensions
 from llm_serving.pooling_params import PoolingParams
-from llm_serving.prompt_embeds import FIELD as EMBEDS, NOT_ENABLED, as_prompt_embeds, embeds_of
+from llm_serving.prompt_embeds import FIELD as EMBEDS, NOT_ENABLED, embeds_of, mixed_prompt
 from llm_serving.sampling_params import RequestOutputKind, SamplingParams
 from llm_serving.tokenizer import Tokenizer
 
@@ -58,8 +58,10 @@ class NewRequest:
     lora: Optional["LoRARequest"] = None     # its adapter (None: the base model)
     pooling: Optional[PoolingParams] = None     # a pooling request (its params, resolved)
     cache_salt: Optional[str] = None     # the prompt's (vLLM's): its own prefix-cache blocks
-    # vLLM's prompt_embeds: float32 [tokens, hidden] (prompt_token_ids are placeholder 0s)
+    # vLLM's prompt_embeds: float32 [E, hidden], the inputs at the prompt positions
+    # embeds_positions (int32 [E]; their prompt_token_ids are placeholder 0s)
     prompt_embeds: Optional[np.ndarray] = None
+    embeds_positions: Optional[np.ndarray] = None
 
 
 class InputProcessor:
@@ -153,7 +155,12 @@ class InputProcessor:
         salt = salt_of(prompt)
         check_cache_salt(salt)
         embeds = self._embeds(prompt, params)
-        text, ids = (None, [0] * len(embeds)) if embeds is not None else self._tokenize(prompt)
+        if embeds is not None:
+            ids, positions, embeds = embeds
+            text = None
+        else:
+            text, ids = self._tokenize(prompt)
+            positions = None
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         room = self.max_model_len - len(ids)
@@ -170,10 +177,12 @@ class InputProcessor:
         max_tokens = min(params.max_tokens or room, room)
         return NewRequest(request_id, text, ids, params, max_tokens, priority,
                           time.time() if arrival_time is None else arrival_time,
-                          lora=lora_request, cache_salt=salt, prompt_embeds=embeds)
+                          lora=lora_request, cache_salt=salt, prompt_embeds=embeds,
+                          embeds_positions=positions)
 
     def _embeds(self, prompt: PromptType, params: SamplingParams):
-        """An EmbedsPrompt's embeddings, checked (None for another prompt)."""
+        """An EmbedsPrompt's (token ids, embedded positions, their rows), checked (None for
+        another prompt)."""
         value = embeds_of(prompt)
         if value is None:
             return None
@@ -182,7 +191,7 @@ class InputProcessor:
         if params.prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs: not computed for a prompt given as "
                              f"{EMBEDS} (there are no prompt tokens to score; vLLM's rule)")
-        return as_prompt_embeds(value, self.hidden_size, self.max_model_len)
+        return mixed_prompt(prompt, self.hidden_size, self.max_model_len)
 
     def _pooling(self, params) -> Optional[PoolingParams]:
         """A pooling request's params, resolved against the server's pooler (None for a

@@ -123,6 +123,7 @@ class OutputProcessor:
                 seq.lora_name = new.lora.lora_name
             seq.cache_salt = new.cache_salt
             seq.prompt_embeds = new.prompt_embeds      # (read-only: shared by the n)
+            seq.embeds_positions = new.embeds_positions
             if self.spec_metrics is not None:
                 seq.spec_metrics = SpecDecodeRequestMetrics(*self.spec_metrics)
             seq.detokenizer = IncrementalDetokenizer(

@@ -13,6 +13,8 @@ import itertools
 import time
 from typing import Optional
 
+import numpy as np
+
 from llm_serving.sampling_params import SamplingParams
 
 
@@ -119,11 +121,13 @@ class Sequence:
         self.lora_name: Optional[str] = None
         # vLLM's cache_salt: its blocks are shared only with sequences of the same salt
         self.cache_salt: Optional[str] = None
-        # vLLM's prompt_embeds: float32 [prompt tokens, hidden], the model's input at the
-        # prompt's positions (its prompt_token_ids are placeholder 0s); kept until the
-        # sequence ends, for a recompute after preemption. Their sha256 per KV block
-        # (``embeds_digest``), for the prefix cache.
+        # vLLM's prompt_embeds: float32 [E, hidden], the model's input at the prompt
+        # positions ``embeds_positions`` (int32 [E], ascending: all of the prompt's, or
+        # those of a chat message's prompt_embeds parts; their prompt_token_ids are
+        # placeholder 0s); kept until the sequence ends, for a recompute after preemption.
+        # Their sha256 per KV block (``embeds_digest``), for the prefix cache.
         self.prompt_embeds = None
+        self.embeds_positions = None
         self._embeds_digests: dict[int, bytes] = {}
 
     @property
@@ -164,14 +168,23 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def embeds_digest(self, block: int, block_size: int) -> Optional[bytes]:
-        """sha256 of the prompt embeddings in KV block ``block`` (None: it holds none)."""
+        """sha256 of the prompt embeddings in KV block ``block`` (None: it holds none): of
+        its rows when they fill the block's prompt positions (vLLM's digest), else of
+        their offsets in the block too."""
         e = self.prompt_embeds
-        if e is None or block * block_size >= len(e):
+        if e is None:
             return None
         d = self._embeds_digests.get(block)
         if d is None:
-            d = hashlib.sha256(e[block * block_size:(block + 1) * block_size]).digest()
-            self._embeds_digests[block] = d
+            first = block * block_size
+            pos = self.embeds_positions
+            lo, hi = np.searchsorted(pos, (first, first + block_size))
+            if lo == hi:
+                return None
+            h = hashlib.sha256(e[lo:hi])
+            if hi - lo < min(block_size, len(self.prompt_token_ids) - first):
+                h.update((pos[lo:hi] - first).astype(np.int32).tobytes())
+            d = self._embeds_digests[block] = h.digest()
         return d
 
     def token_ids(self, start: int, end: int) -> list[int]:

@@ -316,6 +316,7 @@ async def count_tokens(req: CountTokensRequest, request: Request):
         raise translate_error(e) from None
     tools = tool_calls.prompt_tools(tools, chat.tool_choice,
                                     state.frontend.exclude_tools_when_tool_choice_none)
-    _, ids = await asyncio.to_thread(openai_routes.chat_prompt_ids, state, engine, chat, tools)
+    _, ids, _ = await asyncio.to_thread(openai_routes.chat_prompt_ids, state, engine, chat,
+                                        tools)
     return {"input_tokens": len(ids), "context_management": {
         "original_input_tokens": len(ids)}}

@@ -374,15 +374,17 @@ class ChatMessage(BaseModel):
     reasoning: Optional[str] = None
     reasoning_content: Optional[str] = None
 
-    def for_template(self) -> dict:
+    def for_template(self, embeds_marker: Optional[str] = None) -> dict:
         """The message as the chat template sees it (tool calls' arguments as objects, as
         Hugging Face templates expect; the thinking as both reasoning and reasoning_content,
         as vLLM hands it over). A list of parts stays one, of text parts only, for the
-        template's content format (chat_content_format.py) to give as it asks."""
+        template's content format (chat_content_format.py) to give as it asks; with
+        ``embeds_marker``, a prompt_embeds part is a text part of it (chat_embeds.py)."""
         content = self.content
         if isinstance(content, list):
-            self.text()                     # text parts only
-            content = [{"type": "text", "text": p["text"]} for p in content]
+            self.text(embeds_marker)        # text parts only
+            content = [{"type": "text", "text": embeds_marker
+                        if p.get("type") == "prompt_embeds" else p["text"]} for p in content]
         m: dict[str, Any] = {"role": self.role, "content": content}
         thought = self.reasoning if self.reasoning is not None else self.reasoning_content
         if thought is not None:
@@ -407,14 +409,19 @@ class ChatMessage(BaseModel):
             m["tool_calls"] = calls
         return m
 
-    def text(self) -> str:
+    def text(self, embeds_marker: Optional[str] = None) -> str:
+        """The message's text (its text parts joined); a prompt_embeds part is refused, or
+        is ``embeds_marker`` when given."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for part in self.content:
             if part.get("type") == "prompt_embeds":
-                raise ValueError("messages: content parts of type prompt_embeds are not "
-                                 "supported in chat (give prompt_embeds to /v1/completions)")
+                if embeds_marker is not None:
+                    parts.append(embeds_marker)
+                    continue
+                raise ValueError("messages: content parts of type prompt_embeds are taken "
+                                 "by /v1/chat/completions only")
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: only text content parts are supported")
             parts.append(part["text"])

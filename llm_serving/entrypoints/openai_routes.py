@@ -26,7 +26,8 @@ from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerStat
 from llm_serving.entrypoints.per_request_metrics import per_request_metrics
 from llm_serving.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                      DetokenizeRequest, TokenizeRequest)
-from llm_serving.entrypoints import reasoning, remote_prefill, tool_calls, unread_offers
+from llm_serving.entrypoints import (chat_embeds, reasoning, remote_prefill, tool_calls,
+                                     unread_offers)
 from llm_serving.engine.detokenizer import IncrementalDetokenizer
 from llm_serving.engine.input_processor import NO_TOKENIZER, encode_prompt
 from llm_serving.engine.output_processor import log_generated
@@ -731,11 +732,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                              "response_format or guided decoding")
     except ValueError as e:
         raise translate_error(e) from None
+    # vLLM's prompt_embeds content parts: their tensors, spliced into the rendered prompt
+    embeds = chat_embeds.embeds_parts(req.messages)
+    if embeds:
+        refused = chat_embeds.refused_with_embeds(req)
+        if refused is not None:
+            raise HTTPError(400, f"{refused}: not supported with prompt_embeds content parts",
+                            param=refused)
+        embeds = await chat_embeds.decode_parts(engine, embeds)
     # Off the event loop: a body of many messages takes seconds to template, which would
     # hold every other client's stream meanwhile.
-    text, ids = await asyncio.to_thread(
+    text, ids, embeds_fields = await asyncio.to_thread(
         chat_prompt_ids, state, engine, req, tool_calls.prompt_tools(
-            req.tools, choice, state.frontend.exclude_tools_when_tool_choice_none))
+            req.tools, choice, state.frontend.exclude_tools_when_tool_choice_none), embeds)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = -1 if req.logprob_token_ids else req.top_logprobs or 0
     as_ids = _as_ids(state, req)
@@ -790,7 +799,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     echoed = last.text() if req.echo and last.role == "assistant" else ""
     grammar_field = "tools" if forced else req.structured_field()
     prompt, = with_cache_salt([{"prompt": text if req.truncate_prompt_tokens is None else None,
-                                "prompt_token_ids": ids}], req.cache_salt)
+                                "prompt_token_ids": ids, **embeds_fields}], req.cache_salt)
     streams = None if beam else await start_requests(request, rid, resp_id, [prompt], params,
                                                      req.priority, grammar_field, lora,
                                                      one_answer=True)
@@ -1026,20 +1035,28 @@ def check_tokenizer(engine, field: str) -> None:
         raise HTTPError(400, f"{field}: {NO_TOKENIZER}", param=field)
 
 
-def chat_prompt_ids(state: ServerState, engine, req, tools) -> tuple[str, list[int]]:
-    """The chat prompt's text and token ids (cut as truncate_prompt_tokens asks)."""
+def chat_prompt_ids(state: ServerState, engine, req, tools, embeds=()
+                    ) -> tuple[str, list[int], dict]:
+    """The chat prompt's text, token ids (cut as truncate_prompt_tokens asks) and, for the
+    arrays of its prompt_embeds parts (``embeds``), the prompt's embeddings fields (else
+    {})."""
+    if embeds:
+        text = _chat_prompt(state, engine.tokenizer, req, tools, chat_embeds.MARKER)
+        return (text, *chat_embeds.splice(text, embeds, lambda t, special: encode_text(
+            engine, t, "messages", special), req.add_special_tokens))
     text = _chat_prompt(state, engine.tokenizer, req, tools)
     return text, prompt_ids(engine, text, "messages", req.add_special_tokens,
-                            req.truncate_prompt_tokens, req.truncation_side or "left")
+                            req.truncate_prompt_tokens, req.truncation_side or "left"), {}
 
 
-def _chat_prompt(state: ServerState, tok, req, tools) -> str:
+def _chat_prompt(state: ServerState, tok, req, tools, embeds_marker=None) -> str:
     """The prompt text the chat template makes of a request's messages (the chat route's
     and /tokenize's, so that /tokenize counts what chat will)."""
     variables = (req.template_vars() if isinstance(req, ChatCompletionRequest)
                  else req.chat_template_kwargs)
     return render_chat(state, tok, req.messages, req.add_generation_prompt,
-                       req.continue_final_message, req.chat_template, variables, tools)
+                       req.continue_final_message, req.chat_template, variables, tools,
+                       embeds_marker)
 
 
 def template_kwargs(state: ServerState, given: Optional[dict]) -> dict:
@@ -1050,10 +1067,12 @@ def template_kwargs(state: ServerState, given: Optional[dict]) -> dict:
 
 def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: bool,
                 continue_final_message: bool, chat_template: Optional[str],
-                chat_template_kwargs: Optional[dict], tools=None) -> str:
+                chat_template_kwargs: Optional[dict], tools=None,
+                embeds_marker: Optional[str] = None) -> str:
     """The prompt text the chat template makes of ``messages`` (ChatMessage), the same for
     every route that renders a conversation (chat, /tokenize, /v1/responses, the pooling
-    routes' chat forms)."""
+    routes' chat forms); ``embeds_marker``: what a prompt_embeds part renders as (None:
+    refused)."""
     if continue_final_message and add_generation_prompt:
         raise HTTPError(400, "continue_final_message: it continues the last message, so "
                         "add_generation_prompt must be false", param="continue_final_message")
@@ -1070,7 +1089,7 @@ def render_chat(state: ServerState, tok, messages: list, add_generation_prompt: 
                         "not a template variable to set here", param="chat_template_kwargs")
     try:
         return tok.render_chat_template(
-            [m.for_template() for m in messages],
+            [m.for_template(embeds_marker) for m in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template,
