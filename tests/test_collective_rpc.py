@@ -77,6 +77,9 @@ def test_a_failing_call_raises_its_message_and_the_engine_goes_on(llm):
     assert _greedy(llm) == before
     assert llm.collective_rpc(lambda w: "still serving") == ["still serving"] * \
         llm.get_world_size()
+    # a Worker method named with arguments it does not take: a TypeError before it is sent
+    with pytest.raises(TypeError, match=r"collective_rpc\(check_health\): too many"):
+        llm.collective_rpc("check_health", args=(1,))
 
 
 def test_timeout_and_sizes_over_the_workagents(tp_llm):
@@ -207,7 +210,11 @@ def test_dev_route(dev_server, tmp_path):
     for bad, field in (({"method": "no_such"}, "method"), ({"method": 3}, "method"),
                        ({"method": "check_health", "code": "x"}, "code"),
                        ({"method": "check_health", "timeout": -1}, "timeout"),
-                       ({"args": []}, "method")):
+                       ({"args": []}, "method"),
+                       # arguments the method does not take: the request's fault, not sent
+                       ({"method": "check_health", "args": ["/x"]}, "args"),
+                       ({"method": "check_health", "kwargs": {"weights": 1}}, "args"),
+                       ({"method": "reload_weights", "kwargs": {"nope": 1}}, "args")):
         r = requests.post(url, json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (bad, r.text)
 

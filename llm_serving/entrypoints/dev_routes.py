@@ -15,8 +15,9 @@ that they are not for production):
   "timeout": seconds}`` runs that Worker method on every model process between two steps
   (``executor/collective_rpc.py``) and answers ``{"results": [...]}``, one per rank, each a
   JSON object, list or null as returned, anything else as its ``str()`` (vLLM's). Only a
-  method's name travels, never code. An unknown method or field is a 400 naming it (vLLM: a
-  500, or ignored), a call that raised or timed out a 500 with the worker's message, as vLLM.
+  method's name travels, never code. An unknown method or field, or arguments the method does not
+  take, is a 400 naming it (vLLM: a 500, or ignored), a call that raised or timed out a 500
+  with the worker's message, as vLLM.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr
 
 from llm_serving.cpu_info import cpu_description
 from llm_serving.entrypoints.http_common import HTTPError, server_state, translate_error
-from llm_serving.executor.collective_rpc import Worker
+from llm_serving.executor.collective_rpc import ArgumentsError, Worker
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -102,6 +103,8 @@ async def collective_rpc(request: Request, body: CollectiveRPCRequest):
     try:
         results = await engine.collective_rpc(body.method, body.timeout, tuple(body.args),
                                               body.kwargs)
+    except ArgumentsError as e:       # the request's args or kwargs, not the worker's fault
+        raise HTTPError(400, f"args: {e}", param="args") from None
     except TimeoutError as e:         # vLLM's status; the message says which ranks
         raise HTTPError(500, str(e), kind="internal_error") from None
     except Exception as e:    # noqa: BLE001 - the worker's error, as any route's

@@ -32,6 +32,7 @@ loads HF checkpoint tensors through the loader as at start, over the weights hel
 """
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import pickle
@@ -54,6 +55,10 @@ Method = Union[str, Callable[..., Any]]
 class CollectiveRPCError(LLMServingError, RuntimeError):
     """A collective_rpc call raised on a worker; the message names the rank and carries the
     worker's ``Type: message``. A RuntimeError, as vLLM's."""
+
+
+class ArgumentsError(TypeError):
+    """A Worker method named with arguments it does not take (found before the call is sent)."""
 
 
 def method_name(method: Method) -> str:
@@ -103,6 +108,11 @@ def check_call(method: Method, timeout, args, kwargs) -> None:
         raise TypeError(f"collective_rpc: args must be a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"collective_rpc: kwargs must be a dict, got {type(kwargs).__name__}")
+    if isinstance(method, str):       # arguments the method cannot take: refused before sending
+        try:
+            inspect.signature(getattr(Worker, method)).bind(None, *args, **(kwargs or {}))
+        except TypeError as e:
+            raise ArgumentsError(f"collective_rpc({method}): {e}") from None
 
 
 def run_call(worker: "Worker", method: Method, args: tuple, kwargs: Optional[dict]) -> Any:
