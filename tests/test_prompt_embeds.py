@@ -10,6 +10,7 @@ import base64
 import io
 
 import numpy as np
+import openai
 import pytest
 import requests
 
@@ -246,6 +247,15 @@ def _chat_mixes_text_and_embeds(url: str, model_dir: str, body: dict) -> None:
     same = requests.post(url + "/v1/chat/completions", json={**chat, "messages": [
         {"role": "user", "content": "Describe this:\na red fox jumps\nin a word."}]}).json()
     assert same["choices"][0]["token_ids"] == want[0]
+    # streamed with two choices (openai's client): each streams the same greedy answer
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    texts = {0: "", 1: ""}
+    for c in client.chat.completions.create(
+            model=body["model"], messages=chat["messages"], n=2, stream=True,
+            max_tokens=body["max_tokens"], temperature=0, extra_body={"ignore_eos": True}):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] == got["choices"][0]["message"]["content"] != ""
     text_part = {"type": "text", "text": "x"}
     for extra, content, field in (
             ({"echo": True}, [part], "echo"),
