@@ -361,15 +361,26 @@ class MultiprocExecutor:
                                np.zeros(1, np.int32), _EMPTY, _EMPTY, None,
                                swap_out=swap_out, swap_in=swap_in, copies=copies))
 
+    def _send_between_steps(self, frame: bytes, what: str) -> None:
+        """``frame`` to every agent, with no step in flight (profile, collective_rpc); an
+        AgentDiedError naming the agent that is gone."""
+        if self._outstanding:
+            raise LLMServingError(f"{what}: a step is in flight; collect it first")
+        if self._closed or self._procs.broken:
+            raise AgentDiedError("a WorkAgent died; the executor must be restarted")
+        for rank, conn in enumerate(self._procs.conns):
+            try:
+                conn.send_bytes(frame)
+            except OSError:
+                proc = self._procs.agents[rank]
+                raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
+                                 f"{proc.poll()}) before {what}") from None
+
     def profile(self, start: bool, prefix: Optional[str] = None) -> list[str]:
         """Start or stop every agent's trace recorder (--profiler-config), with no step in
         flight; the traces the agents wrote (when stopping)."""
-        if self._outstanding:
-            raise LLMServingError("profile: a step is in flight; collect it first")
         msg = json.dumps({"start": start, "prefix": prefix}).encode()
-        frame = ch.FRAME.pack(ch.PROFILE, 0, len(msg)) + msg
-        for conn in self._procs.conns:
-            conn.send_bytes(frame)
+        self._send_between_steps(ch.FRAME.pack(ch.PROFILE, 0, len(msg)) + msg, "profile")
         doing = "starting the profiler" if start else "writing its profile"
         frames = self._wait_all(self.step_timeout, doing)
         paths = [self._extras.pop(r, b"").decode() for r in range(self.tp_size)]
@@ -385,21 +396,11 @@ class MultiprocExecutor:
         (None: no limit), a CollectiveRPCError naming the rank when the call raised there."""
         from llm_serving.executor.collective_rpc import (CollectiveRPCError, check_call,
                                                          encode_call, method_name)
-        if self._outstanding:
-            raise LLMServingError("collective_rpc: a step is in flight; collect it first")
         check_call(method, timeout, args, kwargs)
         msg = encode_call(method, args, kwargs)
-        if self._closed or self._procs.broken:
-            raise AgentDiedError("a WorkAgent died; the executor must be restarted")
         self._rpc_no += 1
-        frame = ch.FRAME.pack(ch.RPC, self._rpc_no, len(msg))
-        for rank, conn in enumerate(self._procs.conns):
-            try:
-                conn.send_bytes(frame + msg)
-            except OSError:
-                proc = self._procs.agents[rank]
-                raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
-                                 f"{proc.poll()}) before collective_rpc") from None
+        self._send_between_steps(ch.FRAME.pack(ch.RPC, self._rpc_no, len(msg)) + msg,
+                                 "collective_rpc")
         name = method_name(method)
         frames = self._wait_all(timeout, f"collective_rpc({name})", rpc=self._rpc_no)
         for rank, (_, ok, data) in enumerate(frames):

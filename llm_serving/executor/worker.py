@@ -21,7 +21,8 @@ Protocol (frames are ``shm_channel.FRAME``: kind, step number, payload bytes):
 - master -> agent PROFILE (no step in flight; --profiler-config): JSON {"start": bool,
   "prefix": str or null}: the agent starts its trace recorder (``profiler.py``) or stops it,
   writing its trace; it answers PROFILE with the trace's path (empty if none), or ERROR. A
-  trace still recording at QUIT is dropped;
+  trace still recording at QUIT is dropped (the master stops the profile first when it
+  shuts down);
 - master -> agent RPC n (no step in flight): collective_rpc's call n, pickled
   (``collective_rpc.py``); the agent runs it and answers RPC n with its size field 1 and the
   pickled result, or 0 and the error's ``Type: message``. It goes on serving either way;
