@@ -48,7 +48,8 @@ def embeds_parts(messages: list) -> list[str]:
 
 
 async def decode_parts(engine, data: list[str]) -> list[np.ndarray]:
-    """The parts' tensors as float32 [rows, hidden] arrays, decoded off the event loop; a 400
+    """The parts' (or completions' prompt_embeds') tensors as float32 [rows, hidden] arrays,
+    decoded off the event loop; a 400
     naming prompt_embeds (the flag off, a payload that is not a tensor of the model's
     hidden size)."""
     limits = engine.limits

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from llm_serving.entrypoints.beam_search import BeamSearch
 from llm_serving.inputs import salt_of, with_cache_salt
-from llm_serving.prompt_embeds import FIELD as EMBEDS, NOT_ENABLED, decode_prompt_embeds
+from llm_serving.prompt_embeds import FIELD as EMBEDS
 from llm_serving.entrypoints.frontend_args import CHAT_OWN_FIELDS
 from llm_serving.entrypoints.http_common import (SSE_DONE, HTTPError, ServerState,
                                                 event_stream, log_arrival, log_request,
@@ -489,23 +489,16 @@ def _text_offsets(tok, ids: list[int], skip_special_tokens: bool, limit: int) ->
 
 async def _embeds_prompts(state, req: CompletionRequest) -> list[dict]:
     """vLLM's prompt_embeds as EmbedsPrompts (each string one prompt; none: []), decoded off
-    the event loop, their rows cut as a prompt's tokens by truncate_prompt_tokens; the engine
-    checks their shape. A 400 naming the field otherwise."""
+    the event loop as chat's prompt_embeds parts are, their rows cut as a prompt's tokens by
+    truncate_prompt_tokens. A 400 naming the field otherwise."""
     data = req.prompt_embeds
     if data is None:
         return []
     engine = state.require_engine()
-    limits = engine.limits
-    if not limits.prompt_embeds_size:
-        raise HTTPError(400, NOT_ENABLED, param=EMBEDS)
     items = [data] if isinstance(data, str) else data
-    if not items:
+    if not items and engine.limits.prompt_embeds_size:
         raise HTTPError(400, f"{EMBEDS}: must not be empty", param=EMBEDS)
-    try:
-        arrays = await asyncio.to_thread(lambda: [decode_prompt_embeds(
-            x, limits.max_model_len, limits.prompt_embeds_size) for x in items])
-    except ValueError as e:
-        raise translate_error(e) from None
+    arrays = await chat_embeds.decode_parts(engine, items)
     if req.truncate_prompt_tokens is not None:
         kept = [prompt_ids(engine, range(len(a)), EMBEDS, True, req.truncate_prompt_tokens,
                            req.truncation_side or "left") for a in arrays]
