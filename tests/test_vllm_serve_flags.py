@@ -193,8 +193,11 @@ def test_request_log_names_the_response_id_at_arrival_and_at_the_end(tmp_path, t
                      + re.escape(f"{chat[:12]!r}, finish_reason: length"), log)
     # --enable-log-deltas (on by default): the streamed answer's deltas, as they were sent
     # (each cut to --max-log-len), the last with its finish reason; none for the unstreamed one
-    deltas = re.findall(r"Generated response chatcmpl-trace-7-[0-9a-f]{8}-0 \(streaming "
-                        r"delta\): output: ('.*'|\".*\"), finish_reason: (\w+)", log)
+    # (of the request that ended: a client's retry would log its own, under another suffix)
+    found = re.findall(r"Generated response chatcmpl-trace-7-([0-9a-f]{8})-0 \(streaming "
+                       r"delta\): output: ('.*'|\".*\"), finish_reason: (\w+)", log)
+    ended, = {rid for rid, _, f in found if f == "length"}
+    deltas = [(d, f) for rid, d, f in found if rid == ended]
     assert len(deltas) >= 2 and [f for _, f in deltas] == ["None"] * (len(deltas) - 1) + [
         "length"], deltas
     assert "".join(eval(d) for d, _ in deltas) == chat[:sum(len(eval(d)) for d, _ in deltas)]
