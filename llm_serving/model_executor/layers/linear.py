@@ -22,6 +22,12 @@ norms stay fp32: the embedding is a MindSpore gather, which has no bf16 on CPU, 
 LM head fp32 keeps the logits' own GEMM exact (docs/benchmarks.md, "bf16 weights and KV
 cache"). The LM head keeps a packed copy of its [vocab, hidden] weight for the logits GEMM (the
 embedding gathers rows of the unpacked one).
+
+int8 weights (W8A8, ``use_int8_weight`` then ``set_int8_weight``): the weight held as int8 in
+the int8 kernel's layout with float32 per-output-channel scales, the activations quantized to
+int8 per token (or with a static scale) on each call, exact int32 sums, a float32 epilogue
+(``gemm.cpu_linear_int8``). A row-parallel rank's per-token scale is over its own input slice
+(as vLLM's). LoRA adds on top, in float32, as for the other weights.
 """
 from __future__ import annotations
 
@@ -34,8 +40,10 @@ from llm_serving.model_executor.host_memory import WEIGHTS
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
                                                     aligned_empty, amx_packed_shape, cpu_linear,
-                                                    gemm_plan, pack_weight, pack_weight_amx,
-                                                    packed_shape)
+                                                    cpu_linear_int8, gemm_plan,
+                                                    int8_compensation, int8_packed_shape,
+                                                    pack_weight, pack_weight_amx,
+                                                    pack_weight_int8, packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
 from llm_serving.model_executor.parallel_state import get_tp_group
 
@@ -95,6 +103,9 @@ class Linear(CustomOp):
         self.gemm_shape = (out, self.input_size)
         # With bfloat16 weights (use_bf16_weight): the bf16 kernel that reads them.
         self.bf16_kernel = None
+        # With int8 weights (use_int8_weight): float32 scales per output channel, the
+        # kernel's compensation, and the static activation scale ([1]; None: dynamic).
+        self.int8_scale = self.int8_comp = self.int8_input_scale = None
         # On CPU the weight is held packed for our kernels, unless MatMul is forced.
         self.packed = False
         if self._use_cpu:
@@ -145,6 +156,8 @@ class Linear(CustomOp):
             raise ValueError("bfloat16 weights in our buffers are a CPU-kernel feature")
         if self.bf16:
             return
+        if self.int8:
+            raise ValueError("this layer holds int8 weights: it cannot also hold bfloat16")
         kernel = self._plan.choose_bf16(self)
         name = self.weight.name
         self.packed = True
@@ -153,10 +166,77 @@ class Linear(CustomOp):
         self.weight.name = name
         self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
 
+    @property
+    def int8(self) -> bool:
+        """Whether the weight is held as int8 with per-output-channel scales (W8A8)."""
+        return self.int8_scale is not None
+
+    def use_int8_weight(self, static_input_scale: bool = False) -> None:
+        """Hold the weight as int8 from now on (before loading; W8A8, vLLM's compressed-tensors
+        "int-quantized"): an int8 Parameter in the int8 kernel's layout (``pack_weight_int8``)
+        replaces the float32 one, with float32 per-output-channel scales; the activations are
+        quantized to int8 per token (dynamic, sx = max |x| / 127) or with one static scale
+        (``static_input_scale``, given to ``set_int8_weight``). See ``gemm.cpu_linear_int8``."""
+        if not self._use_cpu:
+            raise ValueError("int8 weights (W8A8) are a CPU-kernel feature: this layer runs on "
+                             "MindSpore's MatMul")
+        if self.bf16:
+            raise ValueError("this layer holds bfloat16 weights: it cannot also hold int8")
+        n, k = self.gemm_shape
+        name = self.weight.name
+        self.packed = True
+        packed = aligned_empty(int8_packed_shape(n, k), np.int8)
+        packed[...] = 0
+        self.weight = Parameter(Tensor.from_numpy(packed), requires_grad=False)
+        self.weight.name = name
+        self.int8_scale = np.zeros(n, np.float32)
+        self.int8_comp = int8_compensation(np.zeros((n, 0), np.int8))
+        self.int8_input_scale = np.zeros(1, np.float32) if static_input_scale else None
+        self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
+
+    def set_int8_weight(self, q: np.ndarray, scale: np.ndarray,
+                        input_scale: float | None = None, in_place: bool = False) -> None:
+        """Store an int8 weight: ``q`` int8 [out, in] (this rank's slice, fused parts in order,
+        as ``set_weight``'s value), ``scale`` float32 [out] (or [out, 1]), ``input_scale`` the
+        static activation scale (given iff the layer was made with static_input_scale=True).
+        ``in_place``: written over the arrays held (a reload: same addresses, so a captured
+        CPU graph replays on the new values). ValueError on a shape, dtype or value mismatch."""
+        if not self.int8:
+            raise ValueError("set_int8_weight on a layer without int8 weights: call "
+                             "use_int8_weight first")
+        n, k = self.gemm_shape
+        if not isinstance(q, np.ndarray) or q.dtype != np.int8 or q.shape != (n, k):
+            raise ValueError(f"int8 weight must be an int8 array of shape {(n, k)}, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {getattr(q, 'shape', '')}")
+        scale = np.asarray(scale)
+        if scale.dtype != np.float32 or scale.shape not in ((n,), (n, 1)):
+            raise ValueError(f"int8 weight scale must be float32 of shape ({n},), got "
+                             f"{scale.dtype} {scale.shape}")
+        if not np.isfinite(scale).all():
+            raise ValueError("int8 weight scale holds a non-finite value")
+        static = self.int8_input_scale is not None
+        if (input_scale is not None) != static:
+            raise ValueError("input_scale is required for a layer with a static activation scale "
+                             "and refused for one with dynamic (per-token) scales" if static else
+                             "input_scale given to a layer with dynamic (per-token) activation "
+                             "scales: make it with use_int8_weight(static_input_scale=True)")
+        if static and not (np.isfinite(input_scale) and input_scale > 0):
+            raise ValueError(f"input_scale must be a positive finite number, got {input_scale}")
+        held = self.weight.asnumpy() if in_place else None
+        packed = pack_weight_int8(q, alloc=lambda shape, dtype: _reuse(held, shape, dtype))
+        if packed is not held:
+            self.weight.set_data(Tensor.from_numpy(packed))
+        self.int8_scale[...] = scale.reshape(n)
+        int8_compensation(q, out=self.int8_comp)
+        if static:
+            self.int8_input_scale[0] = input_scale
+
     def set_weight(self, value: np.ndarray, in_place: bool = False) -> None:
         """Store a float32 [out, in] weight (packed if the layer computes on packed weights),
         rounded to bf16 (nearest even) if the layer holds bf16. ``in_place``: a packed weight
         is written over the one held (a reload: no new memory, the same address)."""
+        if self.int8:
+            raise ValueError("this layer holds int8 weights: store them with set_int8_weight")
         value = float32_to_bfloat16_bits(value) if self.bf16 else np.asarray(value, np.float32)
         if value.shape != tuple(self.gemm_shape):
             raise ValueError(f"weight of shape {value.shape} for a layer of {self.gemm_shape}")
@@ -183,7 +263,7 @@ class Linear(CustomOp):
         return y
 
     def forward_cpu(self, x):
-        impl = "kernel" if self.bf16 else self._plan.choose(self, x.shape[0])
+        impl = "kernel" if self.bf16 or self.int8 else self._plan.choose(self, x.shape[0])
         if self.reduce:
             cpu_graph.unsupported("a tensor-parallel all-reduce")
             tp = get_tp_group()
@@ -198,6 +278,10 @@ class Linear(CustomOp):
         """x @ W.T (+ bias), split into parts if the layer splits, with implementation
         ``impl`` (one of ``gemm.FORCEABLE``); no all-reduce."""
         bias = self.bias if with_bias else None
+        if self.int8:
+            return cpu_linear_int8(x, self.weight, self.int8_comp, self.int8_scale,
+                                   self.int8_input_scale, self.gemm_call, bias,
+                                   self.split_output)
         if self.bf16:
             impl = "kernel"
         if impl == "matmul":

@@ -539,7 +539,7 @@ int linear(const float* x, int64_t ldx, const WT* w, const float* bias, int64_t 
 
 extern "C" {
 
-int lls_layer_ops_abi_version() { return 14; }
+int lls_layer_ops_abi_version() { return 15; }
 
 // 1 when silu_and_mul_f32 takes its exps from libmvec (vector_exp), else 0.
 int lls_vector_exp_available() { return vector_exp() != nullptr; }
@@ -1105,6 +1105,341 @@ int lls_linear_blas_f32(CblasSgemmFn sgemm, int64_t items, const float* x, int64
   const int64_t n = (panels + b.panels_per_item - 1) / b.panels_per_item;
   parallel_for(blas_item, &b, n, true, g_linger_us);
   return b.status;
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// W8A8 int8 linear (vLLM's compressed-tensors "int-quantized", symmetric): int8 weights with a
+// float32 scale per output channel, activations quantized to int8 per token (dynamic) or with
+// one static scale, exact int32 sums, a float32 epilogue:
+//   sx[m] = max_k |x[m, k]| / 127 (dynamic) or the static scale; inv = 1 / sx (0 when sx = 0)
+//   xq[m, k] = clamp(rint(x[m, k] * inv), -128, 127)   (round half to even, as vLLM-CPU's
+//              dynamic_scaled_int8_quant / static_scaled_int8_quant; a zero row gives zeros)
+//   y[m, n] = (float(sum_k xq[m, k] * q[n, k]) * sx[m]) * scale[n] (+ bias[n])
+// The sum is exact whatever the order, so every row is the same bits whatever M, the row's
+// place and the thread (batch invariance), on every build variant below alike.
+//
+// Weight layout (``gemm.pack_weight_int8``, the same for every build): panels of 16 output
+// columns, K in groups of 4, a group of a panel one 64-byte line: q[n, k] at
+// wq[((n / 16) * K4 + k / 4) * 64 + (n % 16) * 4 + k % 4], K4 = ceil(K / 4), K padded with
+// zeros and N to a multiple of 64 (I8_PAD_N: a register tile's widest strip). The multiply is u8 x s8 (what VPDPBUSD takes): x is stored as xq + 128, and
+// comp[n] = 128 * sum_k q[n, k] (``gemm.int8_compensation``) is taken off the sum, exactly.
+// Per k group and row, one int32 broadcast of the row's 4 bytes against the panel's line:
+// - AVX512-VNNI (and AVX-VNNI on the ymm build): VPDPBUSD, 4 products summed into int32 lanes
+//   (the non-saturating form);
+// - AVX2 / AVX512BW without VNNI (AMD Zen 3): bytes widened to int16 (x zero-, q sign-extended,
+//   even and odd bytes apart) and VPMADDWD, exact (VPMADDUBSW would saturate its int16 sums);
+// - otherwise scalar.
+// |sum| <= K * 255 * 128 fits int32 for K <= 65536 (checked).
+#include <sched.h>
+
+namespace {
+
+constexpr int I8P = 16;            // output columns per panel
+constexpr int64_t kI8MaxK = 65536;
+constexpr int I8_PAD_N = 64;
+
+#if LLS_VW == 16 && defined(__AVX512BW__)
+typedef __m512i i8acc;             // one vector = one panel's 16 int32 sums
+constexpr int I8V = 1;             // vectors per panel
+constexpr int I8S = 4;             // panels per register tile (one 64-column strip)
+#if defined(__AVX512VNNI__)
+constexpr int I8R = 6;             // 24 accumulators + 4 weight lines + 1 broadcast
+#else
+constexpr int I8R = 4;
+#endif
+inline i8acc i8_zero() { return _mm512_setzero_si512(); }
+inline i8acc i8_bcast(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline i8acc i8_load(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline void i8_store(int32_t* p, i8acc v) { _mm512_store_si512(p, v); }
+#if defined(__AVX512VNNI__)
+#define LLS_I8_DOT "avx512-vnni"
+struct I8W { i8acc w; };
+struct I8X { i8acc x; };
+inline I8W i8_wprep(i8acc w) { return {w}; }
+inline I8X i8_xprep(i8acc x) { return {x}; }
+inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
+  return _mm512_dpbusd_epi32(acc, x.x, w.w);
+}
+#else
+#define LLS_I8_DOT "avx512bw-madd"
+struct I8W { i8acc e, o; };
+struct I8X { i8acc e, o; };
+inline I8W i8_wprep(i8acc w) {
+  return {_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), _mm512_srai_epi16(w, 8)};
+}
+inline I8X i8_xprep(i8acc x) {
+  return {_mm512_and_si512(x, _mm512_set1_epi16(0xFF)), _mm512_srli_epi16(x, 8)};
+}
+inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
+  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(x.e, w.e),
+                                                _mm512_madd_epi16(x.o, w.o)));
+}
+#endif
+#elif defined(__AVX2__)
+typedef __m256i i8acc;
+constexpr int I8V = 2;
+constexpr int I8S = 2;
+constexpr int I8R = 2;             // 8 accumulators + 4 weight halves (+ their int16 forms)
+inline i8acc i8_zero() { return _mm256_setzero_si256(); }
+inline i8acc i8_bcast(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline i8acc i8_load(const int8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline void i8_store(int32_t* p, i8acc v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+#if defined(__AVXVNNI__)
+#define LLS_I8_DOT "avx-vnni"
+struct I8W { i8acc w; };
+struct I8X { i8acc x; };
+inline I8W i8_wprep(i8acc w) { return {w}; }
+inline I8X i8_xprep(i8acc x) { return {x}; }
+inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
+  return _mm256_dpbusd_avx_epi32(acc, x.x, w.w);
+}
+#else
+#define LLS_I8_DOT "avx2-madd"
+struct I8W { i8acc e, o; };
+struct I8X { i8acc e, o; };
+inline I8W i8_wprep(i8acc w) {
+  return {_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), _mm256_srai_epi16(w, 8)};
+}
+inline I8X i8_xprep(i8acc x) {
+  return {_mm256_and_si256(x, _mm256_set1_epi16(0xFF)), _mm256_srli_epi16(x, 8)};
+}
+inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(x.e, w.e),
+                                                _mm256_madd_epi16(x.o, w.o)));
+}
+#endif
+#else
+#define LLS_I8_DOT "scalar"
+constexpr int I8S = 1;
+constexpr int I8R = 4;
+#endif
+
+struct I8Args {
+  LinearArgs a;                    // a.w: the packed int8 weight
+  const int32_t* comp;             // [panels * 16]
+  const float* scale;              // [N]
+  const uint8_t* xq;               // [Mp, K4 * 4]: xq + 128
+  const float* sx;                 // [M]
+  int64_t K4, strips, per_item;
+};
+
+// R rows from m0 x I8S panels from panel p0: int32 sums (less comp) into c [R, I8S * 16].
+template <int R>
+inline void i8_tile(const I8Args& g, int64_t p0, int64_t m0, int32_t* c) {
+  const int64_t K4 = g.K4;
+  const int8_t* w = static_cast<const int8_t*>(g.a.w) + p0 * K4 * 64;
+  const uint8_t* x = g.xq + m0 * K4 * 4;
+#if !defined(__AVX2__)
+  int32_t acc[R][I8S * I8P] = {};
+  for (int64_t kg = 0; kg < K4; ++kg)
+    for (int s = 0; s < I8S; ++s) {
+      const int8_t* wl = w + (s * K4 + kg) * 64;
+      for (int i = 0; i < R; ++i) {
+        const uint8_t* xr = x + i * K4 * 4 + kg * 4;
+        for (int n = 0; n < I8P; ++n)
+          for (int j = 0; j < 4; ++j) acc[i][s * I8P + n] += int32_t(xr[j]) * wl[n * 4 + j];
+      }
+    }
+  for (int i = 0; i < R; ++i)
+    for (int n = 0; n < I8S * I8P; ++n) c[i * I8S * I8P + n] = acc[i][n];
+#else
+  constexpr int NV = I8S * I8V;
+  i8acc acc[R][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[i][v] = i8_zero();
+  for (int64_t kg = 0; kg < K4; ++kg) {
+    I8W wv[NV];
+    #pragma GCC unroll 16
+    for (int s = 0; s < I8S; ++s)
+      #pragma GCC unroll 4
+      for (int v = 0; v < I8V; ++v)
+        wv[s * I8V + v] = i8_wprep(i8_load(w + (s * K4 + kg) * 64 + v * 64 / I8V));
+    #pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const I8X xb = i8_xprep(i8_bcast(x + i * K4 * 4 + kg * 4));
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[i][v] = i8_dot(acc[i][v], xb, wv[v]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) i8_store(c + i * I8S * I8P + v * (I8P / I8V), acc[i][v]);
+#endif
+  (void)m0;
+}
+
+template <int... Rs>
+inline void i8_tile_rows(int r, const I8Args& g, int64_t p0, int64_t m0, int32_t* c,
+                         std::integer_sequence<int, Rs...>) {
+  ((r == Rs + 1 ? i8_tile<Rs + 1>(g, p0, m0, c) : void()), ...);
+}
+
+// The epilogue of rows [m0, m1) x columns [n0, n1) from the sums c (row stride ldc): the
+// products and the bias add each rounded on their own (no FMA), as the contract states.
+__attribute__((optimize("fp-contract=off"))) void i8_store_rows(
+    const I8Args& g, const int32_t* c, int64_t ldc, int64_t m0, int64_t m1, int64_t n0,
+    int64_t n1) {
+  const LinearArgs& a = g.a;
+  for (int q = 0; q < a.nparts; ++q) {
+    const int64_t lo = a.split[q] > n0 ? a.split[q] : n0;
+    const int64_t hi = a.split[q + 1] < n1 ? a.split[q + 1] : n1;
+    if (lo >= hi) continue;
+    for (int64_t m = m0; m < m1; ++m) {
+      const int32_t* s = c + (m - m0) * ldc + (lo - n0);
+      const int32_t* comp = g.comp + lo;
+      const float* sc = g.scale + lo;
+      const float sxm = g.sx[m];
+      float* o = a.out[q] + m * a.ld[q] + (lo - a.split[q]);
+      if (a.bias) {
+        const float* b = a.bias + lo;
+        for (int64_t n = 0; n < hi - lo; ++n) o[n] = float(s[n] - comp[n]) * sxm * sc[n] + b[n];
+      } else {
+        for (int64_t n = 0; n < hi - lo; ++n) o[n] = float(s[n] - comp[n]) * sxm * sc[n];
+      }
+    }
+  }
+}
+
+void i8_item(void* p, int64_t item) {
+  const I8Args& g = *static_cast<const I8Args*>(p);
+  const LinearArgs& a = g.a;
+  alignas(64) int32_t c[I8R * I8S * I8P];
+  const int64_t j0 = item * g.per_item;
+  const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t n0 = j * I8S * I8P;
+    const int64_t n1 = n0 + I8S * I8P < a.N ? n0 + I8S * I8P : a.N;
+    for (int64_t m0 = 0; m0 < a.M; m0 += I8R) {
+      const int r = int(a.M - m0 < I8R ? a.M - m0 : I8R);
+      i8_tile_rows(r, g, j * I8S, m0, c, std::make_integer_sequence<int, I8R>());
+      i8_store_rows(g, c, I8S * I8P, m0, m0 + r, n0, n1);
+    }
+  }
+}
+
+// Rows [r0, r1) of x quantized into xq (+ 128, K4 * 4 bytes a row, the padding 128) and sx.
+void i8_quantize_rows(const float* x, int64_t ldx, int64_t K, int64_t K4, const float* fixed,
+                      uint8_t* xq, float* sx, int64_t r0, int64_t r1) {
+  for (int64_t m = r0; m < r1; ++m) {
+    const float* r = x + m * ldx;
+    float s;
+    if (fixed) {
+      s = *fixed;
+    } else {
+      float amax = 0.0f;
+      int64_t k = 0;
+#if LLS_VW == 16
+      __m512 v = _mm512_setzero_ps();
+      for (; k + 16 <= K; k += 16) v = _mm512_max_ps(v, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
+      amax = _mm512_reduce_max_ps(v);
+#elif LLS_VW == 8
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 v = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) v = _mm256_max_ps(v, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k)));
+      alignas(32) float t[8];
+      _mm256_store_ps(t, v);
+      for (int i = 0; i < 8; ++i) amax = t[i] > amax ? t[i] : amax;
+#endif
+      for (; k < K; ++k) amax = std::fabs(r[k]) > amax ? std::fabs(r[k]) : amax;
+      s = amax / 127.0f;
+    }
+    sx[m] = s;
+    const float inv = s != 0.0f ? 1.0f / s : 0.0f;
+    uint8_t* o = xq + m * K4 * 4;
+    int64_t k = 0;
+#if LLS_VW == 16
+    const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+    for (; k + 16 <= K; k += 16) {
+      const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), vi), lo), hi);
+      const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(128));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtepi32_epi8(q));
+    }
+#elif LLS_VW == 8 && defined(__AVX2__)
+    const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+    for (; k + 8 <= K; k += 8) {
+      const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k), vi), lo), hi);
+      const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(128));
+      const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(o + k), _mm_packus_epi16(w16, w16));
+    }
+#endif
+    for (; k < K; ++k) {
+      float t = r[k] * inv;
+      t = t < -128.0f ? -128.0f : t > 127.0f ? 127.0f : t;
+      o[k] = uint8_t(int32_t(std::nearbyint(t)) + 128);
+    }
+    for (; k < K4 * 4; ++k) o[k] = 128;
+  }
+}
+
+thread_local std::vector<uint8_t> t_xq;
+thread_local std::vector<float> t_sx;
+
+}  // namespace
+
+extern "C" {
+
+// The int8 kernel's instructions in this build: "avx512-vnni", "avx512bw-madd", "avx-vnni",
+// "avx2-madd" or "scalar".
+const char* lls_int8_dot_kind() { return LLS_I8_DOT; }
+
+// y = the W8A8 int8 linear above, for x [M, K] float32 (row stride ldx), wq packed by
+// pack_weight_int8, comp its compensation, scale [N] float32, static_scale: null for dynamic
+// per-token scales, else a pointer to the one static scale; bias, output parts as
+// lls_linear_f32. Returns 0, or -1 on bad arguments (K > 65536) or a failed allocation.
+int lls_linear_int8(const float* x, int64_t ldx, const int8_t* wq, const int32_t* comp,
+                    const float* scale, const float* static_scale, const float* bias, int64_t M,
+                    int64_t N, int64_t K, int nparts, const int64_t* split, float* const* out,
+                    const int64_t* ld) {
+  I8Args g;
+  if (!set_linear_args(g.a, x, ldx, wq, bias, M, N, K, nparts, split, out, ld) || K > kI8MaxK ||
+      !comp || !scale)
+    return -1;
+  if (M == 0 || N == 0) return 0;
+  g.comp = comp;
+  g.scale = scale;
+  g.K4 = (K + 3) / 4;
+  try {
+    t_xq.resize(size_t(M * g.K4 * 4));
+    t_sx.resize(size_t(M));
+  } catch (...) {
+    return -1;
+  }
+  uint8_t* xq = t_xq.data();
+  float* sx = t_sx.data();
+  const int64_t K4 = g.K4;
+  parallel_rows(M, 32, [=](int64_t r0, int64_t r1) {
+    i8_quantize_rows(x, ldx, K, K4, static_scale, xq, sx, r0, r1);
+  });
+  g.xq = xq;
+  g.sx = sx;
+  const int64_t panels = (N + I8P - 1) / I8P;
+  g.strips = (panels + I8S - 1) / I8S;
+  // items: a few per core, as the bf16 kernels (the pool balances them)
+  static const int64_t want = [] {
+    cpu_set_t set;
+    const int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+    return int64_t(4) * (cores > 0 ? cores : 1);
+  }();
+  g.per_item = (g.strips + want - 1) / want;
+  const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
+  parallel_for(i8_item, &g, items, M * N * K >= (1 << 18), g_linger_us);
+  return 0;
 }
 
 // out[t] = x[t] / rms(x[t]) * w
