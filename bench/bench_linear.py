@@ -22,6 +22,18 @@ condition for becoming one.
 ``--bf16`` instead times the bf16-weight kernels this CPU runs (widen, amx, dot; see gemm.py)
 on the same shapes, each on the weight layout it reads, and what the bf16 probe picks.
 
+``--int8`` instead times the W8A8 int8 layers (``Linear.use_int8_weight``: the weights
+quantized per output channel, activations per token) beside our fp32 kernel on the same shapes,
+interleaved, and oneDNN's ``dnnl_gemm_u8s8s32`` (MindSpore's ``libdnnl``, one call per core on
+a block of columns, like ``dnnl_sgemm`` above) on the already-quantized activations: its
+integer product alone, without the quantization and epilogue ours includes. It prints ms per
+pass (median [min] of the reps), the int8 weight's read rate (GB/s), the multiply-adds
+(GOP/s, 2 per weight per row) and the floor: the int8 weight bytes over the machine's read
+bandwidth (bench_model's probe, measured after each row of the table). ``--int8-builds
+"native;-mno-avx512f;-mno-avx512f -mno-avxvnni"`` then times ``lls_linear_int8`` alone (a
+ctypes loop, no Python layer between the calls) in each build variant of the kernel library
+(each its flags; what a CPU without AVX-512 or without VNNI compiles), interleaved.
+
 ``--before REV`` instead times our kernel against the one in git revision REV (its
 ``cpu_layer_ops.cpp`` built on the side, on the weight layout it reads), interleaved: median,
 min and max ms per pass over the reps, CPU time, and the largest difference between the two
@@ -68,6 +80,10 @@ def main() -> None:
     ap.add_argument("--kernel", default="fp32", choices=("fp32", "widen", "dot", "amx"),
                     help="with --before: the kernel compared (fp32, or a bf16 one)")
     ap.add_argument("--bf16", action="store_true", help="the bf16-weight kernels instead")
+    ap.add_argument("--int8", action="store_true",
+                    help="the W8A8 int8 layers beside the fp32 kernel (and oneDNN's int8 GEMM)")
+    ap.add_argument("--int8-builds", metavar="FLAGS;FLAGS",
+                    help="with --int8: also the int8 kernel alone in these build variants")
     ap.add_argument("--onednn-lib", metavar="PATH",
                     help="the libdnnl to time (default: MindSpore's own; 'none' to skip)")
     args = ap.parse_args()
@@ -75,6 +91,8 @@ def main() -> None:
         return before_after(args)
     if args.bf16:
         return bf16_kernels(args)
+    if args.int8:
+        return int8_layers(args)
 
     from mindspore import Tensor
     from llm_serving.model_executor.layers import gemm
@@ -272,6 +290,132 @@ def bf16_kernels(args) -> None:
         res = {c: float(np.median(v)) * 1e3 for c, v in ts.items()}
         print(f"| {m} | " + " | ".join(f"{res[c]:.1f}" for c in cands)
               + f" | {min(res, key=res.get)} |", flush=True)
+
+
+class OneDnnInt8(OneDnnSgemm):
+    """Exact int32 x_u8 @ W_s8.T through oneDNN's ``dnnl_gemm_u8s8s32`` (row-major, W [N, K]
+    unpacked), threaded as ``OneDnnSgemm``. The library packs W on every call."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        lib = ctypes.CDLL(path)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.fn = lib.dnnl_gemm_u8s8s32
+        self.fn.argtypes = [ctypes.c_char, ctypes.c_char, ctypes.c_char, i64, i64, i64,
+                            ctypes.c_float, ptr, i64, ctypes.c_uint8, ptr, i64, ctypes.c_int8,
+                            ctypes.c_float, ptr, i64, ptr]
+        self.fn.restype = ctypes.c_int
+        self.co = (ctypes.c_int32 * 1)(0)
+        self.name = self.name.replace("oneDNN", "oneDNN dnnl_gemm_u8s8s32", 1)
+
+    def _block(self, x, w, y, n0, n1) -> None:
+        (m, k), n = x.shape, w.shape[0]
+        if self.fn(b"N", b"T", b"F", m, n1 - n0, k, 1.0, x.ctypes.data, k, 0,
+                   w[n0:].ctypes.data, k, 0, 0.0, y.ctypes.data + 4 * n0, n, self.co):
+            raise RuntimeError(f"dnnl_gemm_u8s8s32 failed on [{m}, {k}] x [{n}, {k}]")
+
+
+def int8_layers(args) -> None:
+    from mindspore import Tensor
+    from bench_model import ReadBandwidth
+    from llm_serving.model_executor.layers.custom_op import cpu_layer_ops
+    from llm_serving.model_executor.layers.linear import Linear
+    h, f, shapes, rng, weights = model_shapes(args.layers)
+    fp32, int8, qs = [], [], []
+    for i, w in enumerate(weights):
+        k, outs = shapes[i % 4]
+        fp32.append(Linear(k, outs))
+        fp32[-1].set_weight(w)
+        scale = (np.abs(w).max(1) / 127).astype(np.float32)
+        qs.append(np.clip(np.rint(w / scale[:, None]), -128, 127).astype(np.int8))
+        int8.append(Linear(k, outs))
+        int8[-1].use_int8_weight()
+        int8[-1].set_int8_weight(qs[-1], scale)
+    try:
+        import mindspore
+        dnnl = None if args.onednn_lib == "none" else OneDnnInt8(
+            args.onednn_lib or str(Path(mindspore.__file__).parent / "lib" / "libdnnl.so.3"))
+    except (OSError, AttributeError) as e:
+        print(f"# onednn int8: not timed ({e})")
+        dnnl = None
+    bw = ReadBandwidth()
+    nbytes = sum(q.nbytes for q in qs)
+    print(f"# W8A8 int8 layers vs the fp32 kernel, {datetime.date.today()}, {cpu_description()}")
+    print(f"# int8 kernel: {cpu_layer_ops().lls_int8_dot_kind().decode()}; "
+          f"{args.layers} layers x (qkv, o, gate_up, down): {nbytes / 1e6:.0f} MB int8, "
+          f"{4 * nbytes / 1e6:.0f} MB fp32; ms per pass, median [min] of {args.reps}")
+    if dnnl:
+        print(f"# onednn: {dnnl} (integer product only)")
+    print("| M | fp32 ms | int8 ms | fp32 / int8 | onednn int8 ms | int8 GB/s | int8 GOP/s | "
+          "floor ms (int8 bytes / read bw) | read GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in [int(v) for v in args.ms.split(",")]:
+        xs = {k: Tensor(rng.standard_normal((m, k), np.float32)) for k in (h, f)}
+        xu = {k: rng.integers(0, 256, (m, k), dtype=np.uint8) for k in (h, f)}
+        ys = [np.empty((m, q.shape[0]), np.int32) for q in qs]
+
+        def run(c):
+            if c == "onednn":
+                for q, y in zip(qs, ys):
+                    dnnl(xu[q.shape[1]], q, y)
+                return
+            for layer in (fp32 if c == "fp32" else int8):
+                y = layer.gemm("kernel", xs[layer.input_size])
+            y.asnumpy()
+        cands = ("fp32", "int8") + (("onednn",) if dnnl else ())
+        for c in cands:                      # warm-up
+            run(c)
+        ts = {c: [] for c in cands}
+        for _ in range(args.reps):
+            for c in cands:
+                t = time.perf_counter()
+                run(c)
+                ts[c].append((time.perf_counter() - t) * 1e3)
+        med = {c: float(np.median(v)) for c, v in ts.items()}
+        cell = {c: f"{med[c]:.2f} [{min(ts[c]):.2f}]" for c in cands}
+        rate = bw()
+        print(f"| {m} | {cell['fp32']} | {cell['int8']} | {med['fp32'] / med['int8']:.2f}x | "
+              f"{cell.get('onednn', '-')} | {nbytes / med['int8'] / 1e6:.1f} | "
+              f"{2 * m * nbytes / med['int8'] / 1e6:.0f} | {nbytes / rate * 1e3:.2f} | "
+              f"{rate / 1e9:.1f} |", flush=True)
+    if args.int8_builds:
+        int8_builds(args, int8, rng, bw, nbytes)
+
+
+def int8_builds(args, layers, rng, bw, nbytes) -> None:
+    """``lls_linear_int8`` alone on ``layers``' packed weights, in each build variant."""
+    from llm_serving.model_executor.layers.custom_op import load_layer_ops
+    builds = [b.strip() for b in args.int8_builds.split(";")]
+    libs = [load_layer_ops(() if b == "native" else tuple(b.split())) for b in builds]
+    kinds = [lib.lls_int8_dot_kind().decode() for lib in libs]
+    print(f"# lls_linear_int8 alone, ms per pass (median [min] of {args.reps}), by build: "
+          + "; ".join(f"{b}: {k}" for b, k in zip(builds, kinds)))
+    print("| M | " + " | ".join(f"{k} ms | {k} GB/s, GOP/s" for k in kinds)
+          + " | floor ms |")
+    print("|---|" + "---|---|" * len(kinds) + "---|")
+    for m in [int(v) for v in args.ms.split(",")]:
+        xs = {k: rng.standard_normal((m, k), np.float32) for k in {l.input_size for l in layers}}
+        ys = [np.empty((m, l.gemm_shape[0]), np.float32) for l in layers]
+        calls = [(xs[l.input_size].ctypes.data, l.input_size, l.weight.data_ptr(),
+                  *l.int8_scales.args, None, m, l.gemm_shape[0], l.input_size, 1,
+                  (ctypes.c_int64 * 2)(0, l.gemm_shape[0]),
+                  (ctypes.c_void_p * 1)(y.ctypes.data), (ctypes.c_int64 * 1)(l.gemm_shape[0]))
+                 for l, y in zip(layers, ys)]
+        ts = [[] for _ in libs]
+        for rep in range(args.reps + 1):
+            for lib, t in zip(libs, ts):
+                t0 = time.perf_counter()
+                for c in calls:
+                    if lib.lls_linear_int8(*c):
+                        raise RuntimeError("lls_linear_int8 rejected its arguments")
+                if rep:
+                    t.append((time.perf_counter() - t0) * 1e3)
+        cells = []
+        for t in ts:
+            med = float(np.median(t))
+            cells.append(f"{med:.2f} [{min(t):.2f}] | {nbytes / med / 1e6:.1f}, "
+                         f"{2 * m * nbytes / med / 1e6:.0f}")
+        print(f"| {m} | " + " | ".join(cells) + f" | {nbytes / bw() * 1e3:.2f} |", flush=True)
 
 
 def instruction_rates() -> tuple[float, float]:

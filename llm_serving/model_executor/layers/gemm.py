@@ -328,24 +328,44 @@ def int8_compensation(q: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     return out
 
 
-def cpu_linear_int8(x: Tensor, packed: Tensor, comp: np.ndarray, scale: np.ndarray,
-                    input_scale: np.ndarray | None, call: LinearCall, bias=None,
+class Int8Scales:
+    """What an int8 layer's kernel reads beside the packed weight, at fixed addresses (a
+    reload writes over them, so a captured CPU graph replays on the new values): the float32
+    scale per output channel, the kernel's compensation (``int8_compensation``) and the static
+    activation scale (a [1] array; None: dynamic, per token)."""
+
+    def __init__(self, n: int, k: int, static: bool):
+        self.n, self.k = n, k
+        self.packed_shape = int8_packed_shape(n, k)
+        self.scale = np.zeros(n, np.float32)
+        self.comp = aligned_empty((self.packed_shape[0] * INT8_PANEL,), np.int32)
+        self.comp[...] = 0
+        self.input_scale = np.zeros(1, np.float32) if static else None
+        self.args = (self.comp.ctypes.data, self.scale.ctypes.data,
+                     None if self.input_scale is None else self.input_scale.ctypes.data)
+
+    def set(self, q: np.ndarray, scale: np.ndarray, input_scale: float | None) -> None:
+        """The scales and compensation of int8 W ``q`` [n, k] (checked by the caller)."""
+        self.scale[...] = scale.reshape(self.n)
+        int8_compensation(q, out=self.comp)
+        if self.input_scale is not None:
+            self.input_scale[0] = input_scale
+
+
+def cpu_linear_int8(x: Tensor, packed: Tensor, scales: Int8Scales, call: LinearCall, bias=None,
                     split: bool = False):
     """The W8A8 int8 linear (``lls_linear_int8``): x [M, K] float32 quantized to int8 per row
-    (``input_scale`` None: sx = max |x| / 127) or with the static scale ``input_scale[0]``,
-    times the int8 W [call.n, K] packed by ``pack_weight_int8`` (exact int32 sums), then
-    ``sum * sx * scale[n] (+ bias[n])`` in float32. ``comp``: ``int8_compensation`` of W;
-    ``scale``: float32 [call.n]. Returns as ``cpu_linear``."""
+    (sx = max |x| / 127) or with the static scale, times the int8 W [call.n, K] packed by
+    ``pack_weight_int8`` (exact int32 sums), then ``(float(sum) * sx) * scale[n] (+ bias[n])``
+    in float32. Returns as ``cpu_linear``."""
     m, k = x.shape
     if x.dtype != mstype.float32:
         raise ValueError(f"the int8 linear quantizes float32 activations, not {x.dtype}")
-    if tuple(packed.shape) != int8_packed_shape(call.n, k):
+    if k != scales.k or call.n != scales.n or packed.shape != scales.packed_shape:
         raise ValueError(f"int8-packed weight {packed.shape} does not hold [{call.n}, {k}]")
     flat, out, ld = _outputs(m, call, split)
     rc = cpu_graph.launch(cpu_layer_ops().lls_linear_int8, x.data_ptr(),
-                          row_stride(x) if m > 1 else k, packed.data_ptr(), comp.ctypes.data,
-                          scale.ctypes.data,
-                          None if input_scale is None else input_scale.ctypes.data,
+                          row_stride(x) if m > 1 else k, packed.data_ptr(), *scales.args,
                           bias.data_ptr() if bias is not None else None, m, call.n, k,
                           call.nparts, call.c_split, out, ld)
     if rc:

@@ -40,8 +40,7 @@ from llm_serving.model_executor.host_memory import WEIGHTS
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
 from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
                                                     aligned_empty, amx_packed_shape, cpu_linear,
-                                                    cpu_linear_int8, gemm_plan,
-                                                    int8_compensation, int8_packed_shape,
+                                                    Int8Scales, cpu_linear_int8, gemm_plan,
                                                     pack_weight, pack_weight_amx,
                                                     pack_weight_int8, packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
@@ -103,9 +102,8 @@ class Linear(CustomOp):
         self.gemm_shape = (out, self.input_size)
         # With bfloat16 weights (use_bf16_weight): the bf16 kernel that reads them.
         self.bf16_kernel = None
-        # With int8 weights (use_int8_weight): float32 scales per output channel, the
-        # kernel's compensation, and the static activation scale ([1]; None: dynamic).
-        self.int8_scale = self.int8_comp = self.int8_input_scale = None
+        # With int8 weights (use_int8_weight): their scales (gemm.Int8Scales).
+        self.int8_scales = None
         # On CPU the weight is held packed for our kernels, unless MatMul is forced.
         self.packed = False
         if self._use_cpu:
@@ -169,7 +167,7 @@ class Linear(CustomOp):
     @property
     def int8(self) -> bool:
         """Whether the weight is held as int8 with per-output-channel scales (W8A8)."""
-        return self.int8_scale is not None
+        return self.int8_scales is not None
 
     def use_int8_weight(self, static_input_scale: bool = False) -> None:
         """Hold the weight as int8 from now on (before loading; W8A8, vLLM's compressed-tensors
@@ -185,13 +183,11 @@ class Linear(CustomOp):
         n, k = self.gemm_shape
         name = self.weight.name
         self.packed = True
-        packed = aligned_empty(int8_packed_shape(n, k), np.int8)
+        self.int8_scales = Int8Scales(n, k, static_input_scale)
+        packed = aligned_empty(self.int8_scales.packed_shape, np.int8)
         packed[...] = 0
         self.weight = Parameter(Tensor.from_numpy(packed), requires_grad=False)
         self.weight.name = name
-        self.int8_scale = np.zeros(n, np.float32)
-        self.int8_comp = int8_compensation(np.zeros((n, 0), np.int8))
-        self.int8_input_scale = np.zeros(1, np.float32) if static_input_scale else None
         self._plan.layers.get(tuple(self.gemm_shape), set()).discard(self)
 
     def set_int8_weight(self, q: np.ndarray, scale: np.ndarray,
@@ -214,7 +210,7 @@ class Linear(CustomOp):
                              f"{scale.dtype} {scale.shape}")
         if not np.isfinite(scale).all():
             raise ValueError("int8 weight scale holds a non-finite value")
-        static = self.int8_input_scale is not None
+        static = self.int8_scales.input_scale is not None
         if (input_scale is not None) != static:
             raise ValueError("input_scale is required for a layer with a static activation scale "
                              "and refused for one with dynamic (per-token) scales" if static else
@@ -226,10 +222,7 @@ class Linear(CustomOp):
         packed = pack_weight_int8(q, alloc=lambda shape, dtype: _reuse(held, shape, dtype))
         if packed is not held:
             self.weight.set_data(Tensor.from_numpy(packed))
-        self.int8_scale[...] = scale.reshape(n)
-        int8_compensation(q, out=self.int8_comp)
-        if static:
-            self.int8_input_scale[0] = input_scale
+        self.int8_scales.set(q, scale, input_scale)
 
     def set_weight(self, value: np.ndarray, in_place: bool = False) -> None:
         """Store a float32 [out, in] weight (packed if the layer computes on packed weights),
@@ -279,8 +272,7 @@ class Linear(CustomOp):
         ``impl`` (one of ``gemm.FORCEABLE``); no all-reduce."""
         bias = self.bias if with_bias else None
         if self.int8:
-            return cpu_linear_int8(x, self.weight, self.int8_comp, self.int8_scale,
-                                   self.int8_input_scale, self.gemm_call, bias,
+            return cpu_linear_int8(x, self.weight, self.int8_scales, self.gemm_call, bias,
                                    self.split_output)
         if self.bf16:
             impl = "kernel"

@@ -1139,6 +1139,11 @@ namespace {
 constexpr int I8P = 16;            // output columns per panel
 constexpr int64_t kI8MaxK = 65536;
 constexpr int I8_PAD_N = 64;
+#ifndef LLS_I8_PAIR_ROWS
+#define LLS_I8_PAIR_ROWS 4
+#endif
+// Up to this many rows a tile takes two strips (LLS_I8_PAIR_ROWS: measured, see the bench)
+constexpr int kI8PairRows = LLS_I8_PAIR_ROWS;
 
 #if LLS_VW == 16 && defined(__AVX512BW__)
 typedef __m512i i8acc;             // one vector = one panel's 16 int32 sums
@@ -1235,16 +1240,16 @@ struct I8Args {
   int64_t K4, strips, per_item;
 };
 
-// R rows from m0 x I8S panels from panel p0: int32 sums (less comp) into c [R, I8S * 16].
-template <int R>
+// R rows from m0 x S panels from panel p0: int32 sums into c [R, S * 16].
+template <int R, int S>
 inline void i8_tile(const I8Args& g, int64_t p0, int64_t m0, int32_t* c) {
   const int64_t K4 = g.K4;
   const int8_t* w = static_cast<const int8_t*>(g.a.w) + p0 * K4 * 64;
   const uint8_t* x = g.xq + m0 * K4 * 4;
 #if !defined(__AVX2__)
-  int32_t acc[R][I8S * I8P] = {};
+  int32_t acc[R][S * I8P] = {};
   for (int64_t kg = 0; kg < K4; ++kg)
-    for (int s = 0; s < I8S; ++s) {
+    for (int s = 0; s < S; ++s) {
       const int8_t* wl = w + (s * K4 + kg) * 64;
       for (int i = 0; i < R; ++i) {
         const uint8_t* xr = x + i * K4 * 4 + kg * 4;
@@ -1253,9 +1258,9 @@ inline void i8_tile(const I8Args& g, int64_t p0, int64_t m0, int32_t* c) {
       }
     }
   for (int i = 0; i < R; ++i)
-    for (int n = 0; n < I8S * I8P; ++n) c[i * I8S * I8P + n] = acc[i][n];
+    for (int n = 0; n < S * I8P; ++n) c[i * S * I8P + n] = acc[i][n];
 #else
-  constexpr int NV = I8S * I8V;
+  constexpr int NV = S * I8V;
   i8acc acc[R][NV];
   #pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
@@ -1264,7 +1269,7 @@ inline void i8_tile(const I8Args& g, int64_t p0, int64_t m0, int32_t* c) {
   for (int64_t kg = 0; kg < K4; ++kg) {
     I8W wv[NV];
     #pragma GCC unroll 16
-    for (int s = 0; s < I8S; ++s)
+    for (int s = 0; s < S; ++s)
       #pragma GCC unroll 4
       for (int v = 0; v < I8V; ++v)
         wv[s * I8V + v] = i8_wprep(i8_load(w + (s * K4 + kg) * 64 + v * 64 / I8V));
@@ -1278,15 +1283,14 @@ inline void i8_tile(const I8Args& g, int64_t p0, int64_t m0, int32_t* c) {
   #pragma GCC unroll 16
   for (int i = 0; i < R; ++i)
     #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) i8_store(c + i * I8S * I8P + v * (I8P / I8V), acc[i][v]);
+    for (int v = 0; v < NV; ++v) i8_store(c + i * S * I8P + v * (I8P / I8V), acc[i][v]);
 #endif
-  (void)m0;
 }
 
-template <int... Rs>
+template <int S, int... Rs>
 inline void i8_tile_rows(int r, const I8Args& g, int64_t p0, int64_t m0, int32_t* c,
                          std::integer_sequence<int, Rs...>) {
-  ((r == Rs + 1 ? i8_tile<Rs + 1>(g, p0, m0, c) : void()), ...);
+  ((r == Rs + 1 ? i8_tile<Rs + 1, S>(g, p0, m0, c) : void()), ...);
 }
 
 // The epilogue of rows [m0, m1) x columns [n0, n1) from the sums c (row stride ldc): the
@@ -1318,16 +1322,23 @@ __attribute__((optimize("fp-contract=off"))) void i8_store_rows(
 void i8_item(void* p, int64_t item) {
   const I8Args& g = *static_cast<const I8Args*>(p);
   const LinearArgs& a = g.a;
-  alignas(64) int32_t c[I8R * I8S * I8P];
+  alignas(64) int32_t c[(I8R > kI8PairRows ? I8R : kI8PairRows) * 2 * I8S * I8P];
   const int64_t j0 = item * g.per_item;
   const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t n0 = j * I8S * I8P;
-    const int64_t n1 = n0 + I8S * I8P < a.N ? n0 + I8S * I8P : a.N;
+  constexpr int W = I8S * I8P;  // columns per strip
+  int64_t j = j0;
+  if (a.M <= kI8PairRows)  // two strips per tile: twice the weight streams in flight
+    for (; j + 1 < j1; j += 2) {
+      i8_tile_rows<2 * I8S>(int(a.M), g, j * I8S, 0, c,
+                            std::make_integer_sequence<int, kI8PairRows>());
+      i8_store_rows(g, c, 2 * W, 0, a.M, j * W, (j + 2) * W < a.N ? (j + 2) * W : a.N);
+    }
+  for (; j < j1; ++j) {
+    const int64_t n0 = j * W, n1 = n0 + W < a.N ? n0 + W : a.N;
     for (int64_t m0 = 0; m0 < a.M; m0 += I8R) {
       const int r = int(a.M - m0 < I8R ? a.M - m0 : I8R);
-      i8_tile_rows(r, g, j * I8S, m0, c, std::make_integer_sequence<int, I8R>());
-      i8_store_rows(g, c, I8S * I8P, m0, m0 + r, n0, n1);
+      i8_tile_rows<I8S>(r, g, j * I8S, m0, c, std::make_integer_sequence<int, I8R>());
+      i8_store_rows(g, c, W, m0, m0 + r, n0, n1);
     }
   }
 }
@@ -1437,6 +1448,7 @@ int lls_linear_int8(const float* x, int64_t ldx, const int8_t* wq, const int32_t
     return int64_t(4) * (cores > 0 ? cores : 1);
   }();
   g.per_item = (g.strips + want - 1) / want;
+  if (M <= kI8PairRows) g.per_item += g.per_item & 1;  // whole pairs of strips per item
   const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
   parallel_for(i8_item, &g, items, M * N * K >= (1 << 18), g_linger_us);
   return 0;
