@@ -1,8 +1,9 @@
 """W8A8 int8 linear layers (``Linear.use_int8_weight``, ``lls_linear_int8``) against an
 independent NumPy reference of vLLM-CPU's compressed-tensors int8 numerics: per-token
 sx = max |x| / 127 (or one static scale), xq = clamp(rint(x * (1 / sx)), -128, 127) (half to
-even; a zero row quantizes to zeros), int64 sums, then (float32(sum) * sx) * scale (+ bias),
-each operation rounded to float32. Every build variant of the kernel (VNNI, AVX-VNNI, the
+even; a zero row quantizes to zeros), int64 sums, then in float32 the orders of vLLM-CPU's
+oneDNN int8 matmul, whose outputs this gives bit for bit: dynamic fma(sum * scale, sx, bias)
+with one rounding (without a bias, (sum * scale) * sx), static (sum * sx) * scale + bias. Every build variant of the kernel (VNNI, AVX-VNNI, the
 exact VPMADDWD paths of CPUs without VNNI, scalar) gives those bits, whatever the batch."""
 import ctypes
 
@@ -48,9 +49,31 @@ def reference(x, q, scale, bias=None, input_scale=None):
     inv = np.zeros_like(sx)
     inv[sx > 0] = np.float32(1) / sx[sx > 0]
     xq = np.clip(np.rint(x * inv[:, None]), -128, 127).astype(np.int64)
-    acc = xq @ q.astype(np.int64).T
-    y = (acc.astype(np.float32) * sx[:, None]) * scale[None, :]
-    return y if bias is None else y + bias
+    acc = (xq @ q.astype(np.int64).T).astype(np.float32)
+    if input_scale is not None:
+        y = (acc * sx[:, None]) * scale[None, :]
+        return y if bias is None else y + bias
+    t = acc * scale[None, :]
+    if bias is None:
+        return t * sx[:, None]
+    return fma32(t, np.broadcast_to(sx[:, None], t.shape), np.broadcast_to(bias, t.shape))
+
+
+def fma32(a, b, c):
+    """float32 a * b + c rounded once: the product is exact in float64, the sum is s + err
+    exactly (TwoSum), and s rounds to float32 as s + err does unless s lies exactly halfway
+    between two float32 values, where err's sign decides."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    r = s.astype(np.float32)
+    other = np.where(r.astype(np.float64) > s, np.nextafter(r, np.float32(-np.inf)),
+                     np.nextafter(r, np.float32(np.inf)))
+    tie = (r.astype(np.float64) + other.astype(np.float64)) / 2 == s
+    towards_other = (err > 0) == (other.astype(np.float64) > s)
+    return np.where(tie & (err != 0) & towards_other, other, r)
 
 
 def run_kernel(lib, x, q, scale, bias=None, input_scale=None, parts=None):
@@ -89,10 +112,10 @@ def test_kernel_matches_the_reference_bit_for_bit(lib, n, k):
     for m in (1, 2, 5, 7, 13, 33):
         x = rng.standard_normal((m, k), dtype=np.float32) * 3
         x[m // 2, : k // 2] *= 100                  # a row with outliers: coarse steps
-        np.testing.assert_array_equal(run_kernel(lib, x, q, scale), reference(x, q, scale))
         parts = [n // 3, n - n // 3] if n > 2 else None
-        np.testing.assert_array_equal(run_kernel(lib, x, q, scale, bias, 0.05, parts),
-                                      reference(x, q, scale, bias, 0.05))
+        for b, static in ((None, None), (bias, None), (None, 0.05), (bias, 0.05)):
+            np.testing.assert_array_equal(run_kernel(lib, x, q, scale, b, static, parts),
+                                          reference(x, q, scale, b, static))
 
 
 def test_extreme_weights_and_activations_sum_exactly(lib):

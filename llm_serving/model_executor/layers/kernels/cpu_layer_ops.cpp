@@ -1116,7 +1116,10 @@ int lls_linear_blas_f32(CblasSgemmFn sgemm, int64_t items, const float* x, int64
 //   sx[m] = max_k |x[m, k]| / 127 (dynamic) or the static scale; inv = 1 / sx (0 when sx = 0)
 //   xq[m, k] = clamp(rint(x[m, k] * inv), -128, 127)   (round half to even, as vLLM-CPU's
 //              dynamic_scaled_int8_quant / static_scaled_int8_quant; a zero row gives zeros)
-//   y[m, n] = (float(sum_k xq[m, k] * q[n, k]) * sx[m]) * scale[n] (+ bias[n])
+//   dynamic: y[m, n] = fma(float(sum_k xq[m, k] * q[n, k]) * scale[n], sx[m], bias[n])
+//            (without a bias: (float(sum) * scale[n]) * sx[m])
+//   static:  y[m, n] = (float(sum) * sx) * scale[n] + bias[n], each operation rounded
+//   what vLLM-CPU's oneDNN int8 matmul gives in each mode, bit for bit (AMD Zen 5).
 // The sum is exact whatever the order, so every row is the same bits whatever M, the row's
 // place and the thread (batch invariance), on every build variant below alike.
 //
@@ -1237,6 +1240,7 @@ struct I8Args {
   const float* scale;              // [N]
   const uint8_t* xq;               // [Mp, K4 * 4]: xq + 128
   const float* sx;                 // [M]
+  bool fixed;                      // one static scale (the epilogue's order differs)
   int64_t K4, strips, per_item;
 };
 
@@ -1293,8 +1297,9 @@ inline void i8_tile_rows(int r, const I8Args& g, int64_t p0, int64_t m0, int32_t
   ((r == Rs + 1 ? i8_tile<Rs + 1, S>(g, p0, m0, c) : void()), ...);
 }
 
-// The epilogue of rows [m0, m1) x columns [n0, n1) from the sums c (row stride ldc): the
-// products and the bias add each rounded on their own (no FMA), as the contract states.
+// The epilogue of rows [m0, m1) x columns [n0, n1) from the sums c (row stride ldc), in
+// vLLM-CPU's (oneDNN's) orders, bit for bit (see the contract above). No other contraction
+// (fp-contract off).
 __attribute__((optimize("fp-contract=off"))) void i8_store_rows(
     const I8Args& g, const int32_t* c, int64_t ldc, int64_t m0, int64_t m1, int64_t n0,
     int64_t n1) {
@@ -1309,11 +1314,17 @@ __attribute__((optimize("fp-contract=off"))) void i8_store_rows(
       const float* sc = g.scale + lo;
       const float sxm = g.sx[m];
       float* o = a.out[q] + m * a.ld[q] + (lo - a.split[q]);
-      if (a.bias) {
-        const float* b = a.bias + lo;
-        for (int64_t n = 0; n < hi - lo; ++n) o[n] = float(s[n] - comp[n]) * sxm * sc[n] + b[n];
+      const float* b = a.bias ? a.bias + lo : nullptr;
+      if (g.fixed) {  // static: (sum * sx) * scale + bias, each rounded
+        for (int64_t n = 0; n < hi - lo; ++n) {
+          const float t = float(s[n] - comp[n]) * sxm * sc[n];
+          o[n] = b ? t + b[n] : t;
+        }
+      } else if (b) {  // dynamic: one rounding for the product with sx and the bias add
+        for (int64_t n = 0; n < hi - lo; ++n)
+          o[n] = std::fma(float(s[n] - comp[n]) * sc[n], sxm, b[n]);
       } else {
-        for (int64_t n = 0; n < hi - lo; ++n) o[n] = float(s[n] - comp[n]) * sxm * sc[n];
+        for (int64_t n = 0; n < hi - lo; ++n) o[n] = float(s[n] - comp[n]) * sc[n] * sxm;
       }
     }
   }
@@ -1424,6 +1435,7 @@ int lls_linear_int8(const float* x, int64_t ldx, const int8_t* wq, const int32_t
   if (M == 0 || N == 0) return 0;
   g.comp = comp;
   g.scale = scale;
+  g.fixed = static_scale != nullptr;
   g.K4 = (K + 3) / 4;
   try {
     t_xq.resize(size_t(M * g.K4 * 4));
