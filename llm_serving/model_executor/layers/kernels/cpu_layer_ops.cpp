@@ -1154,85 +1154,69 @@ constexpr int I8_PAD_N = 64;
 // Up to this many rows a tile takes two strips (LLS_I8_PAIR_ROWS: measured, see the bench)
 constexpr int kI8PairRows = LLS_I8_PAIR_ROWS;
 
+// One vector's operations, for the zmm (PRE _mm512, SI si512) or ymm (_mm256, si256) build:
+// LLS_I8_VEC the loads and stores, then LLS_I8_VNNI (DPBUSD: the instruction's intrinsic) or
+// LLS_I8_MADD the products: I8W is a weight line as the products take it, I8X a row's 4 bytes
+// broadcast, i8_dot adds their products to an accumulator.
+#define LLS_I8_VEC(PRE, SI)                                                                 \
+  inline i8acc i8_zero() { return PRE##_setzero_##SI(); }                                   \
+  inline i8acc i8_bcast(const uint8_t* p) {                                                 \
+    int32_t v;                                                                              \
+    std::memcpy(&v, p, 4);                                                                  \
+    return PRE##_set1_epi32(v);                                                             \
+  }                                                                                         \
+  inline i8acc i8_load(const int8_t* p) {                                                   \
+    return PRE##_loadu_##SI(reinterpret_cast<const i8acc*>(p));                             \
+  }                                                                                         \
+  inline void i8_store(int32_t* p, i8acc v) { PRE##_store_##SI(reinterpret_cast<i8acc*>(p), v); }
+#define LLS_I8_VNNI(DPBUSD)                                                                 \
+  struct I8W { i8acc w; };                                                                  \
+  struct I8X { i8acc x; };                                                                  \
+  inline I8W i8_wprep(i8acc w) { return {w}; }                                              \
+  inline I8X i8_xprep(i8acc x) { return {x}; }                                              \
+  inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) { return DPBUSD(acc, x.x, w.w); }
+// Without VNNI: each 32-bit lane's 4 bytes as two int16 lanes of even and of odd bytes (q
+// sign-, x zero-extended); VPMADDWD sums the pairs exactly into int32.
+#define LLS_I8_MADD(PRE, SI)                                                                \
+  struct I8W { i8acc e, o; };                                                               \
+  struct I8X { i8acc e, o; };                                                               \
+  inline I8W i8_wprep(i8acc w) {                                                            \
+    return {PRE##_srai_epi16(PRE##_slli_epi16(w, 8), 8), PRE##_srai_epi16(w, 8)};           \
+  }                                                                                         \
+  inline I8X i8_xprep(i8acc x) {                                                            \
+    return {PRE##_and_##SI(x, PRE##_set1_epi16(0xFF)), PRE##_srli_epi16(x, 8)};             \
+  }                                                                                         \
+  inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {                              \
+    return PRE##_add_epi32(acc, PRE##_add_epi32(PRE##_madd_epi16(x.e, w.e),                 \
+                                                PRE##_madd_epi16(x.o, w.o)));               \
+  }
+
 #if LLS_VW == 16 && defined(__AVX512BW__)
 typedef __m512i i8acc;             // one vector = one panel's 16 int32 sums
 constexpr int I8V = 1;             // vectors per panel
 constexpr int I8S = 4;             // panels per register tile (one 64-column strip)
-#if defined(__AVX512VNNI__)
-constexpr int I8R = 6;             // 24 accumulators + 4 weight lines + 1 broadcast
-#else
-constexpr int I8R = 4;
-#endif
-inline i8acc i8_zero() { return _mm512_setzero_si512(); }
-inline i8acc i8_bcast(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-inline i8acc i8_load(const int8_t* p) { return _mm512_loadu_si512(p); }
-inline void i8_store(int32_t* p, i8acc v) { _mm512_store_si512(p, v); }
+LLS_I8_VEC(_mm512, si512)
 #if defined(__AVX512VNNI__)
 #define LLS_I8_DOT "avx512-vnni"
-struct I8W { i8acc w; };
-struct I8X { i8acc x; };
-inline I8W i8_wprep(i8acc w) { return {w}; }
-inline I8X i8_xprep(i8acc x) { return {x}; }
-inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
-  return _mm512_dpbusd_epi32(acc, x.x, w.w);
-}
+constexpr int I8R = 6;             // 24 accumulators + 4 weight lines + 1 broadcast
+LLS_I8_VNNI(_mm512_dpbusd_epi32)
 #else
 #define LLS_I8_DOT "avx512bw-madd"
-struct I8W { i8acc e, o; };
-struct I8X { i8acc e, o; };
-inline I8W i8_wprep(i8acc w) {
-  return {_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), _mm512_srai_epi16(w, 8)};
-}
-inline I8X i8_xprep(i8acc x) {
-  return {_mm512_and_si512(x, _mm512_set1_epi16(0xFF)), _mm512_srli_epi16(x, 8)};
-}
-inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
-  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(x.e, w.e),
-                                                _mm512_madd_epi16(x.o, w.o)));
-}
+constexpr int I8R = 4;
+LLS_I8_MADD(_mm512, si512)
 #endif
 #elif defined(__AVX2__)
 typedef __m256i i8acc;
 constexpr int I8V = 2;
 constexpr int I8S = 2;
 constexpr int I8R = 2;             // 8 accumulators + 4 weight halves (+ their int16 forms)
-inline i8acc i8_zero() { return _mm256_setzero_si256(); }
-inline i8acc i8_bcast(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-inline i8acc i8_load(const int8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-inline void i8_store(int32_t* p, i8acc v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+LLS_I8_VEC(_mm256, si256)
 #if defined(__AVXVNNI__)
 #define LLS_I8_DOT "avx-vnni"
-struct I8W { i8acc w; };
-struct I8X { i8acc x; };
-inline I8W i8_wprep(i8acc w) { return {w}; }
-inline I8X i8_xprep(i8acc x) { return {x}; }
-inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
-  return _mm256_dpbusd_avx_epi32(acc, x.x, w.w);
-}
+LLS_I8_VNNI(_mm256_dpbusd_avx_epi32)
 #else
 #define LLS_I8_DOT "avx2-madd"
-struct I8W { i8acc e, o; };
-struct I8X { i8acc e, o; };
-inline I8W i8_wprep(i8acc w) {
-  return {_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), _mm256_srai_epi16(w, 8)};
-}
-inline I8X i8_xprep(i8acc x) {
-  return {_mm256_and_si256(x, _mm256_set1_epi16(0xFF)), _mm256_srli_epi16(x, 8)};
-}
-inline i8acc i8_dot(i8acc acc, const I8X& x, const I8W& w) {
-  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(x.e, w.e),
-                                                _mm256_madd_epi16(x.o, w.o)));
-}
+LLS_I8_MADD(_mm256, si256)
 #endif
 #else
 #define LLS_I8_DOT "scalar"
