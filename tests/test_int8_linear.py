@@ -6,6 +6,7 @@ oneDNN int8 matmul, whose outputs this gives bit for bit: dynamic fma(sum * scal
 with one rounding (without a bias, (sum * scale) * sx), static (sum * sx) * scale + bias. Every build variant of the kernel (VNNI, AVX-VNNI, the
 exact VPMADDWD paths of CPUs without VNNI, scalar) gives those bits, whatever the batch."""
 import ctypes
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +15,11 @@ from mindspore import Tensor
 from llm_serving.executor.protocol import StepInput
 from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.device import init_device
+from llm_serving.model_executor.forward_context import ForwardContext, set_forward_context
 from llm_serving.model_executor.layers import gemm
 from llm_serving.model_executor.layers.custom_op import load_layer_ops
 from llm_serving.model_executor.layers.linear import Linear
+from llm_serving.model_executor.lora import StepLoRA
 
 # Build flags -> the int8 instructions they select on a CPU with AVX512-VNNI and AVX-VNNI;
 # a CPU without some of them builds a narrower path under the same flags (still tested).
@@ -204,6 +207,23 @@ def test_layer_forward_with_split_outputs_and_bias(static):
         y = layer(Tensor(x))
         assert [t.shape for t in y] == [(m, 64), (m, 32), (m, 32)]
         np.testing.assert_array_equal(joined(y), reference(x, q, scale, b, static))
+
+
+def test_lora_adds_its_product_on_top_of_the_int8_output():
+    rng = np.random.default_rng(11)
+    layer, q, scale, _ = int8_layer(rng, 64, [32, 16], split=True)
+    layer.lora_name = "qkv"
+    a = rng.standard_normal((4, 64), dtype=np.float32)
+    b = rng.standard_normal((16, 4), dtype=np.float32)
+    adapter = SimpleNamespace(layers={"qkv": (a, [(1, 0, 4, b)])})     # part 1 only
+    x = rng.standard_normal((5, 64), dtype=np.float32)
+    rows = np.array([1, 3])
+    with set_forward_context(ForwardContext(None, lora=StepLoRA([(adapter, rows)]))):
+        y = joined(layer(Tensor(x)))
+    want = reference(x, q, scale)
+    want[rows, 32:] += (x[rows] @ a.T) @ b.T
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(y[[0, 2, 4]], reference(x, q, scale)[[0, 2, 4]])
 
 
 def test_reload_in_place_keeps_the_address_and_takes_the_new_values():
