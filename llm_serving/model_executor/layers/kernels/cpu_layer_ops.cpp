@@ -1151,7 +1151,8 @@ constexpr int I8_PAD_N = 64;
 #ifndef LLS_I8_PAIR_ROWS
 #define LLS_I8_PAIR_ROWS 4
 #endif
-// Up to this many rows a tile takes two strips (LLS_I8_PAIR_ROWS: measured, see the bench)
+// Up to this many rows a tile spans I8SP panels, several strips (more weight streams in
+// flight than one strip's; LLS_I8_PAIR_ROWS: measured, see I8SP)
 constexpr int kI8PairRows = LLS_I8_PAIR_ROWS;
 
 // One vector's operations, for the zmm (PRE _mm512, SI si512) or ymm (_mm256, si256) build:
@@ -1195,6 +1196,7 @@ constexpr int kI8PairRows = LLS_I8_PAIR_ROWS;
 typedef __m512i i8acc;             // one vector = one panel's 16 int32 sums
 constexpr int I8V = 1;             // vectors per panel
 constexpr int I8S = 4;             // panels per register tile (one 64-column strip)
+constexpr int I8SP = 8;            // panels per tile of few rows (kI8PairRows)
 LLS_I8_VEC(_mm512, si512)
 #if defined(__AVX512VNNI__)
 #define LLS_I8_DOT "avx512-vnni"
@@ -1208,20 +1210,28 @@ LLS_I8_MADD(_mm512, si512)
 #elif defined(__AVX2__)
 typedef __m256i i8acc;
 constexpr int I8V = 2;
-constexpr int I8S = 2;
-constexpr int I8R = 2;             // 8 accumulators + 4 weight halves (+ their int16 forms)
+constexpr int I8SP = 4;
 LLS_I8_VEC(_mm256, si256)
 #if defined(__AVXVNNI__)
 #define LLS_I8_DOT "avx-vnni"
+constexpr int I8S = 2;
+constexpr int I8R = 2;             // 8 accumulators + 4 weight halves + 1 broadcast
 LLS_I8_VNNI(_mm256_dpbusd_avx_epi32)
 #else
 #define LLS_I8_DOT "avx2-madd"
+// 8 accumulators + a panel's two halves as even and odd int16 + the row's two: 4 rows x one
+// panel took 0.85-0.87x the time of 2 rows x two panels from 16 to 128 rows, the same at 1 and
+// 4 (this build on AMD Zen 5, the tile shape set by macros since removed, the kernel alone in
+// a ctypes loop as bench_linear --int8-builds times it, two runs under other load)
+constexpr int I8S = 1;
+constexpr int I8R = 4;
 LLS_I8_MADD(_mm256, si256)
 #endif
 #else
 #define LLS_I8_DOT "scalar"
 constexpr int I8S = 1;
 constexpr int I8R = 4;
+constexpr int I8SP = 2;
 #endif
 
 struct I8Args {
@@ -1325,16 +1335,17 @@ __attribute__((optimize("fp-contract=off"))) void i8_store_rows(
 void i8_item(void* p, int64_t item) {
   const I8Args& g = *static_cast<const I8Args*>(p);
   const LinearArgs& a = g.a;
-  alignas(64) int32_t c[(I8R > kI8PairRows ? I8R : kI8PairRows) * 2 * I8S * I8P];
+  alignas(64) int32_t c[(I8R * I8S > kI8PairRows * I8SP ? I8R * I8S : kI8PairRows * I8SP) * I8P];
   const int64_t j0 = item * g.per_item;
   const int64_t j1 = j0 + g.per_item < g.strips ? j0 + g.per_item : g.strips;
   constexpr int W = I8S * I8P;  // columns per strip
   int64_t j = j0;
-  if (a.M <= kI8PairRows)  // two strips per tile: twice the weight streams in flight
-    for (; j + 1 < j1; j += 2) {
-      i8_tile_rows<2 * I8S>(int(a.M), g, j * I8S, 0, false, c,
-                            std::make_integer_sequence<int, kI8PairRows>());
-      i8_store_rows(g, c, 2 * W, 0, a.M, j * W, (j + 2) * W < a.N ? (j + 2) * W : a.N);
+  constexpr int G = I8SP / I8S;  // strips per tile of few rows
+  if (a.M <= kI8PairRows)
+    for (; j + G <= j1; j += G) {
+      i8_tile_rows<I8SP>(int(a.M), g, j * I8S, 0, false, c,
+                         std::make_integer_sequence<int, kI8PairRows>());
+      i8_store_rows(g, c, G * W, 0, a.M, j * W, (j + G) * W < a.N ? (j + G) * W : a.N);
     }
   for (; j < j1; ++j) {
     const int64_t n0 = j * W, n1 = n0 + W < a.N ? n0 + W : a.N;
@@ -1452,7 +1463,8 @@ int lls_linear_int8(const float* x, int64_t ldx, const int8_t* wq, const int32_t
     return int64_t(4) * (cores > 0 ? cores : 1);
   }();
   g.per_item = (g.strips + want - 1) / want;
-  if (M <= kI8PairRows) g.per_item += g.per_item & 1;  // whole pairs of strips per item
+  constexpr int G = I8SP / I8S;
+  if (M <= kI8PairRows) g.per_item = (g.per_item + G - 1) / G * G;  // whole tiles per item
   const int64_t items = (g.strips + g.per_item - 1) / g.per_item;
   parallel_for(i8_item, &g, items, M * N * K >= (1 << 18), g_linger_us);
   return 0;
