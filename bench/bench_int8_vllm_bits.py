@@ -33,7 +33,8 @@ for static in (False, True):
     for b in (None, bias):
         y = torch.empty((len(x), n), dtype=torch.float32)
         ops.onednn_scaled_mm(h, xq, y, xs, None, None, b)
-        out[f"{'static' if static else 'dynamic'}, {'bias' if b is not None else 'no bias'}"] = y.numpy()
+        mode = ("static" if static else "dynamic") + (", bias" if b is not None else ", no bias")
+        out[mode] = y.numpy()
 np.savez(sys.argv[2], **out)
 """
 

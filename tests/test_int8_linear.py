@@ -3,8 +3,9 @@ independent NumPy reference of vLLM-CPU's compressed-tensors int8 numerics: per-
 sx = max |x| / 127 (or one static scale), xq = clamp(rint(x * (1 / sx)), -128, 127) (half to
 even; a zero row quantizes to zeros), int64 sums, then in float32 the orders of vLLM-CPU's
 oneDNN int8 matmul, whose outputs this gives bit for bit: dynamic fma(sum * scale, sx, bias)
-with one rounding (without a bias, (sum * scale) * sx), static (sum * sx) * scale + bias. Every build variant of the kernel (VNNI, AVX-VNNI, the
-exact VPMADDWD paths of CPUs without VNNI, scalar) gives those bits, whatever the batch."""
+with one rounding (without a bias, (sum * scale) * sx), static (sum * sx) * scale + bias.
+Every build variant of the kernel (VNNI, AVX-VNNI, the exact VPMADDWD paths of CPUs without
+VNNI, scalar) gives those bits, whatever the batch."""
 import ctypes
 from types import SimpleNamespace
 
@@ -286,6 +287,8 @@ def test_bad_weights_and_orders_are_refused(monkeypatch):
         static.set_int8_weight(q, scale)
     with pytest.raises(ValueError, match="positive"):
         static.set_int8_weight(q, scale, input_scale=0.0)
+    with pytest.raises(ValueError, match="at most 65536 inputs"):
+        Linear(65540, [16]).use_int8_weight()
     monkeypatch.setenv("LLM_SERVING_NATIVE_OPS", "1")      # MindSpore's ops, not our kernels
     with pytest.raises(ValueError, match="CPU-kernel feature"):
         Linear(32, [16]).use_int8_weight()

@@ -299,6 +299,8 @@ def _results(flat: np.ndarray, m: int, call: LinearCall, split: bool):
 # W8A8 int8 (``Linear.use_int8_weight``): panels of 16 output columns, K in groups of 4, one
 # 64-byte line per (panel, group); N padded to a multiple of 64, K to 4 (lls_linear_int8).
 INT8_PAD_N, INT8_PANEL = 64, 16
+# The most inputs the int8 kernel takes: K * 255 * 128 stays within int32.
+INT8_MAX_K = 65536
 
 
 def int8_packed_shape(n: int, k: int) -> tuple[int, int, int]:

@@ -38,9 +38,9 @@ from llm_serving.model_executor import cpu_graph
 from llm_serving.model_executor.forward_context import current_input_embeds, current_lora
 from llm_serving.model_executor.host_memory import WEIGHTS
 from llm_serving.model_executor.layers.custom_op import CustomOp, empty
-from llm_serving.model_executor.layers.gemm import (TILED_BF16_KERNELS, LinearCall,
-                                                    aligned_empty, amx_packed_shape, cpu_linear,
-                                                    Int8Scales, cpu_linear_int8, gemm_plan,
+from llm_serving.model_executor.layers.gemm import (INT8_MAX_K, TILED_BF16_KERNELS, Int8Scales,
+                                                    LinearCall, aligned_empty, amx_packed_shape,
+                                                    cpu_linear, cpu_linear_int8, gemm_plan,
                                                     pack_weight, pack_weight_amx,
                                                     pack_weight_int8, packed_shape)
 from llm_serving.model_executor.loader import float32_to_bfloat16_bits
@@ -181,6 +181,9 @@ class Linear(CustomOp):
         if self.bf16:
             raise ValueError("this layer holds bfloat16 weights: it cannot also hold int8")
         n, k = self.gemm_shape
+        if k > INT8_MAX_K:
+            raise ValueError(f"int8 weights take at most {INT8_MAX_K} inputs (the kernel's int32 "
+                             f"sums could overflow), this layer has {k}")
         name = self.weight.name
         self.packed = True
         self.int8_scales = Int8Scales(n, k, static_input_scale)

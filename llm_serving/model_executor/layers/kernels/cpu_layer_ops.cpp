@@ -1126,8 +1126,10 @@ int lls_linear_blas_f32(CblasSgemmFn sgemm, int64_t items, const float* x, int64
 // Weight layout (``gemm.pack_weight_int8``, the same for every build): panels of 16 output
 // columns, K in groups of 4, a group of a panel one 64-byte line: q[n, k] at
 // wq[((n / 16) * K4 + k / 4) * 64 + (n % 16) * 4 + k % 4], K4 = ceil(K / 4), K padded with
-// zeros and N to a multiple of 64 (I8_PAD_N: a register tile's widest strip). The multiply is u8 x s8 (what VPDPBUSD takes): x is stored as xq + 128, and
-// comp[n] = 128 * sum_k q[n, k] (``gemm.int8_compensation``) is taken off the sum, exactly.
+// zeros and N to a multiple of 64 (I8_PAD_N: a register tile's widest strip). The multiply
+// is u8 x s8 (what VPDPBUSD takes): x is stored as xq + 128, and comp[n] = 128 * sum_k q[n, k]
+// (``gemm.int8_compensation``) is taken off the sum, exactly. A tile of many rows is I8R rows x
+// I8S panels; one of at most kI8PairRows rows spans I8SP panels (more weight streams).
 // Per k group and row, one int32 broadcast of the row's 4 bytes against the panel's line:
 // - AVX512-VNNI (and AVX-VNNI on the ymm build): VPDPBUSD, 4 products summed into int32 lanes
 //   (the non-saturating form);
@@ -1375,7 +1377,8 @@ void i8_quantize_rows(const float* x, int64_t ldx, int64_t K, int64_t K4, const 
 #elif LLS_VW == 8
       const __m256 sign = _mm256_set1_ps(-0.0f);
       __m256 v = _mm256_setzero_ps();
-      for (; k + 8 <= K; k += 8) v = _mm256_max_ps(v, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k)));
+      for (; k + 8 <= K; k += 8)
+        v = _mm256_max_ps(v, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k)));
       alignas(32) float t[8];
       _mm256_store_ps(t, v);
       for (int i = 0; i < 8; ++i) amax = t[i] > amax ? t[i] : amax;
@@ -1388,18 +1391,23 @@ void i8_quantize_rows(const float* x, int64_t ldx, int64_t K, int64_t K4, const 
     uint8_t* o = xq + m * K4 * 4;
     int64_t k = 0;
 #if LLS_VW == 16
-    const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.0f);
+    const __m512 hi = _mm512_set1_ps(127.0f);
     for (; k + 16 <= K; k += 16) {
-      const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), vi), lo), hi);
+      const __m512 t =
+          _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(r + k), vi), lo), hi);
       const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(t), _mm512_set1_epi32(128));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtepi32_epi8(q));
     }
 #elif LLS_VW == 8 && defined(__AVX2__)
-    const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-128.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f);
     for (; k + 8 <= K; k += 8) {
-      const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k), vi), lo), hi);
+      const __m256 t =
+          _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k), vi), lo), hi);
       const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(128));
-      const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      const __m128i w16 =
+          _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(o + k), _mm_packus_epi16(w16, w16));
     }
 #endif
