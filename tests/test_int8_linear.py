@@ -39,7 +39,7 @@ def lib(request):
     return load_layer_ops(VARIANTS[request.param])
 
 
-def test_the_variants_cover_vnni_and_the_exact_widening_paths():
+def test_the_variants_cover_the_exact_widening_and_scalar_paths():
     kinds = {load_layer_ops(f).lls_int8_dot_kind().decode() for f in VARIANTS.values()}
     assert "scalar" in kinds and kinds & {"avx2-madd", "avx512bw-madd"}
 
