@@ -80,7 +80,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parse = (human_readable_int if f.metadata.get("cli_type") == "human_readable_int"
                     else base)
-            group.add_argument(flag, dest=f.name, type=parse, default=None,
+            group.add_argument(flag, *filter(None, [f.metadata.get("cli_alias")]),
+                               dest=f.name, type=parse, default=None,
                                metavar=f.name.upper(), help=help)
     # vLLM's flags that mean nothing here: taken, with a warning (cli_engine_overrides)
     for name, spec in VLLM_NO_EFFECT_ARGS.items():

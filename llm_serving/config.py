@@ -26,6 +26,7 @@ from llm_serving.executor.shm_channel import check_result_channel
 from llm_serving.model_executor.cpu_graph import STEADY_STEPS
 from llm_serving.model_executor.layers.pooler import PoolerSettings, resolve_pooler
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
+from llm_serving.model_executor.quantization import QUANT_METHOD
 from llm_serving.profiler import ProfilerConfig
 from llm_serving.sampling_params import MAX_LOGPROBS
 from llm_serving.histogram_buckets import check_histogram_buckets
@@ -132,8 +133,6 @@ VLLM_NO_EFFECT_ARGS = {
     "safetensors_load_strategy": NoEffect(
         "safetensors files are memory-mapped and each tensor read as its layer takes it", str,
         ("eager", "lazy", "prefetch")),
-    "quantization": NoEffect("weights load as stored (float32, bfloat16 or float16); "
-                             "quantized checkpoints are not served", str, (None,), alias="-q"),
     "language_model_only": NoEffect("the models served here are language models only"),
     "prefix_caching_hash_algo": NoEffect(
         "prefix-cache blocks are keyed in the engine's memory by Python's hash of their "
@@ -291,6 +290,10 @@ class EngineArgs:
         "bf16; activations float32, or bf16 where the CPU has amx_bf16 or avx512_bf16 and "
         "that measures faster; "
         "docs/benchmarks.md has its accuracy cost)")
+    quantization: Optional[str] = field(default=None, metadata={"cli_alias": "-q", "help": (
+        "None (read from the model's config.json) or compressed-tensors: W8A8 int8 "
+        "checkpoints made by llm-compressor or python -m llm_serving.quantize (CPU; README's "
+        "models section)")})
     kv_cache_dtype: str = _arg("auto",
         "KV cache storage: auto (float32 on CPU, float16 on Ascend), float32, float16 or "
         "bfloat16 (CPU: half the bytes per block, so kv_cache_space holds twice the tokens, "
@@ -532,6 +535,10 @@ class EngineArgs:
             self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, QUANT_METHOD):
+            raise ConfigError("quantization", f"{self.quantization!r} is not supported here "
+                              f"(only {QUANT_METHOD}, W8A8 int8, or None: read from the "
+                              "model's config.json)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"expected one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
@@ -741,6 +748,23 @@ class EngineArgs:
                               "rank, e.g. '0|1' for two")
         return affinity
 
+    def _check_quantization(self, hf, on_cpu: bool) -> None:
+        """A W8A8 int8 checkpoint (config.json's quantization_config) runs on our CPU int8
+        kernel, its other layers in float32; quantization=compressed-tensors needs one."""
+        if hf.quantization is None:
+            if self.quantization is not None:
+                raise ConfigError("quantization", f"{self.quantization} asked, but the "
+                                  "model's config.json has no quantization_config")
+            return
+        why = ("the device is not the CPU" if not on_cpu
+               else "LLM_SERVING_NATIVE_OPS=1 turns our CPU kernels off"
+               if os.environ.get("LLM_SERVING_NATIVE_OPS") == "1"
+               else f"dtype {self.dtype} asked (its float layers run in float32: use auto "
+                    "or float32)" if self.dtype not in ("auto", "float32") else None)
+        if why is not None:
+            raise ConfigError("quantization", f"the model is a W8A8 int8 checkpoint "
+                              f"(compressed-tensors), served by our CPU int8 kernel only: {why}")
+
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and
         decide the defaults that depend on other knobs. Raises ConfigError naming the key."""
@@ -793,6 +817,7 @@ class EngineArgs:
         if on_cpu and self.dtype == "float16":
             raise ConfigError("dtype", "float16 is not supported on CPU (use auto or float32, "
                               "or bfloat16 for bf16 linear weights)")
+        self._check_quantization(hf, on_cpu)
         if on_cpu and self.dtype == "bfloat16" and os.environ.get("LLM_SERVING_NATIVE_OPS") == "1":
             raise ConfigError("dtype", "bfloat16 weights need our CPU kernels, which "
                               "LLM_SERVING_NATIVE_OPS=1 turns off")

@@ -79,6 +79,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def w8a8_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model as a W8A8 int8 checkpoint (compressed-tensors, int8 weights per channel,
+    activations per token), written by python -m llm_serving.quantize."""
+    from llm_serving.quantize import quantize_model
+    return quantize_model(tiny_model_dir,
+                          str(tmp_path_factory.mktemp("w8a8") / "tiny-llama-w8a8"))
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_logprobs(tiny_model_dir):
     """Prompts of 1, 2, 30 and 150 tokens and HF transformers' log_softmax over each prompt
     position of the tiny model (torch, CPU, fp32): the reference of logprob tests."""

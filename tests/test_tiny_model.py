@@ -173,7 +173,7 @@ def test_model_path_takes_a_preset_or_a_directory(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError,
                        match="bench-gq.*tiny, tiny-qwen3, tiny-qwen3-moe, tiny-internlm, "
                              "tiny-internlm2, tiny-gpt-bigcode, tiny-baichuan2, "
-                             "tiny-baichuan2-alibi, bench, bench-gqa"):
+                             "tiny-baichuan2-alibi, tiny-w8a8, bench, bench-gqa"):
         model_path("bench-gq")                            # a typo: neither a preset nor a model
     assert default_model_dir("bench-gqa") == str(tmp_path / "home" / "models" / "bench-gqa-287m")
     assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == ["tiny-llama"]

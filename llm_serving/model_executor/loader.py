@@ -18,6 +18,7 @@ import numpy as np
 from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.baichuan_config import (baichuan_hf_dict, check_baichuan,
                                                         has_norm_head, uses_alibi)
+from llm_serving.model_executor.quantization import W8A8Config, parse_quantization_config
 from llm_serving.model_executor.torch_bin import read_torch_bin
 
 __all__ = [
@@ -145,6 +146,12 @@ class ModelConfig:
     base_model: bool = False
     # a sequence classifier's (SEQ_CLS_ARCHITECTURES) labels: its score head's rows (0: none)
     num_labels: int = 0
+    #: a W8A8 int8 checkpoint's quantization_config (quantization.py); None: float weights
+    quantization: Optional[W8A8Config] = None
+
+    def __post_init__(self):
+        if isinstance(self.quantization, Mapping):     # rebuilt from JSON (a WorkAgent's)
+            object.__setattr__(self, "quantization", W8A8Config.from_dict(self.quantization))
 
     @property
     def q_size(self) -> int:
@@ -276,6 +283,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise err(f"unsupported architecture {arch!r}; supported: "
                       f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES) + tuple(SEQ_CLS_ARCHITECTURES))}")
+        quantization = parse_quantization_config(cfg, arch, err)
         if arch == GPT_BIGCODE:
             return cls(**_gpt_bigcode_fields(cfg, err), model_dir=model_dir)
 
@@ -419,6 +427,7 @@ class ModelConfig:
             model_type=str(cfg.get("model_type", "")),
             model_dir=model_dir,
             base_model=base_model,
+            quantization=quantization,
             **seq_cls,
             **moe,
         )

@@ -69,7 +69,8 @@ def _as_arrays(weights):
     """(name, array) pairs with NumPy arrays (CPU torch tensors converted, bf16 widened)."""
     for name, w in weights:
         if hasattr(w, "detach"):            # a torch tensor: NumPy has no bfloat16
-            w = w.detach().float().cpu().numpy()
+            w = w.detach().cpu()            # (int8 weights of a W8A8 model stay int8)
+            w = w.numpy() if str(w.dtype) == "torch.int8" else w.float().numpy()
         yield name, w
 
 
@@ -96,6 +97,9 @@ class ModelRunner:
         self.pooler = m.pooler           # a pooling runner's (layers/pooler.py); None: generate
         self.model = build_model(c, self.backend, tp.rank, tp.size,
                                  ms if ms_mode != "off" else None, m.pooler is not None)
+        if c.quantization is not None:      # a W8A8 checkpoint: int8 weights, before loading
+            from llm_serving.model_executor.quantization import use_int8_weights
+            use_int8_weights(self.model, c.quantization, self.model.stacked_params)
         if m.dtype == "bfloat16" and self.device == "CPU":
             from llm_serving.model_executor.layers.linear import use_bf16_weights
             use_bf16_weights(self.model)    # linear weights stored bf16, activations fp32

@@ -2,7 +2,7 @@
 
 ``python -m llm_serving.model_executor.tiny_model --out DIR [--preset NAME] [flags]`` (NAME: tiny,
 tiny-qwen3, tiny-qwen3-moe, tiny-internlm, tiny-internlm2, tiny-gpt-bigcode, tiny-baichuan2,
-tiny-baichuan2-alibi, bench or bench-gqa) writes a
+tiny-baichuan2-alibi, tiny-w8a8, bench or bench-gqa) writes a
 directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and llm_serving both
 load (InternLM's and Baichuan's architectures are remote code in transformers:
 ``AutoTokenizer`` only):
@@ -154,6 +154,17 @@ PRESETS: Dict[str, Dict[str, object]] = {
         intermediate_size=128,
         vocab_size=1024,
     ),
+    # the tiny Llama as a W8A8 int8 checkpoint (llm_serving.quantize: compressed-tensors,
+    # int8 weights per channel, activations per token), builtin:tiny-llama-w8a8
+    "tiny-w8a8": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=1024,
+        w8a8=True,
+    ),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
@@ -230,7 +241,7 @@ _PRESET_DIRS = {"tiny": "tiny-llama", "tiny-qwen3": "tiny-qwen3",
                 "tiny-qwen3-moe": "tiny-qwen3-moe", "tiny-internlm": "tiny-internlm",
                 "tiny-internlm2": "tiny-internlm2", "tiny-gpt-bigcode": "tiny-gpt-bigcode",
                 "tiny-baichuan2": "tiny-baichuan2",
-                "tiny-baichuan2-alibi": "tiny-baichuan2-alibi",
+                "tiny-baichuan2-alibi": "tiny-baichuan2-alibi", "tiny-w8a8": "tiny-llama-w8a8",
                 "bench": "bench-97m", "bench-gqa": "bench-gqa-287m"}
 ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "internlm", "internlm2", "gpt_bigcode",
                  "baichuan2")
@@ -738,6 +749,7 @@ def make_tiny_model(
     decoder_sparse_step: int = 1,
     mlp_only_layers: Sequence[int] = (),
     alibi: bool = False,
+    w8a8: bool = False,
 ) -> str:
     """Write a random-weight model with a trained tokenizer to ``out_dir``; return ``out_dir``.
 
@@ -933,6 +945,11 @@ def make_tiny_model(
             {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map},
         )
     _write_json(out / GENERATOR_STAMP, {"generator": GENERATOR_VERSION})
+    if w8a8:        # the same model as a W8A8 int8 checkpoint
+        from llm_serving.quantize import quantize_model
+        with tempfile.TemporaryDirectory(dir=str(out.parent)) as tmp:
+            shutil.copytree(out, Path(tmp) / "float")
+            quantize_model(str(Path(tmp) / "float"), str(out))
     return str(out)
 
 
@@ -970,7 +987,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "tiny-gpt-bigcode: a GPTBigCodeForCausalLM (StarCoder's layout: "
                         "multi-query, learned positions); tiny-baichuan2: a BaichuanForCausalLM "
                         "as Baichuan2-7B (W_pack, NormHead, rotary); tiny-baichuan2-alibi: as "
-                        "Baichuan2-13B (ALiBi, 6 heads); bench: "
+                        "Baichuan2-13B (ALiBi, 6 heads); tiny-w8a8: tiny as a W8A8 int8 "
+                        "checkpoint (compressed-tensors, llm_serving.quantize); bench: "
                         "the ~97M model; bench-gqa: ~287M, 16 query heads on 4 kv heads")
     parser.add_argument("--architecture", choices=ARCHITECTURES,
                         help="llama (default; Qwen2 with --qkv-bias), qwen3, qwen3_moe, "

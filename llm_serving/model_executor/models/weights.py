@@ -14,7 +14,9 @@ from typing import Iterable, Sequence
 import numpy as np
 from mindspore import Tensor, nn
 
+from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
+from llm_serving.model_executor.quantization import quantized_layers
 
 
 class _Loading(threading.local):
@@ -43,37 +45,124 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
                        stacked_params: Sequence[tuple[str, str, int]]) -> None:
     """Fill ``model``'s parameters from (name, array) pairs; every parameter must be covered
     (in ``reloading(partial=True)``: every part of each parameter given). Nothing is stored
-    unless all of them fit."""
+    unless all of them fit. The layers a W8A8 checkpoint quantizes (``quantization.py``) take
+    their int8 weight as it is, its ``weight_scale`` and a static ``input_scale``."""
     params = dict(model.parameters_and_names())
     cells = dict(model.cells_and_names())
+    int8 = _int8_layers(model, cells, stacked_params)
+    for layer, static in int8.items():       # the scales fill parameters of their own here
+        params.update(dict.fromkeys([f"{layer}.weight_scale"]
+                                    + ([f"{layer}.input_scale"] if static else [])))
     host: dict[str, np.ndarray] = {}
     filled: dict[str, set] = {}
     for name, loaded in weights:
-        loaded = np.asarray(loaded, dtype=np.float32)
         target, shard = name, None
         for ckpt_part, our_part, idx in stacked_params:
             if ckpt_part in name:
                 target, shard = name.replace(ckpt_part, our_part), idx
                 break
+        layer, leaf = target.rsplit(".", 1)
+        if target not in params and leaf in _QUANT_LEAVES and layer in cells:
+            raise ModelLoadError(f"checkpoint tensor {name!r} quantizes a layer config.json's "
+                                 f"quantization_config does not quantize ({_NOT_QUANTIZED})")
         if target not in params:
             raise KeyError(f"checkpoint tensor {name!r} matches no model parameter")
-        param = params[target]
-        cell = cells.get(target.rsplit(".", 1)[0])
+        cell = cells.get(layer)
+        loaded = _checked_array(name, loaded, leaf if layer in int8 else None)
         buf = host.get(target)
         if buf is None:            # a Linear may hold its weight packed: [out, in] here
-            shape = (cell.gemm_shape if isinstance(cell, Linear)
-                     and target.endswith(".weight") else param.shape)
-            buf = host[target] = np.zeros(shape, np.float32)
+            buf = host[target] = _host_buffer(params[target], cell, leaf, layer in int8)
         filled.setdefault(target, set()).add(shard or 0)
-        if isinstance(cell, (Linear, VocabEmbedding)):
-            cell.weight_loader(buf, loaded, shard or 0, target.endswith(".bias"))
+        if leaf == "input_scale":
+            buf[shard or 0] = loaded.reshape(-1)[0]
+        elif leaf == "weight_scale" and loaded.size == 1:   # per tensor: on the part's rows
+            start = cell.offsets[shard or 0]
+            buf[start:start + cell.output_sizes[shard or 0]] = loaded.reshape(-1)[0]
+        elif isinstance(cell, (Linear, VocabEmbedding)):
+            cell.weight_loader(buf, loaded.reshape(-1) if leaf == "weight_scale" else loaded,
+                               shard or 0, target.endswith(".bias") or leaf == "weight_scale")
         else:
             if buf.shape != loaded.shape:
                 raise ValueError(f"{name}: checkpoint shape {loaded.shape} does not match "
                                  f"the model's {buf.shape}")
             buf[...] = loaded
-    missing = sorted(n for n, p in params.items()
-                     if (n in filled or not _loading.partial)
+    _check_complete(params, cells, filled, int8)
+    for target in list(host):
+        layer, leaf = target.rsplit(".", 1)
+        cell = cells.get(layer)
+        if layer in int8 and leaf != "bias":     # weight and scales, stored together
+            if leaf == "weight":
+                given = host.pop(f"{layer}.input_scale", None)    # the parts' max, as vLLM's
+                cell.set_int8_weight(host.pop(target), host.pop(f"{layer}.weight_scale"),
+                                     None if given is None else float(given.max()),
+                                     _loading.reload)
+            continue
+        buf = host.pop(target)           # freed as it is stored
+        if isinstance(cell, Linear) and target.endswith(".weight"):
+            cell.set_weight(buf, _loading.reload)  # packed, bf16 bits if the layer holds bf16
+        elif isinstance(cell, VocabEmbedding) and target.endswith(".weight"):
+            cell.set_weight(buf)
+        else:
+            params[target].set_data(Tensor(buf))
+
+
+# a quantized checkpoint's tensors beside a layer's weight
+_QUANT_LEAVES = ("weight_scale", "input_scale", "weight_zero_point", "input_zero_point")
+_NOT_QUANTIZED = "there is no quantization_config, or the layer is in its ignore list"
+
+
+def _int8_layers(model: nn.Cell, cells: dict, stacked_params) -> dict:
+    """{name: static input scale} of the Linear layers that hold int8 weights."""
+    quant = getattr(getattr(model, "config", None), "quantization", None)
+    if quant is None:
+        return {}
+    layers = quantized_layers(model, quant, stacked_params)
+    for name in layers:
+        if not cells[name].int8:
+            raise RuntimeError(f"{name} is quantized but holds no int8 weight: call "
+                               "use_int8_weights before loading")
+    return {name: scheme.static_input for name, scheme in layers.items()}
+
+
+def _checked_array(name: str, loaded, int8_leaf) -> np.ndarray:
+    """The checkpoint tensor as the model takes it: a quantized layer's weight int8 as
+    stored, everything else float32; an int8 tensor elsewhere is a ModelLoadError."""
+    is_int8 = np.asarray(loaded).dtype == np.int8
+    if int8_leaf == "weight":
+        if not is_int8:
+            raise ModelLoadError(f"checkpoint tensor {name!r} is {np.asarray(loaded).dtype}, "
+                                 "but config.json's quantization_config quantizes its layer: "
+                                 "expected int8")
+        return np.asarray(loaded)
+    if is_int8:
+        raise ModelLoadError(f"checkpoint tensor {name!r} is int8, but config.json's "
+                             f"quantization_config does not quantize its layer "
+                             f"({_NOT_QUANTIZED})")
+    return np.asarray(loaded, dtype=np.float32)
+
+
+def _host_buffer(param, cell, leaf: str, int8: bool) -> np.ndarray:
+    """Where a parameter's checkpoint tensors are gathered before it is stored."""
+    if leaf == "weight_scale":
+        return np.zeros(cell.gemm_shape[0], np.float32)
+    if leaf == "input_scale":
+        return np.zeros(len(cell.output_sizes), np.float32)
+    if isinstance(cell, Linear) and leaf == "weight":
+        return np.zeros(cell.gemm_shape, np.int8 if int8 else np.float32)
+    return np.zeros(param.shape, np.float32)
+
+
+def _check_complete(params: dict, cells: dict, filled: dict, int8: dict) -> None:
+    """Every parameter (in a partial reload: every one given) has all its fused parts, and an
+    int8 layer given its weight has its scales (and they their weight)."""
+    def given(n: str) -> bool:
+        layer = n.rsplit(".", 1)[0]
+        if layer in int8:
+            return any(k.startswith(layer + ".") for k in filled)
+        return n in filled
+
+    missing = sorted(n for n in params
+                     if (given(n) or not _loading.partial)
                      and len(filled.get(n, ())) < len(getattr(cells.get(n.rsplit(".", 1)[0]),
                                                               "output_sizes", [0])))
     if missing:
@@ -81,12 +170,3 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
                  if _loading.partial else "lacks weights for: ")
         raise KeyError(f"checkpoint {lacks}{', '.join(missing[:8])}"
                        + (" ..." if len(missing) > 8 else ""))
-    for target in list(host):
-        buf = host.pop(target)           # freed as it is stored
-        cell = cells.get(target.rsplit(".", 1)[0])
-        if isinstance(cell, Linear) and target.endswith(".weight"):
-            cell.set_weight(buf, _loading.reload)  # packed, bf16 bits if the layer holds bf16
-        elif isinstance(cell, VocabEmbedding) and target.endswith(".weight"):
-            cell.set_weight(buf)
-        else:
-            params[target].set_data(Tensor(buf))

@@ -1,0 +1,193 @@
+"""W8A8 int8 checkpoints in llm-compressor's compressed-tensors format, as vLLM-CPU serves them.
+
+config.json's ``quantization_config`` (``quant_method: compressed-tensors``) names, per config
+group, the layers it quantizes (``targets``: "Linear", layer names or ``re:`` patterns) and how:
+int8 symmetric weights per output channel or per tensor (``weight_scale``), activations int8
+symmetric, dynamic per token or with one static per-tensor ``input_scale``; ``ignore`` names
+the layers kept in float (names or ``re:`` patterns; the LM head usually). This is what
+``format`` "int-quantized" (and "naive-quantized": the same int8 tensors) holds. Any other
+scheme (asymmetric zero points, group or block strategies, 4-bit or packed weights, FP8, a
+quantized KV cache, sparsity, transforms) is refused by name when config.json is read.
+
+The layers quantized hold int8 weights and float32 per-output-channel scales
+(``Linear.use_int8_weight``, before loading; ``models/weights.py`` fills them): a fused layer
+(qkv, gate_up) whose parts have per-tensor scales gets each part's scale on its rows, and a
+static input scale over the parts is their max, as vLLM-CPU takes them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+QUANT_METHOD = "compressed-tensors"
+# the formats whose tensors are int8 weights with float scales
+INT8_FORMATS = ("int-quantized", "naive-quantized")
+# the decoders whose quantized layers are plain Linear layers with HF names (models/llama.py)
+INT8_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Qwen3ForCausalLM", "InternLMForCausalLM")
+_FORMAT_HINTS = {"pack-quantized": "4-bit packed weights", "float-quantized": "FP8",
+                 "nvfp4-pack-quantized": "NVFP4", "mxfp4-pack-quantized": "MXFP4",
+                 "marlin-24": "2:4 sparse Marlin", "sparse-24-bitmask": "2:4 sparse",
+                 "sparse-bitmask": "sparse", "dense": "no quantized tensors"}
+
+
+@dataclass(frozen=True)
+class Int8Scheme:
+    """One config group's scheme: weight scales per ``channel`` or per ``tensor``, and
+    activations quantized per token (dynamic) or with a static per-tensor input_scale."""
+    weight_strategy: str
+    static_input: bool
+
+
+@dataclass(frozen=True)
+class W8A8Config:
+    """A checkpoint's compressed-tensors W8A8 int8 quantization (config.json's)."""
+    groups: tuple          # ((targets, Int8Scheme), ...) in config order
+    ignore: tuple = ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "W8A8Config":
+        """From ``dataclasses.asdict`` output, through JSON (lists for tuples)."""
+        return cls(tuple((tuple(targets), Int8Scheme(**scheme))
+                         for targets, scheme in data["groups"]), tuple(data["ignore"]))
+
+    def scheme(self, parts: Sequence[str]) -> Optional[Int8Scheme]:
+        """The scheme of the layer made of the HF modules ``parts`` (one, or a fused layer's
+        q/k/v, gate/up), None if it stays float; parts of one layer under different schemes
+        are a ValueError (vLLM's rule too)."""
+        found = {self._part_scheme(p) for p in parts}
+        if len(found) > 1:
+            raise ValueError(f"{', '.join(parts)} are quantized differently in "
+                             "quantization_config; the parts of a fused layer need one scheme")
+        return found.pop()
+
+    def _part_scheme(self, name: str) -> Optional[Int8Scheme]:
+        if any(_matches(name, t) for t in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(_matches(name, t) or t.lower() == "linear" for t in targets):
+                return scheme
+        return None
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' rule: ``re:`` patterns match from the name's start, others whole."""
+    return re.match(target[3:], name) is not None if target.startswith("re:") else name == target
+
+
+def parse_quantization_config(cfg: Mapping[str, Any], arch: str,
+                              err: Callable[[str], Exception]) -> Optional[W8A8Config]:
+    """config.json's ``quantization_config`` (or its older name ``compression_config``) as a
+    W8A8Config, None without one; ``err(message)`` is raised for what is not served."""
+    key = "quantization_config" if "quantization_config" in cfg else "compression_config"
+    qc = cfg.get(key)
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise err(f"{key} must be an object, got {qc!r}")
+
+    def refuse(what: str) -> Exception:
+        return err(f"{key}: {what} is not served; W8A8 int8 compressed-tensors checkpoints "
+                   "are (int8 symmetric weights per channel or per tensor, int8 symmetric "
+                   "activations dynamic per token or static per tensor)")
+
+    method = qc.get("quant_method")
+    if method != QUANT_METHOD:
+        raise refuse(f"quant_method {method!r}")
+    fmt = qc.get("format")
+    _check_format(fmt, refuse)
+    if arch not in INT8_ARCHITECTURES:
+        raise err(f"{key}: a quantized {arch} is not served; W8A8 int8 checkpoints are for "
+                  f"{', '.join(INT8_ARCHITECTURES)}")
+    for name, what in (("kv_cache_scheme", "a quantized KV cache (kv_cache_scheme)"),
+                       ("sparsity_config", "sparsity (sparsity_config)"),
+                       ("transform_config", "a transform (transform_config)")):
+        if qc.get(name):
+            raise refuse(what)
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise err(f"{key}.config_groups must be a non-empty object")
+    parsed = []
+    for gname, group in groups.items():
+        where = f"config_groups.{gname}"
+        if not isinstance(group, Mapping):
+            raise err(f"{key}.{where} must be an object")
+        targets = group.get("targets")
+        if (not isinstance(targets, list) or not targets
+                or not all(isinstance(t, str) for t in targets)):
+            raise err(f"{key}.{where}.targets must be a non-empty list of names")
+        if any(t.endswith("Attention") for t in targets):
+            raise refuse(f"{where}: attention quantization (targets {targets})")
+        _check_format(group.get("format"), refuse)
+        if group.get("output_activations"):
+            raise refuse(f"{where}.output_activations")
+        parsed.append((tuple(targets), _group_scheme(group, where, refuse)))
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+        raise err(f"{key}.ignore must be a list of layer names or re: patterns")
+    return W8A8Config(tuple(parsed), tuple(ignore))
+
+
+def _check_format(fmt, refuse) -> None:
+    if fmt is not None and fmt not in INT8_FORMATS:
+        hint = _FORMAT_HINTS.get(fmt)
+        raise refuse(f"format {fmt!r}" + (f" ({hint})" if hint else ""))
+
+
+def _group_scheme(group: Mapping[str, Any], where: str, refuse) -> Int8Scheme:
+    w = group.get("weights")
+    if not isinstance(w, Mapping):
+        raise refuse(f"{where}: a group without weights")
+    _check_int8(w, f"{where}.weights", refuse)
+    strategy = w.get("strategy") or "tensor"
+    if strategy not in ("channel", "tensor"):
+        raise refuse(f"{where}.weights.strategy {strategy!r}")
+    if w.get("dynamic"):
+        raise refuse(f"{where}.weights.dynamic true")
+    for name in ("group_size", "block_structure", "actorder"):
+        if w.get(name) is not None:
+            raise refuse(f"{where}.weights.{name} {w[name]!r}")
+    a = group.get("input_activations")
+    if not isinstance(a, Mapping):
+        raise refuse(f"{where}: int8 weights without input_activations (W8A16)")
+    _check_int8(a, f"{where}.input_activations", refuse)
+    act = (a.get("strategy") or "tensor", a.get("dynamic"))
+    if act not in (("token", True), ("tensor", False)):
+        raise refuse(f"{where}.input_activations strategy {act[0]!r} with dynamic {act[1]!r} "
+                     "(served: token with dynamic true, tensor with dynamic false)")
+    return Int8Scheme(strategy, static_input=act[0] == "tensor")
+
+
+def _check_int8(args: Mapping[str, Any], where: str, refuse) -> None:
+    if args.get("type", "int") != "int":
+        raise refuse(f"{where}.type {args.get('type')!r}")
+    if args.get("num_bits") != 8:
+        raise refuse(f"{where}.num_bits {args.get('num_bits')!r}")
+    if args.get("symmetric", True) is not True:
+        raise refuse(f"{where}: asymmetric quantization (zero points)")
+
+
+def quantized_layers(model, config: W8A8Config, stacked_params) -> dict:
+    """{Linear cell name: Int8Scheme} of ``model``'s layers ``config`` quantizes; a layer's HF
+    parts are found by undoing ``stacked_params`` (qkv_proj -> q_proj, k_proj, v_proj)."""
+    from llm_serving.model_executor.layers.linear import Linear
+    layers = {}
+    for name, cell in model.cells_and_names():
+        if not isinstance(cell, Linear):
+            continue
+        parts = [(idx, (name + ".").replace(ours, ckpt)[:-1])
+                 for ckpt, ours, idx in stacked_params if ours in name + "."]
+        scheme = config.scheme([p for _, p in sorted(parts)] or [name])
+        if scheme is not None:
+            layers[name] = scheme
+    return layers
+
+
+def use_int8_weights(model, config: W8A8Config, stacked_params) -> int:
+    """Make the layers ``config`` quantizes hold int8 weights (before loading); how many."""
+    cells = dict(model.cells_and_names())
+    layers = quantized_layers(model, config, stacked_params)
+    for name, scheme in layers.items():
+        cells[name].use_int8_weight(static_input_scale=scheme.static_input)
+    return len(layers)

