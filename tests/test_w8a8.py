@@ -47,11 +47,12 @@ class W8A8Linear(torch.nn.Module):
     activation scales; ``splits`` > 1 quantizes each slice of the input columns on its own and
     sums the slices' outputs (a row-parallel layer on that many tensor-parallel ranks)."""
 
-    def __init__(self, q, scale, input_scale=None, splits=1):
+    def __init__(self, q, scale, input_scale=None, splits=1, bias=None):
         super().__init__()
         self.q = torch.from_numpy(np.asarray(q, np.float64))
         self.scale = torch.from_numpy(np.array(scale, np.float32).reshape(-1))
         self.input_scale, self.splits = input_scale, splits
+        self.bias = 0 if bias is None else torch.from_numpy(np.array(bias, np.float32))
 
     def forward(self, x):
         shape, x = x.shape, x.reshape(-1, x.shape[-1]).float()
@@ -63,7 +64,7 @@ class W8A8Linear(torch.nn.Module):
                 sx = torch.full((len(xs), 1), self.input_scale)
             xq = torch.clamp(torch.round(xs / torch.where(sx == 0, 1, sx)), -128, 127)
             y = y + (xq.double() @ qs.T).float() * sx * self.scale
-        return y.reshape(*shape[:-1], -1)
+        return (y + self.bias).reshape(*shape[:-1], -1)
 
 
 def emulated_hf(float_dir: str, w8a8_dir: str, splits: int = 1):
@@ -86,7 +87,8 @@ def emulated_hf(float_dir: str, w8a8_dir: str, splits: int = 1):
             setattr(where[part][1], part, W8A8Linear(
                 q, np.broadcast_to(scale.reshape(-1, 1), (len(q), 1)),
                 float(np.max(fused[group])) if static else None,
-                splits if part in ("o_proj", "down_proj") else 1))
+                splits if part in ("o_proj", "down_proj") else 1,
+                tensors.get(names[part] + ".bias")))
     return model
 
 
@@ -159,14 +161,19 @@ def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def variants(tiny_model_dir, w8a8_model_dir, tmp_path_factory):
-    """{name: (checkpoint, prompts, reference logits, reference greedy tokens)}."""
-    static = _static_tensor_checkpoint(tiny_model_dir, w8a8_model_dir,
-                                       tmp_path_factory.mktemp("w8a8") / "static")
+def variants(tiny_model_dir, w8a8_model_dir, model_dirs, tmp_path_factory):
+    """{name: (checkpoint, prompts, reference logits, reference greedy tokens)}; a Qwen2
+    (q/k/v biases, one KV head, tied embeddings) quantized too."""
+    from llm_serving.quantize import quantize_model
+    root = tmp_path_factory.mktemp("w8a8")
+    static = _static_tensor_checkpoint(tiny_model_dir, w8a8_model_dir, root / "static")
+    qwen2 = model_dirs["qwen2-mqa-tied"]
     prompts = _prompts(VOCAB)[:6]      # up to 100 tokens: a flip reaches fewer positions
     out = {}
-    for name, d in (("dynamic-channel", w8a8_model_dir), ("static-tensor", static)):
-        out[name + ":model"] = model = emulated_hf(tiny_model_dir, d)
+    for name, src, d in (("dynamic-channel", tiny_model_dir, w8a8_model_dir),
+                         ("static-tensor", tiny_model_dir, static),
+                         ("qwen2-bias-tied", qwen2, quantize_model(qwen2, str(root / "q2")))):
+        out[name + ":model"] = model = emulated_hf(src, d)
         out[name] = (d, prompts, *reference(model, prompts))
     return out
 
@@ -177,7 +184,7 @@ def w8a8_llm(w8a8_model_dir):
                num_blocks=256)
 
 
-@pytest.mark.parametrize("name", ["dynamic-channel", "static-tensor"])
+@pytest.mark.parametrize("name", ["dynamic-channel", "static-tensor", "qwen2-bias-tied"])
 def test_logits_and_greedy_tokens_match_the_emulated_w8a8_llama(variants, w8a8_llm, name):
     d, prompts, ref_logits, ref_tokens = variants[name]
     llm = w8a8_llm if name == "dynamic-channel" else LLM(d, block_size=16, num_blocks=256)
@@ -290,17 +297,21 @@ def test_checkpoints_not_served_are_refused_by_name(w8a8_model_dir, change, says
     assert says in str(e.value)
 
 
-def test_engine_arguments_and_devices_that_cannot_serve_it_are_refused(w8a8_model_dir,
-                                                                       tiny_model_dir):
+def test_engine_arguments_and_devices_that_cannot_serve_it_are_refused(
+        w8a8_model_dir, tiny_model_dir, monkeypatch):
     from llm_serving.config import EngineArgs
     for model, kwargs, says in (
             (w8a8_model_dir, {"quantization": "awq"}, "'awq' is not supported"),
             (tiny_model_dir, {"quantization": "compressed-tensors"}, "no quantization_config"),
             (w8a8_model_dir, {"dtype": "bfloat16"}, "dtype bfloat16"),
-            (w8a8_model_dir, {"device": "ascend"}, "the device is not the CPU")):
+            (w8a8_model_dir, {"device": "ascend"}, "the device is not the CPU"),
+            (w8a8_model_dir, {"env": "LLM_SERVING_NATIVE_OPS"}, "turns our CPU kernels off")):
+        if kwargs.pop("env", None):
+            monkeypatch.setenv("LLM_SERVING_NATIVE_OPS", "1")
         with pytest.raises(ConfigError) as e:
             EngineArgs(model=model, **kwargs).create_engine_config()
         assert e.value.key == "quantization" and says in str(e.value)
+    monkeypatch.delenv("LLM_SERVING_NATIVE_OPS")
     from test_vllm_serve_flags import _settings
     for flag in ("-q", "--quantization"):
         assert _settings(w8a8_model_dir, flag, "compressed-tensors") is not None
