@@ -764,6 +764,8 @@ class EngineArgs:
         if why is not None:
             raise ConfigError("quantization", f"the model is a W8A8 int8 checkpoint "
                               f"(compressed-tensors), served by our CPU int8 kernel only: {why}")
+        logger.info("the model is a W8A8 int8 checkpoint (compressed-tensors): its quantized "
+                    "linear layers run on the CPU int8 kernel, the others in float32")
 
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and
