@@ -14,25 +14,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from llm_serving import LLM, SamplingParams
-from llm_serving.cli_args import STOP_WITH_PARENT_ENV
 from llm_serving.errors import ConfigError, ModelLoadError
 from llm_serving.model_executor.loader import ModelConfig
 from llm_serving.quantize import quantize_per_channel
-from test_model_parity import _prefill_logits, _prompts
+from test_model_parity import _prefill_logits, _prompts, hf_logits_and_greedy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1024
 NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
@@ -113,16 +108,7 @@ def assert_greedy_agrees(model, prompts, ours, ref) -> None:
 
 
 def reference(model, prompts, new_tokens=NEW):
-    logits, greedy = [], []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            logits.append(model(ids).logits[0].numpy())
-            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, attention_mask=torch.ones_like(ids),
-                                 pad_token_id=0)
-            greedy.append(out[0, len(p):].tolist())
-    return logits, greedy
+    return hf_logits_and_greedy(model, prompts, new_tokens)
 
 
 def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
@@ -359,21 +345,13 @@ def test_server_on_builtin_w8a8_model_answers_the_openai_client(tmp_path, tiny_m
     tokens are the emulation's greedy tokens."""
     import openai
 
-    from test_http_server import free_port, stop_server
-    port = free_port()
+    from test_http_server import free_port, serve_model, stop_server
     home = tmp_path / "home"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "start.py"), "--model", "builtin:tiny-llama-w8a8",
-         "--port", str(port), "--num-blocks", "256", "--max-model-len", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "LLM_SERVING_HOME": str(home),
-             STOP_WITH_PARENT_ENV: str(os.getpid())})
+    proc, url = serve_model("builtin:tiny-llama-w8a8", "-q", "compressed-tensors",
+                            "--max-model-len", "1024", port=free_port(),
+                            env={"LLM_SERVING_HOME": str(home)})
     try:
-        deadline, line = time.monotonic() + 180, ""
-        while time.monotonic() < deadline and "ready" not in line and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "ready" in line, proc.stderr.read()[-2000:] if proc.poll() is not None else line
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         c = client.completions.create(model="builtin:tiny-llama-w8a8", prompt=[5, 17, 300, 42],
                                       max_tokens=NEW, temperature=0)
     finally:

@@ -60,15 +60,16 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+_TINY: Dict[str, object] = dict(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=1024,
+)
 PRESETS: Dict[str, Dict[str, object]] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=1024,
-    ),
+    "tiny": _TINY,
     # Qwen3's layout: per-head q/k norms, a head_dim that is not hidden_size / num_heads, tied
     # embeddings (as Qwen3-0.6B to 4B have).
     "tiny-qwen3": dict(
@@ -156,15 +157,7 @@ PRESETS: Dict[str, Dict[str, object]] = {
     ),
     # the tiny Llama as a W8A8 int8 checkpoint (llm_serving.quantize: compressed-tensors,
     # int8 weights per channel, activations per token), builtin:tiny-llama-w8a8
-    "tiny-w8a8": dict(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=1024,
-        w8a8=True,
-    ),
+    "tiny-w8a8": dict(_TINY, w8a8=True),
     # ~97M parameters: the benchmark model.
     "bench": dict(
         hidden_size=768,
