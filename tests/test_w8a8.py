@@ -315,7 +315,26 @@ def test_engine_arguments_and_devices_that_cannot_serve_it_are_refused(
 
 
 def test_int8_tensors_of_a_float_layer_and_float_weights_of_an_int8_layer_are_refused(
-        w8a8_model_dir, tiny_model_dir, tmp_path):
+        w8a8_model_dir, tiny_model_dir, variants, tmp_path):
+    """And zero points: all zeros (a symmetric scheme's, as some compressed-tensors versions
+    write them) are taken, others refused."""
+    from safetensors.numpy import load_file, save_file
+    _, prompts, _, _ = variants["dynamic-channel"]
+    zeros = shutil.copytree(w8a8_model_dir, tmp_path / "zeros")
+    tensors = load_file(str(zeros / "model.safetensors"))
+    down = "model.layers.0.mlp.down_proj"
+    tensors[down + ".weight_zero_point"] = np.zeros((64, 1), np.int8)
+    save_file(tensors, str(zeros / "model.safetensors"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    with_zeros = LLM(str(zeros), num_blocks=16).generate({"prompt_token_ids": prompts[2]},
+                                                         params)[0].outputs[0]
+    plain = LLM(w8a8_model_dir, num_blocks=16).generate({"prompt_token_ids": prompts[2]},
+                                                        params)[0].outputs[0]
+    assert with_zeros.token_ids == plain.token_ids
+    tensors[down + ".weight_zero_point"][3] = 1
+    save_file(tensors, str(zeros / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="weight_zero_point.*nonzero zero points"):
+        LLM(str(zeros), num_blocks=16)
     ignored = shutil.copytree(w8a8_model_dir, tmp_path / "ignored")
     cfg = _config(ignored)
     cfg["quantization_config"]["ignore"] += ["re:.*down_proj$"]

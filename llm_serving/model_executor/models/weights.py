@@ -62,6 +62,11 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
                 target, shard = name.replace(ckpt_part, our_part), idx
                 break
         layer, leaf = target.rsplit(".", 1)
+        if layer in int8 and leaf.endswith("_zero_point"):
+            if np.any(np.asarray(loaded)):
+                raise ModelLoadError(f"checkpoint tensor {name!r}: nonzero zero points "
+                                     "(asymmetric quantization) are not served")
+            continue            # a symmetric scheme's zeros, as some versions write them
         if target not in params and leaf in _QUANT_LEAVES and layer in cells:
             raise ModelLoadError(f"checkpoint tensor {name!r} quantizes a layer config.json's "
                                  f"quantization_config does not quantize ({_NOT_QUANTIZED})")
