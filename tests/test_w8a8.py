@@ -75,7 +75,7 @@ class W8A8Linear(torch.nn.Module):
 
 def emulated_hf(float_dir: str, w8a8_dir: str, splits: int = 1):
     """transformers' model of ``float_dir`` (embeddings, norms, LM head) with every decoder
-    linear layer computing W8A8 from ``w8a8_dir``'s tensors."""
+    linear layer ``w8a8_dir`` quantizes computing W8A8 from its tensors."""
     from safetensors.numpy import load_file
     tensors = load_file(str(Path(w8a8_dir) / "model.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir,
@@ -88,6 +88,8 @@ def emulated_hf(float_dir: str, w8a8_dir: str, splits: int = 1):
         for part, group in PARTS.items():
             fused.setdefault(group, []).append(tensors.get(names[part] + ".input_scale"))
         for part, group in PARTS.items():
+            if names[part] + ".weight_scale" not in tensors:       # a float layer: as it is
+                continue
             q, scale = tensors[names[part] + ".weight"], tensors[names[part] + ".weight_scale"]
             static = fused[group][0] is not None
             setattr(where[part][1], part, W8A8Linear(
@@ -157,6 +159,26 @@ def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
     return str(out)
 
 
+def _mlp_only_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
+    """``w8a8_dir`` with the attention's projections float again, as a checkpoint whose
+    config group targets the MLP by pattern (``re:``) and ignores the attention by name."""
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(w8a8_dir, out)
+    tensors, floats = load_file(str(out / "model.safetensors")), load_file(
+        str(Path(float_dir) / "model.safetensors"))
+    for name in [n for n in tensors if ".self_attn." in n]:
+        del tensors[name]
+    tensors.update({n: w for n, w in floats.items() if ".self_attn." in n})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    qc["config_groups"]["group_0"]["targets"] = [r"re:model\.layers\.\d+\.mlp\..*"]
+    qc["ignore"] = ["lm_head"] + [f"model.layers.{i}.self_attn.{p}_proj"
+                                  for i in range(2) for p in "qkvo"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def variants(tiny_model_dir, w8a8_model_dir, model_dirs, tmp_path_factory):
     """{name: (checkpoint, prompts, reference logits, reference greedy tokens)}; a Qwen2
@@ -169,6 +191,8 @@ def variants(tiny_model_dir, w8a8_model_dir, model_dirs, tmp_path_factory):
     out = {}
     for name, src, d in (("dynamic-channel", tiny_model_dir, w8a8_model_dir),
                          ("static-tensor", tiny_model_dir, static),
+                         ("mlp-only", tiny_model_dir,
+                          _mlp_only_checkpoint(tiny_model_dir, w8a8_model_dir, root / "mlp")),
                          ("qwen2-bias-tied", qwen2, quantize_model(qwen2, str(root / "q2")))):
         out[name + ":model"] = model = emulated_hf(src, d)
         out[name] = (d, prompts, *reference(model, prompts))
@@ -181,10 +205,14 @@ def w8a8_llm(w8a8_model_dir):
                num_blocks=256)
 
 
-@pytest.mark.parametrize("name", ["dynamic-channel", "static-tensor", "qwen2-bias-tied"])
+@pytest.mark.parametrize("name", ["dynamic-channel", "static-tensor", "mlp-only",
+                                  "qwen2-bias-tied"])
 def test_logits_and_greedy_tokens_match_the_emulated_w8a8_llama(variants, w8a8_llm, name):
     d, prompts, ref_logits, ref_tokens = variants[name]
     llm = w8a8_llm if name == "dynamic-channel" else LLM(d, block_size=16, num_blocks=256)
+    int8 = [n for n, c in llm.engine.runner.model.cells_and_names() if getattr(c, "int8", 0)]
+    assert len(int8) == (2 if name == "mlp-only" else 4) * llm.engine.config.model.hf.num_layers
+    assert name != "mlp-only" or all(".mlp." in n for n in int8)
     assert_logits_agree(_prefill_logits(llm, prompts), ref_logits)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert_greedy_agrees(variants[name + ":model"], prompts,
@@ -340,6 +368,11 @@ def test_int8_tensors_of_a_float_layer_and_float_weights_of_an_int8_layer_are_re
     cfg["quantization_config"]["ignore"] += ["re:.*down_proj$"]
     (ignored / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"down_proj.weight.*does not quantize.*ignore"):
+        LLM(str(ignored), num_blocks=16)
+    cfg["quantization_config"]["ignore"] = ["model.layers.0.self_attn.k_proj"]
+    (ignored / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="q_proj, .*k_proj, .*v_proj are quantized "
+                                             "differently"):
         LLM(str(ignored), num_blocks=16)
     floats = shutil.copytree(tiny_model_dir, tmp_path / "floats")
     cfg = json.loads((floats / "config.json").read_text())

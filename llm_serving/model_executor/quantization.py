@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from llm_serving.errors import ModelLoadError
+
 QUANT_METHOD = "compressed-tensors"
 # the formats whose tensors are int8 weights with float scales
 INT8_FORMATS = ("int-quantized", "naive-quantized")
@@ -55,11 +57,12 @@ class W8A8Config:
     def scheme(self, parts: Sequence[str]) -> Optional[Int8Scheme]:
         """The scheme of the layer made of the HF modules ``parts`` (one, or a fused layer's
         q/k/v, gate/up), None if it stays float; parts of one layer under different schemes
-        are a ValueError (vLLM's rule too)."""
+        are a ModelLoadError."""
         found = {self._part_scheme(p) for p in parts}
         if len(found) > 1:
-            raise ValueError(f"{', '.join(parts)} are quantized differently in "
-                             "quantization_config; the parts of a fused layer need one scheme")
+            raise ModelLoadError(f"{', '.join(parts)} are quantized differently in "
+                                 "config.json's quantization_config; the parts of a fused "
+                                 "layer need one scheme (vLLM's rule too)")
         return found.pop()
 
     def _part_scheme(self, name: str) -> Optional[Int8Scheme]:
