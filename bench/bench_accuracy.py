@@ -14,6 +14,8 @@ positions 0, every, 2*every, ...; each dump pairs with fp32's by file name
 - greedy agreement: prompts whose whole output equals fp32's, and the mean share of each
   output that matches fp32's before the first different token.
 
+The ``w8a8`` arm serves the model's W8A8 int8 checkpoint (``python -m llm_serving.quantize``:
+int8 weights per output channel, activations per token), made once under the home directory.
 An arm followed by ``~`` and layers (``fp8 KV~first+last``, ``fp8 KV~0+5``) keeps those
 layers' KV cache at fp32 (``kv_cache_dtype_skip_layers``).
 """
@@ -40,7 +42,7 @@ DATA = ROOT / "clients" / "data" / "alpaca_521.json"
 ARMS = {"fp32": ("float32", "float32", None), "bf16 weights": ("bfloat16", "float32", None),
         "bf16 KV": ("float32", "bfloat16", None), "bf16 both": ("bfloat16", "bfloat16", None),
         "fp16 KV": ("float32", "float16", None), "fp8 KV": ("float32", "fp8_e4m3", None),
-        "fp8_e5m2 KV": ("float32", "fp8_e5m2", None),
+        "fp8_e5m2 KV": ("float32", "fp8_e5m2", None), "w8a8": ("float32", "float32", None),
         **{f"bf16 weights ({k})": ("bfloat16", "float32", k) for k in ("widen", "amx", "dot")},
         **{f"bf16 both ({k})": ("bfloat16", "bfloat16", k) for k in ("widen", "amx", "dot")}}
 ATOL = 5e-3
@@ -104,7 +106,8 @@ def main() -> None:
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.device import init_device
     from llm_serving.model_executor.layers.gemm import bf16_kernels
-    from llm_serving.model_executor.tiny_model import arm_skip_layers, model_path
+    from llm_serving.model_executor.tiny_model import (QUANTIZED_ARMS, arm_skip_layers,
+                                                       model_path, w8a8_copy)
     init_device("cpu")
     runs = bf16_kernels()
     arms = ([a.strip() for a in args.arms.split(",")] if args.arms else
@@ -131,7 +134,8 @@ def main() -> None:
                 name, skip = arm_skip_layers(arm, model)
                 dtype, kv, kernel = ARMS[name]
                 dirs[arm] = work / re.sub(r"\W+", "_", arm)
-                toks[arm], dt = run_arm(model, prompts, dtype, kv, dirs[arm], args.max_tokens,
+                arm_model = w8a8_copy(model) if name in QUANTIZED_ARMS else model
+                toks[arm], dt = run_arm(arm_model, prompts, dtype, kv, dirs[arm], args.max_tokens,
                                         args.every, args.max_num_seqs, kernel, skip)
                 print(f"#   {spec} {arm}: {dt:.1f} s", file=sys.stderr)
             for arm in arms:

