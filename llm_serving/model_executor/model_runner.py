@@ -98,7 +98,7 @@ class ModelRunner:
         self.model = build_model(c, self.backend, tp.rank, tp.size,
                                  ms if ms_mode != "off" else None, m.pooler is not None)
         if c.quantization is not None:      # a W8A8 checkpoint: int8 weights, before loading
-            from llm_serving.model_executor.quantization import use_int8_weights
+            from llm_serving.model_executor.models.weights import use_int8_weights
             use_int8_weights(self.model, c.quantization, self.model.stacked_params)
         if m.dtype == "bfloat16" and self.device == "CPU":
             from llm_serving.model_executor.layers.linear import use_bf16_weights

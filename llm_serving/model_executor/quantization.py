@@ -169,28 +169,3 @@ def _check_int8(args: Mapping[str, Any], where: str, refuse) -> None:
         raise refuse(f"{where}.num_bits {args.get('num_bits')!r}")
     if args.get("symmetric", True) is not True:
         raise refuse(f"{where}: asymmetric quantization (zero points)")
-
-
-def quantized_layers(model, config: W8A8Config, stacked_params) -> dict:
-    """{Linear cell name: Int8Scheme} of ``model``'s layers ``config`` quantizes; a layer's HF
-    parts are found by undoing ``stacked_params`` (qkv_proj -> q_proj, k_proj, v_proj)."""
-    from llm_serving.model_executor.layers.linear import Linear
-    layers = {}
-    for name, cell in model.cells_and_names():
-        if not isinstance(cell, Linear):
-            continue
-        parts = [(idx, (name + ".").replace(ours, ckpt)[:-1])
-                 for ckpt, ours, idx in stacked_params if ours in name + "."]
-        scheme = config.scheme([p for _, p in sorted(parts)] or [name])
-        if scheme is not None:
-            layers[name] = scheme
-    return layers
-
-
-def use_int8_weights(model, config: W8A8Config, stacked_params) -> int:
-    """Make the layers ``config`` quantizes hold int8 weights (before loading); how many."""
-    cells = dict(model.cells_and_names())
-    layers = quantized_layers(model, config, stacked_params)
-    for name, scheme in layers.items():
-        cells[name].use_int8_weight(static_input_scale=scheme.static_input)
-    return len(layers)

@@ -16,7 +16,7 @@ from mindspore import Tensor, nn
 
 from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
-from llm_serving.model_executor.quantization import quantized_layers
+from llm_serving.model_executor.quantization import W8A8Config
 
 
 class _Loading(threading.local):
@@ -175,3 +175,27 @@ def _check_complete(params: dict, cells: dict, filled: dict, int8: dict) -> None
                  if _loading.partial else "lacks weights for: ")
         raise KeyError(f"checkpoint {lacks}{', '.join(missing[:8])}"
                        + (" ..." if len(missing) > 8 else ""))
+
+
+def quantized_layers(model, config: W8A8Config, stacked_params) -> dict:
+    """{Linear cell name: Int8Scheme} of ``model``'s layers ``config`` quantizes; a layer's HF
+    parts are found by undoing ``stacked_params`` (qkv_proj -> q_proj, k_proj, v_proj)."""
+    layers = {}
+    for name, cell in model.cells_and_names():
+        if not isinstance(cell, Linear):
+            continue
+        parts = [(idx, (name + ".").replace(ours, ckpt)[:-1])
+                 for ckpt, ours, idx in stacked_params if ours in name + "."]
+        scheme = config.scheme([p for _, p in sorted(parts)] or [name])
+        if scheme is not None:
+            layers[name] = scheme
+    return layers
+
+
+def use_int8_weights(model, config: W8A8Config, stacked_params) -> int:
+    """Make the layers ``config`` quantizes hold int8 weights (before loading); how many."""
+    cells = dict(model.cells_and_names())
+    layers = quantized_layers(model, config, stacked_params)
+    for name, scheme in layers.items():
+        cells[name].use_int8_weight(static_input_scale=scheme.static_input)
+    return len(layers)
