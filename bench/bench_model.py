@@ -20,7 +20,8 @@ step replayed from a capture, model_executor/cpu_graph.py); bf16-widen, bf16-amx
 activations, or activations rounded to bf16 on AMX tiles or in AVX512-BF16 dot products; the
 last two where the CPU has them); w8a8 (the model's W8A8 int8 checkpoint, made once by
 ``python -m llm_serving.quantize`` into ``$LLM_SERVING_HOME/models/<name>-w8a8``: int8 linear
-layers on the int8 kernel, the rest fp32). Each arm's floor counts the bytes its weights
+layers on the int8 kernel, the rest fp32); w8a8-fp8kv (that checkpoint with ``--kv-cache-dtype
+fp8``). Each arm's floor counts the bytes its weights
 really take.
 An arm may end in ``@N`` for KV blocks of N tokens instead of 16 (``fp32,fp32@128``: vLLM-CPU's
 default block size against ours), and before that in ``~`` and layers whose KV cache stays
@@ -114,6 +115,7 @@ ARMS = {"fp32": ("float32", "float32", False, None),
         "fp8e5m2-kv": ("float32", "fp8_e5m2", False, None),
         "fp32-eager": ("float32", "float32", True, None),
         "w8a8": ("float32", "float32", False, None),
+        "w8a8-fp8kv": ("float32", "fp8_e4m3", False, None),
         **{f"bf16-{k}": ("bfloat16", "bfloat16", False, k) for k in ("widen", "amx", "dot")}}
 
 

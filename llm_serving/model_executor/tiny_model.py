@@ -336,7 +336,7 @@ def arm_skip_layers(arm: str, model: str) -> Tuple[str, Optional[list]]:
 
 
 # a benchmark's arms that load the model's W8A8 int8 checkpoint (w8a8_copy) instead of it
-QUANTIZED_ARMS = ("w8a8",)
+QUANTIZED_ARMS = ("w8a8", "w8a8-fp8kv")
 
 
 def w8a8_copy(model: str) -> str:
