@@ -750,7 +750,9 @@ class EngineArgs:
 
     def _check_quantization(self, hf, on_cpu: bool) -> None:
         """A W8A8 int8 checkpoint (config.json's quantization_config) runs on our CPU int8
-        kernel, its other layers in float32; quantization=compressed-tensors needs one."""
+        kernel, its other layers in float32 (with dtype bfloat16, as vLLM-CPU takes it: the
+        linear layers it leaves in float hold bf16 weights); quantization=compressed-tensors
+        needs one."""
         if hf.quantization is None:
             if self.quantization is not None:
                 raise ConfigError("quantization", f"{self.quantization} asked, but the "
@@ -758,14 +760,14 @@ class EngineArgs:
             return
         why = ("the device is not the CPU" if not on_cpu
                else "LLM_SERVING_NATIVE_OPS=1 turns our CPU kernels off"
-               if os.environ.get("LLM_SERVING_NATIVE_OPS") == "1"
-               else f"dtype {self.dtype} asked (its float layers run in float32: use auto "
-                    "or float32)" if self.dtype not in ("auto", "float32") else None)
+               if os.environ.get("LLM_SERVING_NATIVE_OPS") == "1" else None)
         if why is not None:
             raise ConfigError("quantization", f"the model is a W8A8 int8 checkpoint "
                               f"(compressed-tensors), served by our CPU int8 kernel only: {why}")
         logger.info("the model is a W8A8 int8 checkpoint (compressed-tensors): its quantized "
-                    "linear layers run on the CPU int8 kernel, the others in float32")
+                    "linear layers run on the CPU int8 kernel, the others in %s",
+                    "float32 (the linear layers it leaves in float: bfloat16 weights)"
+                    if self.dtype == "bfloat16" else "float32")
 
     def create_engine_config(self) -> "EngineConfig":
         """Resolve the arguments once: read the model's config.json, size the KV pools, and

@@ -219,6 +219,31 @@ def test_logits_and_greedy_tokens_match_the_emulated_w8a8_llama(variants, w8a8_l
                          [o.outputs[0].token_ids for o in outs], ref_tokens)
 
 
+def test_dtype_bfloat16_rounds_only_the_layers_left_in_float(variants, tiny_model_dir,
+                                                              monkeypatch):
+    """``--dtype bfloat16`` with a W8A8 checkpoint (vLLM-CPU's usual command line): the int8
+    layers stay int8, the linear layers the checkpoint leaves in float (here the attention's)
+    hold bf16 weights. The reference rounds those weights to bf16 (fp32 activations: the
+    ``widen`` kernel, forced)."""
+    monkeypatch.setenv("LLM_SERVING_GEMM_BF16", "widen")
+    d, prompts, _, _ = variants["mlp-only"]
+    llm = LLM(d, dtype="bfloat16", block_size=16, num_blocks=256)
+    cells = dict(llm.engine.runner.model.cells_and_names())
+    assert all(c.int8 and not c.bf16 for n, c in cells.items() if n.endswith("gate_up_proj"))
+    assert all(c.bf16 for n, c in cells.items() if n.endswith(("qkv_proj", "o_proj")))
+    ref_model = emulated_hf(tiny_model_dir, d)
+    for layer in ref_model.model.layers:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            w = getattr(layer.self_attn, proj).weight
+            w.data = w.data.to(torch.bfloat16).float()
+    ref_logits, ref_tokens = reference(ref_model, prompts)
+    assert_logits_agree(_prefill_logits(llm, prompts), ref_logits)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert_greedy_agrees(ref_model, prompts, [o.outputs[0].token_ids for o in outs], ref_tokens)
+    float_logits = variants["mlp-only"][2]    # fp32 attention: bf16 moves them past 1e-3
+    assert max(np.abs(a - b).max() for a, b in zip(ref_logits, float_logits)) > 1e-2
+
+
 def test_w8a8_is_not_the_float_model(variants, tiny_model_dir):
     """The reference above is the quantized model: its logits stand apart from the float
     model's by far more than the tolerance (the test would catch float weights served)."""
@@ -328,7 +353,6 @@ def test_engine_arguments_and_devices_that_cannot_serve_it_are_refused(
     for model, kwargs, says in (
             (w8a8_model_dir, {"quantization": "awq"}, "'awq' is not supported"),
             (tiny_model_dir, {"quantization": "compressed-tensors"}, "no quantization_config"),
-            (w8a8_model_dir, {"dtype": "bfloat16"}, "dtype bfloat16"),
             (w8a8_model_dir, {"device": "ascend"}, "the device is not the CPU"),
             (w8a8_model_dir, {"env": "LLM_SERVING_NATIVE_OPS"}, "turns our CPU kernels off")):
         if kwargs.pop("env", None):

@@ -310,8 +310,10 @@ class Linear(CustomOp):
 
 def use_bf16_weights(model) -> int:
     """Make every ``Linear`` of ``model`` hold bfloat16 weights (call before loading them);
-    returns how many. The embedding / LM head and the norms stay float32."""
-    layers = [c for _, c in model.cells_and_names() if isinstance(c, Linear)]
+    returns how many. The embedding / LM head and the norms stay float32, and so do the int8
+    layers of a W8A8 checkpoint (``use_int8_weight``): only the layers it keeps in float turn
+    bf16."""
+    layers = [c for _, c in model.cells_and_names() if isinstance(c, Linear) and not c.int8]
     for layer in layers:
         layer.use_bf16_weight()
     return len(layers)
