@@ -25,9 +25,14 @@ from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.loader import ModelConfig, iter_weights
 from llm_serving.model_executor.quantization import INT8_ARCHITECTURES, QUANT_METHOD
 
-# the linear layers' weights of the Llama-shaped decoders (INT8_ARCHITECTURES), HF names
-_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+# the linear layers' weights of the decoders (INT8_ARCHITECTURES), by the checkpoint's names: a
+# packed q/k/v (InternLM2's attention.wqkv, Baichuan's W_pack) is one layer, as llm-compressor
+# quantizes it
+_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|W_pack)"
+                     r"|mlp\.(gate|up|down)_proj|attention\.(wqkv|wo)|feed_forward\.w[123])"
                      r"\.weight$")
+# the LM head, kept in float, by the checkpoint's name
+_LM_HEAD = {"InternLM2ForCausalLM": "output"}
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.ckpt", "*.pt", "*.pth", "*.index.json")
 
 
@@ -40,7 +45,7 @@ def quantize_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(w / scale), -128, 127).astype(np.int8), scale.astype(np.float32)
 
 
-def w8a8_quantization_config() -> dict:
+def w8a8_quantization_config(lm_head: str = "lm_head") -> dict:
     """config.json's quantization_config of the checkpoints written here (llm-compressor's
     W8A8 int8: channel-wise weights, dynamic per-token activations, the LM head ignored)."""
     def args(strategy: str, dynamic: bool, observer) -> dict:
@@ -51,7 +56,7 @@ def w8a8_quantization_config() -> dict:
             "config_groups": {"group_0": {
                 "targets": ["Linear"], "weights": args("channel", False, "minmax"),
                 "input_activations": args("token", True, None)}},
-            "ignore": ["lm_head"]}
+            "ignore": [lm_head]}
 
 
 def quantize_model(model: str, out: str) -> str:
@@ -82,7 +87,8 @@ def quantize_model(model: str, out: str) -> str:
             shutil.copy(f, dst / f.name)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = w8a8_quantization_config()
+    config["quantization_config"] = w8a8_quantization_config(
+        _LM_HEAD.get(cfg.architecture, "lm_head"))
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return str(dst)
 

@@ -128,7 +128,6 @@ def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
     """``w8a8_dir`` re-made with per-tensor weight scales and static input scales calibrated
     on the float model (max |x| / 127 of each layer's input over a few prompts; q_proj's and
     up_proj's taken smaller, so that a fused layer's parts differ)."""
-    from safetensors.numpy import load_file, save_file
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir,
                                                               dtype=torch.float32).eval()
     seen: dict = {}
@@ -140,6 +139,14 @@ def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
             model(torch.tensor([p]))
     for h in hooks:
         h.remove()
+    return per_tensor_static(w8a8_dir, out, lambda base: seen[base] / 127 * (
+        0.7 if base.endswith(("q_proj", "gate_proj")) else 1.0))
+
+
+def per_tensor_static(w8a8_dir: str, out: Path, input_scale) -> str:
+    """``w8a8_dir`` re-quantized with one weight scale per layer and the static input scale
+    ``input_scale(layer name)``."""
+    from safetensors.numpy import load_file, save_file
     shutil.copytree(w8a8_dir, out)
     tensors = load_file(str(out / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(".weight_scale")]:
@@ -148,8 +155,7 @@ def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
         scale = np.float32(np.abs(w).max() / 127)
         tensors[base + ".weight"] = np.clip(np.rint(w / scale), -128, 127).astype(np.int8)
         tensors[name] = np.array([scale], np.float32)
-        shrink = 0.7 if base.endswith(("q_proj", "gate_proj")) else 1.0
-        tensors[base + ".input_scale"] = np.array([seen[base] / 127 * shrink], np.float32)
+        tensors[base + ".input_scale"] = np.array([input_scale(base)], np.float32)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
     group = cfg["quantization_config"]["config_groups"]["group_0"]
@@ -162,19 +168,27 @@ def _static_tensor_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
 def _mlp_only_checkpoint(float_dir: str, w8a8_dir: str, out: Path) -> str:
     """``w8a8_dir`` with the attention's projections float again, as a checkpoint whose
     config group targets the MLP by pattern (``re:``) and ignores the attention by name."""
+    return float_again(float_dir, w8a8_dir, out, ".self_attn.",
+                       r"re:model\.layers\.\d+\.mlp\..*",
+                       ["lm_head"] + [f"model.layers.{i}.self_attn.{p}_proj"
+                                      for i in range(2) for p in "qkvo"])
+
+
+def float_again(float_dir: str, w8a8_dir: str, out: Path, floated: str, target: str,
+                ignore: list) -> str:
+    """``w8a8_dir`` with the tensors whose names hold ``floated`` float (``float_dir``'s), its
+    config group's targets ``[target]`` and its ignore list ``ignore``."""
     from safetensors.numpy import load_file, save_file
     shutil.copytree(w8a8_dir, out)
     tensors, floats = load_file(str(out / "model.safetensors")), load_file(
         str(Path(float_dir) / "model.safetensors"))
-    for name in [n for n in tensors if ".self_attn." in n]:
-        del tensors[name]
-    tensors.update({n: w for n, w in floats.items() if ".self_attn." in n})
+    tensors = {n: t for n, t in tensors.items() if floated not in n}
+    tensors.update({n: w for n, w in floats.items() if floated in n})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
-    qc["config_groups"]["group_0"]["targets"] = [r"re:model\.layers\.\d+\.mlp\..*"]
-    qc["ignore"] = ["lm_head"] + [f"model.layers.{i}.self_attn.{p}_proj"
-                                  for i in range(2) for p in "qkvo"]
+    qc["config_groups"]["group_0"]["targets"] = [target]
+    qc["ignore"] = ignore
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
 
@@ -274,16 +288,20 @@ def test_two_tensor_parallel_ranks_match_the_emulation_of_their_slices(variants,
     """Column-parallel layers take their rows of q and of its scales, row-parallel ones their
     columns of q (each rank quantizes its slice of the activations, as vLLM's ranks do)."""
     d, prompts, _, _ = variants["dynamic-channel"]
-    model = emulated_hf(tiny_model_dir, d, splits=2)
-    _, ref_tokens = reference(model, prompts[:4])
+    assert_two_ranks_agree(d, emulated_hf(tiny_model_dir, d, splits=2), prompts[:4])
+
+
+def assert_two_ranks_agree(d: str, model, prompts) -> None:
+    """Two tensor-parallel ranks serving ``d`` give greedy tokens that agree with ``model``'s
+    (``emulated_hf(..., splits=2)``)."""
+    _, ref_tokens = reference(model, prompts)
     pin = "0|1" if len(os.sched_getaffinity(0)) >= 2 else None
     llm = LLM(d, tensor_parallel_size=2, cpu_affinity=pin, block_size=16, num_blocks=256)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     finally:
         llm.engine.shutdown()
-    assert_greedy_agrees(model, prompts[:4], [o.outputs[0].token_ids for o in outs],
-                         ref_tokens)
+    assert_greedy_agrees(model, prompts, [o.outputs[0].token_ids for o in outs], ref_tokens)
 
 
 def test_reload_weights_reads_the_int8_checkpoint_again(w8a8_model_dir, variants):

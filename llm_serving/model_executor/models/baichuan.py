@@ -8,6 +8,10 @@ layers, with the checkpoint's two differences taken at load time.
   normalized here once, as loaded; the first Baichuan's is a plain one.
 
 Baichuan2-13B's ALiBi positions are the attention backend's (``config.alibi``), not this file's.
+A W8A8 int8 checkpoint's W_pack (one quantized layer, as vLLM's) has its int8 rows and
+per-channel ``weight_scale`` rows cut as the float weight is; its quantization_config names the
+checkpoint's modules (``self_attn.W_pack``), which ``checkpoint_modules`` gives for our layers.
+The NormHead stays float: a quantized lm_head is refused by name.
 """
 from __future__ import annotations
 
@@ -15,9 +19,12 @@ from typing import Iterable
 
 import numpy as np
 
+from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.models.llama import LlamaForCausalLM
+from llm_serving.model_executor.models.weights import split_packed
 
 _W_PACK = ".self_attn.W_pack."
+_QKV = tuple(f".self_attn.{p}_proj" for p in "qkv")
 
 
 def normalize_rows(weight: np.ndarray) -> np.ndarray:
@@ -28,20 +35,36 @@ def normalize_rows(weight: np.ndarray) -> np.ndarray:
 
 
 class BaichuanForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def checkpoint_modules(names: list[str]) -> list[str]:
+        """The checkpoint's module names of Llama's (q_proj, k_proj, v_proj -> one W_pack)."""
+        own = [n[:-len(_QKV[0])] + _W_PACK[:-1] if n.endswith(_QKV) else n for n in names]
+        return list(dict.fromkeys(own))
+
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         super().load_weights(self._as_llama(weights))
 
     def _as_llama(self, weights):
         """(HF name, array) pairs with W_pack unpacked and the head normalized."""
-        q = self.config.q_size
         for name, loaded in weights:
             if _W_PACK in name:
-                if loaded.shape[0] != q + 2 * self.config.kv_size:
-                    raise ValueError(f"{name}: checkpoint shape {loaded.shape} is not [q; k; v] "
-                                     f"of {q} rows each")
-                for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                    yield (name.replace("W_pack", part), loaded[i * q:(i + 1) * q])
+                for part, rows in zip(("q_proj", "k_proj", "v_proj"),
+                                      split_packed(name, loaded,
+                                                   lambda t: self._unpack_w_pack(name, t))):
+                    yield name.replace("W_pack", part), rows
+            elif name.startswith("lm_head.") and (name.endswith(("_scale", "_zero_point"))
+                                                  or np.asarray(loaded).dtype == np.int8):
+                raise ModelLoadError(f"checkpoint tensor {name!r}: a quantized lm_head is not "
+                                     "served (Baichuan's NormHead stays float; W8A8 "
+                                     "checkpoints ignore it)")
             elif name == "lm_head.weight" and self.config.norm_head:
                 yield name, normalize_rows(loaded)
             else:
                 yield name, loaded
+
+    def _unpack_w_pack(self, name: str, packed: np.ndarray) -> list:
+        q = self.config.q_size
+        if packed.shape[0] != q + 2 * self.config.kv_size:
+            raise ValueError(f"{name}: checkpoint shape {packed.shape} is not [q; k; v] "
+                             f"of {q} rows each")
+        return [packed[i * q:(i + 1) * q] for i in range(3)]

@@ -3,7 +3,10 @@ weight names, with q, k and v packed in one ``attention.wqkv`` per KV group (for
 its num_heads / num_kv_heads query heads, then its key, then its value), as transformers'
 remote code and vLLM's internlm2.py read it. The model is ``LlamaForCausalLM``; only the names
 and the packing differ, so the checkpoint is read as Llama's (tensor parallelism then shards
-q, k and v as for Llama).
+q, k and v as for Llama). A W8A8 int8 checkpoint's wqkv (one quantized layer, as vLLM's) has
+its int8 rows and per-channel ``weight_scale`` rows cut as the float weight is; its
+quantization_config names the checkpoint's modules (``attention.wqkv``, ``output``), which
+``checkpoint_modules`` gives for our layers.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from llm_serving.model_executor.models.llama import LlamaForCausalLM
+from llm_serving.model_executor.models.weights import split_packed
 
 _GLOBAL_NAMES = {
     "model.tok_embeddings.weight": "model.embed_tokens.weight",
@@ -27,10 +31,27 @@ _LAYER_PARTS = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|input_scale"
+                       r"|weight_zero_point|input_zero_point)$")
+_OWN_NAMES = {llama: own for own, llama in _LAYER_PARTS.items()}
+_OWN_NAMES.update(dict.fromkeys(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                "attention.wqkv"))
+_MODULE_RE = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
 
 
 class InternLM2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def checkpoint_modules(names: list[str]) -> list[str]:
+        """The checkpoint's module names of Llama's (q_proj, k_proj, v_proj -> one wqkv)."""
+        own = []
+        for name in names:
+            m = _MODULE_RE.match(name)
+            if m and m.group(2) in _OWN_NAMES:
+                name = m.group(1) + _OWN_NAMES[m.group(2)]
+            if name not in own:
+                own.append(name)
+        return own
+
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         super().load_weights(self._as_llama(weights))
 
@@ -47,7 +68,8 @@ class InternLM2ForCausalLM(LlamaForCausalLM):
             layer, part, kind = m.groups()
             prefix = f"model.layers.{layer}."
             if part == "attention.wqkv":
-                for proj, tensor in zip("qkv", self._unpack_qkv(name, np.asarray(loaded))):
+                parts = split_packed(name, loaded, lambda t: self._unpack_qkv(name, t))
+                for proj, tensor in zip("qkv", parts):
                     yield f"{prefix}self_attn.{proj}_proj.{kind}", tensor
             elif part in _LAYER_PARTS:
                 yield f"{prefix}{_LAYER_PARTS[part]}.{kind}", loaded

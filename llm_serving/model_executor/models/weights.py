@@ -113,6 +113,16 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
 
 # a quantized checkpoint's tensors beside a layer's weight
 _QUANT_LEAVES = ("weight_scale", "input_scale", "weight_zero_point", "input_zero_point")
+
+
+def split_packed(name: str, loaded, split) -> list:
+    """A packed q/k/v layer's checkpoint tensor cut into its q, k and v as ``split`` cuts the
+    rows of its weight; a per-tensor scale (or zero point) of the packed layer, one value, is
+    each part's (the parts' max, as a fused layer takes static input scales, is that value)."""
+    loaded = np.asarray(loaded)
+    if name.rsplit(".", 1)[-1] in _QUANT_LEAVES and loaded.size == 1:
+        return [loaded] * 3
+    return list(split(loaded))
 _NOT_QUANTIZED = "there is no quantization_config, or the layer is in its ignore list"
 
 
@@ -179,14 +189,18 @@ def _check_complete(params: dict, cells: dict, filled: dict, int8: dict) -> None
 
 def quantized_layers(model, config: W8A8Config, stacked_params) -> dict:
     """{Linear cell name: Int8Scheme} of ``model``'s layers ``config`` quantizes; a layer's HF
-    parts are found by undoing ``stacked_params`` (qkv_proj -> q_proj, k_proj, v_proj)."""
+    parts are found by undoing ``stacked_params`` (qkv_proj -> q_proj, k_proj, v_proj), then
+    named as the checkpoint names them by the model's ``checkpoint_modules`` if it has one
+    (InternLM2's attention.wqkv, Baichuan's W_pack: config.json's targets name those)."""
     layers = {}
     for name, cell in model.cells_and_names():
         if not isinstance(cell, Linear):
             continue
         parts = [(idx, (name + ".").replace(ours, ckpt)[:-1])
                  for ckpt, ours, idx in stacked_params if ours in name + "."]
-        scheme = config.scheme([p for _, p in sorted(parts)] or [name])
+        parts = [p for _, p in sorted(parts)] or [name]
+        rename = getattr(model, "checkpoint_modules", None)     # a packed qkv's own name
+        scheme = config.scheme(rename(parts) if rename else parts)
         if scheme is not None:
             layers[name] = scheme
     return layers
