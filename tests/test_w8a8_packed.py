@@ -120,11 +120,12 @@ def test_logits_and_greedy_tokens_match_the_emulated_w8a8_model(variants, name):
                          [o.outputs[0].token_ids for o in outs], ref_tokens)
 
 
-def test_two_tensor_parallel_ranks_match_the_emulation_of_their_slices(variants):
-    """Each rank cuts its own KV group's q, k and v rows (and scale rows) out of every wqkv."""
-    d, prompts, _, _ = variants["internlm2-dynamic-channel"]
-    assert_two_ranks_agree(
-        d, emulated_hf(*variants["internlm2-dynamic-channel:emulated"], splits=2), prompts[:4])
+@pytest.mark.parametrize("name", ["internlm2-dynamic-channel", "baichuan2-dynamic-channel"])
+def test_two_tensor_parallel_ranks_match_the_emulation_of_their_slices(variants, name):
+    """Each rank cuts its own heads' q, k and v rows (and scale rows) out of every packed
+    layer (InternLM2's: its own KV group's)."""
+    d, prompts, _, _ = variants[name]
+    assert_two_ranks_agree(d, emulated_hf(*variants[name + ":emulated"], splits=2), prompts[:4])
 
 
 class _Int8Matmul:
