@@ -156,7 +156,8 @@ def test_baichuan2_13b_alibi_matches_the_emulated_forward_pass(tmp_path):
 
 def test_quantize_names_the_packed_layers_and_keeps_the_head_float(variants, tmp_path):
     """The packed layer is one int8 layer with a scale per row; the LM head, by the
-    checkpoint's name, is ignored and float; a quantized Baichuan lm_head is refused by name."""
+    checkpoint's name, is ignored and float; a quantized LM head (Baichuan's lm_head, InternLM2's
+    output) is refused by name."""
     d = variants["internlm2-dynamic-channel"][0]
     cfg = json.loads((Path(d) / "config.json").read_text())
     assert cfg["quantization_config"]["ignore"] == ["output"]
@@ -173,5 +174,12 @@ def test_quantize_names_the_packed_layers_and_keeps_the_head_float(variants, tmp
     t["lm_head.weight_scale"] = np.ones((len(t["lm_head.weight"]), 1), np.float32)
     t["lm_head.weight"] = np.zeros(t["lm_head.weight"].shape, np.int8)
     save_file(t, str(bad / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="'lm_head.weight.*quantized lm_head"):
+    with pytest.raises(ModelLoadError, match="'lm_head.weight.*quantized LM head"):
+        LLM(str(bad), num_blocks=16)
+    bad = tmp_path / "i2-head"
+    shutil.copytree(d, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["output.weight"] = np.zeros(t["output.weight"].shape, np.int8)
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="'output.weight'.*quantized LM head"):
         LLM(str(bad), num_blocks=16)

@@ -11,7 +11,7 @@ Baichuan2-13B's ALiBi positions are the attention backend's (``config.alibi``), 
 A W8A8 int8 checkpoint's W_pack (one quantized layer, as vLLM's) has its int8 rows and
 per-channel ``weight_scale`` rows cut as the float weight is; its quantization_config names the
 checkpoint's modules (``self_attn.W_pack``), which ``checkpoint_modules`` gives for our layers.
-The NormHead stays float: a quantized lm_head is refused by name.
+The NormHead stays float: a quantized lm_head is refused by name (``check_float_head``).
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from typing import Iterable
 
 import numpy as np
 
-from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.models.llama import LlamaForCausalLM
-from llm_serving.model_executor.models.weights import split_packed
+from llm_serving.model_executor.models.weights import check_float_head, split_packed
 
 _W_PACK = ".self_attn.W_pack."
 _QKV = tuple(f".self_attn.{p}_proj" for p in "qkv")
@@ -52,13 +51,12 @@ class BaichuanForCausalLM(LlamaForCausalLM):
                                       split_packed(name, loaded,
                                                    lambda t: self._unpack_w_pack(name, t))):
                     yield name.replace("W_pack", part), rows
-            elif name.startswith("lm_head.") and (name.endswith(("_scale", "_zero_point"))
-                                                  or np.asarray(loaded).dtype == np.int8):
-                raise ModelLoadError(f"checkpoint tensor {name!r}: a quantized lm_head is not "
-                                     "served (Baichuan's NormHead stays float; W8A8 "
-                                     "checkpoints ignore it)")
             elif name == "lm_head.weight" and self.config.norm_head:
+                check_float_head(name, loaded)          # never normalize int8 rows
                 yield name, normalize_rows(loaded)
+            elif name.startswith("lm_head."):
+                check_float_head(name, loaded)
+                yield name, loaded
             else:
                 yield name, loaded
 

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from llm_serving.model_executor.models.llama import LlamaForCausalLM
-from llm_serving.model_executor.models.weights import split_packed
+from llm_serving.model_executor.models.weights import check_float_head, split_packed
 
 _GLOBAL_NAMES = {
     "model.tok_embeddings.weight": "model.embed_tokens.weight",
@@ -58,6 +58,8 @@ class InternLM2ForCausalLM(LlamaForCausalLM):
     def _as_llama(self, weights) -> Iterator[tuple[str, np.ndarray]]:
         """(Llama name, array) for each InternLM2 checkpoint tensor; wqkv unpacked."""
         for name, loaded in weights:
+            if name.startswith("output."):
+                check_float_head(name, loaded)
             if name in _GLOBAL_NAMES:
                 yield _GLOBAL_NAMES[name], loaded
                 continue

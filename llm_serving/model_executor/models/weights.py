@@ -115,6 +115,15 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
 _QUANT_LEAVES = ("weight_scale", "input_scale", "weight_zero_point", "input_zero_point")
 
 
+def check_float_head(name: str, loaded) -> None:
+    """A ModelLoadError for a checkpoint tensor of a quantized LM head (int8, or its scales):
+    the head stays float (W8A8 checkpoints ignore it; vLLM's is a float ParallelLMHead)."""
+    if name.endswith(_QUANT_LEAVES) or np.asarray(loaded).dtype == np.int8:
+        raise ModelLoadError(f"checkpoint tensor {name!r}: a quantized LM head is not served "
+                             "(it stays float: a W8A8 checkpoint's quantization_config ignores "
+                             "it)")
+
+
 def split_packed(name: str, loaded, split) -> list:
     """A packed q/k/v layer's checkpoint tensor cut into its q, k and v as ``split`` cuts the
     rows of its weight; a per-tensor scale (or zero point) of the packed layer, one value, is
