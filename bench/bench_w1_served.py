@@ -28,9 +28,12 @@ The peer runs from its own virtual environment (``bash bench/setup_vllm_peer.sh`
 
 ``--dtype bfloat16`` runs both servers in bf16 (vLLM ``--dtype bfloat16``, its KV cache
 following; ours ``--dtype bfloat16 --kv-cache-dtype bfloat16``); the offline case stays fp32.
+``--kv-cache-dtype fp8`` (or ``fp8_e5m2``) gives both servers that KV cache, e.g. beside a W8A8
+checkpoint as ``--model`` (``python -m llm_serving.quantize`` writes one; both serve it).
 
     python bench/bench_w1_served.py [--peer vllm] [--cases all,rate4,bench-serve,prefix,long]
                                     [--dtype float32|bfloat16] [--model bench|bench-gqa|DIR]
+                                    [--kv-cache-dtype fp8|fp8_e5m2]
 
 ``--model bench-gqa`` serves the 287 M model with grouped-query attention (16 query heads on 4
 kv heads, 24 layers) instead of the 97 M one; both are generated locally on first use.
@@ -156,14 +159,17 @@ def ours(model: str, extra: list[str], log: str) -> Server:
                            "--port", str(port)] + extra, port, log=log, ready_path="/ready")
 
 
-def vllm(venv: Path, model: str, log: str, dtype: str = "float32") -> Server:
-    """vLLM's server with its defaults (max_model_len the model's, as ours), in ``dtype``."""
+def vllm(venv: Path, model: str, log: str, dtype: str = "float32",
+         extra: tuple = ()) -> Server:
+    """vLLM's server with its defaults (max_model_len the model's, as ours), in ``dtype``,
+    with ``extra`` arguments."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     env.pop("PYTHONPATH", None)
     return Server("vLLM", [str(venv / "bin" / "python"), "-m",
                            "vllm.entrypoints.openai.api_server", "--model", model,
-                           "--dtype", dtype, "--port", str(port)], port, env=env, log=log)
+                           "--dtype", dtype, "--port", str(port), *extra], port, env=env,
+                  log=log)
 
 
 def w1_client(url: str, model: str, rate: str, out: Path, num_prompts: int = 200,
@@ -243,6 +249,9 @@ def main() -> None:
                     help="both servers' precision: bfloat16 runs vLLM with --dtype bfloat16 "
                     "(its KV cache follows) and ours with --dtype bfloat16 --kv-cache-dtype "
                     "bfloat16")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="both servers' --kv-cache-dtype (fp8, fp8_e5m2: an 8-bit KV cache in "
+                    "each, e.g. beside a W8A8 --model); default: each one's own")
     args = ap.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the servers this started are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -259,6 +268,12 @@ def main() -> None:
     extra = args.server_args.split()
     if args.dtype == "bfloat16":
         extra += ["--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"]
+    peer_extra = ()
+    if args.kv_cache_dtype:
+        if args.dtype == "bfloat16":
+            ap.error("--kv-cache-dtype with --dtype bfloat16: bfloat16 sets both KV caches")
+        extra += ["--kv-cache-dtype", args.kv_cache_dtype]
+        peer_extra = ("--kv-cache-dtype", args.kv_cache_dtype)
     single_prompts = min(args.num_prompts, SINGLE_PROMPTS)
     res: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,7 +296,7 @@ def main() -> None:
             prompts, limit = (single_prompts, 1) if case == "single" else (args.num_prompts, None)
             for who in peers:          # one server at a time: they would share the 2 cores
                 srv = (ours(model, extra, str(logs / "ours.log")) if who == "ours"
-                       else vllm(venv, model, str(logs / "vllm.log"), args.dtype))
+                       else vllm(venv, model, str(logs / "vllm.log"), args.dtype, peer_extra))
                 with srv:
                     cpu0 = srv.cpu_seconds()
                     row[who] = (vllm_bench_serve(venv, srv.url, model, tmp, who, case)
@@ -293,6 +308,7 @@ def main() -> None:
 
     print(f"# W1 served, side by side, {datetime.date.today()}\n# CPU: {cpu_description()}\n"
           f"# model: {model}; precision: {args.dtype}; ours: start.py defaults {' '.join(extra)}; "
+          f"vLLM: its defaults {' '.join(peer_extra)}; "
           f"W1 prompts: {args.num_prompts}"
           + (f" (single: the first {single_prompts})" if "single" in cases else "")
           + f"; machine load (1-min average) at the end: {os.getloadavg()[0]:.1f}\n")
