@@ -295,13 +295,7 @@ class MultiprocExecutor:
         if int(step.mask_after_forward):
             self._mask_owed = (self._step_no, ch.bitmask_view(buf))
         frame = ch.FRAME.pack(ch.STEP, self._step_no, n)
-        for rank, conn in enumerate(self._procs.conns):
-            try:
-                conn.send_bytes(frame)
-            except OSError:
-                proc = self._procs.agents[rank]
-                raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
-                                 f"{proc.poll()}) before step {self._step_no}") from None
+        self._send_all(frame, f"step {self._step_no}")
         self._outstanding.append(self._step_no)
 
     def send_mask(self, bitmask: Optional[np.ndarray]) -> None:
@@ -368,13 +362,18 @@ class MultiprocExecutor:
             raise LLMServingError(f"{what}: a step is in flight; collect it first")
         if self._closed or self._procs.broken:
             raise AgentDiedError("a WorkAgent died; the executor must be restarted")
+        self._send_all(frame, what)
+
+    def _send_all(self, frame: bytes, before: str) -> None:
+        """``frame`` to every agent; an AgentDiedError naming the agent that is gone (before
+        ``before``)."""
         for rank, conn in enumerate(self._procs.conns):
             try:
                 conn.send_bytes(frame)
             except OSError:
                 proc = self._procs.agents[rank]
                 raise self._died(f"the WorkAgent (pid {proc.pid}) is gone (exit code "
-                                 f"{proc.poll()}) before {what}") from None
+                                 f"{proc.poll()}) before {before}") from None
 
     def profile(self, start: bool, prefix: Optional[str] = None) -> list[str]:
         """Start or stop every agent's trace recorder (--profiler-config), with no step in
