@@ -1,9 +1,10 @@
 """``python -m llm_serving.quantize --model DIR --out DIR``: a W8A8 int8 checkpoint of a model.
 
 Round-to-nearest, offline, no calibration data: each linear layer's weight becomes int8 with one
-float32 scale per output channel (max |w| of the row / 127, symmetric), and its activations are
-quantized at run time per token (dynamic); the token embedding, the LM head and the norms keep
-their float weights (as float32). The output is a compressed-tensors checkpoint, as
+scale per output channel (max |w| of the row / 127, symmetric; the scale in the weight's dtype,
+as llm-compressor writes it), and its activations are quantized at run time per token
+(dynamic); the token embedding, the LM head and the norms keep their weights in the
+checkpoint's dtype. The output is a compressed-tensors checkpoint, as
 llm-compressor's W8A8 scheme writes it (format int-quantized, ``weight_scale`` beside each
 int8 ``weight``), that this engine and vLLM (``--quantization compressed-tensors``, or nothing:
 it is read from config.json) both load; the other files of the model directory (tokenizer,
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from llm_serving.errors import ModelLoadError
@@ -34,15 +36,21 @@ _LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|W_pack)"
 # the LM head, kept in float, by the checkpoint's name
 _LM_HEAD = {"InternLM2ForCausalLM": "output"}
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.ckpt", "*.pt", "*.pth", "*.index.json")
+# the dtypes a scale takes from its weight; any other weight gets float32 scales
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def quantize_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_per_channel(w: np.ndarray, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 round-to-nearest (half to even) of a [out, in] weight: (q int8 [out, in],
-    scale float32 [out, 1]) with w ~ q * scale; a zero row gets float32 eps as its scale."""
+    scale [out, 1] in ``scale_dtype``) with w ~ q * scale, q computed in float32 against the
+    scale as stored; a zero row gets that dtype's eps as its scale (as llm-compressor's)."""
     w = np.asarray(w, np.float32)
-    scale = np.maximum(np.abs(w).max(axis=1, keepdims=True) / np.float32(127),
-                       np.finfo(np.float32).eps)
-    return np.clip(np.rint(w / scale), -128, 127).astype(np.int8), scale.astype(np.float32)
+    peak = np.maximum(w.max(axis=1, keepdims=True), -w.min(axis=1, keepdims=True))
+    scale = (peak / np.float32(127)).astype(scale_dtype)
+    scale[scale == 0] = ml_dtypes.finfo(scale_dtype).eps
+    q = w / scale.astype(np.float32)
+    np.clip(np.rint(q, out=q), -128, 127, out=q)
+    return q.astype(np.int8), scale
 
 
 def w8a8_quantization_config(lm_head: str = "lm_head") -> dict:
@@ -73,12 +81,12 @@ def quantize_model(model: str, out: str) -> str:
     if dst.resolve() == src.resolve():
         raise ModelLoadError("--out must be another directory than --model")
     tensors = {}
-    for name, w in iter_weights(str(src)):
+    for name, w in iter_weights(str(src), keep_bf16=True):
         if _LINEAR.match(name):
-            q, scale = quantize_per_channel(w)
-            tensors[name], tensors[name + "_scale"] = q, scale
+            scale_dtype = w.dtype if w.dtype in _SCALE_DTYPES else np.float32
+            tensors[name], tensors[name + "_scale"] = quantize_per_channel(w, scale_dtype)
         else:
-            tensors[name] = np.ascontiguousarray(w, np.float32)
+            tensors[name] = np.ascontiguousarray(w)
     dst.mkdir(parents=True, exist_ok=True)
     for stale in [p for pattern in _WEIGHT_FILES for p in dst.glob(pattern)]:
         stale.unlink()

@@ -23,7 +23,6 @@ import pytest
 from llm_serving import LLM, SamplingParams
 from llm_serving.errors import ConfigError, ModelLoadError
 from llm_serving.model_executor.loader import ModelConfig
-from llm_serving.quantize import quantize_per_channel
 from test_model_parity import _prefill_logits, _prompts, hf_logits_and_greedy
 
 torch = pytest.importorskip("torch")
@@ -73,11 +72,18 @@ class W8A8Linear(torch.nn.Module):
         return y.reshape(*shape[:-1], -1)
 
 
+def checkpoint_tensors(d: str) -> dict:
+    """Every tensor of the safetensors files (all shards) in directory ``d``, as numpy, read by
+    safetensors' torch reader (bf16 and fp16 widened to float32)."""
+    from safetensors.torch import load_file
+    return {k: (t.float() if t.is_floating_point() else t).numpy()
+            for f in sorted(Path(d).glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+
+
 def emulated_hf(float_dir: str, w8a8_dir: str, splits: int = 1):
-    """transformers' model of ``float_dir`` (embeddings, norms, LM head) with every decoder
-    linear layer ``w8a8_dir`` quantizes computing W8A8 from its tensors."""
-    from safetensors.numpy import load_file
-    tensors = load_file(str(Path(w8a8_dir) / "model.safetensors"))
+    """transformers' model of ``float_dir`` (embeddings, norms, LM head; in float32) with
+    every decoder linear layer ``w8a8_dir`` quantizes computing W8A8 from its tensors."""
+    tensors = checkpoint_tensors(w8a8_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir,
                                                               dtype=torch.float32).eval()
     for i, layer in enumerate(model.model.layers):
@@ -424,26 +430,7 @@ def test_int8_tensors_of_a_float_layer_and_float_weights_of_an_int8_layer_are_re
         LLM(str(floats), num_blocks=16)
 
 
-# ---- the quantize tool and the built-in model, served --------------------------------------
-
-def test_quantize_writes_per_channel_int8_and_refuses_a_quantized_model(
-        tiny_model_dir, w8a8_model_dir, tmp_path):
-    from safetensors.numpy import load_file
-    from llm_serving.quantize import main
-    src = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
-    out = load_file(str(Path(w8a8_model_dir) / "model.safetensors"))
-    w = src["model.layers.0.self_attn.q_proj.weight"]
-    q, s = out["model.layers.0.self_attn.q_proj.weight"], \
-        out["model.layers.0.self_attn.q_proj.weight_scale"]
-    assert q.dtype == np.int8 and s.shape == (len(w), 1)
-    assert np.abs(q).max(axis=1).min() == 127          # each row's largest weight is +-127
-    np.testing.assert_allclose(q * s, w, atol=float(s.max()) / 2 + 1e-9, rtol=0)
-    assert out["lm_head.weight"].dtype == np.float32
-    np.testing.assert_array_equal(out["model.embed_tokens.weight"],
-                                  src["model.embed_tokens.weight"])
-    assert quantize_per_channel(np.zeros((2, 3), np.float32))[0].tolist() == [[0] * 3] * 2
-    assert main(["--model", w8a8_model_dir, "--out", str(tmp_path / "again")]) == 2
-
+# ---- the built-in model, served ------------------------------------------------------------
 
 def test_server_on_builtin_w8a8_model_answers_the_openai_client(tmp_path, tiny_model_dir):
     """start.py --model builtin:tiny-llama-w8a8 (made on first use): an OpenAI completion's

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+import ml_dtypes
 import numpy as np
 
 from llm_serving.errors import ModelLoadError
@@ -655,9 +656,11 @@ def read_safetensors_header(path: Union[str, Path]) -> Tuple[Dict[str, Any], int
     return header, 8 + n
 
 
-def read_safetensors(path: Union[str, Path]) -> Iterator[Tuple[str, np.ndarray]]:
+def read_safetensors(path: Union[str, Path], keep_bf16: bool = False
+                     ) -> Iterator[Tuple[str, np.ndarray]]:
     """Yield (name, array) from one safetensors file, in file order. Arrays are read-only
-    memory-mapped views (bf16 is converted to a new float32 array)."""
+    memory-mapped views (bf16 is converted to a new float32 array, or with ``keep_bf16`` viewed
+    as ``ml_dtypes.bfloat16``)."""
     path = Path(path)
     header, start = read_safetensors_header(path)
     size = path.stat().st_size
@@ -679,7 +682,7 @@ def read_safetensors(path: Union[str, Path]) -> Iterator[Tuple[str, np.ndarray]]
         else:
             arr = np.frombuffer(data, dtype=dt, count=count, offset=b).reshape(shape)
         if st == "BF16":
-            arr = bfloat16_bits_to_float32(arr)
+            arr = arr.view(ml_dtypes.bfloat16) if keep_bf16 else bfloat16_bits_to_float32(arr)
         yield name, arr
 
 
@@ -752,7 +755,7 @@ def hf_to_mindformers_name(name: str) -> str:
     raise ValueError(f"no mindformers name for weight {name!r}")
 
 
-def _iter_ckpt(path: Path) -> Iterator[Tuple[str, np.ndarray]]:
+def _iter_ckpt(path: Path, keep_bf16: bool = False) -> Iterator[Tuple[str, np.ndarray]]:
     import mindspore  # slow to import: only when a .ckpt is actually read
 
     try:
@@ -766,8 +769,9 @@ def _iter_ckpt(path: Path) -> Iterator[Tuple[str, np.ndarray]]:
             continue
         found = True
         arr = param.asnumpy()
-        if arr.dtype.name == "bfloat16":
-            arr = arr.astype(np.float32)
+        if arr.dtype.name == "bfloat16":      # MindSpore's own numpy bfloat16
+            arr = arr.view(np.uint16).view(ml_dtypes.bfloat16) if keep_bf16 \
+                else arr.astype(np.float32)
         yield hf, arr
     if not found:
         raise ModelLoadError(f"{path}: no model weights with mindformers Llama or Hugging Face names "
@@ -844,20 +848,22 @@ def _indexed_shards(d: Path, index: Path) -> List[Path]:
     return files
 
 
-def iter_weights(model_dir: str, checkpoint: Optional[str] = None) -> Iterator[Tuple[str, np.ndarray]]:
+def iter_weights(model_dir: str, checkpoint: Optional[str] = None, keep_bf16: bool = False
+                 ) -> Iterator[Tuple[str, np.ndarray]]:
     """Yield (HF parameter name, numpy array) for every weight of the model.
 
     Safetensors arrays keep their dtype (read-only memory maps), except bf16 which becomes float32;
     ``.ckpt`` parameters with mindformers names are renamed to HF names, and bf16 becomes float32;
-    PyTorch ``.bin`` tensors are read as safetensors ones are (``torch_bin.py``).
+    PyTorch ``.bin`` tensors are read as safetensors ones are (``torch_bin.py``). With
+    ``keep_bf16`` bf16 stays bf16 (``ml_dtypes.bfloat16``, a view where the file is mapped).
     """
     for path in find_weight_files(model_dir, checkpoint):
         if path.suffix == ".ckpt":
-            yield from _iter_ckpt(path)
+            yield from _iter_ckpt(path, keep_bf16)
         elif path.suffix == ".bin":
-            yield from read_torch_bin(path)
+            yield from read_torch_bin(path, keep_bf16)
         else:
-            yield from read_safetensors(path)
+            yield from read_safetensors(path, keep_bf16)
 
 
 def save_mindformers_ckpt(model_dir: str, out_path: str, checkpoint: Optional[str] = None) -> str:

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from llm_serving.errors import ModelLoadError
@@ -100,8 +101,9 @@ def _load_pickle(z: zipfile.ZipFile, where) -> tuple:
         raise ModelLoadError(f"{where}: cannot read the pickle ({e})") from e
 
 
-def _view(t: _Tensor, storage: np.ndarray, where, name) -> np.ndarray:
-    """Tensor ``t`` as a read-only view of its storage's elements (bf16 widened to float32)."""
+def _view(t: _Tensor, storage: np.ndarray, where, name, keep_bf16: bool = False) -> np.ndarray:
+    """Tensor ``t`` as a read-only view of its storage's elements (bf16 widened to float32, or
+    with ``keep_bf16`` viewed as ``ml_dtypes.bfloat16``)."""
     key, kind = t.storage
     dt = storage.dtype
     count = int(np.prod(t.size, dtype=np.int64)) if t.size else 1
@@ -111,7 +113,9 @@ def _view(t: _Tensor, storage: np.ndarray, where, name) -> np.ndarray:
     arr = np.lib.stride_tricks.as_strided(
         storage[t.offset:], shape=t.size, strides=[s * dt.itemsize for s in t.stride],
         writeable=False)
-    if kind == "BFloat16Storage":
+    if kind == "BFloat16Storage" and keep_bf16:
+        arr = arr.view(ml_dtypes.bfloat16)
+    elif kind == "BFloat16Storage":
         arr = (np.ascontiguousarray(arr).astype(np.uint32) << 16).view(np.float32)
     return arr
 
@@ -145,8 +149,9 @@ def read_torch_tensor(data: bytes, where: str = "the payload") -> np.ndarray:
         raise ValueError(str(e)) from None
 
 
-def read_torch_bin(path) -> Iterator[Tuple[str, np.ndarray]]:
-    """Yield (name, array) for every tensor of a torch.save'd state dict (zip format)."""
+def read_torch_bin(path, keep_bf16: bool = False) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yield (name, array) for every tensor of a torch.save'd state dict (zip format); bf16 as
+    ``_view`` reads it."""
     path = Path(path)
     if not zipfile.is_zipfile(path):
         raise ModelLoadError(f"{path}: not a torch zip checkpoint (torch.save before 1.6 wrote "
@@ -170,4 +175,4 @@ def read_torch_bin(path) -> Iterator[Tuple[str, np.ndarray]]:
         start = _member_offset(path, member)
         storage = np.frombuffer(data, dtype=dt, count=member.file_size // dt.itemsize,
                                 offset=start)
-        yield name, _view(t, storage, path, name)
+        yield name, _view(t, storage, path, name, keep_bf16)
