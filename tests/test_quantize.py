@@ -1,18 +1,27 @@
 """``python -m llm_serving.quantize``, as a user runs it: per-channel int8 weights, the
 checkpoint's dtype kept for what it does not quantize (scales in the weight's dtype, as
-llm-compressor writes them). Tensors are read back with safetensors'
+llm-compressor writes them), shards of at most --max-shard-size with Hugging Face's index,
+and an --out written whole or not at all (a failure or a refusal leaves nothing behind, an
+existing checkpoint is replaced only with --overwrite). Tensors are read back with safetensors'
 torch reader, independent of ours."""
 from __future__ import annotations
 
+import json
+import os
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from llm_serving import LLM
+from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.tiny_model import make_tiny_model
-from llm_serving.quantize import main, quantize_model, quantize_per_channel
+from llm_serving.quantize import main, parse_size, quantize_model, quantize_per_channel
 from test_w8a8 import (GREEDY, _prefill_logits, _prompts, assert_greedy_agrees,
                        assert_logits_agree, checkpoint_tensors, emulated_hf, reference)
 
@@ -63,11 +72,12 @@ def bf16_model(tmp_path_factory):
                            dtype="bfloat16", num_shards=2)
 
 
-def test_a_bf16_model_keeps_bf16_and_is_served(bf16_model, tmp_path):
+def test_a_bf16_model_keeps_bf16_and_its_sharded_checkpoint_is_served(bf16_model, tmp_path):
     """What is not quantized stays bf16 bit for bit and the scales are bf16 (as llm-compressor
-    writes a bf16 model's); q is the round-to-nearest of w by the bf16 scale as stored; the
-    engine serves it (fp32) as the emulation of its tensors."""
-    out = Path(quantize_model(bf16_model, str(tmp_path / "w8a8")))
+    writes a bf16 model's); q is the round-to-nearest of w by the bf16 scale as stored. Written
+    in shards of at most 20 KB (a larger tensor alone in its own), with the index
+    save_pretrained writes; the engine serves it (fp32) as the emulation of its tensors."""
+    out = Path(quantize_model(bf16_model, str(tmp_path / "w8a8"), max_shard_size="20KB"))
     dtypes, src, got = _st_dtypes(out), checkpoint_tensors(bf16_model), checkpoint_tensors(out)
     assert {dtypes[k] for k in dtypes if k.endswith(".weight") and k in got and
             got[k].dtype != np.int8} == {"torch.bfloat16"}
@@ -78,6 +88,21 @@ def test_a_bf16_model_keeps_bf16_and_is_served(bf16_model, tmp_path):
     assert np.abs(q).max(axis=1).min() == 127
     np.testing.assert_array_equal(q, np.clip(np.rint(w / s), -128, 127))
     assert np.all(np.abs(q * s - w) <= s / 2 * (1 + 1e-6))
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(out.glob("model-*.safetensors"))
+    n = len(files)
+    assert n > 3 and [f.name for f in files] == \
+        [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (out / "model.safetensors").exists()
+    assert sorted(index["weight_map"]) == sorted(got)
+    shards = {f.name: _shard(f) for f in files}
+    assert index["metadata"]["total_size"] == _nbytes(t for d in shards.values()
+                                                      for t in d.values())
+    for name, held in shards.items():
+        assert sorted(held) == sorted(k for k, v in index["weight_map"].items() if v == name)
+        assert _nbytes(held.values()) <= 20_000 or len(held) == 1 or \
+            (len(held) == 2 and any(k.endswith("_scale") for k in held))
 
     llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=64)
     prompts = _prompts(1024)[:3]
@@ -94,6 +119,7 @@ def test_an_fp16_model_keeps_fp16(tmp_path):
     dtypes = _st_dtypes(Path(out))
     assert dtypes[LINEAR] == "torch.int8" and dtypes[LINEAR + "_scale"] == "torch.float16"
     assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == "torch.float16"
+    assert sorted(p.name for p in Path(out).glob("*.safetensors")) == ["model.safetensors"]
 
 
 def test_a_pytorch_bin_bf16_model_keeps_bf16(bf16_model, tmp_path):
@@ -107,3 +133,83 @@ def test_a_pytorch_bin_bf16_model_keeps_bf16(bf16_model, tmp_path):
     assert got[LINEAR].dtype == torch.int8 and got[LINEAR + "_scale"].dtype == torch.bfloat16
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensors[name])
+
+
+def test_a_failure_midway_leaves_no_partial_checkpoint(tiny_model_dir, tmp_path, capsys):
+    """A tensor that cannot be read (the file cut short) after shards were written: one line
+    naming it, exit 2, no --out and nothing beside it; an --out being replaced is kept as it
+    was."""
+    bad = tmp_path / "models" / "cut"
+    shutil.copytree(tiny_model_dir, bad)
+    weights = bad / "model.safetensors"
+    with open(weights, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    last = max((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][1])
+    os.truncate(weights, weights.stat().st_size - 1000)
+    work = tmp_path / "work"
+    work.mkdir()
+    capsys.readouterr()
+    assert main(["--model", str(bad), "--out", str(work / "w8a8"),
+                 "--max-shard-size", "20KB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "file truncated" in err
+    assert f"tensor {last!r}" in err
+    assert _listing(work) == []
+    old = work / "old"
+    old.mkdir()
+    (old / "keep.txt").write_text("mine")
+    assert main(["--model", str(bad), "--out", str(old), "--overwrite"]) == 2
+    assert _listing(work) == ["old"] and _listing(old) == ["keep.txt"]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path):
+    """A write that fails (here files are limited to 100 KB, as a full disk refuses them):
+    exit 1, one line saying which file could not be written, nothing left."""
+    def limit_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    r = subprocess.run([sys.executable, "-m", "llm_serving.quantize", "--model", tiny_model_dir,
+                        "--out", str(tmp_path / "w8a8")], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       preexec_fn=limit_files, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"error: cannot write {tmp_path / 'w8a8'}: shard 1: ")
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "File too large" in r.stderr and "Traceback" not in r.stderr
+    assert _listing(tmp_path) == []
+
+
+def test_an_existing_out_is_replaced_only_with_overwrite(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "w8a8"
+    out.mkdir()
+    assert main(["--model", tiny_model_dir, "--out", str(out)]) == 0     # empty: taken
+    (out / "stale.txt").write_text("old")
+    capsys.readouterr()
+    assert main(["--model", tiny_model_dir, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {out} is not empty (pass --overwrite to replace it)\n"
+    assert main(["--model", tiny_model_dir, "--out", str(out), "--overwrite"]) == 0
+    assert "stale.txt" not in _listing(out) and "model.safetensors" in _listing(out)
+    assert _listing(tmp_path) == ["w8a8"]
+    for argv, says in ((["--out", str(out / "config.json"), "--overwrite"], "is a file"),
+                       (["--out", str(Path(tiny_model_dir).parent), "--overwrite"],
+                        "holds --model"),
+                       (["--out", tiny_model_dir, "--overwrite"], "another directory")):
+        assert main(["--model", tiny_model_dir, *argv]) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--model", tiny_model_dir, "--out", str(tmp_path / "x"), "--max-shard-size", "5XB"])
+    assert e.value.code == 2
+    assert "argument --max-shard-size: '5XB' is not a size" in capsys.readouterr().err
+    with pytest.raises(ModelLoadError, match="max_shard_size: 0 is not a size"):
+        quantize_model(tiny_model_dir, str(tmp_path / "x"), max_shard_size=0)
+    assert _listing(tmp_path) == ["w8a8"]
+
+
+def test_shard_sizes_read_as_hugging_face_reads_them():
+    assert [parse_size(s) for s in ("5GB", "500MB", "2GiB", "10KB", "1.5MB", "123", 7)] == \
+        [5 * 10**9, 5 * 10**8, 2 * 2**30, 10**4, 1_500_000, 123, 7]
+    for bad in ("", "GB", "-1GB", "5 XB", 0):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(bad)

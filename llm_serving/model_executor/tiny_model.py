@@ -347,7 +347,7 @@ def w8a8_copy(model: str) -> str:
     from llm_serving.quantize import quantize_model
     out = home_dir() / "models" / (Path(model).resolve().name + "-w8a8")
     if not (out / "config.json").is_file():
-        quantize_model(model, str(out))
+        quantize_model(model, str(out), overwrite=True)
     return str(out)
 
 
@@ -958,7 +958,7 @@ def make_tiny_model(
         from llm_serving.quantize import quantize_model
         with tempfile.TemporaryDirectory(dir=str(out.parent)) as tmp:
             shutil.copytree(out, Path(tmp) / "float")
-            quantize_model(str(Path(tmp) / "float"), str(out))
+            quantize_model(str(Path(tmp) / "float"), str(out), overwrite=True)
     return str(out)
 
 
