@@ -5,6 +5,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -192,6 +193,30 @@ def test_bf16_file(tmp_path):
         np.testing.assert_array_equal(got[k], t[k].float().numpy())
     assert got["c"].dtype == np.float16 and got["d"].dtype == np.int64
     np.testing.assert_array_equal(got["c"], t["c"].numpy())
+    kept = dict(iter_weights(str(tmp_path), keep_bf16=True))     # bits as they are
+    for k in ("a", "b"):
+        assert kept[k].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(kept[k].view(np.int16), t[k].view(torch.int16).numpy())
+
+
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_a_tensor_read_leaves_rss_once_dropped(tmp_path):
+    """Each tensor is its own memory map: reading a 64 MB file tensor by tensor, dropping each,
+    holds about one tensor's pages (8 MB), not the file's (what lets llm_serving.quantize
+    stream a checkpoint larger than memory)."""
+    from safetensors.numpy import save_file
+    save_file({f"t{i}": np.full(2 * 2**20, i, np.float32) for i in range(8)},
+              str(tmp_path / "model.safetensors"))
+    base, peak = _rss_file_kb(), 0
+    for name, arr in iter_weights(str(tmp_path)):
+        assert float(arr.sum()) == int(name[1:]) * arr.size       # every page touched
+        peak = max(peak, _rss_file_kb() - base)
+        del arr
+    assert 8 * 1024 <= peak < 24 * 1024, peak
 
 
 def test_bad_safetensors(tmp_path):

@@ -659,13 +659,13 @@ def read_safetensors_header(path: Union[str, Path]) -> Tuple[Dict[str, Any], int
 def read_safetensors(path: Union[str, Path], keep_bf16: bool = False
                      ) -> Iterator[Tuple[str, np.ndarray]]:
     """Yield (name, array) from one safetensors file, in file order. Arrays are read-only
-    memory-mapped views (bf16 is converted to a new float32 array, or with ``keep_bf16`` viewed
-    as ``ml_dtypes.bfloat16``)."""
+    memory maps, each tensor its own (its pages leave the process's RSS once the caller drops
+    it, as a streaming reader such as llm_serving.quantize wants); bf16 is converted to a new
+    float32 array, or with ``keep_bf16`` viewed as ``ml_dtypes.bfloat16``."""
     path = Path(path)
     header, start = read_safetensors_header(path)
     size = path.stat().st_size
     items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size - start,)) if size > start else None
     for name, info in items:
         st = info.get("dtype")
         dt = _ST_DTYPES.get(st)
@@ -680,7 +680,7 @@ def read_safetensors(path: Union[str, Path], keep_bf16: bool = False
         if count == 0:
             arr = np.zeros(shape, dtype=dt)
         else:
-            arr = np.frombuffer(data, dtype=dt, count=count, offset=b).reshape(shape)
+            arr = np.asarray(np.memmap(path, dtype=dt, mode="r", offset=start + b, shape=shape))
         if st == "BF16":
             arr = arr.view(ml_dtypes.bfloat16) if keep_bf16 else bfloat16_bits_to_float32(arr)
         yield name, arr
