@@ -17,6 +17,7 @@ import pytest
 from llm_serving import LLM
 from llm_serving.errors import ModelLoadError
 from llm_serving.model_executor.torch_bin import read_torch_bin, read_torch_tensor
+from test_loader import _rss_file_kb
 from test_model_parity import _prefill_logits, _prompts
 
 torch = pytest.importorskip("torch")
@@ -37,6 +38,24 @@ def test_tensors_equal_torch_loads(tmp_path):
         expect = t.detach().float() if t.dtype == torch.bfloat16 else t.detach()
         assert ours[name].dtype == expect.numpy().dtype, name
         np.testing.assert_array_equal(ours[name], expect.numpy(), err_msg=name)
+    kept = dict(read_torch_bin(tmp_path / "w.bin", keep_bf16=True))   # bf16 bits as they are
+    np.testing.assert_array_equal(kept["bf16"].view(np.int16),
+                                  ref["bf16"].view(torch.int16).numpy())
+    torch.save({"empty": torch.zeros(0)}, tmp_path / "empty.bin")
+    assert dict(read_torch_bin(tmp_path / "empty.bin"))["empty"].shape == (0,)
+
+
+def test_a_tensor_read_leaves_rss_once_dropped(tmp_path):
+    """Each storage is its own memory map, as each safetensors tensor is: 8 tensors of 8 MB
+    read and dropped one by one hold about one tensor's pages."""
+    torch.save({f"t{i}": torch.full((2 * 2**20,), float(i)) for i in range(8)},
+               tmp_path / "w.bin")
+    base, peak = _rss_file_kb(), 0
+    for name, arr in read_torch_bin(tmp_path / "w.bin"):
+        assert float(arr.sum()) == int(name[1:]) * arr.size       # every page touched
+        peak = max(peak, _rss_file_kb() - base)
+        del arr
+    assert 8 * 1024 <= peak < 24 * 1024, peak
 
 
 def test_sharded_bf16_baichuan2_bins_give_the_safetensors_logits(tmp_path):

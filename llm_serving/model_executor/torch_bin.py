@@ -163,7 +163,6 @@ def read_torch_bin(path, keep_bf16: bool = False) -> Iterator[Tuple[str, np.ndar
         if not isinstance(state, dict):
             raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
         infos = {n: z.getinfo(n) for n in z.namelist()}
-    data = np.memmap(path, dtype=np.uint8, mode="r")
     for name, t in state.items():
         if not isinstance(t, _Tensor):
             continue                        # (a non-tensor entry, e.g. a version number)
@@ -172,7 +171,8 @@ def read_torch_bin(path, keep_bf16: bool = False) -> Iterator[Tuple[str, np.ndar
         member = infos.get(f"{prefix}data/{key}")
         if member is None:
             raise ModelLoadError(f"{path}: tensor {name!r} refers to a missing storage {key}")
-        start = _member_offset(path, member)
-        storage = np.frombuffer(data, dtype=dt, count=member.file_size // dt.itemsize,
-                                offset=start)
+        start, count = _member_offset(path, member), member.file_size // dt.itemsize
+        # a map of its own, so that its pages leave RSS once the tensor is dropped
+        storage = np.asarray(np.memmap(path, dtype=dt, mode="r", offset=start, shape=(count,))
+                             ) if count else np.zeros(0, dt)
         yield name, _view(t, storage, path, name, keep_bf16)
