@@ -180,6 +180,30 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path):
     assert _listing(tmp_path) == []
 
 
+@pytest.mark.parametrize("sig, code, says", [(signal.SIGINT, 130, "interrupted"),
+                                            (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_or_sigterm_midway_leaves_nothing(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                 sig, code, says):
+    """The signal arrives once two shards are written: one line, exit 130 (Ctrl-C) or 143
+    (SIGTERM), no --out and nothing beside it; SIGTERM's handler is given back."""
+    import llm_serving.quantize as tool
+    real = tool.iter_weights
+
+    def signalled(*a, **kw):
+        for i, item in enumerate(real(*a, **kw)):
+            if i == 12:
+                assert len(list(tmp_path.glob(".w8a8.*.partial/part-*"))) >= 2
+                os.kill(os.getpid(), sig)
+            yield item
+    monkeypatch.setattr(tool, "iter_weights", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    capsys.readouterr()
+    assert main(["--model", tiny_model_dir, "--out", str(tmp_path / "w8a8"),
+                 "--max-shard-size", "10KB"]) == code
+    assert capsys.readouterr().err == f"{says}: nothing written to {tmp_path / 'w8a8'}\n"
+    assert _listing(tmp_path) == [] and signal.getsignal(signal.SIGTERM) == before
+
+
 def test_an_existing_out_is_replaced_only_with_overwrite(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "w8a8"
     out.mkdir()
