@@ -35,11 +35,11 @@ from llm_serving.model_executor.loader import (ModelConfig, find_weight_files, i
 from llm_serving.model_executor.quantization import INT8_ARCHITECTURES, QUANT_METHOD
 
 # the linear layers' weights of the decoders (INT8_ARCHITECTURES), by the checkpoint's names: a
-# packed q/k/v (InternLM2's attention.wqkv, Baichuan's W_pack) is one layer, as llm-compressor
-# quantizes it
-_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|W_pack)"
+# packed q/k/v (InternLM2's attention.wqkv, Baichuan's W_pack, GPTBigCode's c_attn) is one
+# layer, as llm-compressor quantizes it
+_LINEAR = re.compile(r"^(model\.layers\.\d+\.(self_attn\.([qkvo]_proj|W_pack)"
                      r"|mlp\.(gate|up|down)_proj|attention\.(wqkv|wo)|feed_forward\.w[123])"
-                     r"\.weight$")
+                     r"|transformer\.h\.\d+\.(attn\.c_(attn|proj)|mlp\.c_(fc|proj)))\.weight$")
 # the LM head, kept in float, by the checkpoint's name
 _LM_HEAD = {"InternLM2ForCausalLM": "output"}
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.ckpt", "*.pt", "*.pth", "*.index.json")

@@ -286,7 +286,8 @@ class ModelConfig:
                       f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES) + tuple(SEQ_CLS_ARCHITECTURES))}")
         quantization = parse_quantization_config(cfg, arch, err)
         if arch == GPT_BIGCODE:
-            return cls(**_gpt_bigcode_fields(cfg, err), model_dir=model_dir)
+            return cls(**_gpt_bigcode_fields(cfg, err), model_dir=model_dir,
+                       quantization=quantization)
 
         def req(key: str) -> Any:
             if cfg.get(key) is None:

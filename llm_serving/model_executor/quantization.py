@@ -25,11 +25,12 @@ from llm_serving.errors import ModelLoadError
 QUANT_METHOD = "compressed-tensors"
 # the formats whose tensors are int8 weights with float scales
 INT8_FORMATS = ("int-quantized", "naive-quantized")
-# the decoders whose quantized layers are models/llama.py's Linear layers (InternLM2's wqkv and
-# Baichuan's W_pack cut into q, k and v, models/internlm2.py and models/baichuan.py)
+# the decoders whose quantized layers are Linear layers: models/llama.py's (InternLM2's wqkv and
+# Baichuan's W_pack cut into q, k and v, models/internlm2.py and models/baichuan.py) and
+# models/gpt_bigcode.py's (c_attn cut into q, k and v)
 INT8_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM", "InternLMForCausalLM", "InternLM2ForCausalLM",
-                      "BaichuanForCausalLM", "BaiChuanForCausalLM")
+                      "BaichuanForCausalLM", "BaiChuanForCausalLM", "GPTBigCodeForCausalLM")
 _FORMAT_HINTS = {"pack-quantized": "4-bit packed weights", "float-quantized": "FP8",
                  "nvfp4-pack-quantized": "NVFP4", "mxfp4-pack-quantized": "MXFP4",
                  "marlin-24": "2:4 sparse Marlin", "sparse-24-bitmask": "2:4 sparse",

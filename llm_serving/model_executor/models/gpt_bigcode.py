@@ -6,12 +6,16 @@ A GPT-2 layout: the token embedding ``wte`` plus a learned absolute position emb
 (``ln_1``, ``ln_2``, ``ln_f``), multi-query attention (``multi_query``: one KV head, which
 tensor-parallel ranks replicate as GQA's KV heads fewer than ranks; else one per head), the
 MLP ``c_fc`` -> GELU -> ``c_proj``, biases on every projection, and the LM head tied to
-``wte``. Parameters carry the checkpoint's names; ``c_attn`` is one fused q/k/v Linear.
+``wte``. Parameters carry the checkpoint's names; ``c_attn`` is one fused q/k/v Linear. A W8A8
+int8 checkpoint's ``c_attn`` (one quantized layer, as vLLM's) has its int8 rows and
+per-channel ``weight_scale`` rows cut as the float weight is, its biases stay float (added in
+the int8 kernel's epilogue); ``checkpoint_modules`` names our q, k and v parts ``c_attn``.
 Attention runs through the Attention layer and the forward context, as Llama's does; decoder
 layers split into ``forward_attn`` / ``forward_ffn`` for multi-stream (docs/multistream.md).
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -24,7 +28,8 @@ from llm_serving.model_executor.layers.activation import GELU
 from llm_serving.model_executor.layers.layernorm import LayerNorm
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.layers.position_embedding import PositionEmbedding
-from llm_serving.model_executor.models.weights import load_named_weights
+from llm_serving.model_executor.models.weights import (check_float_head, load_named_weights,
+                                                       split_packed)
 from llm_serving.model_executor.multistream.config import MultiStreamConfig
 from llm_serving.model_executor.multistream.decorators import support_multi_stream
 from llm_serving.model_executor.multistream.interfaces import SupportsMultiStream
@@ -146,6 +151,16 @@ class GPTBigCodeForCausalLM(nn.Cell, SupportsMultiStream):
             self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, tp_rank,
                                           tp_size)
 
+    @staticmethod
+    def checkpoint_modules(names: list[str]) -> list[str]:
+        """The checkpoint's module names of our layer parts (c_attn's q, k, v -> c_attn)."""
+        own = []
+        for name in names:
+            name = re.sub(r"\.c_attn\.[qkv]$", ".c_attn", name)
+            if name not in own:
+                own.append(name)
+        return own
+
     def construct(self, input_ids, positions):
         return self.transformer(input_ids, positions)
 
@@ -158,21 +173,27 @@ class GPTBigCodeForCausalLM(nn.Cell, SupportsMultiStream):
         load_named_weights(self, self._checkpoint_parts(weights), self.stacked_params)
 
     def _checkpoint_parts(self, weights) -> Iterator[tuple[str, np.ndarray]]:
-        """The checkpoint's tensors, with ``c_attn`` cut into its q, k and v parts, and without
-        the causal-mask buffers old checkpoints carry and a tied LM head."""
+        """The checkpoint's tensors, with ``c_attn`` (its weight, bias, and a W8A8 checkpoint's
+        scale rows) cut into its q, k and v parts, and without the causal-mask buffers old
+        checkpoints carry and a tied LM head; a quantized LM head is refused by name."""
         c = self.config
-        d, heads, kv_heads = c.head_dim, c.num_heads, c.num_kv_heads
         for name, w in weights:
             if name.endswith((".attn.bias", ".attn.masked_bias")) and ".c_attn." not in name:
                 continue
-            if name == "lm_head.weight" and c.tie_word_embeddings:
-                continue
+            if name.startswith("lm_head."):
+                check_float_head(name, w)
+                if c.tie_word_embeddings:
+                    continue
             if ".c_attn." not in name:
                 yield name, w
                 continue
-            w = np.asarray(w)
-            if not c.multi_query:       # [heads, (q, k, v), head_dim] -> [(q, k, v), heads, ...]
-                w = w.reshape(heads, 3, d, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
-            q, k, v = np.split(w, [heads * d, (heads + kv_heads) * d])
-            for part, value in zip("qkv", (q, k, v)):
+            for part, value in zip("qkv", split_packed(name, w, self._unpack_qkv)):
                 yield name.replace(".c_attn.", f".c_attn.{part}."), value
+
+    def _unpack_qkv(self, w: np.ndarray):
+        """c_attn's rows (and their scales) -> q, k, v rows."""
+        c = self.config
+        d, heads, kv_heads = c.head_dim, c.num_heads, c.num_kv_heads
+        if not c.multi_query:       # [heads, (q, k, v), head_dim] -> [(q, k, v), heads, ...]
+            w = w.reshape(heads, 3, d, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+        return np.split(w, [heads * d, (heads + kv_heads) * d])
