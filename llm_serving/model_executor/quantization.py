@@ -31,6 +31,8 @@ INT8_FORMATS = ("int-quantized", "naive-quantized")
 INT8_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM", "InternLMForCausalLM", "InternLM2ForCausalLM",
                       "BaichuanForCausalLM", "BaiChuanForCausalLM", "GPTBigCodeForCausalLM")
+# MoE decoders: vLLM-CPU's int8 experts need AMX, Arm, POWER or zentorch kernels (refused)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 _FORMAT_HINTS = {"pack-quantized": "4-bit packed weights", "float-quantized": "FP8",
                  "nvfp4-pack-quantized": "NVFP4", "mxfp4-pack-quantized": "MXFP4",
                  "marlin-24": "2:4 sparse Marlin", "sparse-24-bitmask": "2:4 sparse",
@@ -103,6 +105,12 @@ def parse_quantization_config(cfg: Mapping[str, Any], arch: str,
         raise refuse(f"quant_method {method!r}")
     fmt = qc.get("format")
     _check_format(fmt, refuse)
+    if arch in MOE_ARCHITECTURES:
+        raise err(f"{key}: a quantized {arch} is not served: vLLM-CPU 0.32 serves W8A8 "
+                  "int8 MoE experts only with its AMX kernel (Intel Sapphire Rapids "
+                  "and later), its Arm or POWER int8 MoE kernels, or AMD's zentorch, and "
+                  "elsewhere refuses the model (\"No Int8 MoE backend supports the deployment "
+                  "configuration\"); serve the float checkpoint")
     if arch not in INT8_ARCHITECTURES:
         raise err(f"{key}: a quantized {arch} is not served; W8A8 int8 checkpoints are for "
                   f"{', '.join(INT8_ARCHITECTURES)}")
