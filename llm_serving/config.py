@@ -748,13 +748,25 @@ class EngineArgs:
                               "rank, e.g. '0|1' for two")
         return affinity
 
+    def _kv_cache_scheme(self, on_cpu: bool) -> None:
+        """A checkpoint with a kv_cache_scheme (FP8 KV scales): kv_cache_dtype auto is fp8
+        (E4M3) on CPU, as vLLM takes it; fp8_e5m2 is refused (vLLM's rule too)."""
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ConfigError("kv_cache_dtype", "fp8_e5m2 is not served with a checkpoint "
+                              "whose quantization_config has a kv_cache_scheme (its scales "
+                              "are for E4M3: use fp8, or auto)")
+        if on_cpu and self.kv_cache_dtype == "auto":
+            logger.info("kv_cache_dtype auto: fp8 (E4M3), as the checkpoint's kv_cache_scheme "
+                        "asks (vLLM's rule); its k_scale / v_scale scale the cache")
+            self.kv_cache_dtype = "fp8"
+
     def _check_quantization(self, hf, on_cpu: bool) -> None:
         """A W8A8 int8 checkpoint (config.json's quantization_config) runs on our CPU int8
         kernel, its other layers in float32 (with dtype bfloat16, as vLLM-CPU takes it: the
         linear layers it leaves in float hold bf16 weights); quantization=compressed-tensors
         needs one."""
-        if hf.quantization is None:
-            if self.quantization is not None:
+        if hf.quantization is None or not hf.quantization.groups:    # none, or KV scales only
+            if hf.quantization is None and self.quantization is not None:
                 raise ConfigError("quantization", f"{self.quantization} asked, but the "
                                   "model's config.json has no quantization_config")
             return
@@ -782,6 +794,8 @@ class EngineArgs:
             raise ConfigError("max_model_len", f"{max_len} exceeds the model's "
                               f"max_position_embeddings ({hf.max_position_embeddings})")
         on_cpu = self._runs_on_cpu()
+        if hf.quantization is not None and hf.quantization.kv_cache_scheme:
+            self._kv_cache_scheme(on_cpu)
         kv_dtype = self._kv_cache_dtype(on_cpu)
         layer_dtypes = self._kv_layer_dtypes(on_cpu, hf.num_layers)
         transfer = KVTransferConfig.from_dict(self.kv_transfer_config)

@@ -103,6 +103,8 @@ class ModelRunner:
         if m.dtype == "bfloat16" and self.device == "CPU":
             from llm_serving.model_executor.layers.linear import use_bf16_weights
             use_bf16_weights(self.model)    # linear weights stored bf16, activations fp32
+        from llm_serving.model_executor.kv_scales import set_kv_layer_dtypes
+        set_kv_layer_dtypes(self.model, m.kv_layer_dtypes)  # FP8 layers: the KV scales fold
         self.model.load_weights(iter_weights(m.path, checkpoint=m.checkpoint))
         _return_freed_memory()
         self._worker = None       # collective_rpc's Worker, in process (made on first use)

