@@ -15,7 +15,7 @@ import transformers
 from lora_adapters import hf_logits_and_greedy
 from safetensors.numpy import load_file, save_file
 
-from llm_serving import LLM, SamplingParams
+from llm_serving import LLM, LoRARequest, SamplingParams
 from llm_serving.errors import ModelLoadError
 
 NEW_TOKENS = 12
@@ -157,6 +157,23 @@ def test_layers_kv_cache_dtype_skip_layers_keeps_in_float_do_not_use_the_scales(
     llm.engine.shutdown()
     np.testing.assert_allclose(lp, _prompt_logprobs(logits), atol=2e-3, rtol=0)
     assert tokens == ref_tokens
+
+
+def test_lora_adapters_take_the_folded_scales(tmp_path, tiny_model_dir):
+    """A LoRA adapter on q, k, v and o over FP8 KV with the checkpoint's scales: HF with the
+    adapter merged and the scaled rounding (its deltas are scaled as the weights are)."""
+    from lora_adapters import make_adapter, merged_hf_model
+    path = _with_scales(tiny_model_dir, tmp_path / "m")
+    adapter = make_adapter(str(tmp_path / "a"), path, targets=("q_proj", "k_proj", "v_proj",
+                                                               "o_proj"))
+    logits, ref_tokens = _hf(path, SCALES, merged_hf_model(path, adapter))
+    llm = LLM(path, kv_cache_dtype="fp8", num_blocks=64, enable_lora=True)
+    out = llm.generate({"prompt_token_ids": PROMPT}, GREEDY,
+                       lora_request=LoRARequest("a", 1, adapter))[0]
+    llm.engine.shutdown()
+    lp = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], PROMPT[1:])]
+    np.testing.assert_allclose(lp, _prompt_logprobs(logits), atol=2e-3, rtol=0)
+    assert out.outputs[0].token_ids == ref_tokens
 
 
 def test_kv_cache_scheme_turns_auto_into_fp8(tiny_model_dir, tmp_path):

@@ -116,8 +116,10 @@ class KVScales:
             if len(folded) < len(scales):
                 logger.info("the checkpoint's KV scales of %d layers are not used: their KV "
                             "cache is not FP8", len(scales) - len(folded))
+        folds = {}
         for layer in folded:
-            self._fold_layer(host, parts[layer], *scales[layer])
+            folds.update(self._fold_layer(host, parts[layer], *scales[layer]))
+        self.model.kv_folds = folds
 
     def _scales(self) -> dict:
         """{layer: (k_scale, v_scale)}: this load's, or on a reload the ones held (the new
@@ -139,7 +141,8 @@ class KVScales:
                                      "server to change them")
         return held
 
-    def _fold_layer(self, host: dict, p: _AttentionParts, ks: float, vs: float) -> None:
+    def _fold_layer(self, host: dict, p: _AttentionParts, ks: float, vs: float) -> dict:
+        """Fold one layer's scales; {qkv: its parts' row factors, o: its input factor}."""
         qkv = self.cells[p.qkv]
         norms = p.q_norm is not None
         factors = (1.0, 1.0, 1 / vs) if norms else (ks, 1 / ks, 1 / vs)
@@ -157,6 +160,25 @@ class KVScales:
             buf = host.get(f"{p.o}.{leaf}")
             if buf is not None and buf.dtype != np.int8:
                 buf *= np.float32(f)
+        return {p.qkv: factors, p.o: vs}
+
+
+def fold_lora(model, layers: dict) -> dict:
+    """A LoRA adapter's {layer: (A, [(part, first row of A, end row, B)])} (``lora.py``) with
+    the model's KV scales folded in as into its weights: a q/k/v part's B rows times the
+    part's factor, the output projection's A (its input side) times v_scale."""
+    folds = getattr(model, "kv_folds", None)
+    if not folds:
+        return layers
+    out = {}
+    for name, (a, parts) in layers.items():
+        f = folds.get(name)
+        if isinstance(f, tuple):
+            parts = [(part, lo, hi, b * np.float32(f[part])) for part, lo, hi, b in parts]
+        elif f is not None:
+            a = a * np.float32(f)
+        out[name] = (a, parts)
+    return out
 
 
 def _span(values) -> tuple:

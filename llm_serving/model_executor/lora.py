@@ -26,6 +26,7 @@ import numpy as np
 from mindspore import Tensor
 
 from llm_serving.config import LoRAConfig
+from llm_serving.model_executor.kv_scales import fold_lora
 from llm_serving.lora.peft import LORA_ARCHITECTURES, check_adapter, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class LoRAModels:
         from llm_serving.model_executor.layers.linear import Linear
         if hf.architecture not in LORA_ARCHITECTURES:
             raise ValueError(f"LoRA is not supported for {hf.architecture}")
-        self.config, self.hf = config, hf
+        self.config, self.hf, self.model = config, hf, model
         self.stacked = getattr(model, "stacked_params", [])
         self.layers = {}
         for name, cell in model.cells_and_names():
@@ -122,6 +123,7 @@ class LoRAModels:
             return weights
         spec = check_adapter(path, self.hf, self.config.max_lora_rank)
         weights = AdapterWeights(load_adapter(spec), self.layers, self.stacked)
+        weights.layers = fold_lora(self.model, weights.layers)    # the checkpoint's KV scales
         while len(self._loaded) >= self.config.max_cpu_loras:
             old = next((k for k in self._loaded if k not in keep), None)
             if old is None:
