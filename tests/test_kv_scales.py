@@ -26,14 +26,15 @@ KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": Fa
              "symmetric": True}
 
 
-def _with_scales(src: str, dst, scales=SCALES, quantization=None, names=("k_scale", "v_scale")):
+def _with_scales(src: str, dst, scales=SCALES, quantization=None, names=("k_scale", "v_scale"),
+                 attention="model.layers.{}.self_attn"):
     """A copy of the model at ``src`` with each layer's KV scales added (one scalar tensor
-    each, named ``model.layers.N.self_attn.<name>``), and config.json's quantization_config."""
+    each, named ``<attention>.<name>``), and config.json's quantization_config."""
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
     for i, pair in enumerate(scales):
         for name, s in zip(names, pair):
-            tensors[f"model.layers.{i}.self_attn.{name}"] = np.asarray(s, np.float32)
+            tensors[f"{attention.format(i)}.{name}"] = np.asarray(s, np.float32)
     save_file(tensors, str(dst / "model.safetensors"))
     if quantization is not None:
         _set_quantization(str(dst), quantization)
@@ -90,9 +91,9 @@ def _prompt_logprobs(logits: np.ndarray) -> np.ndarray:
     return lp[np.arange(len(PROMPT) - 1), PROMPT[1:]]
 
 
-def _scaled(src: str, dst) -> tuple:
+def _scaled(src: str, dst, **names) -> tuple:
     """(checkpoint with KV scales, HF reference with them, HF reference with unit scales)."""
-    path = _with_scales(src, dst)
+    path = _with_scales(src, dst, **names)
     return path, _hf(path, SCALES), _hf(path, [(1.0, 1.0)] * len(SCALES))
 
 
@@ -101,13 +102,17 @@ def scaled_llama(tiny_model_dir, tmp_path_factory):
     return _scaled(tiny_model_dir, tmp_path_factory.mktemp("kvs") / "llama")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt_bigcode"])
 def scaled(request, tmp_path_factory):
-    """The tiny Llama's, or the tiny Qwen3's (per-head q/k norms) ``_scaled``."""
+    """The tiny Llama's, the tiny Qwen3's (per-head q/k norms) or the tiny GPTBigCode's
+    (c_attn, multi-query; scales named transformer.h.N.attn.k_scale) ``_scaled``."""
     if request.param == "llama":
         return request.getfixturevalue("scaled_llama")
-    return _scaled(request.getfixturevalue("qwen3_model_dir"),
-                   tmp_path_factory.mktemp("kvs") / "qwen3")
+    dst = tmp_path_factory.mktemp("kvs") / request.param
+    if request.param == "qwen3":
+        return _scaled(request.getfixturevalue("qwen3_model_dir"), dst)
+    return _scaled(request.getfixturevalue("gpt_bigcode_model_dir"), dst,
+                   attention="transformer.h.{}.attn")
 
 
 def test_fp8_cache_with_checkpoint_scales_matches_hf(scaled):
@@ -135,9 +140,9 @@ def test_two_tensor_parallel_ranks_fold_their_own_rows(scaled_llama):
     assert tokens == ref_tokens
 
 
-def test_float_cache_ignores_the_scales(scaled):
+def test_float_cache_ignores_the_scales(scaled_llama):
     """With a float32 KV cache the scales are not used (vLLM's rule): HF without rounding."""
-    path = scaled[0]
+    path = scaled_llama[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = _prompt_logprobs(hf(torch.tensor([PROMPT])).logits[0].numpy())
@@ -147,7 +152,7 @@ def test_float_cache_ignores_the_scales(scaled):
     np.testing.assert_allclose(lp, ref, atol=1e-4, rtol=0)
 
 
-def test_layers_kv_cache_dtype_skip_layers_keeps_in_float_do_not_use_the_scales(scaled):
+def test_layers_kept_in_float_by_skip_layers_do_not_use_the_scales(scaled):
     """kv_cache_dtype_skip_layers 1: layer 0's cache FP8 with its scales, layer 1's float32
     without (HF rounding layer 0 only), the same tokens."""
     path = scaled[0]
@@ -222,10 +227,10 @@ def test_a_lone_kv_scale_serves_k_and_v(tiny_model_dir, tmp_path):
     assert tokens == ref_tokens
 
 
-def test_reload_folds_the_same_scales(scaled):
+def test_reload_folds_the_same_scales(scaled_llama):
     """reload_weights from the checkpoint folds its scales again (the tokens stay HF's), and
     a reload whose k_scale differs from the one loaded at start is refused naming the layer."""
-    path, (_, ref_tokens), _ = scaled
+    path, (_, ref_tokens), _ = scaled_llama
     llm = LLM(path, kv_cache_dtype="fp8", num_blocks=64)
     llm.collective_rpc("reload_weights")
     _, tokens = _ours(llm)
