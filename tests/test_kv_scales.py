@@ -209,17 +209,25 @@ def test_unserved_kv_schemes_are_refused_by_name(tiny_model_dir, tmp_path, schem
         LLM(path, kv_cache_dtype=kv, num_blocks=64)
 
 
-def test_per_head_scale_tensors_are_refused_naming_the_tensor(tiny_model_dir, tmp_path):
-    path = _with_scales(tiny_model_dir, tmp_path / "m",
-                        scales=[(np.full(2, 0.01), 0.02), (0.01, 0.02)])
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_scale.*per-head"):
+@pytest.mark.parametrize("scales,names,match", [
+    ([(np.full(2, 0.01), 0.02), (0.01, 0.02)], ("k_scale", "v_scale"),
+     r"model\.layers\.0\.self_attn\.k_scale.*per-head"),
+    ([(0.01, 0.0), (0.01, 0.5)], ("k_scale", "k_zero_point"),
+     r"model\.layers\.1\.self_attn\.k_zero_point.*nonzero zero points"),
+])
+def test_kv_scale_tensors_not_served_are_refused_naming_the_tensor(tiny_model_dir, tmp_path,
+                                                                  scales, names, match):
+    path = _with_scales(tiny_model_dir, tmp_path / "m", scales=scales, names=names)
+    with pytest.raises(ModelLoadError, match=match):
         LLM(path, kv_cache_dtype="fp8", num_blocks=64)
 
 
 def test_a_lone_kv_scale_serves_k_and_v(tiny_model_dir, tmp_path):
-    """The deprecated kv_scale (one per layer) is k_scale and v_scale both, as vLLM takes it."""
-    path = _with_scales(tiny_model_dir, tmp_path / "m", scales=[(s,) for s, _ in SCALES],
-                        names=("kv_scale",))
+    """The deprecated kv_scale (one per layer) is k_scale and v_scale both, as vLLM takes it;
+    a q_scale (FP8 attention, not on CPU) and zero KV zero points load and are not used."""
+    path = _with_scales(tiny_model_dir, tmp_path / "m",
+                        scales=[(s, 0.5, 0.0) for s, _ in SCALES],
+                        names=("kv_scale", "q_scale", "v_zero_point"))
     _, ref_tokens = _hf(path, [(s, s) for s, _ in SCALES])
     llm = LLM(path, kv_cache_dtype="fp8", num_blocks=64)
     _, tokens = _ours(llm)
