@@ -41,7 +41,8 @@
 // when AVX-512 is unavailable (or with -DLLS_FORCE_SCALAR). In both, decode rows read a tile
 // position by position and prefill chunks head by head (see decode_tiles), with the same
 // operations in the same order for each output: a row's bits are the same whether a decode step
-// or a prefill chunk computed it.
+// or a prefill chunk computed it. A prefill chunk first widens (or copies) each tile's K/V rows
+// of a kv head into a small float32 scratch that all its query rows read (see WideTile).
 
 #include <algorithm>
 #include <cmath>
@@ -932,45 +933,42 @@ inline __m512 ld16(const f8e4m3_t* p) {
 }
 inline __m512 ld16(__mmask16 m, const f8e4m3_t* p) { return widen_e4m3(ld16_bytes(m, p)); }
 
-// Scores of one (pre-scaled, zero-padded) query row against 16 context rows (kp[j] + off).
-template <int NC, class C>
-inline __m512 qk16(const float* LLS_RESTRICT q, const C* const* kp, int64_t off, int nc_rt,
-                   __mmask16 tail) {
+// Scores of one (pre-scaled, zero-padded) query row against 16 context rows kr[j], widened
+// rows of nc chunks of 16 floats, zero-padded (WideTile).
+template <int NC>
+inline __m512 qk16(const float* LLS_RESTRICT q, const float* const* kr, int nc_rt) {
   const int nc = NC > 0 ? NC : nc_rt;
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) {
-    const C* LLS_RESTRICT k = kp[kSigma[i]] + off;
+    const float* LLS_RESTRICT k = kr[kSigma[i]];
     __m512 s = _mm512_setzero_ps();
-    for (int c = 0; c < nc - 1; ++c)
-      s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * c), ld16(k + 16 * c), s);
-    s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * (nc - 1)), ld16(tail, k + 16 * (nc - 1)), s);
+    for (int c = 0; c < nc; ++c)
+      s = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * c), _mm512_load_ps(k + 16 * c), s);
     acc[i] = s;
   }
   return reduce16(acc);
 }
 
-// o = o * corr + sum_{j < n} p[j] * (vp[j] + off)
-template <int NC, class C>
+// o = o * corr + sum_{j < n} p[j] * vr[j] (widened rows, as qk16's)
+template <int NC>
 inline void pv16(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
-                 const C* const* vp, int64_t off, int n, int nc_rt, __mmask16 tail) {
+                 const float* const* vr, int n, int nc_rt) {
   const __m512 vc = _mm512_set1_ps(corr);
   if (NC > 0) {
     __m512 acc[NC > 0 ? NC : 1];
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
     for (int j = 0; j < n; ++j) {
       const __m512 pj = _mm512_set1_ps(p[j]);
-      const C* LLS_RESTRICT v = vp[j] + off;
-      for (int c = 0; c < NC - 1; ++c)
-        acc[c] = _mm512_fmadd_ps(pj, ld16(v + 16 * c), acc[c]);
-      acc[NC - 1] = _mm512_fmadd_ps(pj, ld16(tail, v + 16 * (NC - 1)), acc[NC - 1]);
+      const float* LLS_RESTRICT v = vr[j];
+      for (int c = 0; c < NC; ++c)
+        acc[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(v + 16 * c), acc[c]);
     }
     for (int c = 0; c < NC; ++c) _mm512_store_ps(o + 16 * c, acc[c]);
   } else {
     for (int c = 0; c < nc_rt; ++c) {
-      const __mmask16 m = c == nc_rt - 1 ? tail : (__mmask16)0xFFFF;
       __m512 x = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
       for (int j = 0; j < n; ++j)
-        x = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), ld16(m, vp[j] + off + 16 * c), x);
+        x = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_load_ps(vr[j] + 16 * c), x);
       _mm512_store_ps(o + 16 * c, x);
     }
   }
@@ -1021,62 +1019,6 @@ inline void from_pairs(float* dst, __mmask32 m, __m512 ev, __m512 od, __m512 s) 
                         _mm512_mul_ps(_mm512_permutex2var_ps(ev, hi, od), s));
 }
 
-// qk16 for a bf16 cache and a query row in paired order (NP: 32-element groups, 0 = runtime).
-template <int NP>
-inline __m512 qk16_pairs(const float* LLS_RESTRICT q, const bf16_t* const* kp, int64_t off,
-                         int np_rt, int64_t D) {
-  const int np = NP > 0 ? NP : np_rt;
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) {
-    const bf16_t* LLS_RESTRICT k = kp[kSigma[i]] + off;
-    __m512 s = _mm512_setzero_ps();
-    for (int c = 0; c < np; ++c) {
-      __m512 ev, od;
-      ld32(k + 32 * c, pair_mask(D, c, np), ev, od);
-      s = _mm512_fmadd_ps(_mm512_load_ps(q + 32 * c), ev, s);
-      s = _mm512_fmadd_ps(_mm512_load_ps(q + 32 * c + 16), od, s);
-    }
-    acc[i] = s;
-  }
-  return reduce16(acc);
-}
-
-// pv16 for a bf16 cache, o in paired order.
-template <int NP>
-inline void pv16_pairs(float* LLS_RESTRICT o, float corr, const float* LLS_RESTRICT p,
-                       const bf16_t* const* vp, int64_t off, int n, int np_rt, int64_t D) {
-  const __m512 vc = _mm512_set1_ps(corr);
-  if (NP > 0) {
-    __m512 acc[2 * (NP > 0 ? NP : 1)];
-    for (int c = 0; c < 2 * NP; ++c) acc[c] = _mm512_mul_ps(_mm512_load_ps(o + 16 * c), vc);
-    for (int j = 0; j < n; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      const bf16_t* LLS_RESTRICT v = vp[j] + off;
-      for (int c = 0; c < NP; ++c) {
-        __m512 ev, od;
-        ld32(v + 32 * c, pair_mask(D, c, NP), ev, od);
-        acc[2 * c] = _mm512_fmadd_ps(pj, ev, acc[2 * c]);
-        acc[2 * c + 1] = _mm512_fmadd_ps(pj, od, acc[2 * c + 1]);
-      }
-    }
-    for (int c = 0; c < 2 * NP; ++c) _mm512_store_ps(o + 16 * c, acc[c]);
-  } else {
-    for (int c = 0; c < np_rt; ++c) {
-      const __mmask32 m = pair_mask(D, c, np_rt);
-      __m512 xe = _mm512_mul_ps(_mm512_load_ps(o + 32 * c), vc);
-      __m512 xo = _mm512_mul_ps(_mm512_load_ps(o + 32 * c + 16), vc);
-      for (int j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        __m512 ev, od;
-        ld32(vp[j] + off + 32 * c, m, ev, od);
-        xe = _mm512_fmadd_ps(pj, ev, xe);
-        xo = _mm512_fmadd_ps(pj, od, xo);
-      }
-      _mm512_store_ps(o + 32 * c, xe);
-      _mm512_store_ps(o + 32 * c + 16, xo);
-    }
-  }
-}
 #else
 #define LLS_BF16_PAIRS 0
 #endif
@@ -1252,6 +1194,60 @@ inline void store_output(float* dst, const float* LLS_RESTRICT src, __m512 s, in
   }
 }
 
+// WideTile. A prefill chunk reads each tile's K/V rows for every query row of its item. Read in
+// place, a narrow cache's bytes (bfloat16, float16, FP8) were widened again for each query row
+// (E4M3: about ten vector ops per 16 values), so an E4M3 cache's prefill took 1.6x float32's
+// time. So a tile's K and V rows of one kv head are first widened into a small aligned scratch,
+// 2 x 16 rows of DP floats (8 KB at D = 64: L1), by the same ld16/ld32 as before, zero past D,
+// and qk16/pv16 read them there: the same values into the same FMAs in the same order, so the
+// same bits as before and as decode_tiles. A bfloat16 row is kept in paired order (per 32
+// elements the even, then the odd ones, as ld32 yields them): its 2 * np chunks of 16 go
+// through the FMAs in the order the paired loops used. float32 rows are copied too: read from
+// the copy they were faster still than in place (12 kv heads -28%, 1 kv head -14%; in place a
+// tile's rows of one kv head lie a cache row apart). A 512-token prefill, AMD Zen 5, one thread,
+// us per layer call: float32 8260 -> 5960, bfloat16 6400 -> 5580, E4M3 13300 -> 5930
+// (bench/bench_attention_kernel.py --before; docs/benchmarks.md).
+
+// Row j < n of rows (plus off) widened into dst + j * DP, zero past D.
+template <int NC, class C>
+inline void widen_rows(float* LLS_RESTRICT dst, const C* const* rows, int64_t off, int n,
+                       int64_t D, int64_t DP, int nc_rt, __mmask16 tail) {
+  const int nc = NC > 0 ? NC : nc_rt;
+  for (int j = 0; j < n; ++j) {
+    const C* LLS_RESTRICT src = rows[j] + off;
+    float* LLS_RESTRICT row = dst + j * DP;
+#if LLS_BF16_PAIRS
+    if constexpr (std::is_same<C, bf16_t>::value) {
+      const int np = (int)(DP / 32);
+      for (int c = 0; c < np; ++c) {
+        __m512 ev, od;
+        ld32(src + 32 * c, pair_mask(D, c, np), ev, od);
+        _mm512_store_ps(row + 32 * c, ev);
+        _mm512_store_ps(row + 32 * c + 16, od);
+      }
+      continue;
+    }
+#endif
+    for (int c = 0; c < nc - 1; ++c) _mm512_store_ps(row + 16 * c, ld16(src + 16 * c));
+    _mm512_store_ps(row + 16 * (nc - 1), ld16(tail, src + 16 * (nc - 1)));
+  }
+}
+
+// The tile's K and V rows (kp/vp plus off: one kv head) widened into buf (2 * kTile * DP
+// floats); kr/vr get their row pointers (positions past n: row 0, as tile_pointers does).
+template <int NC, class C>
+inline void widen_tile(float* buf, const float** kr, const float** vr, const C* const* kp,
+                       const C* const* vp, int64_t off, int n, int64_t D, int64_t DP, int nc,
+                       __mmask16 tail) {
+  float* vb = buf + kTile * DP;
+  widen_rows<NC, C>(buf, kp, off, n, D, DP, nc, tail);
+  widen_rows<NC, C>(vb, vp, off, n, D, DP, nc, tail);
+  for (int j = 0; j < kTile; ++j) {
+    kr[j] = buf + (j < n ? j : 0) * DP;
+    vr[j] = vb + (j < n ? j : 0) * DP;
+  }
+}
+
 // Scratch row m = (hh * nrows + r) * G + gh holds query row r, query head gh of kv head kv0+hh.
 template <int NC, class C>
 void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
@@ -1326,6 +1322,15 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       close_segments(sc, 0, M, DP);
     }
   } else for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
+    // the tile's rows of each kv head widened (WideTile) into a thread's buffer, named once per
+    // tile: GCC calls __tls_get_addr wherever a thread_local is named, and inside the p.v loop
+    // that spilled its accumulators (+19%). A widened row is NW (nw) chunks of 16 floats.
+    static thread_local AlignedBuf wide_buf;
+    float* wide = wide_buf.get((size_t)(2 * kTile * DP));
+    const float* kr[kTile];
+    const float* vr[kTile];
+    constexpr int NW = kPairs ? 2 * NP : NC;
+    const int nw = (int)(DP / 16);
     const int n = start_tile<C>(a, bt, t0, nctx, it.kv0, kp, vp);
     // rows whose position is below t0 see nothing of this tile
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);
@@ -1333,27 +1338,16 @@ void process_item(const AttnArgs& a, const Item& it, Scratch<C>& sc) {
       for (int64_t hh = 0; hh < nkv; ++hh)
         close_segments(sc, (hh * nrows + rfirst) * G, (hh + 1) * nrows * G, DP);
     for (int64_t hh = 0; hh < nkv; ++hh) {
-      const int64_t off = hh * D;
+      widen_tile<NC, C>(wide, kr, vr, kp, vp, hh * D, n, D, DP, nc, tail);
       for (int64_t r = rfirst; r < nrows; ++r) {
         const int nvalid = (int)std::min<int64_t>(n, pos0 + r - t0 + 1);
         const __mmask16 valid = (__mmask16)((nvalid >= 16) ? 0xFFFFu : ((1u << nvalid) - 1));
         for (int64_t gh = 0; gh < G; ++gh) {
           const int64_t m = (hh * nrows + r) * G + gh;
-          __m512 s;
-#if LLS_BF16_PAIRS
-          if constexpr (kPairs)
-            s = qk16_pairs<NP>(qb + m * DP, kp, off, np, D);
-          else
-#endif
-            s = qk16<NC, C>(qb + m * DP, kp, off, nc, tail);
+          __m512 s = qk16<NW>(qb + m * DP, kr, nw);
           if (a.alibi) s = add_alibi(s, a.alibi[(it.kv0 + hh) * G + gh], t0 - (pos0 + r));
           const float corr = softmax_tile(s, valid, mrow[m], lrow[m], p);
-#if LLS_BF16_PAIRS
-          if constexpr (kPairs)
-            pv16_pairs<NP>(ob + m * DP, corr, p, vp, off, nvalid, np, D);
-          else
-#endif
-            pv16<NC, C>(ob + m * DP, corr, p, vp, off, nvalid, nc, tail);
+          pv16<NW>(ob + m * DP, corr, p, vr, nvalid, nw);
         }
       }
     }
@@ -1541,7 +1535,15 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t
 }
 
 // Query rows pos0 .. pos0 + nrows - 1 of a prefill chunk over their context, head by head,
-// each row's segments closed as it goes past them (the last one is left open).
+// each row's segments closed as it goes past them (the last one is left open). Where dot_lanes
+// and axpy run AVX2's 8-wide code (D % 8 == 0), each tile's K and V rows of a kv head are
+// first widened (or copied) into a small buffer, 2 x 16 rows of D floats, by load8 as they
+// would widen them, and all the item's query rows read them there, as in the AVX-512 path (see
+// WideTile): the same values through the same FMAs, the same bits. A 512-token prefill, AMD
+// Zen 5 built -mno-avx512f, one thread, us per layer call: float32 9620 -> 8120, bfloat16
+// 10370 -> 7850, E4M3 25800 -> 8210, E5M2 13600 -> 7760. The scalar loops read the cache in
+// place: GCC compiles them for a float row and a narrow one into other operations (fused or
+// not), so widened rows gave other bits than a decode row's.
 template <int DC, class C>
 void prefill_tiles(const AttnArgs& a, const int32_t* bt, int64_t pos0, int64_t nrows,
                    int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
@@ -1553,6 +1555,25 @@ void prefill_tiles(const AttnArgs& a, const int32_t* bt, int64_t pos0, int64_t n
   const C** kp = sc.kp;
   const C** vp = sc.vp;
   float s[kTile];
+#if LLS_AVX2
+  static thread_local AlignedBuf wide_buf;  // (named once: see the AVX-512 path's tile loop)
+  float* LLS_RESTRICT kw = D % 8 == 0 ? wide_buf.get((size_t)(2 * kTile * D)) : nullptr;
+#endif
+  // the rows of kv head hh that see the tile; krow(j) and vrow(j): position j's K and V rows
+  auto tile_rows = [&](int64_t t0, int n, int64_t rfirst, int64_t hh, auto krow, auto vrow) {
+    for (int64_t r = rfirst; r < nrows; ++r) {
+      const int nvalid = (int)std::min<int64_t>(n, pos0 + r - t0 + 1);
+      for (int64_t gh = 0; gh < G; ++gh) {
+        const int64_t m = (hh * nrows + r) * G + gh;
+        const float* LLS_RESTRICT q = qb + m * D;
+        for (int j = 0; j < nvalid; ++j) s[j] = dot_lanes(q, krow(j), D);
+        if (a.alibi) alibi_tile(s, nvalid, a.alibi[(kv0 + hh) * G + gh], t0 - (pos0 + r));
+        float* LLS_RESTRICT o = ob + m * D;
+        softmax_tile(s, nvalid, mrow[m], lrow[m], o, D);
+        for (int j = 0; j < nvalid; ++j) axpy(o, s[j], vrow(j), D);
+      }
+    }
+  };
   for (int64_t t0 = 0; t0 < nctx; t0 += kTile) {
     const int n = start_tile<C>(a, bt, t0, nctx, kv0, kp, vp);
     const int64_t rfirst = std::max<int64_t>(0, t0 - pos0);  // rows that see this tile
@@ -1561,18 +1582,21 @@ void prefill_tiles(const AttnArgs& a, const int32_t* bt, int64_t pos0, int64_t n
         close_segments(sc, (hh * nrows + rfirst) * G, (hh + 1) * nrows * G, D);
     for (int64_t hh = 0; hh < nkv; ++hh) {
       const int64_t off = hh * D;
-      for (int64_t r = rfirst; r < nrows; ++r) {
-        const int nvalid = (int)std::min<int64_t>(n, pos0 + r - t0 + 1);
-        for (int64_t gh = 0; gh < G; ++gh) {
-          const int64_t m = (hh * nrows + r) * G + gh;
-          const float* LLS_RESTRICT q = qb + m * D;
-          for (int j = 0; j < nvalid; ++j) s[j] = dot_lanes(q, kp[j] + off, D);
-          if (a.alibi) alibi_tile(s, nvalid, a.alibi[(kv0 + hh) * G + gh], t0 - (pos0 + r));
-          float* LLS_RESTRICT o = ob + m * D;
-          softmax_tile(s, nvalid, mrow[m], lrow[m], o, D);
-          for (int j = 0; j < nvalid; ++j) axpy(o, s[j], vp[j] + off, D);
-        }
+#if LLS_AVX2
+      if (kw) {
+        float* LLS_RESTRICT vw = kw + kTile * D;
+        for (int j = 0; j < n; ++j)
+          for (int64_t d = 0; d < D; d += 8) {
+            _mm256_storeu_ps(kw + j * D + d, load8(kp[j] + off + d));
+            _mm256_storeu_ps(vw + j * D + d, load8(vp[j] + off + d));
+          }
+        tile_rows(t0, n, rfirst, hh, [&](int j) { return kw + j * D; },
+                  [&](int j) { return vw + j * D; });
+        continue;
       }
+#endif
+      tile_rows(t0, n, rfirst, hh, [&](int j) { return kp[j] + off; },
+                [&](int j) { return vp[j] + off; });
     }
   }
 }
