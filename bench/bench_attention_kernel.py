@@ -17,6 +17,7 @@ on it shows up as noise (the load average is printed first); p10 approximates an
 
     python bench/bench_attention_kernel.py --before REV [--cache-dtype bfloat16] [--in-step]
                                            [--batches 1,4,16,64] [--reps 10]
+                                           [--build-flags=-mno-avx512f]
 
 instead times the kernel now against the one in git revision REV (its cpu_paged_attention.cpp
 built on the side), interleaved call by call: us per layer call (median) of decode at each
@@ -24,6 +25,9 @@ built on the side), interleaved call by call: us per layer call (median) of deco
 streams --evict-mb of bf16 weights through a GEMV on the same thread pool before each timed
 call, as a decode step's weights stream between two attention calls: the K/V come from memory
 and the pool's helpers are awake, as in a step ("cold" above is L3-resident below B=64).
+``--build-flags`` builds both sides with these extra compiler flags (comma-separated):
+``-mno-avx512f`` times the portable path's AVX2 code, which a CPU without AVX-512 (AMD Zen 3)
+runs.
 
 ``--heads`` and ``--kv-heads`` set the attention's shape in either mode (default: the 97 M
 model's 12 heads, MHA); ``--heads 16 --kv-heads 4`` is the bench-gqa model's GQA.
@@ -327,11 +331,12 @@ class WeightStream:
 def before_after(args):
     from llm_serving.cpu_info import cpu_description
     from llm_serving.model_executor.cpp_build import load_cpp_library
+    flags = tuple(f for f in args.build_flags.split(",") if f)
     with source_at(args.before, "llm_serving/model_executor/attention/kernels/"
                    "cpu_paged_attention.cpp") as path:
-        old = load_cpp_library(path, K.ATTENTION_FLAGS)
+        old = load_cpp_library(path, K.ATTENTION_FLAGS + flags)
     K._declare(old)
-    libs = {"before": old, "now": K.load_library()}
+    libs = {"before": old, "now": K.load_library(flags)}
     for lib in libs.values():
         lib.lls_set_num_threads(args.threads)
     stream = WeightStream(args.evict_mb) if args.in_step else None
@@ -339,6 +344,8 @@ def before_after(args):
     entry = "lls_paged_attention" + K._CACHE_SUFFIX[storage]
     print(f"# attention kernel, {args.before} vs now, {cpu_description()}, cache "
           f"{args.cache_dtype}, ctx {args.ctx}, block size {args.block_size}, "
+          + (f"built with {' '.join(flags)} (avx512 path: {bool(libs['now'].lls_has_avx512())}), "
+             if flags else "")
           + (f"in step (a {args.evict_mb} MB bf16 GEMV before each call)" if stream else
              "back to back (cache rotated as in 'cold')"))
     print(f"# us per layer call, median of {args.reps} rounds interleaved call by call; load "
@@ -405,6 +412,9 @@ def main():
                     help="with --before: stream weights between calls, as a decode step does")
     ap.add_argument("--evict-mb", type=int, default=64,
                     help="with --in-step: MB of bf16 weights streamed before each call")
+    ap.add_argument("--build-flags", default="",
+                    help="with --before: extra compiler flags for both builds, comma-separated "
+                         "(-mno-avx512f: the portable path)")
     args = ap.parse_args()
     H, KVH = args.heads, args.kv_heads
     if H % KVH:
