@@ -1196,17 +1196,17 @@ inline void store_output(float* dst, const float* LLS_RESTRICT src, __m512 s, in
 
 // WideTile. A prefill chunk reads each tile's K/V rows for every query row of its item. Read in
 // place, a narrow cache's bytes (bfloat16, float16, FP8) were widened again for each query row
-// (E4M3: about ten vector ops per 16 values), so an E4M3 cache's prefill took 1.6x float32's
-// time. So a tile's K and V rows of one kv head are first widened into a small aligned scratch,
+// (E4M3: about ten vector ops per 16 values), so an E4M3 cache's prefill took 1.6-1.8x
+// float32's time. So a tile's K and V rows of one kv head are first widened into a small aligned scratch,
 // 2 x 16 rows of DP floats (8 KB at D = 64: L1), by the same ld16/ld32 as before, zero past D,
 // and qk16/pv16 read them there: the same values into the same FMAs in the same order, so the
 // same bits as before and as decode_tiles. A bfloat16 row is kept in paired order (per 32
 // elements the even, then the odd ones, as ld32 yields them): its 2 * np chunks of 16 go
-// through the FMAs in the order the paired loops used. float32 rows are copied too: read from
+// through the FMAs in the order decode_tiles' paired loop uses. float32 rows are copied too: read from
 // the copy they were faster still than in place (12 kv heads -28%, 1 kv head -14%; in place a
 // tile's rows of one kv head lie a cache row apart). A 512-token prefill, AMD Zen 5, one thread,
-// us per layer call: float32 8260 -> 5960, bfloat16 6400 -> 5580, E4M3 13300 -> 5930
-// (bench/bench_attention_kernel.py --before; docs/benchmarks.md).
+// us per layer call: float32 7500 -> 5790, bfloat16 6110 -> 5630, float16 6910 -> 5600, E4M3
+// 13640 -> 5750, E5M2 8290 -> 5480 (bench/bench_attention_kernel.py --before; benchmarks.md).
 
 // Row j < n of rows (plus off) widened into dst + j * DP, zero past D.
 template <int NC, class C>
@@ -1540,10 +1540,10 @@ void decode_tiles(const AttnArgs& a, const int32_t* bt, int64_t t_begin, int64_t
 // first widened (or copied) into a small buffer, 2 x 16 rows of D floats, by load8 as they
 // would widen them, and all the item's query rows read them there, as in the AVX-512 path (see
 // WideTile): the same values through the same FMAs, the same bits. A 512-token prefill, AMD
-// Zen 5 built -mno-avx512f, one thread, us per layer call: float32 9620 -> 8120, bfloat16
-// 10370 -> 7850, E4M3 25800 -> 8210, E5M2 13600 -> 7760. The scalar loops read the cache in
-// place: GCC compiles them for a float row and a narrow one into other operations (fused or
-// not), so widened rows gave other bits than a decode row's.
+// Zen 5 built -mno-avx512f, one thread, us per layer call: float32 9270 -> 7870, bfloat16
+// 10270 -> 7740, float16 9510 -> 7680, E4M3 26210 -> 8120, E5M2 13590 -> 7750. The scalar
+// loops read the cache in place: GCC compiles them for a float row and a narrow one into other
+// operations (fused or not), so widened rows gave other bits than a decode row's.
 template <int DC, class C>
 void prefill_tiles(const AttnArgs& a, const int32_t* bt, int64_t pos0, int64_t nrows,
                    int64_t kv0, int64_t nkv, int64_t G, Scratch<C>& sc) {
