@@ -154,12 +154,7 @@ class GPTBigCodeForCausalLM(nn.Cell, SupportsMultiStream):
     @staticmethod
     def checkpoint_modules(names: list[str]) -> list[str]:
         """The checkpoint's module names of our layer parts (c_attn's q, k, v -> c_attn)."""
-        own = []
-        for name in names:
-            name = re.sub(r"\.c_attn\.[qkv]$", ".c_attn", name)
-            if name not in own:
-                own.append(name)
-        return own
+        return list(dict.fromkeys(re.sub(r"\.c_attn\.[qkv]$", ".c_attn", n) for n in names))
 
     def construct(self, input_ids, positions):
         return self.transformer(input_ids, positions)

@@ -43,14 +43,10 @@ class InternLM2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def checkpoint_modules(names: list[str]) -> list[str]:
         """The checkpoint's module names of Llama's (q_proj, k_proj, v_proj -> one wqkv)."""
-        own = []
-        for name in names:
+        def own(name: str) -> str:
             m = _MODULE_RE.match(name)
-            if m and m.group(2) in _OWN_NAMES:
-                name = m.group(1) + _OWN_NAMES[m.group(2)]
-            if name not in own:
-                own.append(name)
-        return own
+            return m.group(1) + _OWN_NAMES[m.group(2)] if m and m.group(2) in _OWN_NAMES else name
+        return list(dict.fromkeys(own(n) for n in names))
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         super().load_weights(self._as_llama(weights))
