@@ -51,12 +51,10 @@ class BaichuanForCausalLM(LlamaForCausalLM):
                                       split_packed(name, loaded,
                                                    lambda t: self._unpack_w_pack(name, t))):
                     yield name.replace("W_pack", part), rows
-            elif name == "lm_head.weight" and self.config.norm_head:
-                check_float_head(name, loaded)          # never normalize int8 rows
-                yield name, normalize_rows(loaded)
             elif name.startswith("lm_head."):
-                check_float_head(name, loaded)
-                yield name, loaded
+                check_float_head(name, loaded)          # (never normalize int8 rows)
+                norm = name == "lm_head.weight" and self.config.norm_head
+                yield name, normalize_rows(loaded) if norm else loaded
             else:
                 yield name, loaded
 

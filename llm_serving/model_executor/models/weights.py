@@ -138,6 +138,8 @@ def split_packed(name: str, loaded, split) -> list:
     if name.rsplit(".", 1)[-1] in _QUANT_LEAVES and loaded.size == 1:
         return [loaded] * 3
     return list(split(loaded))
+
+
 _NOT_QUANTIZED = "there is no quantization_config, or the layer is in its ignore list"
 
 
